@@ -1,0 +1,110 @@
+"""What a tier is: the typed protocol every storage tier (and every wrapper) implements.
+
+A tier stores whole blocks (payload bytes plus their :class:`~kvstore.block.BlockMeta`)
+under 16-byte chunk keys.  It owns its own key → location map, its allocator and its
+eviction-policy instance; it knows nothing of leases, pins or other tiers (that is the
+tier manager's job in ``kvstore/manager.py``).  A miss is a result, never an exception.
+
+Eviction is split in two so the manager can demote a victim before it disappears:
+``victims(can_evict)`` proposes keys in the policy's order, the manager copies what it
+must keep, then calls ``delete(key)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol, runtime_checkable
+
+from kvstore.block import BlockMeta
+from kvstore.keys import ChunkKey
+
+
+class TierKind(enum.IntEnum):
+    """Where a block lives, fastest first.  Values match the protobuf ``Tier`` enum."""
+
+    HBM = 1
+    DRAM = 2
+    NVME = 3
+
+
+class MissReason(enum.Enum):
+    NOT_PRESENT = "not_present"
+    CORRUPT = "corrupt"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReadResult:
+    """Outcome of one read: ``meta`` and ``nbytes`` on a hit, ``miss`` otherwise."""
+
+    key: ChunkKey
+    meta: BlockMeta | None = None
+    nbytes: int = 0
+    miss: MissReason | None = None
+
+    @property
+    def hit(self) -> bool:
+        return self.miss is None
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """One storage tier.  Implementations document their own thread-safety."""
+
+    kind: TierKind
+
+    @property
+    def capacity_bytes(self) -> int: ...
+
+    @property
+    def used_bytes(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+    def contains(self, key: ChunkKey) -> bool: ...
+
+    def meta(self, key: ChunkKey) -> BlockMeta | None: ...
+
+    def count_prefix(self, keys: Sequence[ChunkKey]) -> int:
+        """How many of ``keys``, from the first, are present without a gap."""
+        ...
+
+    def write(self, meta: BlockMeta, payload: object) -> None:
+        """Store a whole block (replacing any block under the same key).
+
+        Raises ``CapacityExceeded`` when the block cannot fit even in an empty tier and
+        ``InvalidArgument`` when the payload length contradicts ``meta``.  Never evicts:
+        the manager makes room first.  ``payload`` is any contiguous buffer.
+        """
+        ...
+
+    def read_into(self, key: ChunkKey, out: object) -> ReadResult:
+        """Copy a block's payload into ``out`` (a writable buffer at least ``payload_len`` bytes)."""
+        ...
+
+    def delete(self, key: ChunkKey) -> bool: ...
+
+    def fits(self, nbytes: int) -> bool:
+        """True if a block of ``nbytes`` fits in the free space right now."""
+        ...
+
+    def victims(self, can_evict: Callable[[ChunkKey], bool] = lambda k: True) -> Iterator[ChunkKey]:
+        """Candidate keys in eviction order, skipping those ``can_evict`` rejects.
+
+        The caller deletes the ones it evicts while iterating; the ones it does not keep
+        their place in the policy.
+        """
+        ...
+
+    def close(self) -> None: ...
+
+
+def count_prefix(tier: Tier, keys: Sequence[ChunkKey]) -> int:
+    """Default ``count_prefix`` for tiers that only know ``contains``."""
+    n = 0
+    for k in keys:
+        if not tier.contains(k):
+            break
+        n += 1
+    return n
