@@ -1,0 +1,43 @@
+"""kvstore client SDK.
+
+    from client import KVClient, Namespace, chunk_keys
+    with KVClient("unix:///path/to/kvstore.sock") as kv:
+        keys = chunk_keys(tokens, Namespace("llama-3-8b"))
+        kv.put(keys[0], kv_block)            # numpy array, CPU tensor or bytes
+        kv.get_into(keys[0], out)            # zero-copy into your buffer; None on a miss
+"""
+
+from client._async import AsyncKVClient
+from client._core import Timeouts
+from client._sync import KVClient
+from kvstore.errors import (
+    CapacityExceeded,
+    DeadlineExceeded,
+    Incompatible,
+    InvalidArgument,
+    KVStoreError,
+    NotFound,
+    Unauthenticated,
+    Unavailable,
+)
+from kvstore.keys import NO_PARENT, ChunkKey, KVLayout, Namespace, chunk_keys, parent_keys
+
+__all__ = [
+    "AsyncKVClient",
+    "CapacityExceeded",
+    "ChunkKey",
+    "DeadlineExceeded",
+    "Incompatible",
+    "InvalidArgument",
+    "KVClient",
+    "KVLayout",
+    "KVStoreError",
+    "NO_PARENT",
+    "Namespace",
+    "NotFound",
+    "Timeouts",
+    "Unauthenticated",
+    "Unavailable",
+    "chunk_keys",
+    "parent_keys",
+]

@@ -96,6 +96,11 @@ class BlockMeta:
             raise InvalidArgument(f"shape {self.shape} must have at most {MAX_NDIM} non-negative dims")
         if self.payload_len < 0 or self.token_count < 0:
             raise InvalidArgument("payload_len and token_count must be non-negative")
+        # the header stores these as u32 / u64: reject here what encode_header could not pack
+        if self.token_count >= 2**32 or self.payload_len >= 2**64 or any(d >= 2**64 for d in self.shape):
+            raise InvalidArgument("token_count must fit in 32 bits, payload_len and dims in 64 bits")
+        if not 0 <= self.payload_checksum < 2**64:
+            raise InvalidArgument(f"payload_checksum {self.payload_checksum} is not an unsigned 64-bit value")
         expect = math.prod(self.shape) * DTYPES[self.dtype][1] if self.shape else self.payload_len
         if expect != self.payload_len:
             raise InvalidArgument(

@@ -95,6 +95,8 @@ class Namespace:
         kw: dict[str, object] = dict(d)
         if isinstance(layout, dict):
             kw["layout"] = KVLayout(**layout)
+        elif layout is not None:  # already a KVLayout: keep it (dropping it would change the fingerprint)
+            kw["layout"] = layout
         return cls(**kw)  # type: ignore[arg-type]
 
 

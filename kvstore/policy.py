@@ -51,17 +51,24 @@ class LRUPolicy:
 
     def __init__(self) -> None:
         self._order: OrderedDict[ChunkKey, None] = OrderedDict()
+        # keys skipped by a victims() round still running; still resident, put back when it ends
+        self._aside: dict[ChunkKey, None] = {}
 
     def insert(self, key: ChunkKey, parent: ChunkKey, size: int) -> None:
+        self._aside.pop(key, None)
         self._order[key] = None
         self._order.move_to_end(key)
 
     def access(self, key: ChunkKey) -> None:
         if key in self._order:
             self._order.move_to_end(key)
+        elif key in self._aside:  # used while set aside: it is now the most recent, not restored in front
+            del self._aside[key]
+            self._order[key] = None
 
     def remove(self, key: ChunkKey) -> None:
         self._order.pop(key, None)
+        self._aside.pop(key, None)  # a key removed mid-round must not come back when the round ends
 
     def admit(self, key: ChunkKey, size: int) -> bool:
         return True
@@ -74,17 +81,20 @@ class LRUPolicy:
                 yield key
                 if key in self._order:  # the caller kept it: set it aside, restore its place after
                     del self._order[key]
+                    self._aside[key] = None
                     skipped.append(key)
         finally:
             for key in reversed(skipped):
-                self._order[key] = None
-                self._order.move_to_end(key, last=False)
+                if key in self._aside:  # not removed, re-inserted or accessed meanwhile
+                    del self._aside[key]
+                    self._order[key] = None
+                    self._order.move_to_end(key, last=False)
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._order) + len(self._aside)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._order
+        return key in self._order or key in self._aside
 
 
 class PrefixAwareLRUPolicy:
@@ -93,6 +103,10 @@ class PrefixAwareLRUPolicy:
     A chunk is useless without its ancestors, so a block is only proposed once none of
     its children is resident: descendants always go before their ancestors.  Leaves are
     ordered by last access (a heap with lazy invalidation).
+
+    Child counts are kept per parent key whether or not the parent is resident, so a
+    parent inserted after its children (out-of-order commits, a rebuild from an index
+    in key order) or removed and re-inserted still waits for them.
     """
 
     name = "prefix-lru"
@@ -101,7 +115,7 @@ class PrefixAwareLRUPolicy:
         self._tick = 0
         self._last: dict[ChunkKey, int] = {}
         self._parent: dict[ChunkKey, ChunkKey] = {}
-        self._children: dict[ChunkKey, int] = {}
+        self._children: dict[ChunkKey, int] = {}  # parent -> resident children (parent may be absent)
         self._heap: list[tuple[int, ChunkKey]] = []
 
     def _touch(self, key: ChunkKey) -> None:
@@ -117,10 +131,20 @@ class PrefixAwareLRUPolicy:
         if key in self._last:
             self._touch(key)
             return
+        if parent == key or (key in self._children and self._is_ancestor(key, parent)):
+            parent = NO_PARENT  # a bogus parent that would close a cycle: nothing in it could ever go
         self._parent[key] = parent
-        if parent != NO_PARENT and parent in self._last:
+        if parent != NO_PARENT:
             self._children[parent] = self._children.get(parent, 0) + 1
         self._touch(key)
+
+    def _is_ancestor(self, key: ChunkKey, of: ChunkKey) -> bool:
+        """Whether ``key`` is ``of`` or one of its recorded ancestors (only walked for out-of-order inserts)."""
+        while of != NO_PARENT:
+            if of == key:
+                return True
+            of = self._parent.get(of, NO_PARENT)
+        return False
 
     def access(self, key: ChunkKey) -> None:
         if key in self._last:
@@ -130,16 +154,16 @@ class PrefixAwareLRUPolicy:
         if key not in self._last:
             return
         del self._last[key]
-        self._children.pop(key, None)
         parent = self._parent.pop(key)
-        if parent in self._last:
-            left = self._children.get(parent, 0) - 1
-            if left <= 0:
-                self._children.pop(parent, None)
-                heapq.heappush(self._heap, (self._last[parent], parent))
-            else:
+        if parent != NO_PARENT:
+            left = self._children[parent] - 1
+            if left:
                 self._children[parent] = left
-        # orphans (children whose parent is gone) are leaves or ancestors of leaves already
+            else:
+                del self._children[parent]
+                if parent in self._last:  # the parent just became a leaf
+                    heapq.heappush(self._heap, (self._last[parent], parent))
+        # key's own child count stays: its resident children still hold it back if it is re-inserted
 
     def admit(self, key: ChunkKey, size: int) -> bool:
         return True
@@ -148,18 +172,20 @@ class PrefixAwareLRUPolicy:
         return self._last.get(key) == tick and self._children.get(key, 0) == 0
 
     def victims(self) -> Iterator[ChunkKey]:
-        skipped: list[tuple[int, ChunkKey]] = []
+        offered: dict[ChunkKey, int] = {}  # this round's proposals: key -> tick
         try:
             while self._heap:
                 tick, key = heapq.heappop(self._heap)
-                if not self._valid(tick, key):
-                    continue
+                if offered.get(key) == tick or not self._valid(tick, key):
+                    continue  # stale, or a second heap entry of a key already offered this round
+                offered[key] = tick  # recorded before yielding: the caller may stop right after a skip
                 yield key
-                if key in self._last:
-                    skipped.append((tick, key))
         finally:
-            for item in skipped:
-                heapq.heappush(self._heap, item)
+            # put back every offered key still resident and unchanged (skipped, or pending when the
+            # caller stopped); evicted or re-touched ones fail _valid and are not duplicated
+            for key, tick in offered.items():
+                if self._valid(tick, key):
+                    heapq.heappush(self._heap, (tick, key))
 
     def __len__(self) -> int:
         return len(self._last)

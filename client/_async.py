@@ -1,0 +1,141 @@
+"""``AsyncKVClient``: the asyncio SDK over the same :mod:`client._core`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from client._core import IDEMPOTENT, ClientCore, Op, T, Timeouts, as_key_list
+from client._sync import CHANNEL_OPTIONS, RETRIES, resolve_token
+from kvstore.errors import KVStoreError, Unavailable
+from kvstore.keys import check_key
+from kvstore.wire import error_from_rpc
+from protos.kvstore.v1 import kvstore_pb2 as pb
+from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+
+class AsyncKVClient:
+    """The asyncio twin of :class:`client.KVClient` (same methods, awaited).
+
+    Copies and data-channel transfers run in worker threads so the event loop stays free.
+    Use it from one event loop.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        token_file: str | None = None,
+        timeouts: Timeouts | None = None,
+        transport: str = "auto",
+        verify: bool = True,
+    ) -> None:
+        self._core = ClientCore(target, transport=transport, timeouts=timeouts, verify=verify)
+        tok = resolve_token(token, token_file)
+        self._metadata = (("authorization", f"Bearer {tok}"),) if tok else ()
+        self._channel = grpc.aio.insecure_channel(self._core.target.grpc_target, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+
+    async def _rpc(self, method: str, request: Any) -> Any:
+        attempts = RETRIES + 1 if method in IDEMPOTENT else 1
+        for attempt in range(attempts):
+            try:
+                return await getattr(self._stub, method)(request, timeout=self._core.timeouts.rpc, metadata=self._metadata)
+            except grpc.RpcError as e:
+                err = error_from_rpc(e)
+                if isinstance(err, Unavailable) and attempt + 1 < attempts:
+                    await asyncio.sleep(0.05 * (attempt + 1))
+                    continue
+                raise err from None
+        raise AssertionError("unreachable")
+
+    async def _run(self, op: Op[T]) -> T:
+        try:
+            instr = next(op)
+            while True:
+                try:
+                    kind = instr[0]
+                    if kind == "rpc":
+                        result = await self._rpc(instr[1], instr[2])
+                    elif kind == "io":
+                        result = await asyncio.to_thread(instr[1])
+                    elif kind == "put_stream":
+                        chunks = instr[1]
+                        try:
+                            result = await self._stub.PutStream(chunks(), timeout=self._core.timeouts.data, metadata=self._metadata)
+                        except grpc.RpcError as e:
+                            raise error_from_rpc(e) from None
+                    elif kind == "get_stream":
+                        try:
+                            call = self._stub.GetStream(instr[1], timeout=self._core.timeouts.data, metadata=self._metadata)
+                            result = [c async for c in call]
+                        except grpc.RpcError as e:
+                            raise error_from_rpc(e) from None
+                    else:
+                        raise AssertionError(f"unknown instruction {kind}")
+                except KVStoreError as e:
+                    instr = op.throw(e)
+                    continue
+                instr = op.send(result)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+
+    async def put(self, key: bytes, data: object, *, namespace: bytes | None = None, parent: bytes | None = None, token_count: int = 0) -> bool:
+        return (await self._run(self._core.put_many([key], [data], namespace=namespace, parents=[parent], token_counts=[token_count])))[0]
+
+    async def put_many(self, keys: Sequence[bytes], datas: Sequence[object], *, namespace: bytes | None = None,
+                       parents: Sequence[bytes | None] | None = None, token_counts: Sequence[int] | None = None) -> list[bool]:
+        return await self._run(self._core.put_many(list(keys), list(datas), namespace=namespace, parents=parents, token_counts=token_counts))
+
+    async def get(self, key: bytes) -> bytes | None:
+        return (await self._run(self._core.get_many_into([key], None)))[0]  # type: ignore[no-any-return]
+
+    async def get_into(self, key: bytes, out: object) -> int | None:
+        return (await self._run(self._core.get_many_into([key], [out])))[0]  # type: ignore[no-any-return]
+
+    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return await self._run(self._core.get_many_into(list(keys), None))
+
+    async def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[int | None]:
+        return await self._run(self._core.get_many_into(list(keys), list(outs)))
+
+    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return [t is not None for t in await self.lookup(keys)]
+
+    async def lookup(self, keys: Sequence[bytes]) -> list[str | None]:
+        return await self._run(self._core.lookup(as_key_list(keys)))
+
+    async def match_prefix(self, keys: Sequence[bytes]) -> int:
+        return (await self._run(self._core.match_prefix(as_key_list(keys))))[0]
+
+    async def match_prefix_tiers(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
+        return await self._run(self._core.match_prefix(as_key_list(keys)))
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        return await self._run(self._core.simple("Delete", pb.KeysRequest(keys=[check_key(k) for k in as_key_list(keys)])))
+
+    async def pin(self, keys: Sequence[bytes], ttl: float) -> int:
+        return await self._run(self._core.simple("Pin", pb.PinRequest(keys=[check_key(k) for k in as_key_list(keys)], ttl_s=ttl)))
+
+    async def unpin(self, keys: Sequence[bytes]) -> int:
+        return await self._run(self._core.simple("Unpin", pb.KeysRequest(keys=[check_key(k) for k in as_key_list(keys)])))
+
+    async def invalidate(self, namespace: bytes) -> int:
+        return await self._run(self._core.simple("Invalidate", pb.InvalidateRequest(namespace=bytes(namespace))))
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._run(self._core.stats())
+
+    async def close(self) -> None:
+        self._core.close()
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncKVClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,437 @@
+"""The SDK core shared by ``KVClient`` and ``AsyncKVClient``.
+
+Every operation is written once, as a generator that *yields instructions* and gets
+their results sent back (a sans-I/O core):
+
+* ``("rpc", method, request)``  → the driver makes the unary gRPC call;
+* ``("io", fn)``                → the driver runs a blocking function (copies, the data
+  channel): inline in the sync client, in a worker thread in the async one;
+* ``("put_stream", chunks)`` / ``("get_stream", request)`` → the streaming fallback.
+
+So the sync and async clients differ only in their ~40-line drivers, and tests can
+drive the core with any transport.  Errors raised by a driver are thrown back into
+the generator, which cleans up (aborts reservations, releases leases) before they
+propagate.
+
+Paths, chosen per target:
+* ``unix://`` target: **shared memory**.  gRPC carries only extents and leases; the
+  bytes are copied between the caller's buffer and the node's arena, which this
+  process maps once.
+* ``host:port`` target: the **data channel** (bytes on a raw TCP socket, received
+  straight into the caller's buffer); ``transport="grpc-stream"`` forces the slow
+  streaming fallback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, TypeVar
+
+from client._datachannel import DataChannelPool
+from kvstore.block import DTYPES, BlockMeta, checksum, verify_payload
+from kvstore.errors import BlockFormatError, InvalidArgument, Unavailable
+from kvstore.keys import NO_PARENT, ChunkKey, check_key
+from kvstore.wire import TIER_NAMES, extents_from_pb, meta_from_pb, meta_to_pb
+from protos.kvstore.v1 import kvstore_pb2 as pb
+from tiers.arena import Arena, as_bytes_view
+
+T = TypeVar("T")
+Op = Generator[tuple[Any, ...], Any, T]
+
+IDEMPOTENT = {"Hello", "Lookup", "MatchPrefix", "Stats", "Delete", "Pin", "Unpin", "Invalidate", "Release", "Abort"}
+STREAM_CHUNK = 1 << 20
+_RETRY = object()  # a key the node could not bring into DRAM for this batch
+TRANSPORTS = ("auto", "shm", "data-channel", "grpc-stream")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Seconds.  ``rpc``: each control call; ``data``: socket I/O of a transfer; ``connect``: opening sockets."""
+
+    rpc: float = 10.0
+    data: float = 60.0
+    connect: float = 5.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Target:
+    grpc_target: str
+    local: bool
+    host: str  # for the data channel of TCP targets
+
+    @classmethod
+    def parse(cls, target: str) -> "Target":
+        if not isinstance(target, str) or not target:
+            raise InvalidArgument(f"target must be 'unix:///path' or 'host:port', got {target!r}")
+        if target.startswith("unix:"):
+            path = target[len("unix:") :]
+            path = "/" + path.lstrip("/") if path.startswith("//") else path
+            return cls(f"unix://{path}" if path.startswith("/") else target, True, "")
+        if target.startswith("etcd://"):
+            raise InvalidArgument("etcd:// cluster targets are not supported by this build; give a node's unix:// or host:port")
+        host, sep, port = target.rpartition(":")
+        if not sep or not port.isdigit() or not host:
+            raise InvalidArgument(f"target must be 'unix:///path' or 'host:port', got {target!r}")
+        return cls(target, False, host.strip("[]"))
+
+
+def describe(key: bytes, data: memoryview, obj: object, *, namespace: bytes | None, parent: bytes | None, token_count: int) -> BlockMeta:
+    """Block metadata for a payload; dtype and shape come from numpy arrays and tensors."""
+    dtype, shape = "uint8", (data.nbytes,)
+    np_dtype = getattr(obj, "dtype", None)
+    if np_dtype is not None and hasattr(obj, "shape"):
+        name = str(np_dtype).removeprefix("torch.")
+        if name in DTYPES:
+            dtype, shape = name, tuple(int(d) for d in obj.shape)  # type: ignore[attr-defined]
+            if len(shape) > 8 or (not shape and data.nbytes):
+                dtype, shape = "uint8", (data.nbytes,)
+    return BlockMeta(
+        namespace=namespace or bytes(8),
+        key=check_key(key),
+        parent=check_key(parent) if parent is not None else NO_PARENT,
+        token_count=token_count,
+        dtype=dtype,
+        shape=shape,
+        payload_len=data.nbytes,
+        payload_checksum=checksum(data),
+    )
+
+
+class ClientCore:
+    """Holds what a client learned about its node and the resources that go with it.
+
+    Owned by one client object; the arena mapping and the data-channel pool are
+    thread-safe for the disjoint copies the operations make.
+    """
+
+    def __init__(self, target: str, *, transport: str = "auto", timeouts: Timeouts | None = None, verify: bool = True) -> None:
+        if transport not in TRANSPORTS:
+            raise InvalidArgument(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        self.target = Target.parse(target)
+        self.transport = transport
+        self.timeouts = timeouts or Timeouts()
+        self.verify = verify
+        self.hello: pb.HelloResponse | None = None
+        self.arena: Arena | None = None
+        self.pool: DataChannelPool | None = None
+        self.path = ""
+
+    # -- connection set-up -------------------------------------------------------------
+    def ensure_hello(self) -> Op[None]:
+        if self.hello is not None:
+            return
+        hello = yield ("rpc", "Hello", pb.HelloRequest())
+        path = self.transport
+        if path == "auto":
+            path = "shm" if self.target.local else "data-channel"
+        if path == "shm":
+            if not self.target.local:
+                raise InvalidArgument("transport='shm' needs a unix:// target on the node's machine")
+            try:
+                self.arena = Arena.attach(hello.arena_path, hello.arena_size)
+            except Unavailable:
+                if self.transport == "shm":
+                    raise
+                path = "grpc-stream"  # same machine, but the arena is not shared with us
+        if path == "data-channel":
+            if self.target.local:
+                raise InvalidArgument("transport='data-channel' needs a host:port target")
+            self.pool = DataChannelPool(self.target.host, hello.data_port, connect_timeout=self.timeouts.connect, io_timeout=self.timeouts.data)
+        self.path = path
+        self.hello = hello
+
+    def _batches(self, n: int, sizes: Sequence[int] | None = None, *, limit: int | None = None) -> list[range]:
+        """Split ``n`` items by the node's max batch and (for shm) a byte budget of 1/4 of the arena."""
+        assert self.hello is not None
+        limit = max(1, min(self.hello.max_batch, limit or self.hello.max_batch))
+        budget = max(1, self.hello.arena_size // 4)
+        out, start, acc = [], 0, 0
+        for i in range(n):
+            size = sizes[i] if sizes is not None else 0
+            if i > start and (i - start >= limit or acc + size > budget):
+                out.append(range(start, i))
+                start, acc = i, 0
+            acc += size
+        if start < n:
+            out.append(range(start, n))
+        return out
+
+    # -- writes -------------------------------------------------------------------------
+    def put_many(
+        self,
+        keys: Sequence[bytes],
+        datas: Sequence[object],
+        *,
+        namespace: bytes | None = None,
+        parents: Sequence[bytes | None] | None = None,
+        token_counts: Sequence[int] | None = None,
+    ) -> Op[list[bool]]:
+        if len(keys) != len(datas):
+            raise InvalidArgument(f"{len(keys)} keys but {len(datas)} payloads")
+        if parents is not None and len(parents) != len(keys):
+            raise InvalidArgument(f"{len(keys)} keys but {len(parents)} parents")
+        views = [as_bytes_view(d) for d in datas]
+        metas = [
+            describe(k, v, d, namespace=namespace, parent=parents[i] if parents else None, token_count=token_counts[i] if token_counts else 0)
+            for i, (k, v, d) in enumerate(zip(keys, views, datas))
+        ]
+        yield from self.ensure_hello()
+        assert self.hello is not None
+        for m in metas:
+            if m.payload_len > self.hello.max_block_bytes:
+                raise InvalidArgument(f"block of {m.payload_len} bytes exceeds the node's max_block_bytes={self.hello.max_block_bytes}")
+        stored = [False] * len(keys)
+        for batch in self._batches(len(keys), [m.payload_len for m in metas]):
+            bm = [metas[i] for i in batch]
+            bv = [views[i] for i in batch]
+            if self.path == "shm":
+                ok = yield from self._put_shm(bm, bv)
+            elif self.path == "data-channel":
+                ok = yield from self._put_tcp(bm, bv)
+            else:
+                ok = yield from self._put_stream(bm, bv)
+            for i, good in zip(batch, ok):
+                stored[i] = good
+        return stored
+
+    def _put_shm(self, metas: list[BlockMeta], views: list[memoryview]) -> Op[list[bool]]:
+        assert self.arena is not None
+        resp = yield ("rpc", "Reserve", pb.ReserveRequest(blocks=[meta_to_pb(m) for m in metas]))
+        ids, todo = [], []
+        out = [False] * len(metas)
+        for i, r in enumerate(resp.reservations):
+            if r.status == pb.KEY_STATUS_EXISTS:
+                out[i] = True
+            elif r.status == pb.KEY_STATUS_OK:
+                ids.append(r.reservation_id)
+                todo.append((i, extents_from_pb(r.extents)))
+        if not ids:
+            return out
+        arena = self.arena
+
+        def copy_in() -> None:
+            for i, extents in todo:
+                arena.write(extents, views[i])
+
+        try:
+            yield ("io", copy_in)
+        except BaseException:
+            yield from self._quietly("Abort", pb.AbortRequest(reservation_ids=ids))
+            raise
+        resp = yield ("rpc", "Commit", pb.CommitRequest(reservation_ids=ids))
+        for (i, _), st in zip(todo, resp.statuses):
+            out[i] = st == pb.KEY_STATUS_OK
+        return out
+
+    def _put_tcp(self, metas: list[BlockMeta], views: list[memoryview]) -> Op[list[bool]]:
+        assert self.pool is not None
+        resp = yield ("rpc", "StartPut", pb.ReserveRequest(blocks=[meta_to_pb(m) for m in metas]))
+        out = [s == pb.KEY_STATUS_EXISTS for s in resp.statuses]
+        send = [i for i, s in enumerate(resp.statuses) if s == pb.KEY_STATUS_OK]
+        if not send:
+            return out
+        pool, tid = self.pool, resp.transfer_id
+        statuses = yield ("io", lambda: pool.put(tid, [views[i] for i in send]))
+        for i, st in zip(send, statuses):
+            out[i] = st == pb.KEY_STATUS_OK
+        return out
+
+    def _put_stream(self, metas: list[BlockMeta], views: list[memoryview]) -> Op[list[bool]]:
+        def chunks() -> Any:
+            for m, v in zip(metas, views):
+                first = True
+                for off in range(0, max(v.nbytes, 1), STREAM_CHUNK):
+                    data = bytes(v[off : off + STREAM_CHUNK])
+                    yield pb.BlockChunk(block=meta_to_pb(m), data=data) if first else pb.BlockChunk(data=data)
+                    first = False
+
+        resp = yield ("put_stream", chunks)
+        return [s in (pb.KEY_STATUS_OK, pb.KEY_STATUS_EXISTS) for s in resp.statuses]
+
+    # -- reads --------------------------------------------------------------------------
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object] | None) -> Op[list[Any]]:
+        """With ``outs``: bytes written per key (``None`` for a miss).  Without: ``bytes | None`` per key."""
+        ks = [check_key(k) for k in keys]
+        out_views = [as_bytes_view(o, writable=True) for o in outs] if outs is not None else None
+        if out_views is not None and len(out_views) != len(ks):
+            raise InvalidArgument(f"{len(ks)} keys but {len(out_views)} output buffers")
+        yield from self.ensure_hello()
+        result: list[Any] = [None] * len(ks)
+        pending = list(range(len(ks)))
+        limit = None
+        for _round in range(6):
+            retry: list[int] = []
+            for batch in self._batches(len(pending), limit=limit):
+                idx = [pending[j] for j in batch]
+                bk = [ks[i] for i in idx]
+                bo = [out_views[i] for i in idx] if out_views is not None else None
+                if self.path == "shm":
+                    got = yield from self._get_shm(bk, bo)
+                elif self.path == "data-channel":
+                    got = yield from self._get_tcp(bk, bo)
+                else:
+                    got = yield from self._get_stream(bk, bo)
+                for i, g in zip(idx, got):
+                    if g is _RETRY:
+                        retry.append(i)
+                    else:
+                        result[i] = g
+            if not retry:
+                break
+            # the node could not fit the whole batch in DRAM at once: retry the rest in smaller batches
+            limit = max(1, len(retry) // 2)
+            pending = retry
+        return result
+
+    @staticmethod
+    def _dest(meta: BlockMeta, out: memoryview | None) -> memoryview:
+        if out is None:
+            return memoryview(bytearray(meta.payload_len))
+        if out.nbytes < meta.payload_len:
+            raise InvalidArgument(f"output buffer holds {out.nbytes} bytes; block {meta.key.hex()} has {meta.payload_len}")
+        return out[: meta.payload_len]
+
+    def _get_shm(self, keys: list[ChunkKey], outs: list[memoryview] | None) -> Op[list[Any]]:
+        assert self.arena is not None
+        resp = yield ("rpc", "Acquire", pb.KeysRequest(keys=keys))
+        ids = [x.lease_id for x in resp.leases if x.status == pb.KEY_STATUS_OK]
+        result: list[Any] = [None] * len(keys)
+        try:
+            plan = []
+            for i, x in enumerate(resp.leases):
+                if x.status == pb.KEY_STATUS_NO_SPACE:
+                    result[i] = _RETRY
+                elif x.status == pb.KEY_STATUS_OK:
+                    meta = meta_from_pb(x.block)
+                    dest = self._dest(meta, outs[i]) if outs is not None else None
+                    plan.append((i, extents_from_pb(x.extents), meta, dest))
+            arena = self.arena
+            copied: list[Any] = []
+
+            def copy_out() -> None:
+                for _, extents, meta, dest in plan:
+                    if dest is not None:
+                        arena.read_into(extents, dest, meta.payload_len)
+                        copied.append(meta.payload_len)
+                    else:  # get(): one copy, arena -> a new bytes object
+                        views = arena.views(extents, meta.payload_len)
+                        copied.append(bytes(views[0]) if len(views) == 1 else b"".join(views))
+
+            yield ("io", copy_out)
+        except BaseException:
+            if ids:
+                yield from self._quietly("Release", pb.ReleaseRequest(lease_ids=ids))
+            raise
+        valid = (yield ("rpc", "Release", pb.ReleaseRequest(lease_ids=ids))).valid if ids else []
+        for (i, _, _, _), ok, value in zip(plan, valid, copied):
+            if ok:  # an expired lease means the bytes may have been reused under us: a miss
+                result[i] = value
+        return result
+
+    def _get_tcp(self, keys: list[ChunkKey], outs: list[memoryview] | None) -> Op[list[Any]]:
+        assert self.pool is not None
+        resp = yield ("rpc", "StartGet", pb.KeysRequest(keys=keys))
+        plan = []
+        result: list[Any] = [None] * len(keys)
+        for i, x in enumerate(resp.leases):
+            if x.status == pb.KEY_STATUS_NO_SPACE:
+                result[i] = _RETRY
+            elif x.status == pb.KEY_STATUS_OK:
+                meta = meta_from_pb(x.block)
+                plan.append((i, meta, self._dest(meta, outs[i] if outs else None)))
+        if not plan:
+            return result
+        pool, tid = self.pool, resp.transfer_id
+        yield ("io", lambda: pool.get(tid, [d for _, _, d in plan]))
+        for i, meta, dest in plan:
+            if self.verify:
+                try:
+                    verify_payload(meta, dest)
+                except BlockFormatError:
+                    continue  # corrupted in flight: a miss, never wrong bytes
+            result[i] = meta.payload_len if outs is not None else bytes(dest)
+        return result
+
+    def _get_stream(self, keys: list[ChunkKey], outs: list[memoryview] | None) -> Op[list[Any]]:
+        chunks = yield ("get_stream", pb.KeysRequest(keys=keys))
+        result: list[Any] = [None] * len(keys)
+        idx = -1
+        meta: BlockMeta | None = None
+        dest: memoryview | None = None
+        pos = 0
+
+        def done() -> None:
+            if meta is not None and dest is not None and pos == meta.payload_len:
+                try:
+                    if self.verify:
+                        verify_payload(meta, dest)
+                    result[idx] = meta.payload_len if outs is not None else bytes(dest)
+                except BlockFormatError:
+                    pass
+
+        for c in chunks:
+            if c.HasField("block"):
+                done()
+                idx += 1
+                meta, dest, pos = None, None, 0
+                if c.status != pb.KEY_STATUS_OK:
+                    continue
+                meta = meta_from_pb(c.block)
+                dest = self._dest(meta, outs[idx] if outs else None)
+            if dest is not None and c.data:
+                n = len(c.data)
+                if pos + n > dest.nbytes:
+                    raise Unavailable("stream carried more bytes than the block header says")
+                dest[pos : pos + n] = c.data
+                pos += n
+        done()
+        return result
+
+    # -- small calls --------------------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes]) -> Op[list[str | None]]:
+        resp = yield ("rpc", "Lookup", pb.KeysRequest(keys=[check_key(k) for k in keys]))
+        return [TIER_NAMES.get(t) for t in resp.tiers]
+
+    def match_prefix(self, keys: Sequence[bytes]) -> Op[tuple[int, list[str]]]:
+        resp = yield ("rpc", "MatchPrefix", pb.KeysRequest(keys=[check_key(k) for k in keys]))
+        return resp.matched, [TIER_NAMES.get(t, "?") for t in resp.tiers]
+
+    def simple(self, method: str, request: Any, field: str = "count") -> Op[Any]:
+        resp = yield ("rpc", method, request)
+        return getattr(resp, field)
+
+    def stats(self) -> Op[dict[str, Any]]:
+        r = yield ("rpc", "Stats", pb.Empty())
+        return {
+            "node_id": r.node_id,
+            "tiers": {TIER_NAMES.get(t.tier, str(t.tier)): {"capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes, "blocks": t.blocks} for t in r.tiers},
+            "counters": dict(r.counters),
+            "reservations": r.reservations,
+            "leases": r.leases,
+            "pins": r.pins,
+        }
+
+    def _quietly(self, method: str, request: Any) -> Op[None]:
+        """Best-effort cleanup call; its failure must not mask the original error."""
+        try:
+            yield ("rpc", method, request)
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        if self.arena is not None:
+            self.arena.close(unlink=False)
+            self.arena = None
+
+
+def as_key_list(keys: object) -> list[bytes]:
+    """Accept one key or an iterable of keys."""
+    if isinstance(keys, (bytes, bytearray, memoryview)):
+        return [bytes(keys)]
+    return list(keys)  # type: ignore[call-overload]
+
+
+Driver = Callable[[Op[T]], T]

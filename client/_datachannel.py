@@ -1,0 +1,100 @@
+"""Client side of the data channel (framing in ``kvstore/datachannel.py``).
+
+A small pool of blocking TCP connections to one node.  Each transfer takes a
+connection, moves the bytes with ``sendall`` / ``recv_into`` straight from or into
+the caller's buffers, and returns the connection to the pool; a connection that saw
+any error is closed, never reused.  Thread-safe (the pool has its own lock).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Sequence
+
+from kvstore.datachannel import COUNT, OP_GET, OP_PUT, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC, STATUS_OK, _recv_into_exact
+from kvstore.errors import DeadlineExceeded, Unavailable
+
+
+class DataChannelPool:
+    def __init__(self, host: str, port: int, *, connect_timeout: float, io_timeout: float, max_idle: int = 4) -> None:
+        self.host, self.port = host, port
+        self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._max_idle = max_idle
+
+    def _get(self) -> socket.socket:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        try:
+            s = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
+        except OSError as e:
+            raise Unavailable(f"cannot open the data channel to {self.host}:{self.port}: {e}") from e
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.settimeout(self.io_timeout)
+        return s
+
+    def _put(self, s: socket.socket) -> None:
+        with self._lock:
+            if len(self._idle) < self._max_idle:
+                self._idle.append(s)
+                return
+        s.close()
+
+    def get(self, transfer_id: bytes, outs: Sequence[memoryview]) -> None:
+        """Receive each expected payload straight into its ``outs`` view (exact sizes)."""
+        s = self._get()
+        ok = False
+        try:
+            s.sendall(REQUEST.pack(REQUEST_MAGIC, OP_GET, transfer_id))
+            head = bytearray(REPLY.size)
+            if not _recv_into_exact(s, memoryview(head)):
+                raise Unavailable("the node closed the data channel (transfer expired or unknown)")
+            magic, status = REPLY.unpack(head)
+            if magic != REPLY_MAGIC or status != STATUS_OK:
+                raise Unavailable(f"data channel refused the transfer (status {status})")
+            for out in outs:
+                if not _recv_into_exact(s, out):
+                    raise Unavailable("the data channel closed mid-transfer")
+            ok = True
+        except socket.timeout as e:
+            raise DeadlineExceeded(f"data channel transfer exceeded {self.io_timeout} s") from e
+        except OSError as e:
+            raise Unavailable(f"data channel error: {e}") from e
+        finally:
+            self._put(s) if ok else s.close()
+
+    def put(self, transfer_id: bytes, payloads: Sequence[memoryview]) -> list[int]:
+        """Send payloads; return the node's per-block KeyStatus values."""
+        s = self._get()
+        ok = False
+        try:
+            s.sendall(REQUEST.pack(REQUEST_MAGIC, OP_PUT, transfer_id))
+            for p in payloads:
+                s.sendall(p)
+            head = bytearray(REPLY.size + COUNT.size)
+            if not _recv_into_exact(s, memoryview(head)):
+                raise Unavailable("the node closed the data channel (transfer expired or unknown)")
+            magic, status = REPLY.unpack_from(head)
+            (n,) = COUNT.unpack_from(head, REPLY.size)
+            if magic != REPLY_MAGIC or status != STATUS_OK or n != len(payloads):
+                raise Unavailable(f"data channel refused the transfer (status {status})")
+            statuses = bytearray(n)
+            if n and not _recv_into_exact(s, memoryview(statuses)):
+                raise Unavailable("the data channel closed before the statuses")
+            ok = True
+            return list(statuses)
+        except socket.timeout as e:
+            raise DeadlineExceeded(f"data channel transfer exceeded {self.io_timeout} s") from e
+        except OSError as e:
+            raise Unavailable(f"data channel error: {e}") from e
+        finally:
+            self._put(s) if ok else s.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for s in idle:
+            s.close()

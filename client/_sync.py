@@ -1,0 +1,167 @@
+"""``KVClient``: the blocking SDK over :mod:`client._core`."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from client._core import IDEMPOTENT, ClientCore, Op, T, Timeouts, as_key_list
+from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+from kvstore.keys import check_key
+from kvstore.wire import error_from_rpc
+from protos.kvstore.v1 import kvstore_pb2 as pb
+from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+RETRIES = 2
+
+
+def resolve_token(token: str | None, token_file: str | None) -> str:
+    """Explicit token → token file → ``KVSTORE_TOKEN`` → ``KVSTORE_TOKEN_FILE``; empty: no auth."""
+    if token:
+        return token
+    path = token_file or (None if os.environ.get("KVSTORE_TOKEN") else os.environ.get("KVSTORE_TOKEN_FILE"))
+    if path:
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError as e:
+            raise InvalidArgument(f"cannot read token file {path}: {e}") from e
+    return os.environ.get("KVSTORE_TOKEN", "")
+
+
+class KVClient:
+    """A blocking client of one kvstore node.  Thread-safe; reuse one per process.
+
+    ``target`` is ``unix:///path/to/kvstore.sock`` (same machine: zero-copy shared
+    memory) or ``host:port`` (bytes over the node's TCP data channel).  A miss is
+    ``None`` (or ``False``), never an exception; errors are :class:`kvstore.errors.KVStoreError`.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        token_file: str | None = None,
+        timeouts: Timeouts | None = None,
+        transport: str = "auto",
+        verify: bool = True,
+    ) -> None:
+        self._core = ClientCore(target, transport=transport, timeouts=timeouts, verify=verify)
+        tok = resolve_token(token, token_file)
+        self._metadata = (("authorization", f"Bearer {tok}"),) if tok else ()
+        self._channel = grpc.insecure_channel(self._core.target.grpc_target, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+
+    # -- driver -------------------------------------------------------------------------
+    def _rpc(self, method: str, request: Any) -> Any:
+        attempts = RETRIES + 1 if method in IDEMPOTENT else 1
+        for attempt in range(attempts):
+            try:
+                return getattr(self._stub, method)(request, timeout=self._core.timeouts.rpc, metadata=self._metadata)
+            except grpc.RpcError as e:
+                err = error_from_rpc(e)
+                if isinstance(err, Unavailable) and attempt + 1 < attempts:
+                    time.sleep(0.05 * (attempt + 1))
+                    continue
+                raise err from None
+        raise AssertionError("unreachable")
+
+    def _run(self, op: Op[T]) -> T:
+        try:
+            instr = next(op)
+            while True:
+                try:
+                    kind = instr[0]
+                    if kind == "rpc":
+                        result = self._rpc(instr[1], instr[2])
+                    elif kind == "io":
+                        result = instr[1]()
+                    elif kind == "put_stream":
+                        try:
+                            result = self._stub.PutStream(instr[1](), timeout=self._core.timeouts.data, metadata=self._metadata)
+                        except grpc.RpcError as e:
+                            raise error_from_rpc(e) from None
+                    elif kind == "get_stream":
+                        try:
+                            result = list(self._stub.GetStream(instr[1], timeout=self._core.timeouts.data, metadata=self._metadata))
+                        except grpc.RpcError as e:
+                            raise error_from_rpc(e) from None
+                    else:
+                        raise AssertionError(f"unknown instruction {kind}")
+                except KVStoreError as e:
+                    instr = op.throw(e)
+                    continue
+                instr = op.send(result)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+
+    # -- API ----------------------------------------------------------------------------
+    def put(self, key: bytes, data: object, *, namespace: bytes | None = None, parent: bytes | None = None, token_count: int = 0) -> bool:
+        """Store one block; True if it is stored (or already was), False if the node had no room."""
+        return self._run(self._core.put_many([key], [data], namespace=namespace, parents=[parent], token_counts=[token_count]))[0]
+
+    def put_many(self, keys: Sequence[bytes], datas: Sequence[object], *, namespace: bytes | None = None,
+                 parents: Sequence[bytes | None] | None = None, token_counts: Sequence[int] | None = None) -> list[bool]:
+        return self._run(self._core.put_many(list(keys), list(datas), namespace=namespace, parents=parents, token_counts=token_counts))
+
+    def get(self, key: bytes) -> bytes | None:
+        return self._run(self._core.get_many_into([key], None))[0]  # type: ignore[no-any-return]
+
+    def get_into(self, key: bytes, out: object) -> int | None:
+        """Copy a block into ``out`` (bytes-like, numpy array or CPU tensor); bytes written, or None on a miss."""
+        return self._run(self._core.get_many_into([key], [out]))[0]  # type: ignore[no-any-return]
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return self._run(self._core.get_many_into(list(keys), None))
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[int | None]:
+        return self._run(self._core.get_many_into(list(keys), list(outs)))
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return [t is not None for t in self.lookup(keys)]
+
+    def lookup(self, keys: Sequence[bytes]) -> list[str | None]:
+        """The tier (``"dram"``, ``"nvme"``) holding each key, or None."""
+        return self._run(self._core.lookup(as_key_list(keys)))
+
+    def match_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys are stored without a gap."""
+        return self._run(self._core.match_prefix(as_key_list(keys)))[0]
+
+    def match_prefix_tiers(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
+        return self._run(self._core.match_prefix(as_key_list(keys)))
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return self._run(self._core.simple("Delete", pb.KeysRequest(keys=[check_key(k) for k in as_key_list(keys)])))
+
+    def pin(self, keys: Sequence[bytes], ttl: float) -> int:
+        return self._run(self._core.simple("Pin", pb.PinRequest(keys=[check_key(k) for k in as_key_list(keys)], ttl_s=ttl)))
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        return self._run(self._core.simple("Unpin", pb.KeysRequest(keys=[check_key(k) for k in as_key_list(keys)])))
+
+    def invalidate(self, namespace: bytes) -> int:
+        """Drop every block of a namespace (its 8-byte fingerprint) on this node."""
+        return self._run(self._core.simple("Invalidate", pb.InvalidateRequest(namespace=bytes(namespace))))
+
+    def stats(self) -> dict[str, Any]:
+        return self._run(self._core.stats())
+
+    def close(self) -> None:
+        self._core.close()
+        self._channel.close()
+
+    def __enter__(self) -> "KVClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

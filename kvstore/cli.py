@@ -1,0 +1,94 @@
+"""The ``kvstore`` command line: ``serve``, ``stats``, ``bench``.
+
+Parsing only: each subcommand builds its typed inputs and calls one function that
+does the work (``kvstore.server.serve``, ``kvstore.bench.main``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+from kvstore.errors import KVStoreError
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML config file ([node] table); KVSTORE_* env and flags override it")
+    p.add_argument("--listen", metavar="HOST:PORT", help="gRPC TCP listener (default 127.0.0.1:50151; port 0 = any)")
+    p.add_argument("--data-listen", metavar="HOST:PORT", help="TCP data channel (default: listen host, any free port)")
+    p.add_argument("--socket", metavar="PATH", help="Unix socket for local clients (default <data-dir>/kvstore.sock)")
+    p.add_argument("--data-dir", metavar="DIR", help="NVMe tier directory (default ~/.local/share/kvstore)")
+    p.add_argument("--dram", metavar="SIZE", help="DRAM arena size, e.g. 4GiB (default 1GiB)")
+    p.add_argument("--nvme", metavar="SIZE", help="NVMe tier size, e.g. 100GiB; 0 disables (default 4GiB)")
+    p.add_argument("--node-id", metavar="ID", help="node name (default: hostname)")
+    p.add_argument("--arena-path", metavar="PATH", help="shared-memory file of the arena (default /dev/shm/kvstore-<id>-<hash>.arena)")
+    p.add_argument("--eviction-policy", metavar="NAME", help="eviction policy (default prefix-lru)")
+    p.add_argument("--write-through", action="store_true", default=None, help="persist every block to NVMe at commit")
+    p.add_argument("--token-file", metavar="FILE", help="require this bearer token on every call")
+    p.add_argument("--lease-ttl", dest="lease_ttl_s", type=float, metavar="S", help="read lease lifetime in seconds")
+    p.add_argument("--reservation-ttl", dest="reservation_ttl_s", type=float, metavar="S", help="unfinished writes are reclaimed after S seconds")
+    p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics on this port")
+    p.add_argument("--log-level", default="INFO")
+
+
+def _cmd_serve(a: argparse.Namespace) -> int:
+    from kvstore.config import load_config
+    from kvstore.server import serve
+
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides: dict[str, Any] = {
+        k: getattr(a, k)
+        for k in ("listen", "data_listen", "socket", "data_dir", "dram", "nvme", "node_id", "arena_path", "eviction_policy",
+                  "write_through", "token_file", "lease_ttl_s", "reservation_ttl_s", "metrics_port")
+    }
+    cfg = load_config(a.config, overrides=overrides)
+    return asyncio.run(serve(cfg))
+
+
+def _cmd_stats(a: argparse.Namespace) -> int:
+    from client import KVClient
+
+    with KVClient(a.target) as kv:
+        print(json.dumps(kv.stats(), indent=2, sort_keys=True))
+    return 0
+
+
+def _cmd_bench(a: argparse.Namespace) -> int:
+    from kvstore import bench
+
+    return bench.main(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvstore", description="Tiered KV-cache store for LLM inference.")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="run one node (DRAM arena + NVMe tier, gRPC on a Unix socket and TCP)")
+    _serve_args(s)
+    s.set_defaults(fn=_cmd_serve)
+    st = sub.add_parser("stats", help="print a node's tiers and counters as JSON")
+    st.add_argument("--target", default=os.environ.get("KVSTORE_TARGET", "127.0.0.1:50151"), help="unix:///path or host:port")
+    st.set_defaults(fn=_cmd_stats)
+    b = sub.add_parser("bench", help="data-path benchmark against references measured in the same run")
+    from kvstore import bench as _bench
+
+    _bench.add_arguments(b)
+    b.set_defaults(fn=_cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except KVStoreError as e:
+        print(f"kvstore: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""The data channel: bulk block bytes over a plain TCP socket, straight from and into the arena.
+
+Framing (all integers little-endian; see ``protos/kvstore/v1/DATA_CHANNEL.md``)::
+
+    client → node   request   "KVDC" u8 op (1 GET, 2 PUT) 3x pad, 16-byte transfer id
+    GET:  node → client  "KVDS" u32 status; if status == 0, each hit block's payload
+                         (payload_len bytes, in the order StartGet listed them)
+    PUT:  client → node  each OK block's payload (payload_len bytes, in StartPut order)
+          node → client  "KVDS" u32 status, u32 n, n × u8 KeyStatus
+
+A transfer id is 16 random bytes that only an authenticated ``StartGet``/``StartPut``
+call hands out, valid once and until its deadline: it is the capability for the
+bytes.  A connection whose first frame is malformed or names no live transfer is
+closed at once, having read nothing more and written nothing.
+
+Threads: one accept thread and one thread per connection do the blocking socket I/O
+(``sendall`` / ``recv_into`` release the GIL).  Everything they need from the node's
+state goes through the event loop (``run_coroutine_threadsafe``): the loop stays the
+single owner of the index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import secrets
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvstore.block import BlockMeta
+from tiers.allocator import Extent
+from tiers.arena import Arena
+
+log = logging.getLogger(__name__)
+
+REQUEST = struct.Struct("<4sB3x16s")
+REPLY = struct.Struct("<4sI")
+COUNT = struct.Struct("<I")
+REQUEST_MAGIC = b"KVDC"
+REPLY_MAGIC = b"KVDS"
+OP_GET = 1
+OP_PUT = 2
+STATUS_OK = 0
+STATUS_EXPIRED = 1
+FIRST_FRAME_TIMEOUT_S = 10.0
+
+
+@dataclasses.dataclass(slots=True)
+class Transfer:
+    op: int
+    deadline: float
+    # GET: (lease_id, meta, extents); PUT: (reservation_id, meta, extents)
+    items: list[tuple[int, BlockMeta, list[Extent]]]
+
+
+class TransferTable:
+    """Pending transfers by id.  Owned by the event loop."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._pending: dict[bytes, Transfer] = {}
+
+    def add(self, transfer: Transfer) -> bytes:
+        tid = secrets.token_bytes(16)
+        self._pending[tid] = transfer
+        return tid
+
+    def take(self, tid: bytes, op: int) -> Transfer | None:
+        t = self._pending.get(tid)
+        if t is None or t.op != op:
+            return None
+        del self._pending[tid]
+        return t
+
+    def expire(self) -> list[Transfer]:
+        now = self._clock()
+        gone = [tid for tid, t in self._pending.items() if t.deadline <= now]
+        return [self._pending.pop(tid) for tid in gone]
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+
+class DataChannelServer:
+    """Accepts data-channel connections and moves bytes between sockets and the arena."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        arena: Arena,
+        loop: asyncio.AbstractEventLoop,
+        take: Callable[[bytes, int], Any],  # coroutine fn: (tid, op) -> Transfer | None
+        finish_get: Callable[[Transfer, bool], Any],  # coroutine fn: release leases
+        finish_put: Callable[[Transfer, bool], Any],  # coroutine fn: commit (True) or abort -> list[int]
+        on_bytes: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self._arena = arena
+        self._loop = loop
+        self._take = take
+        self._finish_get = finish_get
+        self._finish_put = finish_put
+        self._on_bytes = on_bytes or (lambda path, n: None)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self._sock.listen(128)
+        self.address = self._sock.getsockname()[:2]
+        self._closing = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()  # guards _conns only
+        self._thread = threading.Thread(target=self._accept_loop, name="kvstore-data-accept", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closing.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        with self._lock:
+            for c in list(self._conns):
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        self._thread.join(timeout=5)
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _accept_loop(self) -> None:
+        while not self._closing.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="kvstore-data-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while not self._closing.is_set():
+                conn.settimeout(300.0)  # idle pooled connections may wait a while between transfers
+                head = _recv_exact_small(conn, REQUEST.size)
+                if head is None:
+                    return
+                magic, op, tid = REQUEST.unpack(head)
+                if magic != REQUEST_MAGIC or op not in (OP_GET, OP_PUT):
+                    return
+                transfer = self._call(self._take(tid, op))
+                if transfer is None:
+                    return  # unknown, expired or replayed id: close at once
+                conn.settimeout(FIRST_FRAME_TIMEOUT_S * 6)
+                if op == OP_GET:
+                    self._serve_get(conn, transfer)
+                else:
+                    if not self._serve_put(conn, transfer):
+                        return
+        except (OSError, ConnectionError) as e:
+            log.debug("data channel connection ended: %r", e)
+        except RuntimeError:  # loop closed during shutdown
+            pass
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _serve_get(self, conn: socket.socket, t: Transfer) -> None:
+        ok = False
+        try:
+            conn.sendall(REPLY.pack(REPLY_MAGIC, STATUS_OK))
+            sent = 0
+            for _lid, meta, extents in t.items:
+                for view in self._arena.views(extents, meta.payload_len):
+                    conn.sendall(view)
+                sent += meta.payload_len
+            ok = True
+            self._on_bytes("tcp_out", sent)
+        finally:
+            self._call(self._finish_get(t, ok))
+
+    def _serve_put(self, conn: socket.socket, t: Transfer) -> bool:
+        complete = False
+        try:
+            got = 0
+            for _rid, meta, extents in t.items:
+                for view in self._arena.views(extents, meta.payload_len):
+                    if not _recv_into_exact(conn, view):
+                        return False
+                got += meta.payload_len
+            complete = True
+            self._on_bytes("tcp_in", got)
+        finally:
+            statuses = self._call(self._finish_put(t, complete))
+        conn.sendall(REPLY.pack(REPLY_MAGIC, STATUS_OK) + COUNT.pack(len(statuses)) + bytes(statuses))
+        return True
+
+
+def _recv_exact_small(conn: socket.socket, n: int) -> bytes | None:
+    buf = bytearray(n)
+    return bytes(buf) if _recv_into_exact(conn, memoryview(buf)) else None
+
+
+def _recv_into_exact(conn: socket.socket, view: memoryview) -> bool:
+    """Fill ``view`` from ``conn``; False on a clean or abrupt end of stream."""
+    pos, n = 0, view.nbytes
+    while pos < n:
+        got = conn.recv_into(view[pos:], n - pos)
+        if got == 0:
+            return False
+        pos += got
+    return True

@@ -1,0 +1,605 @@
+"""The tier manager: one event loop's view of every block on this node.
+
+Owner: the node's asyncio loop.  Every method that touches the index, the DRAM tier,
+reservations, leases or pins runs on that loop, so none of it needs a lock.  Disk I/O
+(NVMe reads and writes, checksums over big payloads) runs in ``executor`` threads
+and reports back by ``await``; the NVMe tier is thread-safe for exactly that.
+
+What it adds on top of the tiers:
+
+* **Two-phase writes.** ``reserve`` hands out arena extents under a reservation with a
+  deadline; the writer copies in; ``commit`` makes the block visible, ``abort`` drops it.
+  ``reap`` reclaims reservations whose deadline passed.  Keys are content addresses,
+  so reserving a key that is already stored answers ``EXISTS`` and nothing is rewritten.
+* **Leases.** ``acquire`` promotes NVMe hits into DRAM and returns extents under a lease;
+  eviction skips leased blocks; ``delete`` of a leased block hides it at once and frees
+  its space when the last lease goes.  ``release`` tells the reader whether its lease was
+  still valid (an expired lease means the bytes it copied may have been reused).
+* **Eviction.** DRAM victims come from the DRAM tier's policy (prefix-aware by
+  default); dirty victims are demoted to NVMe (write-back) in one group commit, clean
+  ones are dropped.  ``write_through`` persists every commit at once instead.
+* **Pins** with a TTL keep blocks resident.
+
+Invariants: a block's DRAM allocation is freed only when no lease refers to it; a
+reserved extent belongs to exactly one reservation until commit, abort or reap; tier
+capacities are never exceeded (the allocators cannot over-allocate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import enum
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kvstore.block import BlockMeta, checksum
+from kvstore.errors import CapacityExceeded, InvalidArgument
+from kvstore.keys import ChunkKey
+from tiers.allocator import Extent
+from tiers.base import MissReason, TierKind
+from tiers.dram import DRAMTier
+
+log = logging.getLogger(__name__)
+
+_EXPIRED_MEMORY = 65536  # how many expired lease ids we remember, to answer release() honestly
+
+
+class Status(enum.IntEnum):
+    """Per-key outcome.  Values match the protobuf ``KeyStatus`` enum."""
+
+    OK = 1
+    MISS = 2
+    EXISTS = 3
+    CORRUPT = 4
+    EXPIRED = 5
+    NO_SPACE = 6
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reserved:
+    status: Status
+    reservation_id: int = 0
+    extents: tuple[Extent, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Leased:
+    key: ChunkKey
+    status: Status
+    lease_id: int = 0
+    extents: tuple[Extent, ...] = ()
+    meta: BlockMeta | None = None
+    tier: TierKind | None = None  # where the block was found (NVME means it was promoted)
+
+
+@dataclasses.dataclass(slots=True)
+class _Reservation:
+    meta: BlockMeta
+    extents: list[Extent]
+    deadline: float
+
+
+@dataclasses.dataclass(slots=True)
+class _Lease:
+    key: ChunkKey
+    alloc: int  # first extent offset: identifies the allocation
+    deadline: float
+
+
+class TierManager:
+    def __init__(
+        self,
+        dram: DRAMTier,
+        nvme: Any | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        write_through: bool = False,
+        reservation_ttl: float = 30.0,
+        lease_ttl: float = 30.0,
+        executor: ThreadPoolExecutor | None = None,
+        verify_demotions: bool = True,
+    ) -> None:
+        self.dram = dram
+        self.nvme = nvme
+        self.clock = clock
+        self.write_through = write_through
+        self.reservation_ttl = reservation_ttl
+        self.lease_ttl = lease_ttl
+        self.verify_demotions = verify_demotions
+        self._executor = executor or ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstore-io")
+        self._own_executor = executor is None
+        self._ids = itertools.count(1)
+        self._reservations: dict[int, _Reservation] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._expired: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._refs: collections.Counter[int] = collections.Counter()  # allocation -> live leases
+        self._detached: dict[int, list[Extent]] = {}  # deleted while leased; freed on last release
+        self._pins: dict[ChunkKey, float] = {}  # key -> pinned until (clock)
+        self._busy: set[ChunkKey] = set()  # being demoted
+        self._promoting: dict[ChunkKey, asyncio.Future[bool]] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    # -- helpers ------------------------------------------------------------------
+    async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _alloc_id(self, key: ChunkKey) -> int | None:
+        ext = self.dram.extents(key)
+        return ext[0].offset if ext else None
+
+    def pinned(self, key: ChunkKey) -> bool:
+        until = self._pins.get(key)
+        return until is not None and until > self.clock()
+
+    def can_evict(self, key: ChunkKey) -> bool:
+        if key in self._busy or self.pinned(key):
+            return False
+        alloc = self._alloc_id(key)
+        return alloc is None or self._refs[alloc] == 0
+
+    def where(self, key: ChunkKey) -> TierKind | None:
+        if self.dram.contains(key):
+            return TierKind.DRAM
+        if self.nvme is not None and self.nvme.contains(key):
+            return TierKind.NVME
+        return None
+
+    # -- lookups --------------------------------------------------------------------
+    def exists(self, keys: Sequence[ChunkKey]) -> list[TierKind | None]:
+        return [self.where(k) for k in keys]
+
+    def match_prefix(self, keys: Sequence[ChunkKey]) -> tuple[int, list[TierKind]]:
+        tiers: list[TierKind] = []
+        for k in keys:
+            t = self.where(k)
+            if t is None:
+                break
+            tiers.append(t)
+        self.counters["match_prefix_calls"] += 1
+        self.counters["match_prefix_keys"] += len(keys)
+        self.counters["match_prefix_hits"] += len(tiers)
+        return len(tiers), tiers
+
+    # -- two-phase writes -----------------------------------------------------------
+    async def reserve(self, metas: Sequence[BlockMeta]) -> list[Reserved]:
+        out: list[Reserved] = []
+        deadline = self.clock() + self.reservation_ttl
+        for meta in metas:
+            if self.where(meta.key) is not None:
+                self.counters["puts_deduplicated"] += 1
+                out.append(Reserved(Status.EXISTS))
+                continue
+            try:
+                extents = await self._allocate(meta.payload_len)
+            except CapacityExceeded:
+                if self.dram.allocator.rounded(meta.payload_len) > self.dram.capacity_bytes:
+                    raise
+                self.counters["reserve_no_space"] += 1
+                out.append(Reserved(Status.NO_SPACE))
+                continue
+            rid = next(self._ids)
+            self._reservations[rid] = _Reservation(meta, extents, deadline)
+            out.append(Reserved(Status.OK, rid, tuple(extents)))
+        return out
+
+    async def commit(self, ids: Sequence[int], checksums: Sequence[int] | None = None, *, verify: bool = False) -> list[Status]:
+        """Publish reserved blocks.  ``checksums`` (if given) replace the reserved metas' ones;
+        ``verify`` recomputes them over the arena first (the data channel does; local writers
+        are trusted and checked again on demotion)."""
+        if checksums is not None and len(checksums) != len(ids):
+            raise InvalidArgument(f"{len(ids)} reservation ids but {len(checksums)} checksums")
+        out: list[Status] = []
+        for i, rid in enumerate(ids):
+            r = self._reservations.pop(rid, None)
+            if r is None:
+                out.append(Status.EXPIRED)
+                continue
+            meta = r.meta if checksums is None else dataclasses.replace(r.meta, payload_checksum=checksums[i])
+            if verify:
+                actual = await self._io(self._checksum_extents, r.extents, meta.payload_len)
+                if actual != meta.payload_checksum:
+                    self.dram.abort(r.extents)
+                    self.counters["corrupt_puts"] += 1
+                    out.append(Status.CORRUPT)
+                    continue
+            old = self._alloc_id(meta.key)
+            if old is not None and self._refs[old]:
+                self._detached[old] = self.dram.detach(meta.key) or []
+            self.dram.commit(meta, r.extents)
+            self.counters["puts"] += 1
+            self.counters["put_bytes"] += meta.payload_len
+            out.append(Status.OK)
+            if self.write_through and self.nvme is not None:
+                self._spawn(self._persist([meta.key]))
+        return out
+
+    def abort(self, ids: Sequence[int]) -> None:
+        for rid in ids:
+            r = self._reservations.pop(rid, None)
+            if r is not None:
+                self.dram.abort(r.extents)
+
+    def reservation(self, rid: int) -> tuple[BlockMeta, list[Extent]] | None:
+        r = self._reservations.get(rid)
+        return (r.meta, r.extents) if r else None
+
+    # -- leased reads ---------------------------------------------------------------
+    async def acquire(self, keys: Sequence[ChunkKey]) -> list[Leased]:
+        """Lease every key that is stored, promoting NVMe hits into DRAM.
+
+        DRAM hits are leased first, so promotions for the same call cannot evict them;
+        each promoted block is leased the moment it lands.  A key that cannot be brought
+        into DRAM right now (everything else pinned or leased) answers ``NO_SPACE``: the
+        SDK retries it after releasing what it already holds.
+        """
+        deadline = self.clock() + self.lease_ttl
+        out: list[Leased | None] = [None] * len(keys)
+        for i, k in enumerate(keys):
+            if self.dram.contains(k):
+                out[i] = self._lease(k, TierKind.DRAM, deadline)
+        todo = [i for i, x in enumerate(out) if x is None and self.nvme is not None and self.nvme.contains(keys[i])]
+        if todo:
+            gate = asyncio.Semaphore(4)
+
+            async def one(i: int) -> None:
+                k = keys[i]
+                async with gate:
+                    if self.dram.contains(k):  # an earlier key of this call (a duplicate) brought it in
+                        out[i] = self._lease(k, TierKind.DRAM, deadline)
+                        return
+                    try:
+                        ok = await self._promote(k)
+                    except CapacityExceeded:
+                        out[i] = Leased(k, Status.NO_SPACE)
+                        self.counters["get_no_space"] += 1
+                        return
+                if ok and self.dram.contains(k):
+                    out[i] = self._lease(k, TierKind.NVME, deadline)
+                elif ok:  # promoted by a concurrent call, evicted again before we ran
+                    out[i] = Leased(k, Status.NO_SPACE)
+                else:
+                    out[i] = Leased(k, Status.CORRUPT if self.where(k) is None else Status.MISS)
+                    self.counters["get_misses_corrupt"] += 1
+
+            await asyncio.gather(*(one(i) for i in todo))
+        result: list[Leased] = []
+        for i, x in enumerate(out):
+            if x is None:
+                x = Leased(keys[i], Status.MISS)
+                self.counters["get_misses"] += 1
+            result.append(x)
+        return result
+
+    def _lease(self, key: ChunkKey, tier: TierKind, deadline: float) -> Leased:
+        ext = self.dram.extents(key)
+        meta = self.dram.meta(key)
+        assert ext is not None and meta is not None
+        lid = next(self._ids)
+        self._leases[lid] = _Lease(key, ext[0].offset, deadline)
+        self._refs[ext[0].offset] += 1
+        self.dram.touch(key)
+        self.counters["get_hits_nvme" if tier == TierKind.NVME else "get_hits_dram"] += 1
+        self.counters["get_bytes"] += meta.payload_len
+        return Leased(key, Status.OK, lid, tuple(ext), meta, tier)
+
+    def release(self, ids: Sequence[int]) -> list[bool]:
+        out: list[bool] = []
+        for lid in ids:
+            lease = self._leases.pop(lid, None)
+            if lease is None:
+                out.append(False)
+                continue
+            self._drop_ref(lease.alloc)
+            out.append(True)
+        return out
+
+    def _drop_ref(self, alloc: int) -> None:
+        self._refs[alloc] -= 1
+        if self._refs[alloc] <= 0:
+            del self._refs[alloc]
+            extents = self._detached.pop(alloc, None)
+            if extents is not None:
+                self.dram.free(extents)
+
+    async def _promote(self, key: ChunkKey) -> bool:
+        fut = self._promoting.get(key)
+        if fut is not None:
+            return await asyncio.shield(fut)
+        fut = asyncio.get_running_loop().create_future()
+        self._promoting[key] = fut
+        try:
+            ok = await self._promote_once(key)
+            fut.set_result(ok)
+            return ok
+        except BaseException as e:
+            fut.set_exception(e)
+            fut.exception()  # mark retrieved: concurrent waiters get it via shield
+            raise
+        finally:
+            del self._promoting[key]
+
+    async def _promote_once(self, key: ChunkKey) -> bool:
+        assert self.nvme is not None
+        meta = self.nvme.meta(key)
+        if meta is None:
+            return False
+        extents = await self._allocate(meta.payload_len)
+        try:
+            res = await self._io(self._nvme_read_to_arena, key, extents)
+        except BaseException:
+            self.dram.abort(extents)
+            raise
+        if not res.hit or self.dram.contains(key):
+            self.dram.abort(extents)
+            if res.miss == MissReason.CORRUPT:
+                self.counters["corrupt_blocks"] += 1
+            return res.hit
+        self.dram.commit(res.meta, extents)
+        self.counters["promotions"] += 1
+        self.counters["promoted_bytes"] += res.meta.payload_len
+        return True
+
+    def _nvme_read_to_arena(self, key: ChunkKey, extents: list[Extent]) -> Any:
+        """Executor thread: read an NVMe block straight into its new arena extents."""
+        assert self.nvme is not None
+        meta = self.nvme.meta(key)
+        n = meta.payload_len if meta else 0
+        if len(extents) == 1:
+            return self.nvme.read_into(key, self.dram.arena.buf[extents[0].offset : extents[0].offset + max(n, 1)])
+        tmp = bytearray(n)
+        res = self.nvme.read_into(key, tmp)
+        if res.hit:
+            self.dram.arena.write(extents, memoryview(tmp)[: res.meta.payload_len])
+        return res
+
+    def _checksum_extents(self, extents: Sequence[Extent], nbytes: int) -> int:
+        views = self.dram.arena.views(extents, nbytes)
+        if len(views) == 1:
+            return checksum(views[0])
+        import xxhash
+
+        h = xxhash.xxh3_64()
+        for v in views:
+            h.update(v)
+        return h.intdigest()
+
+    # -- space ----------------------------------------------------------------------
+    async def _allocate(self, nbytes: int) -> list[Extent]:
+        extents = self.dram.reserve(nbytes)  # raises CapacityExceeded if it can never fit
+        while extents is None:
+            await self._evict_dram(nbytes)
+            extents = self.dram.reserve(nbytes)
+        return extents
+
+    async def _evict_dram(self, nbytes: int) -> None:
+        need = self.dram.allocator.rounded(nbytes) - self.dram.allocator.free_bytes
+        batch: list[ChunkKey] = []
+        freed = 0
+        for key in self.dram.victims(self.can_evict):
+            batch.append(key)
+            ext = self.dram.extents(key) or []
+            freed += sum(e.length for e in ext)
+            if freed >= need:
+                break
+        if not batch:
+            if self._busy:  # another round is demoting: let it finish, then retry
+                await asyncio.sleep(0.001)
+                return
+            raise CapacityExceeded(
+                f"DRAM tier is full of pinned, leased or reserved blocks ({self.dram.used_bytes} of "
+                f"{self.dram.capacity_bytes} bytes); release leases, unpin, or raise --dram"
+            )
+        self._busy.update(batch)
+        try:
+            if self.nvme is not None:
+                await self._persist(batch)
+        finally:
+            self._busy.difference_update(batch)
+        for key in batch:
+            if self.dram.contains(key) and self.can_evict(key):
+                self.dram.delete(key)
+                self.counters["dram_evictions"] += 1
+
+    async def _persist(self, keys: Sequence[ChunkKey]) -> None:
+        """Write DRAM blocks that NVMe lacks to NVMe (one group commit)."""
+        assert self.nvme is not None
+        items: list[tuple[BlockMeta, memoryview]] = []
+        policy = getattr(self.nvme, "policy", None)
+        for k in keys:
+            meta = self.dram.meta(k)
+            if meta is None or self.nvme.contains(k):
+                continue
+            if policy is not None and not policy.admit(k, meta.payload_len):
+                self.counters["nvme_rejected"] += 1
+                continue
+            ext = self.dram.extents(k) or []
+            views = self.dram.arena.views(ext, meta.payload_len)
+            items.append((meta, views[0] if len(views) == 1 else memoryview(b"".join(views))))
+        if not items:
+            return
+        allocs = [self._alloc_id(m.key) for m, _ in items]
+        for a in allocs:  # internal leases: the bytes must stay put while the executor reads them
+            if a is not None:
+                self._refs[a] += 1
+        try:
+            written = await self._io(self._write_nvme, items)
+        finally:
+            for a in allocs:
+                if a is not None:
+                    self._drop_ref(a)
+        self.counters["demotions"] += written
+        self.counters["demoted_bytes"] += sum(m.payload_len for m, _ in items[:written])
+
+    def _write_nvme(self, items: list[tuple[BlockMeta, memoryview]]) -> int:
+        """Executor thread: verify, make room on NVMe, group-commit.  Returns blocks written."""
+        assert self.nvme is not None
+        good = []
+        for meta, view in items:
+            if self.verify_demotions and checksum(view) != meta.payload_checksum:
+                self.counters["corrupt_demotions"] += 1
+                log.warning("not demoting %s: payload does not match its checksum", meta.key.hex())
+                continue
+            good.append((meta, view))
+        protect = {m.key for m, _ in good}
+        written = 0
+        for i in range(0, len(good), 16):
+            part = good[i : i + 16]
+            if self._nvme_room(part, protect):
+                try:
+                    self.nvme.write_many(part)
+                    written += len(part)
+                    continue
+                except CapacityExceeded:
+                    pass  # fragmented: fall back to one block at a time
+            for item in part:
+                try:
+                    if self._nvme_room([item], protect):
+                        self.nvme.write_many([item])
+                        written += 1
+                        continue
+                except CapacityExceeded as e:
+                    log.warning("NVMe tier refused %s: %s", item[0].key.hex(), e)
+                self.counters["nvme_write_failures"] += 1
+        return written
+
+    def _nvme_room(self, part: list[tuple[BlockMeta, memoryview]], protect: set[ChunkKey]) -> bool:
+        """Evict NVMe victims until ``part`` should fit; False if nothing more can go."""
+        assert self.nvme is not None
+        from tiers.nvme import record_bytes
+
+        need = sum(record_bytes(m.payload_len) for m, _ in part)
+        biggest = max(m.payload_len for m, _ in part)
+        while self.nvme.capacity_bytes - self.nvme.used_bytes < need or not self.nvme.fits(biggest):
+            victim = next(self.nvme.victims(lambda k: k not in protect and not self.pinned(k)), None)
+            if victim is None:
+                return False
+            self.nvme.delete(victim)
+            self.counters["nvme_evictions"] += 1
+        return True
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- deletes, pins, invalidation --------------------------------------------------
+    async def delete(self, keys: Sequence[ChunkKey]) -> int:
+        n = 0
+        nvme_keys = []
+        for k in keys:
+            hit = False
+            alloc = self._alloc_id(k)
+            if alloc is not None:
+                if self._refs[alloc]:
+                    self._detached[alloc] = self.dram.detach(k) or []
+                else:
+                    self.dram.delete(k)
+                hit = True
+            if self.nvme is not None and self.nvme.contains(k):
+                nvme_keys.append(k)
+                hit = True
+            self._pins.pop(k, None)
+            n += hit
+        if nvme_keys:
+            await self._io(lambda: [self.nvme.delete(k) for k in nvme_keys])
+        self.counters["deletes"] += n
+        return n
+
+    async def invalidate(self, namespace: bytes) -> int:
+        keys = [k for k in self.dram.keys() if (m := self.dram.meta(k)) is not None and m.namespace == namespace]
+        if self.nvme is not None:
+            nv = await self._io(lambda: [k for k in self.nvme.keys() if (m := self.nvme.meta(k)) is not None and m.namespace == namespace])
+            keys.extend(k for k in nv if k not in set(keys))
+        n = await self.delete(keys)
+        self.counters["invalidated_blocks"] += n
+        return n
+
+    def pin(self, keys: Sequence[ChunkKey], ttl: float) -> int:
+        if ttl <= 0:
+            raise InvalidArgument(f"pin ttl must be positive, got {ttl}")
+        until = self.clock() + ttl
+        n = 0
+        for k in keys:
+            if self.where(k) is not None:
+                self._pins[k] = max(until, self._pins.get(k, 0.0))
+                n += 1
+        return n
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> int:
+        return sum(self._pins.pop(k, None) is not None for k in keys)
+
+    # -- deadlines --------------------------------------------------------------------
+    def reap(self, now: float | None = None) -> dict[str, int]:
+        """Reclaim expired reservations and leases and forget expired pins."""
+        now = self.clock() if now is None else now
+        expired_r = [rid for rid, r in self._reservations.items() if r.deadline <= now]
+        self.abort(expired_r)
+        expired_l = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
+        for lid in expired_l:
+            lease = self._leases.pop(lid)
+            self._drop_ref(lease.alloc)
+            self._expired[lid] = None
+        while len(self._expired) > _EXPIRED_MEMORY:
+            self._expired.popitem(last=False)
+        for k in [k for k, until in self._pins.items() if until <= now]:
+            del self._pins[k]
+        self.counters["reservations_reclaimed"] += len(expired_r)
+        self.counters["leases_expired"] += len(expired_l)
+        return {"reservations": len(expired_r), "leases": len(expired_l)}
+
+    async def run_reaper(self, interval: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            self.reap()
+
+    # -- lifecycle --------------------------------------------------------------------
+    async def flush(self, deadline_s: float = 30.0) -> int:
+        """Demote every dirty DRAM block to NVMe (graceful shutdown), within a time budget."""
+        if self.nvme is None:
+            return 0
+        if self._background:
+            await asyncio.wait(self._background, timeout=deadline_s)
+        dirty = [k for k in self.dram.keys() if not self.nvme.contains(k)]
+        before = self.counters["demotions"]
+        try:
+            await asyncio.wait_for(self._persist(dirty), timeout=deadline_s)
+        except asyncio.TimeoutError:
+            log.warning("flush did not finish within %.0f s", deadline_s)
+        return self.counters["demotions"] - before
+
+    def stats(self) -> dict[str, Any]:
+        tiers = {
+            "dram": {
+                "capacity_bytes": self.dram.capacity_bytes,
+                "used_bytes": self.dram.used_bytes,
+                "blocks": len(self.dram),
+            }
+        }
+        if self.nvme is not None:
+            tiers["nvme"] = {
+                "capacity_bytes": self.nvme.capacity_bytes,
+                "used_bytes": self.nvme.used_bytes,
+                "blocks": len(self.nvme),
+                "corrupt_blocks": getattr(self.nvme, "corrupt_blocks", 0),
+            }
+        return {
+            "tiers": tiers,
+            "reservations": len(self._reservations),
+            "leases": len(self._leases),
+            "pins": len(self._pins),
+            "counters": dict(self.counters),
+        }
+
+    def close(self) -> None:
+        if self._own_executor:
+            self._executor.shutdown(wait=True)
+        if self.nvme is not None:
+            self.nvme.close()
+        self.dram.close()

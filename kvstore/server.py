@@ -1,0 +1,199 @@
+"""``kvstore serve``: the one wiring function of a node process.
+
+Builds, in order: the data-directory lock, the DRAM arena and tier, the NVMe tier,
+the tier manager, the gRPC service (Unix socket + TCP), the data channel and the
+reaper; tears them down in reverse on SIGTERM/SIGINT: stop accepting, drain in-flight
+calls, demote dirty DRAM blocks to NVMe (bounded by ``flush_on_shutdown_s``), flush
+and close the index, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from kvstore.config import NodeConfig
+from kvstore.datachannel import DataChannelServer
+from kvstore.errors import DataDirLocked, InvalidArgument
+from kvstore.manager import TierManager
+from kvstore.policy import make_policy
+from kvstore.service import AuthInterceptor, KVStoreService
+from protos.kvstore.v1 import kvstore_pb2 as pb
+from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from tiers.arena import Arena
+from tiers.dram import DRAMTier
+
+log = logging.getLogger("kvstore.server")
+
+GRPC_OPTIONS = [
+    ("grpc.so_reuseport", 0),  # a second node on the same port must fail, not share it
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+
+
+def human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def lock_data_dir(data_dir: Path) -> int:
+    """Hold an exclusive lock on ``data_dir`` for the life of the process."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(data_dir / "node.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DataDirLocked(f"data directory {data_dir} is in use by another running kvstore node") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
+
+
+class Node:
+    """One running node.  Owns every component it builds; ``stop`` releases them."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.cfg = config
+        self.endpoints: dict[str, Any] = {}
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> dict[str, Any]:
+        cfg = self.cfg
+        data_dir = Path(cfg.data_dir)
+        self._lock_fd = lock_data_dir(data_dir)
+        if cfg.dram < (1 << 20):
+            raise InvalidArgument(f"dram={cfg.dram} bytes is too small; give at least 1MiB (e.g. --dram 1GiB)")
+        if cfg.max_block_bytes > cfg.dram:
+            cfg = cfg.model_copy(update={"max_block_bytes": cfg.dram})
+            self.cfg = cfg
+        self.arena = Arena.create(cfg.arena_file(), cfg.dram, prefault=cfg.prefault)
+        dram = DRAMTier(self.arena, policy=make_policy(cfg.eviction_policy))
+        nvme = None
+        if cfg.nvme > 0:
+            from tiers.nvme import NVMeTier
+
+            nvme = NVMeTier(data_dir / "nvme", cfg.nvme, policy=make_policy(cfg.eviction_policy), direct_io=cfg.direct_io)
+        self.manager = TierManager(
+            dram, nvme, write_through=cfg.write_through,
+            reservation_ttl=cfg.reservation_ttl_s, lease_ttl=cfg.lease_ttl_s,
+        )
+        loop = asyncio.get_running_loop()
+
+        host, port = cfg.listen.rsplit(":", 1)
+        dhost, dport = (cfg.data_listen.rsplit(":", 1) if cfg.data_listen else (host, "0"))
+        self.service = KVStoreService(self.manager, cfg, arena_path=str(self.arena.path), arena_size=self.arena.size, data_port=0)
+        self.data = DataChannelServer(
+            dhost.strip("[]"), int(dport), arena=self.arena, loop=loop,
+            take=self.service.take_transfer, finish_get=self.service.finish_get, finish_put=self.service.finish_put,
+        )
+        self.service._hello.data_port = self.data.address[1]
+
+        token = cfg.auth_token()
+        interceptors = [AuthInterceptor(token)] if token else []
+        self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
+        pb_grpc.add_KVStoreServicer_to_server(self.service, self.server)
+        self.health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (pb.DESCRIPTOR.services_by_name["KVStore"].full_name, reflection.SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
+            self.server,
+        )
+        sock = cfg.socket_path()
+        if len(str(sock)) > 100:
+            raise InvalidArgument(f"unix socket path {sock} is too long (max ~100 chars); pass --socket")
+        sock.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            sock.unlink()  # a stale socket of a dead node: we hold the data-dir lock, so it is ours
+        self.server.add_insecure_port(f"unix:{sock}")
+        bound = self.server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise InvalidArgument(f"cannot listen on {cfg.listen} (in use?)")
+        os.chmod(sock, 0o660)
+        await self.server.start()
+        self.data.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("kvstore.v1.KVStore", health_pb2.HealthCheckResponse.SERVING)
+        self._reaper = loop.create_task(self._reap_forever())
+        self.endpoints = {
+            "node_id": cfg.node_id,
+            "grpc": f"{host}:{bound}",
+            "unix": f"unix://{sock}",
+            "data": f"{self.data.address[0]}:{self.data.address[1]}",
+            "arena": str(self.arena.path),
+            "dram_bytes": cfg.dram,
+            "nvme_bytes": cfg.nvme,
+            "data_dir": str(data_dir),
+            "pid": os.getpid(),
+        }
+        return self.endpoints
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            try:
+                self.manager.reap()
+                self.service.expire_transfers()
+            except Exception:  # never let the reaper die silently
+                log.exception("reaper round failed")
+
+    def request_stop(self) -> None:
+        self._stopped.set()
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+    async def stop(self) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace=10.0)  # drains in-flight calls
+        self.data.close()
+        self._reaper.cancel()
+        flushed = await self.manager.flush(self.cfg.flush_on_shutdown_s)
+        if flushed:
+            log.info("demoted %d dirty blocks to NVMe before exit", flushed)
+        self.manager.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.cfg.socket_path().unlink()
+        os.close(self._lock_fd)
+
+
+async def serve(config: NodeConfig, *, out: Any = sys.stdout) -> int:
+    node = Node(config)
+    ep = await node.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, node.request_stop)
+    print(
+        f"kvstore node {ep['node_id']} serving\n"
+        f"  grpc (tcp)   {ep['grpc']}\n"
+        f"  grpc (unix)  {ep['unix']}\n"
+        f"  data channel {ep['data']}\n"
+        f"  DRAM arena   {ep['arena']} ({human(ep['dram_bytes'])})\n"
+        f"  NVMe tier    {ep['data_dir']}/nvme ({human(ep['nvme_bytes'])})\n"
+        f"  SDK: KVClient({ep['unix']!r}) locally, KVClient({ep['grpc']!r}) remotely\n"
+        f"READY {json.dumps(ep)}",
+        file=out,
+        flush=True,
+    )
+    await node.wait()
+    print("kvstore: stopping (draining calls, flushing the index)", file=out, flush=True)
+    await node.stop()
+    print("kvstore: stopped", file=out, flush=True)
+    return 0

@@ -1,0 +1,277 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_HBM: _ClassVar[Tier]
+    TIER_DRAM: _ClassVar[Tier]
+    TIER_NVME: _ClassVar[Tier]
+
+class KeyStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KEY_STATUS_UNSPECIFIED: _ClassVar[KeyStatus]
+    KEY_STATUS_OK: _ClassVar[KeyStatus]
+    KEY_STATUS_MISS: _ClassVar[KeyStatus]
+    KEY_STATUS_EXISTS: _ClassVar[KeyStatus]
+    KEY_STATUS_CORRUPT: _ClassVar[KeyStatus]
+    KEY_STATUS_EXPIRED: _ClassVar[KeyStatus]
+    KEY_STATUS_NO_SPACE: _ClassVar[KeyStatus]
+TIER_UNSPECIFIED: Tier
+TIER_HBM: Tier
+TIER_DRAM: Tier
+TIER_NVME: Tier
+KEY_STATUS_UNSPECIFIED: KeyStatus
+KEY_STATUS_OK: KeyStatus
+KEY_STATUS_MISS: KeyStatus
+KEY_STATUS_EXISTS: KeyStatus
+KEY_STATUS_CORRUPT: KeyStatus
+KEY_STATUS_EXPIRED: KeyStatus
+KEY_STATUS_NO_SPACE: KeyStatus
+
+class BlockInfo(_message.Message):
+    __slots__ = ("key", "parent", "namespace", "token_count", "dtype", "shape", "payload_len", "payload_checksum")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_LEN_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    parent: bytes
+    namespace: bytes
+    token_count: int
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    payload_len: int
+    payload_checksum: int
+    def __init__(self, key: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., namespace: _Optional[bytes] = ..., token_count: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., payload_len: _Optional[int] = ..., payload_checksum: _Optional[int] = ...) -> None: ...
+
+class Extent(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class HelloRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HelloResponse(_message.Message):
+    __slots__ = ("node_id", "version", "arena_path", "arena_size", "data_port", "max_block_bytes", "max_batch", "lease_ttl_s", "reservation_ttl_s")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
+    ARENA_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    version: str
+    arena_path: str
+    arena_size: int
+    data_port: int
+    max_block_bytes: int
+    max_batch: int
+    lease_ttl_s: float
+    reservation_ttl_s: float
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_size: _Optional[int] = ..., data_port: _Optional[int] = ..., max_block_bytes: _Optional[int] = ..., max_batch: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., reservation_ttl_s: _Optional[float] = ...) -> None: ...
+
+class KeysRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("tiers",)
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
+class MatchPrefixResponse(_message.Message):
+    __slots__ = ("matched", "tiers")
+    MATCHED_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    matched: int
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, matched: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockInfo]
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ...) -> None: ...
+
+class Reservation(_message.Message):
+    __slots__ = ("status", "reservation_id", "extents")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    EXTENTS_FIELD_NUMBER: _ClassVar[int]
+    status: KeyStatus
+    reservation_id: int
+    extents: _containers.RepeatedCompositeFieldContainer[Extent]
+    def __init__(self, status: _Optional[_Union[KeyStatus, str]] = ..., reservation_id: _Optional[int] = ..., extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("reservations", "ttl_s")
+    RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    reservations: _containers.RepeatedCompositeFieldContainer[Reservation]
+    ttl_s: float
+    def __init__(self, reservations: _Optional[_Iterable[_Union[Reservation, _Mapping]]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("reservation_ids", "payload_checksums")
+    RESERVATION_IDS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    reservation_ids: _containers.RepeatedScalarFieldContainer[int]
+    payload_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reservation_ids: _Optional[_Iterable[int]] = ..., payload_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StatusesResponse(_message.Message):
+    __slots__ = ("statuses",)
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    statuses: _containers.RepeatedScalarFieldContainer[KeyStatus]
+    def __init__(self, statuses: _Optional[_Iterable[_Union[KeyStatus, str]]] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("reservation_ids",)
+    RESERVATION_IDS_FIELD_NUMBER: _ClassVar[int]
+    reservation_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reservation_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("status", "lease_id", "extents", "block", "tier")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    EXTENTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    status: KeyStatus
+    lease_id: int
+    extents: _containers.RepeatedCompositeFieldContainer[Extent]
+    block: BlockInfo
+    tier: Tier
+    def __init__(self, status: _Optional[_Union[KeyStatus, str]] = ..., lease_id: _Optional[int] = ..., extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ..., block: _Optional[_Union[BlockInfo, _Mapping]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class AcquireResponse(_message.Message):
+    __slots__ = ("leases", "ttl_s")
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    leases: _containers.RepeatedCompositeFieldContainer[Lease]
+    ttl_s: float
+    def __init__(self, leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_ids",)
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("valid",)
+    VALID_FIELD_NUMBER: _ClassVar[int]
+    valid: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, valid: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class StartGetResponse(_message.Message):
+    __slots__ = ("transfer_id", "leases", "ttl_s")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: bytes
+    leases: _containers.RepeatedCompositeFieldContainer[Lease]
+    ttl_s: float
+    def __init__(self, transfer_id: _Optional[bytes] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class StartPutResponse(_message.Message):
+    __slots__ = ("transfer_id", "statuses", "ttl_s")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: bytes
+    statuses: _containers.RepeatedScalarFieldContainer[KeyStatus]
+    ttl_s: float
+    def __init__(self, transfer_id: _Optional[bytes] = ..., statuses: _Optional[_Iterable[_Union[KeyStatus, str]]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class BlockChunk(_message.Message):
+    __slots__ = ("block", "data", "status")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    block: BlockInfo
+    data: bytes
+    status: KeyStatus
+    def __init__(self, block: _Optional[_Union[BlockInfo, _Mapping]] = ..., data: _Optional[bytes] = ..., status: _Optional[_Union[KeyStatus, str]] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("count",)
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    def __init__(self, count: _Optional[int] = ...) -> None: ...
+
+class InvalidateRequest(_message.Message):
+    __slots__ = ("namespace",)
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    def __init__(self, namespace: _Optional[bytes] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("keys", "ttl_s")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    ttl_s: float
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "capacity_bytes", "used_bytes", "blocks")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("node_id", "tiers", "counters", "reservations", "leases", "pins")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    counters: _containers.ScalarMap[str, int]
+    reservations: int
+    leases: int
+    pins: int
+    def __init__(self, node_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., reservations: _Optional[int] = ..., leases: _Optional[int] = ..., pins: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,159 @@
+"""The DRAM arena: one POSIX shared-memory file mapped by the node and by local clients.
+
+Owner: the node creates the file (``Arena.create``), pre-faults every page so the
+data path never pays first-touch costs, and unlinks it on close.  Local clients map
+the same file read/write (``Arena.attach``) and copy payloads in and out of the
+extents that the node hands them under reservations and leases; they never decide
+where anything goes.  The arena itself holds no metadata: the DRAM tier's index says
+which extents hold which block.
+
+Why a file under ``/dev/shm`` rather than ``multiprocessing.shared_memory``: on
+Python 3.11 the latter unlinks the segment when any attached process exits
+(DESIGN §9), and a sidecar container shares ``/dev/shm`` with its pod.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvstore.errors import InvalidArgument, Unavailable
+from tiers.allocator import Extent
+
+_PREFAULT_STEP = 64 << 20
+
+
+class Arena:
+    """A mapped shared-memory file.  Thread-safe for copies into disjoint extents."""
+
+    def __init__(self, path: Path, size: int, mm: mmap.mmap, *, owner: bool) -> None:
+        self.path = path
+        self.size = size
+        self._mm = mm
+        self.buf = memoryview(mm)
+        self._owner = owner
+
+    @classmethod
+    def create(cls, path: str | os.PathLike[str], size: int, *, prefault: bool = True) -> "Arena":
+        p = Path(path)
+        if size <= 0:
+            raise InvalidArgument(f"arena size must be positive, got {size}")
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                raise InvalidArgument(f"cannot size the DRAM arena {p} to {size} bytes: {e}") from e
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        arena = cls(p, size, mm, owner=True)
+        if prefault:
+            arena.prefault()
+        return arena
+
+    @classmethod
+    def attach(cls, path: str | os.PathLike[str], size: int) -> "Arena":
+        p = Path(path)
+        try:
+            fd = os.open(p, os.O_RDWR)
+        except OSError as e:
+            raise Unavailable(f"cannot open the node's DRAM arena {p}: {e}") from e
+        try:
+            actual = os.fstat(fd).st_size
+            if actual < size:
+                raise Unavailable(f"DRAM arena {p} has {actual} bytes, node says {size}")
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(p, size, mm, owner=False)
+
+    def prefault(self) -> None:
+        """Touch every page once so later copies run at memcpy speed (DESIGN §9)."""
+        populate = getattr(mmap, "MADV_POPULATE_WRITE", None)
+        if populate is not None:
+            try:
+                self._mm.madvise(populate)
+                return
+            except OSError:
+                pass
+        zero = bytes(min(_PREFAULT_STEP, self.size))
+        for off in range(0, self.size, _PREFAULT_STEP):
+            n = min(_PREFAULT_STEP, self.size - off)
+            self.buf[off : off + n] = zero[:n]
+
+    # -- copies -----------------------------------------------------------------
+    def views(self, extents: Sequence[Extent], nbytes: int) -> list[memoryview]:
+        """Writable views covering the first ``nbytes`` of ``extents``, in order."""
+        out: list[memoryview] = []
+        left = nbytes
+        for e in extents:
+            if left <= 0:
+                break
+            if e.offset < 0 or e.end > self.size:
+                raise InvalidArgument(f"extent {e} lies outside the arena ({self.size} bytes)")
+            n = min(e.length, left)
+            out.append(self.buf[e.offset : e.offset + n])
+            left -= n
+        if left > 0:
+            raise InvalidArgument(f"extents hold fewer than {nbytes} bytes")
+        return out
+
+    def write(self, extents: Sequence[Extent], data: memoryview) -> None:
+        pos = 0
+        for v in self.views(extents, data.nbytes):
+            v[:] = data[pos : pos + v.nbytes]
+            pos += v.nbytes
+
+    def read_into(self, extents: Sequence[Extent], out: memoryview, nbytes: int) -> None:
+        pos = 0
+        for v in self.views(extents, nbytes):
+            out[pos : pos + v.nbytes] = v
+            pos += v.nbytes
+
+    def close(self, *, unlink: bool | None = None) -> None:
+        try:
+            self.buf.release()
+            self._mm.close()
+        except BufferError:
+            # someone still holds a view (an in-flight copy); the mapping dies with the process
+            pass
+        if self._owner if unlink is None else unlink:
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def as_bytes_view(obj: object, *, writable: bool = False) -> memoryview:
+    """A flat byte view of bytes-like objects, numpy arrays and CPU torch tensors (no copy)."""
+    if hasattr(obj, "__dlpack__") and hasattr(obj, "numpy") and hasattr(obj, "is_contiguous"):
+        # a torch tensor: must be on the CPU and contiguous for a zero-copy view
+        if getattr(obj, "device", None) is not None and str(obj.device) != "cpu":  # type: ignore[attr-defined]
+            raise InvalidArgument(f"tensor is on {obj.device}; the SDK takes CPU tensors (use gpu_agent for HBM)")  # type: ignore[attr-defined]
+        if not obj.is_contiguous():  # type: ignore[attr-defined]
+            raise InvalidArgument("tensor must be contiguous")
+        import numpy as np
+
+        t = obj.detach()  # type: ignore[attr-defined]
+        try:
+            arr = t.numpy()
+        except TypeError:  # dtypes numpy lacks (bfloat16, float8): view the bytes
+            import torch
+
+            arr = t.view(torch.uint8).numpy()
+        mv = memoryview(np.ascontiguousarray(arr))
+    else:
+        try:
+            mv = memoryview(obj)  # type: ignore[arg-type]
+        except TypeError as e:
+            raise InvalidArgument(f"{type(obj).__name__} is not a buffer (bytes, bytearray, numpy array or CPU tensor)") from e
+    if not mv.contiguous:
+        raise InvalidArgument("buffer must be contiguous")
+    if writable and mv.readonly:
+        raise InvalidArgument("output buffer is read-only")
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv

@@ -1,0 +1,155 @@
+"""The DRAM tier: blocks in the node's shared-memory arena.
+
+Owner: the tier manager's event loop.  Not thread-safe: every method runs on the
+loop thread; only the byte copies into and out of extents (done by local clients,
+the data channel or executor threads) happen elsewhere, on extents the manager
+keeps alive with reservations and leases.
+
+Besides the :class:`~tiers.base.Tier` protocol it offers the zero-copy two-phase
+form the node serves to local clients: ``reserve`` space → the client copies into
+the extents → ``commit`` (visible) or ``abort``; ``extents(key)`` for readers.
+``detach`` takes a block out of the index without freeing its space, for blocks
+deleted while a reader still holds a lease.
+
+Invariants: ``used_bytes <= capacity_bytes`` always (the allocator cannot hand out
+more); a key is in ``_blocks`` iff it is in the policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from kvstore.block import BlockMeta
+from kvstore.errors import CapacityExceeded, InvalidArgument
+from kvstore.keys import ChunkKey
+from kvstore.policy import EvictionPolicy, make_policy, DEFAULT_POLICY
+from tiers.allocator import Extent, ExtentAllocator
+from tiers.arena import Arena, as_bytes_view
+from tiers.base import MissReason, ReadResult, TierKind
+
+DEFAULT_UNIT = 64 * 1024
+
+
+class DRAMTier:
+    kind = TierKind.DRAM
+
+    def __init__(self, arena: Arena, *, policy: EvictionPolicy | None = None, unit: int = DEFAULT_UNIT) -> None:
+        self.arena = arena
+        self.allocator = ExtentAllocator(arena.size, unit)
+        self.policy = policy if policy is not None else make_policy(DEFAULT_POLICY)
+        self._blocks: dict[ChunkKey, tuple[BlockMeta, list[Extent]]] = {}
+
+    # -- accounting -----------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self.allocator.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.allocator.used_bytes
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(m.payload_len for m, _ in self._blocks.values())
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def keys(self) -> list[ChunkKey]:
+        return list(self._blocks)
+
+    def contains(self, key: ChunkKey) -> bool:
+        return key in self._blocks
+
+    def meta(self, key: ChunkKey) -> BlockMeta | None:
+        b = self._blocks.get(key)
+        return b[0] if b else None
+
+    def extents(self, key: ChunkKey) -> list[Extent] | None:
+        b = self._blocks.get(key)
+        return b[1] if b else None
+
+    def count_prefix(self, keys: Sequence[ChunkKey]) -> int:
+        n = 0
+        for k in keys:
+            if k not in self._blocks:
+                break
+            n += 1
+        return n
+
+    def fits(self, nbytes: int) -> bool:
+        return self.allocator.free_bytes >= self.allocator.rounded(nbytes)
+
+    def touch(self, key: ChunkKey) -> None:
+        self.policy.access(key)
+
+    # -- two-phase writes ---------------------------------------------------------
+    def reserve(self, nbytes: int) -> list[Extent] | None:
+        """Space for ``nbytes`` now, or ``None`` when the manager must evict first."""
+        if self.allocator.rounded(nbytes) > self.capacity_bytes:
+            raise CapacityExceeded(
+                f"a {nbytes}-byte block cannot fit a DRAM tier of {self.capacity_bytes} bytes; raise --dram"
+            )
+        return self.allocator.allocate(nbytes)
+
+    def commit(self, meta: BlockMeta, extents: list[Extent]) -> None:
+        """Make a reserved, filled block visible (replacing an older block under its key)."""
+        old = self._blocks.pop(meta.key, None)
+        if old is not None:
+            self.policy.remove(meta.key)
+            self.allocator.free(old[1])
+        self._blocks[meta.key] = (meta, extents)
+        self.policy.insert(meta.key, meta.parent, meta.payload_len)
+
+    def abort(self, extents: list[Extent]) -> None:
+        self.allocator.free(extents)
+
+    def detach(self, key: ChunkKey) -> list[Extent] | None:
+        """Remove ``key`` from the index but keep its space allocated; the caller frees it later."""
+        b = self._blocks.pop(key, None)
+        if b is None:
+            return None
+        self.policy.remove(key)
+        return b[1]
+
+    def free(self, extents: list[Extent]) -> None:
+        self.allocator.free(extents)
+
+    # -- Tier protocol ------------------------------------------------------------
+    def write(self, meta: BlockMeta, payload: object) -> None:
+        data = as_bytes_view(payload)
+        if data.nbytes != meta.payload_len:
+            raise InvalidArgument(f"payload has {data.nbytes} bytes, meta says {meta.payload_len}")
+        extents = self.reserve(meta.payload_len)
+        if extents is None:
+            raise CapacityExceeded(f"DRAM tier has {self.allocator.free_bytes} free bytes; evict first")
+        self.arena.write(extents, data)
+        self.commit(meta, extents)
+
+    def read_into(self, key: ChunkKey, out: object) -> ReadResult:
+        b = self._blocks.get(key)
+        if b is None:
+            return ReadResult(key, miss=MissReason.NOT_PRESENT)
+        meta, extents = b
+        mv = as_bytes_view(out, writable=True)
+        if mv.nbytes < meta.payload_len:
+            raise InvalidArgument(f"output buffer holds {mv.nbytes} bytes; block has {meta.payload_len}")
+        self.arena.read_into(extents, mv, meta.payload_len)
+        self.policy.access(key)
+        return ReadResult(key, meta=meta, nbytes=meta.payload_len)
+
+    def delete(self, key: ChunkKey) -> bool:
+        extents = self.detach(key)
+        if extents is None:
+            return False
+        self.allocator.free(extents)
+        return True
+
+    def victims(self, can_evict: Callable[[ChunkKey], bool] = lambda k: True) -> Iterator[ChunkKey]:
+        for key in self.policy.victims():
+            if can_evict(key):
+                yield key
+
+    def close(self) -> None:
+        self._blocks.clear()
+        self.arena.close()

@@ -1,0 +1,693 @@
+"""The NVMe tier: block records in preallocated segment files, the index in lmdb.
+
+Role: the node's persistent, largest and slowest tier (DESIGN §3).  Demotions from
+DRAM land here; a hit here is promoted back by the tier manager.
+
+On disk, in one directory::
+
+    LOCK            exclusive flock, held for the tier's lifetime (one owner per directory)
+    seg-NNNNN.dat   segment files, preallocated with posix_fallocate
+    index.lmdb/     key (16 bytes) -> location (segment, offset, record length, seq, checksum)
+
+A record is the 160-byte block header (``kvstore.block``) padded to one 4 KiB page,
+then the payload padded to 4 KiB.  Records are written with O_DIRECT where the
+filesystem takes it (aligned ``mmap`` staging buffers, or straight from a page-aligned
+caller buffer) and with buffered ``pwritev`` where it does not.
+
+Owner: the :class:`NVMeTier` instance owns the files, the lmdb environment, the
+in-memory index mirror, the allocator and the policy instance.
+
+Invariants:
+
+* An index entry is committed to lmdb only after its payload is durable (written, then
+  ``fdatasync`` of the segment); an unfinished write is just free space after a crash.
+* lmdb never points at space being rewritten: deletes are queued and committed with the
+  next index transaction, and a write whose new extent overlaps a queued delete commits
+  the queue before it touches the disk.  So after a crash every indexed record is whole.
+* Records never straddle segments: the allocator's linear space has a permanently
+  reserved one-page gap after each segment, so no free extent spans two segments.
+* Allocated bytes never exceed ``capacity_bytes``; a block's space is freed only when
+  it is gone from the in-memory index *and* its last reader has finished.
+* A block whose header or payload checksum fails is dropped, counted in
+  ``corrupt_blocks`` and reported as a ``CORRUPT`` miss: bad bytes are never served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import struct
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import lmdb
+import numpy as np
+
+from kvstore.block import HEADER_SIZE, BlockMeta, checksum, decode_header, encode_header, verify_payload
+from kvstore.errors import BlockFormatError, CapacityExceeded, CorruptBlock, DataDirLocked, InvalidArgument, Unavailable
+from kvstore.keys import ChunkKey
+from kvstore.policy import DEFAULT_POLICY, EvictionPolicy, make_policy
+from tiers.allocator import Extent, ExtentAllocator
+from tiers.base import MissReason, ReadResult, TierKind
+
+log = logging.getLogger(__name__)
+
+PAGE = 4096
+STAGE_BYTES = 8 << 20  # staging buffer: the unit of O_DIRECT I/O for unaligned caller buffers
+_STAGE_POOL_MAX = 4
+_ZEROS = bytes(PAGE)
+_VALUE = struct.Struct("<BxxxIQQQQ")  # version, segment, offset, record length, seq, payload checksum
+_VALUE_VERSION = 1
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_MEDIA_ERRORS = (errno.EIO, errno.ENODATA, errno.EBADMSG)
+
+
+def record_bytes(payload_len: int) -> int:
+    """Bytes one record takes on disk: a header page plus the payload padded to pages."""
+    return PAGE + -(-payload_len // PAGE) * PAGE
+
+
+def _addr(mv: memoryview) -> int:
+    return int(np.frombuffer(mv, dtype=np.uint8).__array_interface__["data"][0]) if mv.nbytes else 0
+
+
+def _probe_direct_io(directory: Path) -> bool:
+    """True if ``directory``'s filesystem accepts an aligned O_DIRECT write."""
+    probe = directory / ".direct_io_probe"
+    buf = mmap.mmap(-1, PAGE)
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+        try:
+            return os.pwrite(fd, buf, 0) == PAGE
+        finally:
+            os.close(fd)
+    except OSError as e:
+        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return False
+        raise
+    finally:
+        buf.close()
+        probe.unlink(missing_ok=True)
+
+
+def _io_all(op: Callable[[int, list, int], int], fd: int, bufs: list[memoryview], off: int) -> None:
+    """``os.preadv``/``os.pwritev`` until every buffer is done (short transfers continue)."""
+    bufs = [b for b in bufs if b.nbytes]
+    while bufs:
+        n = op(fd, bufs, off)
+        if n <= 0:
+            raise OSError(errno.EIO, f"short I/O at offset {off}: the segment file ends early")
+        off += n
+        while bufs and n >= bufs[0].nbytes:
+            n -= bufs[0].nbytes
+            bufs.pop(0)
+        if n:
+            bufs[0] = bufs[0][n:]
+
+
+def _close_stage(stage: mmap.mmap) -> None:
+    try:
+        stage.close()
+    except BufferError:  # a view still lives (a traceback frame): the GC unmaps it later
+        pass
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Entry:
+    """One stored block.  Mutable fields (``readers``, ``dead``) change under the tier lock."""
+
+    key: ChunkKey
+    meta: BlockMeta
+    seg: int
+    off: int
+    length: int
+    vaddr: int
+    seq: int
+    readers: int = 0
+    dead: bool = False
+
+    def value(self) -> bytes:
+        return _VALUE.pack(_VALUE_VERSION, self.seg, self.off, self.length, self.seq, self.meta.payload_checksum)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockLocation:
+    """Where a block's record lies (diagnostics, fault tests, ``sendfile`` planning)."""
+
+    path: Path
+    record_offset: int
+    record_length: int
+    payload_offset: int
+    payload_len: int
+
+
+class NVMeTier:
+    """Blocks on local SSD.  Thread-safe.
+
+    Locks (order: ``_commit_lock`` before ``_lock``; neither is held across data I/O):
+
+    * ``_lock`` guards the in-memory index, the allocator, the policy, reader counts and
+      the queue of pending index deletes.  Held only for dictionary-sized work, so the
+      manager's event loop (``contains``/``count_prefix``/``meta``/``victims``/``delete``)
+      never waits on a disk.
+    * ``_commit_lock`` serialises lmdb write transactions together with installing their
+      entries in memory, so memory and lmdb see replacements in the same order.
+
+    Readers pin a block (``readers`` count): ``delete`` of a block being read removes it
+    from the index at once but frees its space only when the last reader finishes.
+    ``close()`` must not race in-flight calls.
+    """
+
+    kind = TierKind.NVME
+
+    def __init__(
+        self,
+        directory: Path | str,
+        capacity_bytes: int,
+        *,
+        policy: EvictionPolicy | None = None,
+        segment_bytes: int = 256 << 20,
+        direct_io: bool | None = None,
+        sync: bool = True,
+    ) -> None:
+        self.directory = Path(directory)
+        cap = capacity_bytes // PAGE * PAGE
+        if cap < 2 * PAGE:
+            raise InvalidArgument(f"NVMe capacity_bytes must be at least {2 * PAGE}, got {capacity_bytes}")
+        if segment_bytes < 2 * PAGE:
+            raise InvalidArgument(f"NVMe segment_bytes must be at least {2 * PAGE}, got {segment_bytes}")
+        self.sync = sync
+        self.corrupt_blocks = 0
+        self.dropped_on_open = 0  # valid entries beyond a reduced capacity
+        self._policy: EvictionPolicy = policy if policy is not None else make_policy(DEFAULT_POLICY)
+        self._lock = threading.RLock()  # reentrant: a dropped victims() generator may close under it
+        self._commit_lock = threading.Lock()
+        self._index: dict[ChunkKey, _Entry] = {}
+        self._pending: list[_Entry] = []  # removed from memory, delete not yet committed to lmdb
+        self._stages: list[mmap.mmap] = []
+        self._fds: list[int] = []
+        self._env: lmdb.Environment | None = None
+        self._closed = False
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = self._acquire_dir_lock()
+        try:
+            self._open(cap, segment_bytes, direct_io)
+        except BaseException:
+            self._release()
+            raise
+
+    # -- opening ----------------------------------------------------------------------
+    def _acquire_dir_lock(self) -> int:
+        fd = os.open(self.directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DataDirLocked(
+                f"NVMe data directory {self.directory} is in use by another NVMeTier (pid {holder}); "
+                "stop that node or give this one its own directory"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+
+    def _open(self, cap: int, segment_bytes: int, direct_io: bool | None) -> None:
+        can_direct = direct_io is not False and _probe_direct_io(self.directory)
+        if direct_io and not can_direct:
+            raise InvalidArgument(
+                f"the filesystem of {self.directory} refuses O_DIRECT (tmpfs?); pass direct_io=None or False"
+            )
+        self.direct_io = can_direct if direct_io is None else direct_io
+        max_blocks = cap // (2 * PAGE)
+        self._env = lmdb.open(
+            str(self.directory / "index.lmdb"), map_size=min(max(32 << 20, max_blocks * 256), 1 << 40),
+            max_dbs=2, sync=self.sync, metasync=self.sync, readahead=False,
+        )
+        self._db = self._env.open_db(b"blocks")
+        config = self._env.open_db(b"config")
+        with self._env.begin(write=True) as txn:
+            stored = txn.get(b"segment_bytes", db=config)
+            if stored is None:
+                seg = min(segment_bytes, cap) // PAGE * PAGE
+                txn.put(b"segment_bytes", struct.pack("<Q", seg), db=config)
+            else:  # locations are (segment, offset): the layout of an existing directory wins
+                seg = struct.unpack("<Q", stored)[0]
+                if seg != segment_bytes:
+                    log.info("%s keeps its segment_bytes=%d (asked for %d)", self.directory, seg, segment_bytes)
+        self.segment_bytes = seg
+        n = -(-cap // seg)
+        self._seg_sizes = [seg] * (n - 1) + [cap - (n - 1) * seg]
+        self._stride = seg + PAGE
+        self._capacity = cap
+        self._max_record = max(self._seg_sizes)
+        self._alloc = ExtentAllocator((n - 1) * self._stride + self._seg_sizes[-1], unit=PAGE)
+        for i in range(n - 1):  # the gap pages that keep records inside one segment
+            self._alloc.reserve_exact(Extent(i * self._stride + seg, PAGE))
+        self._gap_bytes = (n - 1) * PAGE
+        self._open_segments()
+        self._load_index()
+
+    def _seg_path(self, i: int) -> Path:
+        return self.directory / f"seg-{i:05d}.dat"
+
+    def _open_segments(self) -> None:
+        flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.direct_io else 0)
+        for i, size in enumerate(self._seg_sizes):
+            fd = os.open(self._seg_path(i), flags, 0o644)
+            self._fds.append(fd)
+            if os.fstat(fd).st_size > size:
+                os.ftruncate(fd, size)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno in _DISK_FULL:
+                    raise CapacityExceeded(
+                        f"cannot preallocate {size} bytes for {self._seg_path(i)}: the filesystem is full; "
+                        "lower the NVMe capacity_bytes or free disk space"
+                    ) from e
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.ftruncate(fd, size)  # no fallocate here: sparse file; ENOSPC may come on write
+        i = len(self._seg_sizes)
+        while self._seg_path(i).exists():  # segments beyond a reduced capacity
+            self._seg_path(i).unlink()
+            i += 1
+        dfd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def _load_index(self) -> None:
+        """Rebuild memory from lmdb, checking every entry's header (not its payload)."""
+        assert self._env is not None
+        with self._env.begin() as txn:
+            raw = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._db)]
+        drop: list[bytes] = []
+        kept: list[tuple[bytes, tuple]] = []
+        for key, value in sorted(raw, key=lambda kv: -self._seq_of(kv[1])):  # newest wins overlaps
+            fields = _VALUE.unpack(value) if len(value) == _VALUE.size else None
+            if len(key) != 16 or fields is None or fields[0] != _VALUE_VERSION:
+                self.corrupt_blocks += 1
+                drop.append(key)
+                continue
+            _, seg, off, length, _, _ = fields
+            if seg >= len(self._seg_sizes) or off + length > self._seg_sizes[seg]:
+                self.dropped_on_open += 1
+                drop.append(key)
+                continue
+            try:
+                if off % PAGE or length % PAGE or length < PAGE:
+                    raise InvalidArgument("misaligned")
+                self._alloc.reserve_exact(Extent(seg * self._stride + off, length))
+            except InvalidArgument:  # misaligned, or overlapping a newer entry
+                self.corrupt_blocks += 1
+                drop.append(key)
+                continue
+            kept.append((key, fields))
+        entries: list[_Entry] = []
+        hdr = self._acquire_stage()
+        try:
+            for key, (_, seg, off, length, seq, pcs) in sorted(kept, key=lambda kv: (kv[1][1], kv[1][2])):
+                vaddr = seg * self._stride + off
+                try:
+                    _io_all(os.preadv, self._fds[seg], [memoryview(hdr)[:PAGE]], off)
+                    meta = decode_header(memoryview(hdr)[:HEADER_SIZE], expect_key=key)
+                    if meta.payload_checksum != pcs or record_bytes(meta.payload_len) != length:
+                        raise CorruptBlock("header disagrees with the index")
+                except (BlockFormatError, OSError) as e:
+                    if isinstance(e, OSError) and e.errno not in _MEDIA_ERRORS:
+                        raise
+                    log.warning("dropping NVMe block %s at open: %s", key.hex(), e)
+                    self.corrupt_blocks += 1
+                    self._alloc.free([Extent(vaddr, length)])
+                    drop.append(key)
+                    continue
+                entries.append(_Entry(ChunkKey(key), meta, seg, off, length, vaddr, seq))
+        finally:
+            self._release_stage(hdr)
+        if drop:
+            with self._env.begin(write=True) as txn:
+                for key in drop:
+                    txn.delete(key, db=self._db)
+        entries.sort(key=lambda e: e.seq)  # parents are mostly older: insert them first
+        for e in entries:
+            self._index[e.key] = e
+            self._policy.insert(e.key, e.meta.parent, e.length)
+        self._seq = max((self._seq_of(v) for _, v in raw), default=0)
+
+    @staticmethod
+    def _seq_of(value: bytes) -> int:
+        return _VALUE.unpack(value)[4] if len(value) == _VALUE.size else -1
+
+    # -- queries (event-loop safe: memory only) ---------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes allocated: stored records, writes in flight and space awaiting its last reader."""
+        with self._lock:
+            return self._alloc.used_bytes - self._gap_bytes
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def contains(self, key: ChunkKey) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def meta(self, key: ChunkKey) -> BlockMeta | None:
+        with self._lock:
+            e = self._index.get(key)
+        return e.meta if e is not None else None
+
+    def count_prefix(self, keys: Sequence[ChunkKey]) -> int:
+        with self._lock:
+            n = 0
+            for k in keys:
+                if k not in self._index:
+                    break
+                n += 1
+            return n
+
+    def fits(self, nbytes: int) -> bool:
+        """True if a block with an ``nbytes`` payload fits in one free extent right now."""
+        with self._lock:
+            return record_bytes(nbytes) <= self._alloc.largest_free_bytes
+
+    def locate(self, key: ChunkKey) -> BlockLocation | None:
+        """Where ``key``'s record is now (the space may be reused once it is deleted)."""
+        with self._lock:
+            e = self._index.get(key)
+        if e is None:
+            return None
+        return BlockLocation(self._seg_path(e.seg), e.off, e.length, e.off + PAGE, e.meta.payload_len)
+
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            return {
+                "blocks": len(self._index),
+                "used_bytes": self._alloc.used_bytes - self._gap_bytes,
+                "capacity_bytes": self._capacity,
+                "corrupt_blocks": self.corrupt_blocks,
+                "dropped_on_open": self.dropped_on_open,
+                "pending_index_deletes": len(self._pending),
+                "segments": len(self._seg_sizes),
+                "segment_bytes": self.segment_bytes,
+                "direct_io": self.direct_io,
+            }
+
+    def victims(self, can_evict: Callable[[ChunkKey], bool] = lambda k: True) -> Iterator[ChunkKey]:
+        """The policy's victims, minus blocks being read and those ``can_evict`` rejects.
+
+        The policy generator only advances under the lock; ``can_evict`` runs outside it.
+        """
+        gen = self._policy.victims()
+        try:
+            while True:
+                with self._lock:
+                    key = next(gen, None)
+                    if key is None:
+                        return
+                    e = self._index.get(key)
+                    if e is None:  # stale in the policy: drop it there rather than restore it
+                        self._policy.remove(key)
+                        continue
+                    busy = e.readers > 0
+                if not busy and can_evict(key):
+                    yield key
+        finally:
+            with self._lock:
+                gen.close()
+
+    # -- mutation -----------------------------------------------------------------------
+    def delete(self, key: ChunkKey) -> bool:
+        """Forget ``key`` now; its lmdb entry goes with the next index commit (or ``flush``)."""
+        with self._lock:
+            e = self._index.pop(key, None)
+            if e is None:
+                return False
+            self._policy.remove(key)
+            self._pending.append(e)
+            self._retire(e)
+            return True
+
+    def write(self, meta: BlockMeta, payload: object) -> None:
+        self.write_many([(meta, payload)])
+
+    def write_many(self, items: Sequence[tuple[BlockMeta, object]]) -> None:
+        """Store blocks as one group commit: one fdatasync per touched segment, one lmdb txn.
+
+        All or nothing: on ``CapacityExceeded`` or an I/O error none of them is stored.
+        """
+        self._check_open()
+        views: list[memoryview] = []
+        for meta, payload in items:
+            try:
+                mv = memoryview(payload).cast("B")  # type: ignore[arg-type]
+            except (TypeError, ValueError) as e:
+                raise InvalidArgument(f"payload must be a contiguous buffer: {e}") from None
+            if mv.nbytes != meta.payload_len:
+                raise InvalidArgument(f"payload has {mv.nbytes} bytes but meta says {meta.payload_len}")
+            if checksum(mv) != meta.payload_checksum:
+                raise InvalidArgument(f"payload checksum does not match meta for key {meta.key.hex()}")
+            if record_bytes(mv.nbytes) > self._max_record:
+                raise CapacityExceeded(
+                    f"a {mv.nbytes}-byte block needs a {record_bytes(mv.nbytes)}-byte record, more than one "
+                    f"NVMe segment ({self._max_record} bytes); raise segment_bytes (and capacity_bytes)"
+                )
+            views.append(mv)
+        if not views:
+            return
+        entries: list[_Entry] = []
+        with self._lock:
+            for (meta, _), mv in zip(items, views):
+                got = self._alloc.allocate(record_bytes(mv.nbytes), contiguous=True)
+                if got is None:
+                    self._alloc.free([Extent(e.vaddr, e.length) for e in entries])
+                    raise CapacityExceeded(
+                        f"no free NVMe extent for {len(items)} block(s) now ({self._alloc.free_bytes} bytes free, "
+                        f"largest extent {self._alloc.largest_free_bytes}); evict first (fits()/victims())"
+                    )
+                v = got[0]
+                self._seq += 1
+                seg, off = divmod(v.offset, self._stride)
+                entries.append(_Entry(meta.key, meta, seg, off, v.length, v.offset, self._seq))
+            must_flush = any(
+                p.vaddr < e.vaddr + e.length and e.vaddr < p.vaddr + p.length for p in self._pending for e in entries
+            )
+        committed = False
+        try:
+            if must_flush:
+                self.flush()
+            for e, mv in zip(entries, views):
+                self._transfer(e, mv, writing=True)
+            if self.sync:
+                for seg in sorted({e.seg for e in entries}):
+                    os.fdatasync(self._fds[seg])
+            self._commit(entries)
+            committed = True
+        except OSError as err:
+            if err.errno in _DISK_FULL:
+                raise CapacityExceeded(f"the disk under {self.directory} is full: {err}") from err
+            raise
+        finally:
+            if not committed:
+                with self._lock:
+                    self._alloc.free([Extent(e.vaddr, e.length) for e in entries])
+
+    def flush(self) -> None:
+        """Commit queued index deletes to lmdb (writes do this on their own)."""
+        self._commit([])
+
+    def _commit(self, entries: list[_Entry]) -> None:
+        assert self._env is not None
+        with self._commit_lock:
+            with self._lock:
+                drained, self._pending = self._pending, []
+            if not drained and not entries:
+                return
+            try:
+                with self._env.begin(write=True) as txn:
+                    for p in drained:  # only if lmdb still holds that very entry
+                        v = txn.get(p.key, db=self._db)
+                        if v is not None and self._seq_of(v) == p.seq:
+                            txn.delete(p.key, db=self._db)
+                    for e in entries:
+                        txn.put(e.key, e.value(), db=self._db)
+            except BaseException:
+                with self._lock:
+                    self._pending[:0] = drained
+                raise
+            with self._lock:
+                for e in entries:
+                    old = self._index.get(e.key)
+                    self._index[e.key] = e
+                    self._policy.insert(e.key, e.meta.parent, e.length)
+                    if old is not None:
+                        self._retire(old)
+
+    def _retire(self, e: _Entry) -> None:
+        """Under ``_lock``: ``e`` has left the index; free its space once nobody reads it."""
+        e.dead = True
+        if e.readers == 0:
+            self._alloc.free([Extent(e.vaddr, e.length)])
+
+    # -- data I/O (never under a lock) ----------------------------------------------------
+    def _acquire_stage(self) -> mmap.mmap:
+        with self._lock:
+            if self._stages:
+                return self._stages.pop()
+        return mmap.mmap(-1, STAGE_BYTES)
+
+    def _release_stage(self, stage: mmap.mmap) -> None:
+        with self._lock:
+            if len(self._stages) < _STAGE_POOL_MAX and not self._closed:
+                self._stages.append(stage)
+                return
+        _close_stage(stage)
+
+    def read_into(self, key: ChunkKey, out: object) -> ReadResult:
+        """Copy ``key``'s payload into ``out`` after verifying header and payload checksum."""
+        self._check_open()
+        try:
+            omv = memoryview(out).cast("B")  # type: ignore[arg-type]
+        except (TypeError, ValueError) as e:
+            raise InvalidArgument(f"out must be a contiguous writable buffer: {e}") from None
+        if omv.readonly:
+            raise InvalidArgument("out must be writable")
+        with self._lock:
+            e = self._index.get(key)
+            if e is None:
+                return ReadResult(key, miss=MissReason.NOT_PRESENT)
+            if omv.nbytes < e.meta.payload_len:
+                raise InvalidArgument(f"out has {omv.nbytes} bytes; block {key.hex()} needs {e.meta.payload_len}")
+            e.readers += 1
+            self._policy.access(key)
+        ok = False
+        try:
+            self._transfer(e, omv[: e.meta.payload_len], writing=False)
+            ok = True
+        except (BlockFormatError, OSError) as err:
+            if isinstance(err, OSError) and err.errno not in _MEDIA_ERRORS:
+                raise
+            log.warning("NVMe block %s is corrupt, dropping it: %s", key.hex(), err)
+        finally:
+            with self._lock:
+                e.readers -= 1
+                if not ok:
+                    self.corrupt_blocks += 1
+                    if self._index.get(key) is e:
+                        del self._index[key]
+                        self._policy.remove(key)
+                        self._pending.append(e)
+                        e.dead = True
+                if e.dead and e.readers == 0:
+                    self._alloc.free([Extent(e.vaddr, e.length)])
+        if not ok:
+            return ReadResult(key, miss=MissReason.CORRUPT)
+        return ReadResult(key, meta=e.meta, nbytes=e.meta.payload_len)
+
+    def _transfer(self, e: _Entry, mv: memoryview, writing: bool) -> None:
+        """Write ``e``'s record from ``mv``, or read it into ``mv`` and verify it (raises on doubt)."""
+        fd, n = self._fds[e.seg], mv.nbytes
+        op = os.pwritev if writing else os.preadv
+        page = encode_header(e.meta) + _ZEROS[HEADER_SIZE:] if writing else bytearray(PAGE)
+        if not self.direct_io:  # buffered: straight from / into the caller's buffer, any alignment
+            pad = memoryview(_ZEROS)[: e.length - PAGE - n] if writing else mv[:0]
+            _io_all(op, fd, [memoryview(page), mv, pad], e.off)
+            if not writing:
+                self._check(e, page, mv)
+            return
+        stage = self._acquire_stage()
+        s = memoryview(stage)
+        try:
+            if _addr(mv) % PAGE == 0:  # aligned caller buffer: its whole pages move without a copy
+                full = n // PAGE * PAGE
+                tail = n - full
+                if writing:
+                    s[:PAGE] = page
+                    s[PAGE : PAGE + tail] = mv[full:]
+                    s[PAGE + tail : 2 * PAGE] = _ZEROS[tail:]
+                _io_all(op, fd, [s[:PAGE], mv[:full], s[PAGE : 2 * PAGE] if tail else s[:0]], e.off)
+                if not writing:
+                    mv[full:] = s[PAGE : PAGE + tail]
+                    self._check(e, s[:HEADER_SIZE], mv)
+                return
+            for pos in range(0, e.length, STAGE_BYTES):  # otherwise through the staging buffer
+                hi = min(pos + STAGE_BYTES, e.length)
+                a, b = max(pos, PAGE), min(hi, PAGE + n)  # the payload's share of this chunk
+                if writing:
+                    if pos == 0:
+                        s[:PAGE] = page
+                    if a < b:
+                        s[a - pos : b - pos] = mv[a - PAGE : b - PAGE]
+                    z = max(pos, PAGE + n)
+                    if z < hi:
+                        s[z - pos : hi - pos] = _ZEROS[: hi - z]
+                _io_all(op, fd, [s[: hi - pos]], e.off + pos)
+                if not writing:
+                    if pos == 0:  # a bad header fails before the rest is read
+                        self._check(e, s[:HEADER_SIZE], None)
+                    if a < b:
+                        mv[a - PAGE : b - PAGE] = s[a - pos : b - pos]
+            if not writing:
+                verify_payload(e.meta, mv)
+        finally:
+            del s
+            self._release_stage(stage)
+
+    @staticmethod
+    def _check(e: _Entry, hdr: object, payload: memoryview | None) -> None:
+        if decode_header(hdr, expect_key=e.key) != e.meta:
+            raise CorruptBlock(f"header of {e.key.hex()} disagrees with the index")
+        if payload is not None:
+            verify_payload(e.meta, payload)
+
+    # -- lifetime -------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Unavailable(f"the NVMe tier on {self.directory} is closed")
+
+    def close(self) -> None:
+        """Commit queued deletes, close lmdb and the segment files, release the directory lock."""
+        if self._closed:
+            return
+        try:
+            if self._env is not None:
+                self.flush()
+                if self.sync:
+                    self._env.sync(True)
+        finally:
+            self._closed = True
+            self._release()
+
+    def _release(self) -> None:
+        if self._env is not None:
+            self._env.close()
+            self._env = None
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        with self._lock:
+            stages, self._stages = self._stages, []
+        for st in stages:
+            _close_stage(st)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
+
+    def __enter__(self) -> "NVMeTier":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
