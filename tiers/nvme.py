@@ -187,6 +187,8 @@ class NVMeTier:
         self._policy: EvictionPolicy = policy if policy is not None else make_policy(DEFAULT_POLICY)
         self._lock = threading.RLock()  # reentrant: a dropped victims() generator may close under it
         self._commit_lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # signalled when _inflight drops to 0
+        self._inflight = 0  # reads and writes under way
         self._index: dict[ChunkKey, _Entry] = {}
         self._pending: list[_Entry] = []  # removed from memory, delete not yet committed to lmdb
         self._stages: list[mmap.mmap] = []
@@ -449,7 +451,6 @@ class NVMeTier:
 
         All or nothing: on ``CapacityExceeded`` or an I/O error none of them is stored.
         """
-        self._check_open()
         views: list[memoryview] = []
         for meta, payload in items:
             try:
@@ -470,10 +471,12 @@ class NVMeTier:
             return
         entries: list[_Entry] = []
         with self._lock:
+            self._enter()
             for (meta, _), mv in zip(items, views):
                 got = self._alloc.allocate(record_bytes(mv.nbytes), contiguous=True)
                 if got is None:
                     self._alloc.free([Extent(e.vaddr, e.length) for e in entries])
+                    self._exit()
                     raise CapacityExceeded(
                         f"no free NVMe extent for {len(items)} block(s) now ({self._alloc.free_bytes} bytes free, "
                         f"largest extent {self._alloc.largest_free_bytes}); evict first (fits()/victims())"
@@ -501,9 +504,10 @@ class NVMeTier:
                 raise CapacityExceeded(f"the disk under {self.directory} is full: {err}") from err
             raise
         finally:
-            if not committed:
-                with self._lock:
+            with self._lock:
+                if not committed:
                     self._alloc.free([Extent(e.vaddr, e.length) for e in entries])
+                self._exit()
 
     def flush(self) -> None:
         """Commit queued index deletes to lmdb (writes do this on their own)."""
@@ -558,7 +562,6 @@ class NVMeTier:
 
     def read_into(self, key: ChunkKey, out: object) -> ReadResult:
         """Copy ``key``'s payload into ``out`` after verifying header and payload checksum."""
-        self._check_open()
         try:
             omv = memoryview(out).cast("B")  # type: ignore[arg-type]
         except (TypeError, ValueError) as e:
@@ -566,34 +569,36 @@ class NVMeTier:
         if omv.readonly:
             raise InvalidArgument("out must be writable")
         with self._lock:
+            self._enter()
             e = self._index.get(key)
-            if e is None:
-                return ReadResult(key, miss=MissReason.NOT_PRESENT)
-            if omv.nbytes < e.meta.payload_len:
+            if e is None or omv.nbytes < e.meta.payload_len:
+                self._exit()
+                if e is None:
+                    return ReadResult(key, miss=MissReason.NOT_PRESENT)
                 raise InvalidArgument(f"out has {omv.nbytes} bytes; block {key.hex()} needs {e.meta.payload_len}")
             e.readers += 1
             self._policy.access(key)
-        ok = False
+        corrupt = False
         try:
             self._transfer(e, omv[: e.meta.payload_len], writing=False)
-            ok = True
         except (BlockFormatError, OSError) as err:
             if isinstance(err, OSError) and err.errno not in _MEDIA_ERRORS:
                 raise
             log.warning("NVMe block %s is corrupt, dropping it: %s", key.hex(), err)
+            corrupt = True
         finally:
             with self._lock:
                 e.readers -= 1
-                if not ok:
+                self._exit()
+                if corrupt and self._index.get(key) is e:  # counted once, by whoever drops it
                     self.corrupt_blocks += 1
-                    if self._index.get(key) is e:
-                        del self._index[key]
-                        self._policy.remove(key)
-                        self._pending.append(e)
-                        e.dead = True
+                    del self._index[key]
+                    self._policy.remove(key)
+                    self._pending.append(e)
+                    e.dead = True
                 if e.dead and e.readers == 0:
                     self._alloc.free([Extent(e.vaddr, e.length)])
-        if not ok:
+        if corrupt:
             return ReadResult(key, miss=MissReason.CORRUPT)
         return ReadResult(key, meta=e.meta, nbytes=e.meta.payload_len)
 
@@ -654,21 +659,32 @@ class NVMeTier:
             verify_payload(e.meta, payload)
 
     # -- lifetime -------------------------------------------------------------------------
-    def _check_open(self) -> None:
+    def _enter(self) -> None:
+        """Under ``_lock``: start a data operation (``close`` waits for it to end)."""
         if self._closed:
             raise Unavailable(f"the NVMe tier on {self.directory} is closed")
+        self._inflight += 1
 
-    def close(self) -> None:
-        """Commit queued deletes, close lmdb and the segment files, release the directory lock."""
-        if self._closed:
-            return
+    def _exit(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.notify_all()
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Refuse new reads and writes, wait for those in flight, commit queued deletes, close
+        lmdb and the segment files, release the directory lock.  Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if not self._idle.wait_for(lambda: self._inflight == 0, timeout):
+                log.error("closing %s with %d operations still in flight", self.directory, self._inflight)
         try:
             if self._env is not None:
                 self.flush()
                 if self.sync:
                     self._env.sync(True)
         finally:
-            self._closed = True
             self._release()
 
     def _release(self) -> None:

@@ -453,3 +453,54 @@ def test_count_prefix_stats_and_queued_deletes(make) -> None:
     t.write(*block("reuse", 20_000))  # lands in the deleted block's space: the delete commits first
     assert t.stats()["pending_index_deletes"] == 0
     assert t.locate(key("reuse")).record_offset == record_bytes(20_000)  # type: ignore[union-attr]
+
+
+def test_media_error_is_a_corrupt_miss_other_errors_propagate(make, monkeypatch: pytest.MonkeyPatch) -> None:
+    t = make()
+    t.write(*block("m", 9000))
+    t.write(*block("n", 9000))
+
+    def failing(code: int):  # type: ignore[no-untyped-def]
+        def preadv(*a: object) -> int:
+            raise OSError(code, os.strerror(code))
+
+        return preadv
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "preadv", failing(errno.EBADF))
+        with pytest.raises(OSError):
+            t.read_into(key("n"), bytearray(9000))
+        m.setattr(os, "preadv", failing(errno.EIO))
+        assert t.read_into(key("m"), bytearray(9000)).miss is MissReason.CORRUPT
+    assert t.contains(key("n")) and not t.contains(key("m")) and t.corrupt_blocks == 1
+    assert read(t, key("n")) == payload("n", 9000)
+
+
+def test_close_waits_for_reads_in_flight(make, monkeypatch: pytest.MonkeyPatch) -> None:
+    t = make()
+    meta, data = block("slow", 50_000)
+    t.write(meta, data)
+    entered, go = threading.Event(), threading.Event()
+    real = os.preadv
+
+    def slow_preadv(fd: int, bufs: list, off: int) -> int:
+        entered.set()
+        assert go.wait(10)
+        return real(fd, bufs, off)
+
+    monkeypatch.setattr(os, "preadv", slow_preadv)
+    out = bytearray(50_000)
+    result: list = []
+    reader = threading.Thread(target=lambda: result.append(t.read_into(meta.key, out)))
+    reader.start()
+    assert entered.wait(10)
+    closer = threading.Thread(target=t.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()  # waiting for the reader
+    with pytest.raises(Unavailable):
+        t.read_into(meta.key, out)
+    go.set()
+    reader.join(10)
+    closer.join(10)
+    assert not closer.is_alive() and result[0].hit and bytes(out) == data
