@@ -334,12 +334,20 @@ class ClientCore:
         resp = yield ("rpc", "StartGet", pb.KeysRequest(keys=keys))
         plan = []
         result: list[Any] = [None] * len(keys)
-        for i, x in enumerate(resp.leases):
-            if x.status == pb.KEY_STATUS_NO_SPACE:
-                result[i] = _RETRY
-            elif x.status == pb.KEY_STATUS_OK:
-                meta = meta_from_pb(x.block)
-                plan.append((i, meta, self._dest(meta, outs[i] if outs else None)))
+        try:
+            for i, x in enumerate(resp.leases):
+                if x.status == pb.KEY_STATUS_NO_SPACE:
+                    result[i] = _RETRY
+                elif x.status == pb.KEY_STATUS_OK:
+                    meta = meta_from_pb(x.block)
+                    plan.append((i, meta, self._dest(meta, outs[i] if outs else None)))
+        except BaseException:
+            # no bytes will be fetched (e.g. an output buffer is too small): give the leases back
+            # now rather than leaving them pinned until the transfer expires
+            ids = [x.lease_id for x in resp.leases if x.status == pb.KEY_STATUS_OK]
+            if ids:
+                yield from self._quietly("Release", pb.ReleaseRequest(lease_ids=ids))
+            raise
         if not plan:
             return result
         pool, tid = self.pool, resp.transfer_id

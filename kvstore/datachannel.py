@@ -151,18 +151,24 @@ class DataChannelServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            idle_timeout = FIRST_FRAME_TIMEOUT_S  # a new connection must speak promptly
             while not self._closing.is_set():
-                conn.settimeout(300.0)  # idle pooled connections may wait a while between transfers
-                head = _recv_exact_small(conn, REQUEST.size)
-                if head is None:
+                conn.settimeout(idle_timeout)
+                # the magic first, so a peer that speaks anything else is dropped at once
+                # instead of holding a thread while we wait for a full request frame
+                if _recv_exact_small(conn, len(REQUEST_MAGIC)) != REQUEST_MAGIC:
                     return
-                magic, op, tid = REQUEST.unpack(head)
+                rest = _recv_exact_small(conn, REQUEST.size - len(REQUEST_MAGIC))
+                if rest is None:
+                    return
+                magic, op, tid = REQUEST.unpack(REQUEST_MAGIC + rest)
                 if magic != REQUEST_MAGIC or op not in (OP_GET, OP_PUT):
                     return
                 transfer = self._call(self._take(tid, op))
                 if transfer is None:
                     return  # unknown, expired or replayed id: close at once
                 conn.settimeout(FIRST_FRAME_TIMEOUT_S * 6)
+                idle_timeout = 300.0  # idle pooled connections may wait a while between transfers
                 if op == OP_GET:
                     self._serve_get(conn, transfer)
                 else:

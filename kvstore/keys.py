@@ -91,9 +91,15 @@ class Namespace:
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> "Namespace":
         d = dict(d)
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise InvalidArgument(f"unknown namespace field(s) {unknown}")
         layout = d.pop("layout", None)
         kw: dict[str, object] = dict(d)
         if isinstance(layout, dict):
+            bad = sorted(set(layout) - {f.name for f in dataclasses.fields(KVLayout)})
+            if bad:
+                raise InvalidArgument(f"unknown KV layout field(s) {bad}")
             kw["layout"] = KVLayout(**layout)
         elif layout is not None:  # already a KVLayout: keep it (dropping it would change the fingerprint)
             kw["layout"] = layout

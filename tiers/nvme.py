@@ -160,7 +160,10 @@ class NVMeTier:
 
     Readers pin a block (``readers`` count): ``delete`` of a block being read removes it
     from the index at once but frees its space only when the last reader finishes.
-    ``close()`` must not race in-flight calls.
+    ``close()`` refuses new reads and writes, then waits for those in flight.
+
+    ``write``/``write_many``/``read_into`` block on the disk: call them from executor
+    threads.  Everything else touches memory only.
     """
 
     kind = TierKind.NVME
@@ -352,6 +355,16 @@ class NVMeTier:
     @property
     def capacity_bytes(self) -> int:
         return self._capacity
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        """The eviction policy instance.  Not thread-safe: prefer :meth:`admit`, which locks."""
+        return self._policy
+
+    def admit(self, key: ChunkKey, size: int) -> bool:
+        """The policy's admission filter (one-hit wonders may be kept off NVMe)."""
+        with self._lock:
+            return self._policy.admit(key, size)
 
     @property
     def used_bytes(self) -> int:

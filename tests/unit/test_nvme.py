@@ -504,3 +504,9 @@ def test_close_waits_for_reads_in_flight(make, monkeypatch: pytest.MonkeyPatch) 
     reader.join(10)
     closer.join(10)
     assert not closer.is_alive() and result[0].hit and bytes(out) == data
+
+
+def test_default_policy_and_admission(make) -> None:
+    t = make()
+    assert isinstance(t.policy, PrefixAwareLRUPolicy)
+    assert t.admit(key("any"), 1000) is True
