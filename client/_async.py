@@ -37,8 +37,17 @@ class AsyncKVClient:
         self._core = ClientCore(target, transport=transport, timeouts=timeouts, verify=verify)
         tok = resolve_token(token, token_file)
         self._metadata = (("authorization", f"Bearer {tok}"),) if tok else ()
-        self._channel = grpc.aio.insecure_channel(self._core.target.grpc_target, options=CHANNEL_OPTIONS)
-        self._stub = pb_grpc.KVStoreStub(self._channel)
+        # made on first use: a grpc.aio channel belongs to the loop it was created on, and
+        # clients are often constructed before the loop that uses them (asyncio.run(main()))
+        self._channel: grpc.aio.Channel | None = None
+        self._stub_: pb_grpc.KVStoreStub | None = None
+
+    @property
+    def _stub(self) -> pb_grpc.KVStoreStub:
+        if self._stub_ is None:
+            self._channel = grpc.aio.insecure_channel(self._core.target.grpc_target, options=CHANNEL_OPTIONS)
+            self._stub_ = pb_grpc.KVStoreStub(self._channel)
+        return self._stub_
 
     async def _rpc(self, method: str, request: Any) -> Any:
         attempts = RETRIES + 1 if method in IDEMPOTENT else 1
@@ -54,6 +63,7 @@ class AsyncKVClient:
         raise AssertionError("unreachable")
 
     async def _run(self, op: Op[T]) -> T:
+        self._core.check_open()
         try:
             instr = next(op)
             while True:
@@ -132,7 +142,8 @@ class AsyncKVClient:
 
     async def close(self) -> None:
         self._core.close()
-        await self._channel.close()
+        if self._channel is not None:
+            await self._channel.close()
 
     async def __aenter__(self) -> "AsyncKVClient":
         return self

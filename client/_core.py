@@ -116,6 +116,11 @@ class ClientCore:
         self.arena: Arena | None = None
         self.pool: DataChannelPool | None = None
         self.path = ""
+        self.closed = False
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise Unavailable("this client is closed; create a new one")
 
     # -- connection set-up -------------------------------------------------------------
     def ensure_hello(self) -> Op[None]:
@@ -428,6 +433,7 @@ class ClientCore:
             pass
 
     def close(self) -> None:
+        self.closed = True
         if self.pool is not None:
             self.pool.close()
         if self.arena is not None:

@@ -76,6 +76,7 @@ class KVClient:
         raise AssertionError("unreachable")
 
     def _run(self, op: Op[T]) -> T:
+        self._core.check_open()
         try:
             instr = next(op)
             while True:

@@ -1,5 +1,731 @@
-"""Placeholder replaced below."""
-def add_arguments(p):
-    pass
-def main(a):
+"""``kvstore bench``: data-path benchmarks against references measured in the same run.
+
+Two benchmarks (DESIGN §9, §10); each prints a table, and with ``--json`` exactly one
+JSON object on stdout (the table then goes to stderr):
+
+* ``kvstore bench --engine``: the storage engine in-process.  ``DRAMTier`` put/get of
+  ``--block`` blocks against one-thread ``np.copyto`` over the same working set into the
+  same destination buffers; ``NVMeTier`` write/read against sequential O_DIRECT
+  ``pwrite``+``fdatasync`` / ``pread`` of the same bytes on the same filesystem.
+* ``kvstore bench``: the SDK.  Batched ``put_many`` / ``get_many_into`` of each size
+  over the local (shared-memory), TCP (data channel) and gRPC-stream paths, against
+  memcpy, a raw loopback socket (``sendall`` → ``recv_into``, peer in another process)
+  and a private ``redis-server`` (spoken to in RESP, replies read with ``recv_into``).
+  Without ``--target`` it runs its own node process and stops it at the end.
+
+Method: every buffer is allocated page-aligned and pre-faulted before timing (first
+touch runs at ~1 GB/s here); each rep runs every case once, interleaved, so machine
+drift hits all of them alike; the best rep counts.  Puts use new keys each rep (the
+node deduplicates puts of stored keys) and are deleted afterwards, untimed.  The first
+get of each path is checked byte for byte (by xxh3) against what was put.
+GB/s are 10^9 bytes per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import mmap
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import xxhash
+
+from kvstore.config import default_data_dir, parse_size
+from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+
+KiB, MiB = 1 << 10, 1 << 20
+PAGE = 4096
+REF_SIZE = 4 * MiB  # ratios and targets are stated at 4 MiB (DESIGN §10)
+TARGETS = {  # DESIGN §10, as ratios against references measured in the same run
+    "dram_get_vs_memcpy": 0.8,
+    "nvme_read_vs_direct_io": 0.8,
+    "local_get_vs_memcpy": 0.8,
+    "local_put_vs_memcpy": 0.7,
+    "tcp_get_vs_socket": 0.5,
+    "tcp_get_vs_redis": 2.0,
+}
+
+
+# -- shared helpers ------------------------------------------------------------------------
+def label(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", KiB)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n}B"
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def buffer(nbytes: int, *, pattern: bool = False) -> np.ndarray:
+    """A page-aligned, pre-faulted private buffer (O_DIRECT-capable; never first-touched in a timed loop)."""
+    mm = mmap.mmap(-1, max(nbytes, PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arr = np.frombuffer(mm, dtype=np.uint8)[:nbytes]
+    if not pattern:
+        arr.fill(1)
+        return arr
+    tile = np.random.default_rng(0).integers(0, 256, size=min(nbytes, MiB), dtype=np.uint8)
+    for off in range(0, nbytes, tile.size):
+        n = min(tile.size, nbytes - off)
+        arr[off : off + n] = tile[:n]
+    stamps = np.arange(0, nbytes // 8, 4096, dtype=np.uint64)  # distinct blocks of any size >= 32 KiB
+    arr[: nbytes // 8 * 8].view(np.uint64)[stamps] = stamps
+    return arr
+
+
+def blocks(arr: np.ndarray, size: int) -> list[np.ndarray]:
+    return [arr[i * size : (i + 1) * size] for i in range(arr.size // size)]
+
+
+def batched(items: Sequence[Any], n: int) -> Iterator[Sequence[Any]]:
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+class Best:
+    """Best (shortest) time of repeated runs of one case."""
+
+    def __init__(self) -> None:
+        self.seconds = float("inf")
+
+    def add(self, seconds: float) -> None:
+        self.seconds = min(self.seconds, seconds)
+
+    def gbps(self, nbytes: int) -> float | None:
+        return gbps(nbytes, self.seconds) if self.seconds != float("inf") else None
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def memcpy(src: Sequence[np.ndarray], dst: Sequence[np.ndarray]) -> None:
+    for s, d in zip(src, dst):
+        np.copyto(d, s)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- engine benchmark ----------------------------------------------------------------------
+def fs_type(path: Path) -> str:
+    """The filesystem type of ``path`` (longest mount point in /proc/mounts)."""
+    best, kind = "", "unknown"
+    p = str(path.resolve())
+    with contextlib.suppress(OSError), open("/proc/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 3:
+                mnt = parts[1].replace("\\040", " ")
+                if (p == mnt or p.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, kind = mnt, parts[2]
+    return kind
+
+
+def engine_base_dir() -> Path:
+    """Where the NVMe tier would live: /tmp if it shares the data dir's (non-tmpfs) filesystem."""
+    anchor = default_data_dir()
+    while not anchor.exists():
+        anchor = anchor.parent
+    tmp = Path(tempfile.gettempdir())
+    if fs_type(tmp) not in ("tmpfs", "ramfs") and tmp.stat().st_dev == anchor.stat().st_dev:
+        return tmp
+    cache = Path.home() / ".cache"
+    return cache if fs_type(cache) not in ("tmpfs", "ramfs") else Path.cwd()
+
+
+def drop_caches() -> bool:
+    """Drop the page cache so reads come from the disk (needs root); False if not allowed."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _pwrite_all(fd: int, view: memoryview, off: int) -> None:
+    while view.nbytes:
+        n = os.pwrite(fd, view, off)
+        view, off = view[n:], off + n
+
+
+def _pread_all(fd: int, view: memoryview, off: int) -> None:
+    while view.nbytes:
+        n = os.preadv(fd, [view], off)
+        if n <= 0:
+            raise OSError(f"short read at {off}")
+        view, off = view[n:], off + n
+
+
+def run_engine(a: argparse.Namespace) -> dict[str, Any]:
+    from kvstore.block import BlockMeta
+    from tiers.arena import Arena
+    from tiers.dram import DRAMTier
+    from tiers.nvme import NVMeTier, record_bytes
+
+    bsize, n = a.block, max(1, a.working_set // a.block)
+    ws = n * bsize
+    batch = max(1, a.batch_bytes // bsize)
+    base = Path(a.dir) if a.dir else engine_base_dir()
+    base.mkdir(parents=True, exist_ok=True)
+    need = ws + int(record_bytes(bsize) * n * 1.25) + (64 << 20)
+    if shutil.disk_usage(base).free < need:
+        raise InvalidArgument(f"{base} has less than {need >> 20} MiB free for the NVMe benchmark; pass --dir")
+    src_all, dst_all = buffer(ws, pattern=True), buffer(ws)
+    src, dst = blocks(src_all, bsize), blocks(dst_all, bsize)
+    keys = [struct.pack("<QQ", 0xBE7C, i) for i in range(n)]
+    metas = [BlockMeta.for_payload(k, s) for k, s in zip(keys, src)]
+    sums = [m.payload_checksum for m in metas]
+    reps = a.repeat
+    out: dict[str, Any] = {"bench": "engine", "block_bytes": bsize, "working_set_bytes": ws, "blocks": n, "repeat": reps}
+
+    log(f"engine: {n} x {label(bsize)} blocks, best of {reps}; DRAM arena in /dev/shm")
+    arena = Arena.create(Path("/dev/shm") / f"kvstore-bench-{os.getpid()}.arena", ws + ws // 4 + 4 * MiB)
+    try:
+        dram = DRAMTier(arena)
+        cm, cp, cg = Best(), Best(), Best()
+        for rep in range(reps):
+            cm.add(timed(lambda: memcpy(src, dst)))
+            cp.add(timed(lambda: [dram.write(m, s) for m, s in zip(metas, src)]))
+            if rep == 0:
+                dst_all.fill(0)
+            cg.add(timed(lambda: [dram.read_into(k, d) for k, d in zip(keys, dst)]))
+            if rep == 0 and [xxhash.xxh3_64_intdigest(d) for d in dst] != sums:
+                raise KVStoreError("DRAM tier returned wrong bytes")
+            for k in keys:
+                dram.delete(k)
+    finally:
+        arena.close()
+    out.update(memcpy_gbps=cm.gbps(ws), dram_put_gbps=cp.gbps(ws), dram_get_gbps=cg.gbps(ws))
+    out["dram_get_vs_memcpy"] = ratio(out["dram_get_gbps"], out["memcpy_gbps"])
+    out["dram_put_vs_memcpy"] = ratio(out["dram_put_gbps"], out["memcpy_gbps"])
+
+    work = Path(tempfile.mkdtemp(prefix="kvstore-bench-", dir=base))
+    log(f"engine: NVMe tier and direct-I/O reference in {work} ({fs_type(work)})")
+    try:
+        tier = NVMeTier(work / "nvme", int(record_bytes(bsize) * n * 1.25) + 16 * MiB)
+        direct = tier.direct_io
+        ref_path = work / "direct-io.dat"
+        fd = os.open(ref_path, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0), 0o600)
+        try:
+            os.posix_fallocate(fd, 0, ws)
+            rw, rr, tw, tr = Best(), Best(), Best(), Best()
+            cold = True
+
+            def ref_write() -> None:
+                for i, group in enumerate(batched(range(n), batch)):
+                    for j in group:
+                        _pwrite_all(fd, memoryview(src[j]), j * bsize)
+                    os.fdatasync(fd)
+
+            for rep in range(reps):
+                rw.add(timed(ref_write))
+                if rep:
+                    for k in keys:
+                        tier.delete(k)
+                    tier.flush()
+                tw.add(timed(lambda: [tier.write_many(list(zip(metas[g.start : g.stop], src[g.start : g.stop])))
+                                      for g in batched(range(n), batch)]))
+            for rep in range(reps):
+                cold &= drop_caches()
+                rr.add(timed(lambda: [_pread_all(fd, memoryview(d), j * bsize) for j, d in enumerate(dst)]))
+                cold &= drop_caches()
+                if rep == 0:
+                    dst_all.fill(0)
+                res = []
+                tr.add(timed(lambda: res.extend(tier.read_into(k, d) for k, d in zip(keys, dst))))
+                if not all(r.hit for r in res) or (rep == 0 and [xxhash.xxh3_64_intdigest(d) for d in dst] != sums):
+                    raise KVStoreError("NVMe tier returned wrong bytes or missed")
+        finally:
+            os.close(fd)
+            with contextlib.suppress(Exception):
+                tier.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out.update(
+        direct_io=direct, cold_reads=cold, dir=str(base), fs_type=fs_type(base), batch_blocks=batch,
+        direct_io_write_gbps=rw.gbps(ws), direct_io_read_gbps=rr.gbps(ws),
+        nvme_write_gbps=tw.gbps(ws), nvme_read_gbps=tr.gbps(ws),
+    )
+    out["nvme_read_vs_direct_io"] = ratio(out["nvme_read_gbps"], out["direct_io_read_gbps"])
+    out["nvme_write_vs_direct_io"] = ratio(out["nvme_write_gbps"], out["direct_io_write_gbps"])
+    out["targets"] = {k: TARGETS[k] for k in ("dram_get_vs_memcpy", "nvme_read_vs_direct_io")}
+    out["targets_met"] = {k: bool(out[k] and out[k] >= t) for k, t in out["targets"].items()}
+    return out
+
+
+def print_engine(r: dict[str, Any], f: TextIO) -> None:
+    ws = r["working_set_bytes"]
+    print(f"kvstore bench --engine: {r['blocks']} x {label(r['block_bytes'])} = {label(ws)}, best of {r['repeat']}", file=f)
+    print(f"{'case':<34}{'GB/s':>8}{'vs ref':>9}", file=f)
+    rows = [
+        ("memcpy (np.copyto, reference)", r["memcpy_gbps"], None),
+        ("DRAM tier put", r["dram_put_gbps"], r["dram_put_vs_memcpy"]),
+        ("DRAM tier get", r["dram_get_gbps"], r["dram_get_vs_memcpy"]),
+        (f"{'O_DIRECT' if r['direct_io'] else 'buffered'} pwrite+fdatasync (ref)", r["direct_io_write_gbps"], None),
+        (f"{'O_DIRECT' if r['direct_io'] else 'buffered'} pread (reference)", r["direct_io_read_gbps"], None),
+        ("NVMe tier write (group commit)", r["nvme_write_gbps"], r["nvme_write_vs_direct_io"]),
+        ("NVMe tier read (verified)", r["nvme_read_gbps"], r["nvme_read_vs_direct_io"]),
+    ]
+    for name, v, rel in rows:
+        print(f"{name:<34}{v or 0:>8.2f}{'' if rel is None else f'{rel:>8.2f}x'}", file=f)
+    print(f"disk: {r['dir']} ({r['fs_type']}), direct I/O {'on' if r['direct_io'] else 'off'}, "
+          f"reads {'cold (page cache dropped)' if r['cold_reads'] else 'possibly warm (could not drop the page cache)'}", file=f)
+    _print_targets(r, f)
+
+
+def _print_targets(r: dict[str, Any], f: TextIO) -> None:
+    ratios = r.get("ratios", r)
+    for k, t in r["targets"].items():
+        v = ratios.get(k)
+        verdict = "n/a" if v is None else ("met" if r["targets_met"][k] else "MISSED")
+        print(f"target {k:<24} >= {t:<4} got {'-' if v is None else f'{v:.2f}':>5}  {verdict}", file=f)
+
+
+# -- SDK benchmark: references -----------------------------------------------------------
+_PEER_REQ = struct.Struct("<cQQ")  # op (G: peer sends, P: peer receives, Q: quit), block size, count
+
+
+def _recv_exact(s: socket.socket, view: memoryview) -> None:
+    pos, n = 0, view.nbytes
+    while pos < n:
+        got = s.recv_into(view[pos:], n - pos)
+        if not got:
+            raise Unavailable("socket closed mid-transfer")
+        pos += got
+
+
+def socket_peer_main() -> None:
+    """The raw-socket reference's far end, in its own process (like the node)."""
+    cap = int(sys.argv[1])
+    buf = buffer(cap, pattern=True)
+    ls = socket.create_server(("127.0.0.1", 0))
+    print(ls.getsockname()[1], flush=True)
+    s, _ = ls.accept()
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    head = bytearray(_PEER_REQ.size)
+    while True:
+        _recv_exact(s, memoryview(head))
+        op, size, count = _PEER_REQ.unpack(head)
+        if op not in (b"G", b"P") or not 0 < size <= cap:
+            return
+        views = blocks(buf, size)
+        if op == b"G":
+            for i in range(count):
+                s.sendall(views[i % len(views)])
+        elif op == b"P":
+            for i in range(count):
+                _recv_exact(s, memoryview(views[i % len(views)]))
+            s.sendall(b"K")
+
+
+class SocketPeer:
+    def __init__(self, capacity: int) -> None:
+        code = "import sys; from kvstore.bench import socket_peer_main; socket_peer_main()"
+        self.proc = subprocess.Popen([sys.executable, "-c", code, str(capacity)], stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        port = int(self.proc.stdout.readline())
+        self.s = socket.create_connection(("127.0.0.1", port))
+        self.s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def get(self, dst: Sequence[np.ndarray]) -> None:
+        self.s.sendall(_PEER_REQ.pack(b"G", dst[0].size, len(dst)))
+        for d in dst:
+            _recv_exact(self.s, memoryview(d))
+
+    def put(self, src: Sequence[np.ndarray]) -> None:
+        self.s.sendall(_PEER_REQ.pack(b"P", src[0].size, len(src)))
+        for v in src:
+            self.s.sendall(v)
+        _recv_exact(self.s, memoryview(bytearray(1)))
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.s.sendall(_PEER_REQ.pack(b"Q", 0, 0))
+            self.s.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Redis:
+    """A private ``redis-server`` and a minimal RESP client that reads values with ``recv_into``."""
+
+    def __init__(self, binary: str, workdir: Path) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--protected-mode", "no", "--dir", str(workdir), "--proto-max-bulk-len", "1gb"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                self.s = socket.create_connection(("127.0.0.1", self.port), timeout=1)
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.close()
+                    raise Unavailable(f"redis-server did not start on port {self.port}") from None
+                time.sleep(0.05)
+        self.s.settimeout(60)
+        self.s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._pending = bytearray()
+        self.command(b"PING")
+        self.version = self.command(b"INFO", b"server").split(b"redis_version:")[1].split(b"\r\n")[0].decode()
+
+    @staticmethod
+    def _head(*args: bytes, tail: int | None = None) -> bytes:
+        parts = [b"*%d\r\n" % (len(args) + (tail is not None))]
+        parts += [b"$%d\r\n%s\r\n" % (len(a), a) for a in args]
+        if tail is not None:
+            parts.append(b"$%d\r\n" % tail)
+        return b"".join(parts)
+
+    def _line(self) -> bytes:
+        while (i := self._pending.find(b"\r\n")) < 0:
+            chunk = self.s.recv(65536)
+            if not chunk:
+                raise Unavailable("redis closed the connection")
+            self._pending += chunk
+        line = bytes(self._pending[:i])
+        del self._pending[: i + 2]
+        if line.startswith(b"-"):
+            raise Unavailable(f"redis: {line[1:].decode(errors='replace')}")
+        return line
+
+    def _read_into(self, view: memoryview) -> None:
+        n = min(len(self._pending), view.nbytes)
+        view[:n] = self._pending[:n]
+        del self._pending[:n]
+        _recv_exact(self.s, view[n:])
+
+    def command(self, *args: bytes) -> bytes:
+        self.s.sendall(self._head(*args))
+        line = self._line()
+        if line.startswith(b"$"):
+            buf = memoryview(bytearray(int(line[1:]) + 2))
+            self._read_into(buf)
+            return bytes(buf[:-2])
+        return line
+
+    def set_many(self, keys: Sequence[bytes], values: Sequence[np.ndarray]) -> None:
+        for k, v in zip(keys, values):  # pipelined: all commands, then all replies
+            self.s.sendall(self._head(b"SET", k, tail=v.nbytes))
+            self.s.sendall(v)
+            self.s.sendall(b"\r\n")
+        for _ in keys:
+            if self._line() != b"+OK":
+                raise Unavailable("redis SET failed")
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[np.ndarray]) -> None:
+        self.s.sendall(b"".join(self._head(b"GET", k) for k in keys))
+        for out in outs:
+            if int(self._line()[1:]) != out.nbytes:
+                raise Unavailable("redis GET returned a missing or wrong-sized value")
+            self._read_into(memoryview(out))
+            self._line()  # the CRLF after the bulk string
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.s.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# -- SDK benchmark: the node and the paths --------------------------------------------------
+class PrivateNode:
+    """A ``kvstore serve`` child on free ports with a temporary data dir; SIGTERM stops it."""
+
+    def __init__(self, dram: int, workdir: Path) -> None:
+        self.arena = Path("/dev/shm") / f"kvstore-bench-{os.getpid()}-{workdir.name[-8:]}.arena"
+        cmd = [sys.executable, "-m", "kvstore", "serve", "--data-dir", str(workdir / "node"), "--listen", "127.0.0.1:0",
+               "--dram", str(dram), "--nvme", "0", "--node-id", f"bench-{os.getpid()}", "--arena-path", str(self.arena),
+               "--log-level", "WARNING"]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.output: list[str] = []
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.output.append(line)
+            if line.startswith("READY "):
+                self.endpoints = json.loads(line[len("READY "):])
+                threading.Thread(target=self._drain, daemon=True).start()
+                return
+        self.proc.wait()
+        self.arena.unlink(missing_ok=True)
+        raise Unavailable(f"the benchmark's node exited before READY (rc={self.proc.returncode}):\n{''.join(self.output[-20:])}")
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.output.append(line)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.arena.unlink(missing_ok=True)
+
+
+class SDKPath:
+    """One path (client) of the SDK; ``rep`` times one put and one get of the working set."""
+
+    _run = itertools.count(int(time.time() * 1000) & 0xFFFFFFFF)
+
+    def __init__(self, name: str, target: str, transport: str) -> None:
+        from client import KVClient
+
+        self.name = name
+        self.kv = KVClient(target, transport=transport)
+        self.run = next(self._run) << 32 | os.getpid()
+        self.seq = itertools.count()
+
+    def rep(self, src: Sequence[np.ndarray], dst: Sequence[np.ndarray], batch: int, check: list[int] | None) -> tuple[float, float]:
+        tag = next(self.seq)
+        keys = [struct.pack("<QII", self.run, tag, i) for i in range(len(src))]  # new keys: puts really write
+        kb, sb, db = list(batched(keys, batch)), list(batched(src, batch)), list(batched(dst, batch))
+        try:
+            t_put = timed(lambda: [self._ok(self.kv.put_many(k, s), "put") for k, s in zip(kb, sb)])
+            if check is not None:
+                for d in dst:
+                    d.fill(0)
+            t_get = timed(lambda: [self._ok(self.kv.get_many_into(k, d), "get") for k, d in zip(kb, db)])
+            if check is not None and [xxhash.xxh3_64_intdigest(d) for d in dst] != check:
+                raise KVStoreError(f"{self.name}: get returned bytes that differ from the put")
+        finally:
+            for k in batched(keys, 1024):
+                self.kv.delete(k)
+        return t_put, t_get
+
+    def _ok(self, results: list[Any], what: str) -> None:
+        if not all(results):
+            raise KVStoreError(f"{self.name}: {results.count(False) + results.count(None)} of {len(results)} {what}s failed "
+                               "(node out of DRAM? give the node more --dram or a smaller --working-set)")
+
+    def close(self) -> None:
+        self.kv.close()
+
+
+def _split_targets(targets: str) -> tuple[str | None, str | None]:
+    unix = tcp = None
+    for t in (x.strip() for x in targets.split(",") if x.strip()):
+        if t.startswith("unix:"):
+            unix = t
+        else:
+            tcp = t
+    return unix, tcp
+
+
+def run_sdk(a: argparse.Namespace) -> dict[str, Any]:
+    sizes, ws_goal, reps = a.sizes, a.working_set, a.repeat
+    ref_size = REF_SIZE if REF_SIZE in sizes else sizes[len(sizes) // 2]
+    ws_max = max(max(1, ws_goal // s) * s for s in sizes)
+    work = Path(tempfile.mkdtemp(prefix="kvstore-bench-"))
+    cleanup: list[Callable[[], None]] = [lambda: shutil.rmtree(work, ignore_errors=True)]
+    out: dict[str, Any] = {"bench": "sdk", "working_set_bytes": ws_goal, "sizes": [label(s) for s in sizes],
+                           "repeat": reps, "batch_bytes": a.batch_bytes, "ref_size": label(ref_size)}
+    try:
+        log(f"sdk: buffers {2 * ws_max >> 20} MiB, raw-socket peer, redis ...")
+        src_all, dst_all = buffer(ws_max, pattern=True), buffer(ws_max)
+        peer = SocketPeer(ws_max)
+        cleanup.append(peer.close)
+        redis = None
+        binary = shutil.which(a.redis_server) if a.redis_server else None
+        if binary:
+            try:
+                redis = Redis(binary, work)
+                cleanup.append(redis.close)
+                out["redis"] = f"redis-server {redis.version}"
+            except (Unavailable, OSError) as e:
+                out["redis"] = f"not measured: {e}"
+        else:
+            out["redis"] = "not measured: redis-server not installed" if a.redis_server else "not measured: disabled"
+        if a.target:
+            unix, tcp = _split_targets(a.target)
+            out["node"] = a.target
+        else:
+            dram = -(-max(int(ws_max * 1.5), 4 * min(a.batch_bytes, ws_max), 64 * MiB) // MiB) * MiB
+            log(f"sdk: starting a private node ({dram >> 20} MiB DRAM) ...")
+            node = PrivateNode(dram, work)
+            cleanup.append(node.stop)
+            unix, tcp = node.endpoints["unix"], node.endpoints["grpc"]
+            out["node"] = f"private (pid {node.endpoints['pid']}, {dram >> 20} MiB DRAM)"
+        paths: list[tuple[SDKPath, set[int]]] = []
+        for name, target, transport, at in (("local", unix, "shm", set(sizes)), ("tcp", tcp, "data-channel", set(sizes)),
+                                            ("grpc-stream", tcp or unix, "grpc-stream", set(a.stream_sizes))):
+            if target and name in a.paths:
+                p = SDKPath(name, target, transport)
+                cleanup.append(p.close)
+                paths.append((p, at))
+        results: dict[str, dict[str, Any]] = {p.name: {} for p, _ in paths}
+        refs: dict[str, dict[str, Any]] = {}
+        for size in sizes:
+            n = max(1, ws_goal // size)
+            ws, batch = n * size, max(1, a.batch_bytes // size)
+            src, dst = blocks(src_all, size)[:n], blocks(dst_all, size)[:n]
+            check = [xxhash.xxh3_64_intdigest(s) for s in src]
+            log(f"sdk: {n} x {label(size)} in batches of {batch}, best of {reps} ...")
+            here = [p for p, at in paths if size in at]
+            best = {k: Best() for k in ["memcpy", "socket_get", "socket_put", "redis_put", "redis_get"]
+                    + [f"{p.name}_{op}" for p in here for op in ("put", "get")]}
+            for rep in range(reps):
+                best["memcpy"].add(timed(lambda: memcpy(src, dst)))
+                best["socket_put"].add(timed(lambda: peer.put(src)))
+                best["socket_get"].add(timed(lambda: peer.get(dst)))
+                if redis is not None:
+                    rkeys = [b"bench:%d:%d" % (rep, i) for i in range(n)]
+                    best["redis_put"].add(timed(lambda: [redis.set_many(k, s) for k, s in zip(batched(rkeys, batch), batched(src, batch))]))
+                    best["redis_get"].add(timed(lambda: [redis.get_many_into(k, d) for k, d in zip(batched(rkeys, batch), batched(dst, batch))]))
+                    redis.command(b"FLUSHALL")
+                for p in here:
+                    tp, tg = p.rep(src, dst, batch, check if rep == 0 else None)
+                    best[f"{p.name}_put"].add(tp)
+                    best[f"{p.name}_get"].add(tg)
+            refs[label(size)] = {"memcpy_gbps": best["memcpy"].gbps(ws), "socket_gbps": best["socket_get"].gbps(ws),
+                                 "socket_put_gbps": best["socket_put"].gbps(ws), "redis_put_gbps": best["redis_put"].gbps(ws),
+                                 "redis_get_gbps": best["redis_get"].gbps(ws), "blocks": n, "batch": batch}
+            for p in here:
+                results[p.name][label(size)] = {"put_gbps": best[f"{p.name}_put"].gbps(ws), "get_gbps": best[f"{p.name}_get"].gbps(ws),
+                                                "blocks": n, "batch": batch}
+    finally:
+        for fn in reversed(cleanup):
+            with contextlib.suppress(Exception):
+                fn()
+    out["paths"] = results
+    out["references"] = refs
+    r = refs[label(ref_size)]
+    out.update({k: r[k] for k in ("memcpy_gbps", "socket_gbps", "socket_put_gbps", "redis_put_gbps", "redis_get_gbps")})
+    at = lambda path, key: results.get(path, {}).get(label(ref_size), {}).get(key)  # noqa: E731
+    out["ratios"] = {
+        "local_get_vs_memcpy": ratio(at("local", "get_gbps"), r["memcpy_gbps"]),
+        "local_put_vs_memcpy": ratio(at("local", "put_gbps"), r["memcpy_gbps"]),
+        "tcp_get_vs_socket": ratio(at("tcp", "get_gbps"), r["socket_gbps"]),
+        "tcp_get_vs_redis": ratio(at("tcp", "get_gbps"), r["redis_get_gbps"]),
+        "tcp_put_vs_socket": ratio(at("tcp", "put_gbps"), r["socket_put_gbps"]),
+        "tcp_put_vs_redis": ratio(at("tcp", "put_gbps"), r["redis_put_gbps"]),
+    }
+    out["targets"] = {k: TARGETS[k] for k in ("local_get_vs_memcpy", "local_put_vs_memcpy", "tcp_get_vs_socket", "tcp_get_vs_redis")}
+    out["targets_met"] = {k: (None if out["ratios"][k] is None else out["ratios"][k] >= t) for k, t in out["targets"].items()}
+    return out
+
+
+def print_sdk(r: dict[str, Any], f: TextIO) -> None:
+    print(f"kvstore bench: working set {label(r['working_set_bytes'])}, batches of <= {label(r['batch_bytes'])}, "
+          f"best of {r['repeat']}; node: {r['node']}; redis: {r['redis']}", file=f)
+    print(f"{'path':<13}{'size':>8}{'put GB/s':>10}{'get GB/s':>10}{'put/memcpy':>12}{'get/memcpy':>12}{'get/socket':>12}", file=f)
+    for path, by_size in r["paths"].items():
+        for size, v in by_size.items():
+            ref = r["references"][size]
+            rel = lambda a, b: f"{a / b:.2f}" if a and b else "-"  # noqa: E731
+            print(f"{path:<13}{size:>8}{v['put_gbps']:>10.2f}{v['get_gbps']:>10.2f}{rel(v['put_gbps'], ref['memcpy_gbps']):>12}"
+                  f"{rel(v['get_gbps'], ref['memcpy_gbps']):>12}{rel(v['get_gbps'], ref['socket_gbps']):>12}", file=f)
+    print(f"{'reference':<13}{'size':>8}{'memcpy':>10}{'sock put':>10}{'sock get':>10}{'redis put':>11}{'redis get':>11}", file=f)
+    for size, ref in r["references"].items():
+        fmt = lambda v: f"{v:.2f}" if v else "-"  # noqa: E731
+        print(f"{'':<13}{size:>8}{fmt(ref['memcpy_gbps']):>10}{fmt(ref['socket_put_gbps']):>10}{fmt(ref['socket_gbps']):>10}"
+              f"{fmt(ref['redis_put_gbps']):>11}{fmt(ref['redis_get_gbps']):>11}", file=f)
+    print(f"targets at {r['ref_size']} (DESIGN §10):", file=f)
+    _print_targets(r, f)
+
+
+# -- command line ---------------------------------------------------------------------------
+def _sizes(value: str) -> list[int]:
+    try:
+        out = [parse_size(v) for v in value.split(",") if v.strip()]
+    except InvalidArgument as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if any(s <= 0 for s in out):
+        raise argparse.ArgumentTypeError("sizes must be positive")
+    return out
+
+
+def _size(value: str) -> int:
+    (s,) = _sizes(value) or [0]
+    if s <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive size: {value!r}")
+    return s
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", action="store_true", help="benchmark the DRAM and NVMe tiers in-process instead of the SDK")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table goes to stderr)")
+    p.add_argument("--working-set", type=_size, default=None, metavar="SIZE", help="bytes moved per size and rep (default 256MiB)")
+    p.add_argument("--repeat", type=int, default=None, metavar="N", help="reps per case; the best counts (default 3)")
+    p.add_argument("--batch-bytes", type=_size, default=64 * MiB, metavar="SIZE", help="bytes per batched call (default 64MiB)")
+    p.add_argument("--quick", action="store_true", help="small and fast: 32MiB working set, 4MiB blocks, 2 reps")
+    g = p.add_argument_group("--engine")
+    g.add_argument("--block", type=_size, default=4 * MiB, metavar="SIZE", help="block size (default 4MiB)")
+    g.add_argument("--dir", metavar="DIR", help="directory for the NVMe tier and the direct-I/O reference "
+                   "(default: a temp dir on the data dir's filesystem, never tmpfs)")
+    g = p.add_argument_group("SDK")
+    g.add_argument("--sizes", type=_sizes, default=None, metavar="LIST", help="block sizes (default 256KiB,4MiB,32MiB)")
+    g.add_argument("--target", default=None, metavar="T[,T]",
+                   help="use this node: unix:///sock (local path), host:port (tcp), or both comma-separated; default: start a private node")
+    g.add_argument("--paths", default="local,tcp,grpc-stream", help="paths to measure (default local,tcp,grpc-stream)")
+    g.add_argument("--stream-sizes", type=_sizes, default=[4 * MiB], metavar="LIST",
+                   help="sizes at which to measure the slow grpc-stream fallback (default 4MiB)")
+    g.add_argument("--redis-server", default="redis-server", metavar="PATH", help="redis-server binary ('' to skip Redis)")
+
+
+def main(a: argparse.Namespace) -> int:
+    a.repeat = a.repeat or (2 if a.quick else 3)
+    a.working_set = a.working_set or (32 * MiB if a.quick else 256 * MiB)
+    if a.sizes is None:
+        a.sizes = [4 * MiB] if a.quick else [256 * KiB, 4 * MiB, 32 * MiB]
+    a.paths = {x.strip() for x in a.paths.split(",") if x.strip()}
+    if a.repeat < 1:
+        raise InvalidArgument("--repeat must be at least 1")
+    load_before = os.getloadavg()[0]
+    result = run_engine(a) if a.engine else run_sdk(a)
+    # other processes on the machine skew every number: say how busy it was
+    result["load_avg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    result["cpus"] = os.cpu_count()
+    table = sys.stderr if a.json else sys.stdout
+    (print_engine if a.engine else print_sdk)(result, table)
+    table.flush()
+    if a.json:
+        print(json.dumps(result, sort_keys=True), flush=True)
     return 0

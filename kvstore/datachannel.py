@@ -133,7 +133,8 @@ class DataChannelServer:
                     c.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

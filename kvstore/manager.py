@@ -411,12 +411,11 @@ class TierManager:
         """Write DRAM blocks that NVMe lacks to NVMe (one group commit)."""
         assert self.nvme is not None
         items: list[tuple[BlockMeta, memoryview]] = []
-        policy = getattr(self.nvme, "policy", None)
         for k in keys:
             meta = self.dram.meta(k)
             if meta is None or self.nvme.contains(k):
                 continue
-            if policy is not None and not policy.admit(k, meta.payload_len):
+            if not self.nvme.admit(k, meta.payload_len):
                 self.counters["nvme_rejected"] += 1
                 continue
             ext = self.dram.extents(k) or []

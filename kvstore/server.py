@@ -30,7 +30,7 @@ from kvstore.datachannel import DataChannelServer
 from kvstore.errors import DataDirLocked, InvalidArgument
 from kvstore.manager import TierManager
 from kvstore.policy import make_policy
-from kvstore.service import AuthInterceptor, KVStoreService
+from kvstore.service import AuthInterceptor, DecodeGuard, KVStoreService
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tiers.arena import Arena
@@ -74,11 +74,45 @@ class Node:
         self.cfg = config
         self.endpoints: dict[str, Any] = {}
         self._stopped = asyncio.Event()
+        self._lock_fd: int | None = None
+        self.arena: Arena | None = None
+        self._nvme: Any = None
+        self.manager: TierManager | None = None
+        self.data: DataChannelServer | None = None
+        self.server: grpc.aio.Server | None = None
 
     async def start(self) -> dict[str, Any]:
+        self._lock_fd = lock_data_dir(Path(self.cfg.data_dir))
+        try:
+            return await self._start()
+        except BaseException:
+            await self._undo_start()
+            raise
+
+    async def _undo_start(self) -> None:
+        """A start that failed half-way leaves no arena file, socket, listener or lock behind."""
+        if self.server is not None:
+            with contextlib.suppress(Exception):
+                await self.server.stop(None)
+        if self.data is not None:
+            self.data.close()
+        if self.manager is not None:
+            self.manager.close()  # closes the NVMe tier and the DRAM tier (which unlinks the arena)
+        else:
+            if self._nvme is not None:
+                self._nvme.close()
+            if self.arena is not None:
+                self.arena.close()
+        if self.server is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.cfg.socket_path().unlink()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    async def _start(self) -> dict[str, Any]:
         cfg = self.cfg
         data_dir = Path(cfg.data_dir)
-        self._lock_fd = lock_data_dir(data_dir)
         if cfg.dram < (1 << 20):
             raise InvalidArgument(f"dram={cfg.dram} bytes is too small; give at least 1MiB (e.g. --dram 1GiB)")
         if cfg.max_block_bytes > cfg.dram:
@@ -90,7 +124,7 @@ class Node:
         if cfg.nvme > 0:
             from tiers.nvme import NVMeTier
 
-            nvme = NVMeTier(data_dir / "nvme", cfg.nvme, policy=make_policy(cfg.eviction_policy), direct_io=cfg.direct_io)
+            nvme = self._nvme = NVMeTier(data_dir / "nvme", cfg.nvme, policy=make_policy(cfg.eviction_policy), direct_io=cfg.direct_io)
         self.manager = TierManager(
             dram, nvme, write_through=cfg.write_through,
             reservation_ttl=cfg.reservation_ttl_s, lease_ttl=cfg.lease_ttl_s,
@@ -100,14 +134,17 @@ class Node:
         host, port = cfg.listen.rsplit(":", 1)
         dhost, dport = (cfg.data_listen.rsplit(":", 1) if cfg.data_listen else (host, "0"))
         self.service = KVStoreService(self.manager, cfg, arena_path=str(self.arena.path), arena_size=self.arena.size, data_port=0)
-        self.data = DataChannelServer(
-            dhost.strip("[]"), int(dport), arena=self.arena, loop=loop,
-            take=self.service.take_transfer, finish_get=self.service.finish_get, finish_put=self.service.finish_put,
-        )
+        try:
+            self.data = DataChannelServer(
+                dhost.strip("[]"), int(dport), arena=self.arena, loop=loop,
+                take=self.service.take_transfer, finish_get=self.service.finish_get, finish_put=self.service.finish_put,
+            )
+        except OSError as e:
+            raise InvalidArgument(f"cannot listen for the data channel on {dhost}:{dport}: {e}; pass --data-listen") from e
         self.service._hello.data_port = self.data.address[1]
 
         token = cfg.auth_token()
-        interceptors = [AuthInterceptor(token)] if token else []
+        interceptors = [AuthInterceptor(token), DecodeGuard()] if token else [DecodeGuard()]
         self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
         pb_grpc.add_KVStoreServicer_to_server(self.service, self.server)
         self.health = health_aio.HealthServicer()
@@ -122,10 +159,16 @@ class Node:
         sock.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             sock.unlink()  # a stale socket of a dead node: we hold the data-dir lock, so it is ours
-        self.server.add_insecure_port(f"unix:{sock}")
-        bound = self.server.add_insecure_port(f"{host}:{port}")
+        try:
+            self.server.add_insecure_port(f"unix:{sock}")
+        except RuntimeError as e:  # grpc raises instead of returning 0 when it cannot bind
+            raise InvalidArgument(f"cannot listen on unix socket {sock}: {e}") from None
+        try:
+            bound = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:
+            bound = 0
         if bound == 0:
-            raise InvalidArgument(f"cannot listen on {cfg.listen} (in use?)")
+            raise InvalidArgument(f"cannot listen on {cfg.listen} (in use?); pick another --listen HOST:PORT (port 0: any free port)")
         os.chmod(sock, 0o660)
         await self.server.start()
         self.data.start()
@@ -171,7 +214,9 @@ class Node:
         self.manager.close()
         with contextlib.suppress(FileNotFoundError):
             self.cfg.socket_path().unlink()
-        os.close(self._lock_fd)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
 
 async def serve(config: NodeConfig, *, out: Any = sys.stdout) -> int:

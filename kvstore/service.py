@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvstore import __version__, errors
 from kvstore.block import BlockMeta
@@ -31,12 +32,50 @@ log = logging.getLogger(__name__)
 STREAM_CHUNK = 1 << 20
 
 
+class Malformed:
+    """Stands in for a request whose bytes did not parse as its protobuf message.
+
+    grpc answers a deserializer exception with UNKNOWN (and logs a traceback); the
+    servicer turns this placeholder into INVALID_ARGUMENT like any other bad input.
+    """
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+    def invalid(self) -> errors.InvalidArgument:
+        return errors.InvalidArgument(f"malformed request message: {self.error}")
+
+
+def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse_or_flag(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as e:
+            return Malformed(str(e))
+
+    return parse_or_flag
+
+
+class DecodeGuard(grpc.aio.ServerInterceptor):
+    """Lets the KVStore servicer see undecodable requests (as :class:`Malformed`) and reject them itself."""
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None or not details.method.startswith("/kvstore.v1.KVStore/"):
+            return handler
+        return handler._replace(request_deserializer=_lenient(handler.request_deserializer))
+
+
 def _rpc(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     """Map typed errors to gRPC status codes with the error's name in trailing metadata."""
 
     @functools.wraps(fn)
     async def wrapper(self: "KVStoreService", request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            if isinstance(request, Malformed):
+                raise request.invalid()
             return await fn(self, request, context)
         except errors.KVStoreError as e:
             context.set_trailing_metadata(((ERROR_METADATA_KEY, type(e).__name__),))
@@ -223,6 +262,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
         try:
             async for chunk in request_iterator:
+                if isinstance(chunk, Malformed):
+                    raise chunk.invalid()
                 if chunk.HasField("block"):
                     if current is not None:
                         await finish(current)
@@ -255,6 +296,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def GetStream(self, request: pb.KeysRequest, context: Any) -> Any:
         try:
+            if isinstance(request, Malformed):
+                raise request.invalid()
             keys = self._keys(request.keys)
         except errors.KVStoreError as e:
             context.set_trailing_metadata(((ERROR_METADATA_KEY, type(e).__name__),))

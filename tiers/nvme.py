@@ -380,6 +380,11 @@ class NVMeTier:
         with self._lock:
             return key in self._index
 
+    def keys(self) -> list[ChunkKey]:
+        """A snapshot of the stored keys."""
+        with self._lock:
+            return list(self._index)
+
     def meta(self, key: ChunkKey) -> BlockMeta | None:
         with self._lock:
             e = self._index.get(key)

@@ -341,6 +341,13 @@ def test_namespace_from_dict_defaults_and_validation() -> None:
         Namespace.from_dict({"model_id": "m", "chunk_tokens": 0})
 
 
+def test_namespace_from_dict_rejects_unknown_fields() -> None:
+    with pytest.raises(InvalidArgument, match="colour"):
+        Namespace.from_dict({"model_id": "m", "colour": "red"})
+    with pytest.raises(InvalidArgument, match="num_experts"):
+        Namespace.from_dict({"model_id": "m", "layout": {"num_layers": 2, "num_experts": 8}})
+
+
 def test_layout_bytes_per_token() -> None:
     assert KVLayout(32, 8, 128).bytes_per_token(2) == 32 * 2 * 8 * 128 * 2
     assert KVLayout(61, 1, 576, kv_split=False).bytes_per_token(1) == 61 * 576

@@ -1,0 +1,62 @@
+"""``kvstore bench``: both benchmarks run end to end and print the documented JSON.
+
+No timing assertions: the numbers depend on the machine and its neighbours.  These
+tests check that every case ran, moved the right bytes (the bench verifies them
+itself and exits non-zero otherwise) and reported positive rates.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_bench(*args: str, timeout: float = 120) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstore", "bench", "--json", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1, f"expected exactly one JSON line on stdout, got: {proc.stdout[-2000:]}"
+    return json.loads(lines[0])
+
+
+def positive(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+
+
+@pytest.mark.timeout(120)
+def test_engine_bench_json(tmp_path: Path) -> None:
+    r = run_bench("--engine", "--working-set", "32MiB", "--repeat", "2", "--dir", str(tmp_path))
+    for key in ("memcpy_gbps", "dram_put_gbps", "dram_get_gbps", "dram_get_vs_memcpy", "dram_put_vs_memcpy",
+                "direct_io_write_gbps", "direct_io_read_gbps", "nvme_write_gbps", "nvme_read_gbps", "nvme_read_vs_direct_io"):
+        assert positive(r[key]), (key, r[key])
+    assert isinstance(r["direct_io"], bool) and isinstance(r["cold_reads"], bool)
+    assert r["block_bytes"] == 4 << 20
+    assert r["working_set_bytes"] == 32 << 20
+    assert set(r["targets_met"]) == {"dram_get_vs_memcpy", "nvme_read_vs_direct_io"}
+    assert not any(tmp_path.iterdir()), "the engine bench must remove its files"
+
+
+@pytest.mark.timeout(120)
+def test_sdk_bench_quick_json() -> None:
+    r = run_bench("--quick")
+    assert set(r["paths"]) == {"local", "tcp", "grpc-stream"}
+    for path, by_size in r["paths"].items():
+        assert set(by_size) == {"4MiB"}, path
+        assert positive(by_size["4MiB"]["put_gbps"]) and positive(by_size["4MiB"]["get_gbps"]), (path, by_size)
+    assert positive(r["memcpy_gbps"]) and positive(r["socket_gbps"])
+    if r["redis"].startswith("redis-server"):
+        assert positive(r["redis_get_gbps"]) and positive(r["redis_put_gbps"])
+    else:  # a missing Redis is reported, not fatal
+        assert r["redis_get_gbps"] is None and r["redis"].startswith("not measured")
+    for key in ("local_get_vs_memcpy", "local_put_vs_memcpy", "tcp_get_vs_socket"):
+        assert positive(r["ratios"][key]), key
+    assert set(r["targets_met"]) == {"local_get_vs_memcpy", "local_put_vs_memcpy", "tcp_get_vs_socket", "tcp_get_vs_redis"}
