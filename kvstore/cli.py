@@ -78,7 +78,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     _bench.add_arguments(b)
     b.set_defaults(fn=_cmd_bench)
+    # subcommands that live in their own modules register themselves here
+    for name, module, help_text in _PLUGINS:
+        mod = __import__(module, fromlist=["add_arguments"])
+        sp = sub.add_parser(name, help=help_text)
+        mod.add_arguments(sp)
+        sp.set_defaults(fn=mod.main)
     return p
+
+
+# (subcommand, module with add_arguments(parser) and main(args) -> int, help)
+_PLUGINS: list[tuple[str, str, str]] = [
+    ("replay", "kvstore.replay", "replay a Mooncake-format request trace through the eviction policies or a live store"),
+    ("plan", "kvstore.plan", "capacity planner: DRAM and NVMe sizes that reach a target hit ratio on a trace"),
+]
 
 
 def main(argv: list[str] | None = None) -> int:
