@@ -425,6 +425,45 @@ class ClientCore:
             "pins": r.pins,
         }
 
+    # -- zero-copy views (client/_zerocopy.py) --------------------------------------------
+    def acquire_views(self, keys: Sequence[bytes]) -> Op[tuple[list[int], list[Any], list[Any]]]:
+        """Lease keys; return (lease ids, metas or None, arena views or None) per key."""
+        yield from self.ensure_hello()
+        if self.path != "shm" or self.arena is None:
+            raise InvalidArgument("zero-copy views need a unix:// target whose arena this process can map")
+        from client._zerocopy import views_of
+
+        resp = yield ("rpc", "Acquire", pb.KeysRequest(keys=[check_key(k) for k in keys]))
+        ids, metas, views = [], [], []
+        for x in resp.leases:
+            if x.status == pb.KEY_STATUS_OK:
+                meta = meta_from_pb(x.block)
+                ids.append(x.lease_id)
+                metas.append(meta)
+                views.append(views_of(self.arena, extents_from_pb(x.extents), meta.payload_len, writable=False))
+            else:
+                metas.append(None)
+                views.append(None)
+        return ids, metas, views
+
+    def reserve_views(self, metas: Sequence[BlockMeta]) -> Op[tuple[list[int], list[Any], list[bool]]]:
+        """Reserve space; return (reservation ids of the writable ones, views or None, existed) per meta."""
+        yield from self.ensure_hello()
+        if self.path != "shm" or self.arena is None:
+            raise InvalidArgument("zero-copy views need a unix:// target whose arena this process can map")
+        from client._zerocopy import views_of
+
+        resp = yield ("rpc", "Reserve", pb.ReserveRequest(blocks=[meta_to_pb(m) for m in metas]))
+        ids, views, existed = [], [], []
+        for m, r in zip(metas, resp.reservations):
+            existed.append(r.status == pb.KEY_STATUS_EXISTS)
+            if r.status == pb.KEY_STATUS_OK:
+                ids.append(r.reservation_id)
+                views.append(views_of(self.arena, extents_from_pb(r.extents), m.payload_len, writable=True))
+            else:
+                views.append(None)
+        return ids, views, existed
+
     def _quietly(self, method: str, request: Any) -> Op[None]:
         """Best-effort cleanup call; its failure must not mask the original error."""
         try:

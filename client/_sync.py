@@ -13,6 +13,10 @@ from client._core import IDEMPOTENT, ClientCore, Op, T, Timeouts, as_key_list
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.keys import check_key
 from kvstore.wire import error_from_rpc
+
+if False:  # typing only
+    from client._zerocopy import LeasedBlocks, ReservedBlocks
+    from kvstore.block import BlockMeta
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -156,6 +160,45 @@ class KVClient:
 
     def stats(self) -> dict[str, Any]:
         return self._run(self._core.stats())
+
+    # -- zero-copy views (local targets; used by gpu_agent) --------------------------------
+    def acquire(self, keys: Sequence[bytes]) -> "LeasedBlocks":
+        """Lease blocks and get read-only views of their arena bytes (no copy).  Use as a
+        context manager; the views must not be used after it exits."""
+        from client._zerocopy import LeasedBlocks
+
+        ks = [check_key(k) for k in as_key_list(keys)]
+        ids, metas, views = self._run(self._core.acquire_views(ks))
+
+        def release() -> list[bool]:
+            if not ids:
+                return []
+            return list(self._rpc("Release", pb.ReleaseRequest(lease_ids=ids)).valid)
+
+        return LeasedBlocks(ks, metas, views, release)
+
+    def reserve(self, metas: Sequence["BlockMeta"]) -> "ReservedBlocks":
+        """Reserve arena space for blocks described by ``metas`` and get writable views.
+        Fill them, then ``commit(checksums)``; leaving the context without commit aborts."""
+        from client._zerocopy import ReservedBlocks
+
+        ms = list(metas)
+        ids, views, existed = self._run(self._core.reserve_views(ms))
+
+        def commit(checksums: list[int] | None) -> list[bool]:
+            if not ids:
+                return []
+            req = pb.CommitRequest(reservation_ids=ids, payload_checksums=checksums or [])
+            return [s == pb.KEY_STATUS_OK for s in self._rpc("Commit", req).statuses]
+
+        def abort() -> None:
+            if ids:
+                try:
+                    self._rpc("Abort", pb.AbortRequest(reservation_ids=ids))
+                except KVStoreError:
+                    pass  # the node reclaims it at the deadline anyway
+
+        return ReservedBlocks([m.key for m in ms], ms, views, commit, abort, existed)
 
     def close(self) -> None:
         self._core.close()

@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 _PLUGINS: list[tuple[str, str, str]] = [
     ("replay", "kvstore.replay", "replay a Mooncake-format request trace through the eviction policies or a live store"),
     ("plan", "kvstore.plan", "capacity planner: DRAM and NVMe sizes that reach a target hit ratio on a trace"),
+    ("demo", "gpu_agent.demo", "end-to-end demos with a real transformer (e.g. `kvstore demo pd`: prefill -> decode handoff)"),
 ]
 
 
