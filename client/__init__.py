@@ -23,8 +23,10 @@ from kvstore.errors import (
 from kvstore.keys import NO_PARENT, ChunkKey, KVLayout, Namespace, chunk_keys, parent_keys
 
 __all__ = [
+    "AsyncClusterClient",
     "AsyncKVClient",
     "CapacityExceeded",
+    "ClusterClient",
     "ChunkKey",
     "DeadlineExceeded",
     "Incompatible",
@@ -41,3 +43,12 @@ __all__ = [
     "chunk_keys",
     "parent_keys",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # the cluster router pulls in the etcd client: load it only when it is asked for
+    if name in ("ClusterClient", "AsyncClusterClient"):
+        from client import _cluster
+
+        return getattr(_cluster, name)
+    raise AttributeError(f"module 'client' has no attribute {name!r}")

@@ -8,10 +8,10 @@ from typing import Any
 
 import grpc
 
-from client._core import IDEMPOTENT, ClientCore, Op, T, Timeouts, as_key_list
+from client._core import IDEMPOTENT, ClientCore, Op, T, Timeouts, as_key_list, fingerprint
 from client._sync import CHANNEL_OPTIONS, RETRIES, resolve_token
 from kvstore.errors import KVStoreError, Unavailable
-from kvstore.keys import check_key
+from kvstore.keys import Namespace, check_key
 from kvstore.wire import error_from_rpc
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -23,6 +23,15 @@ class AsyncKVClient:
     Copies and data-channel transfers run in worker threads so the event loop stays free.
     Use it from one event loop.
     """
+
+    def __new__(cls, target: str, **kwargs: Any) -> Any:
+        # an etcd://HOST:PORT/CLUSTER target routes over a whole cluster (client/_cluster.py);
+        # every other target is one node, handled below as before
+        if cls is AsyncKVClient and isinstance(target, str) and target.startswith("etcd://"):
+            from client._cluster import AsyncClusterClient
+
+            return AsyncClusterClient(target, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -94,10 +103,10 @@ class AsyncKVClient:
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
 
-    async def put(self, key: bytes, data: object, *, namespace: bytes | None = None, parent: bytes | None = None, token_count: int = 0) -> bool:
+    async def put(self, key: bytes, data: object, *, namespace: bytes | Namespace | None = None, parent: bytes | None = None, token_count: int = 0) -> bool:
         return (await self._run(self._core.put_many([key], [data], namespace=namespace, parents=[parent], token_counts=[token_count])))[0]
 
-    async def put_many(self, keys: Sequence[bytes], datas: Sequence[object], *, namespace: bytes | None = None,
+    async def put_many(self, keys: Sequence[bytes], datas: Sequence[object], *, namespace: bytes | Namespace | None = None,
                        parents: Sequence[bytes | None] | None = None, token_counts: Sequence[int] | None = None) -> list[bool]:
         return await self._run(self._core.put_many(list(keys), list(datas), namespace=namespace, parents=parents, token_counts=token_counts))
 
@@ -134,8 +143,8 @@ class AsyncKVClient:
     async def unpin(self, keys: Sequence[bytes]) -> int:
         return await self._run(self._core.simple("Unpin", pb.KeysRequest(keys=[check_key(k) for k in as_key_list(keys)])))
 
-    async def invalidate(self, namespace: bytes) -> int:
-        return await self._run(self._core.simple("Invalidate", pb.InvalidateRequest(namespace=bytes(namespace))))
+    async def invalidate(self, namespace: bytes | Namespace) -> int:
+        return await self._run(self._core.simple("Invalidate", pb.InvalidateRequest(namespace=fingerprint(namespace))))
 
     async def stats(self) -> dict[str, Any]:
         return await self._run(self._core.stats())

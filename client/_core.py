@@ -25,6 +25,7 @@ Paths, chosen per target:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, TypeVar
 
@@ -43,6 +44,21 @@ IDEMPOTENT = {"Hello", "Lookup", "MatchPrefix", "Stats", "Delete", "Pin", "Unpin
 STREAM_CHUNK = 1 << 20
 _RETRY = object()  # a key the node could not bring into DRAM for this batch
 TRANSPORTS = ("auto", "shm", "data-channel", "grpc-stream")
+
+
+def _relearn_node_on_unavailable(op: Callable[..., Op[T]]) -> Callable[..., Op[T]]:
+    """After ``Unavailable`` the node may come back as a new process, with a new data port
+    or arena: mark what its ``Hello`` said as stale, so the next operation asks again."""
+
+    @functools.wraps(op)
+    def wrapper(self: "ClientCore", *args: Any, **kwargs: Any) -> Op[T]:
+        try:
+            return (yield from op(self, *args, **kwargs))
+        except Unavailable:
+            self.stale = True  # not ``hello = None``: other threads' operations still read it
+            raise
+
+    return wrapper
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,15 +85,31 @@ class Target:
             path = "/" + path.lstrip("/") if path.startswith("//") else path
             return cls(f"unix://{path}" if path.startswith("/") else target, True, "")
         if target.startswith("etcd://"):
-            raise InvalidArgument("etcd:// cluster targets are not supported by this build; give a node's unix:// or host:port")
+            # KVClient/AsyncKVClient hand etcd:// targets to the cluster router (client/_cluster.py),
+            # which drives one ClientCore per node; a core itself always talks to one node
+            raise InvalidArgument("an etcd:// cluster target needs KVClient or AsyncKVClient (which route over the cluster), not a single-node core")
         host, sep, port = target.rpartition(":")
         if not sep or not port.isdigit() or not host:
             raise InvalidArgument(f"target must be 'unix:///path' or 'host:port', got {target!r}")
         return cls(target, False, host.strip("[]"))
 
 
-def describe(key: bytes, data: memoryview, obj: object, *, namespace: bytes | None, parent: bytes | None, token_count: int) -> BlockMeta:
-    """Block metadata for a payload; dtype and shape come from numpy arrays and tensors."""
+def fingerprint(namespace: object) -> bytes:
+    """The 8-byte fingerprint of a :class:`~kvstore.keys.Namespace`, or the fingerprint itself."""
+    fp = getattr(namespace, "fingerprint", namespace)
+    if isinstance(fp, (bytearray, memoryview)):
+        fp = bytes(fp)
+    if not isinstance(fp, bytes) or len(fp) != 8:
+        raise InvalidArgument(f"namespace must be a Namespace or its fingerprint (8 bytes), got {namespace!r:.80}")
+    return fp
+
+
+def describe(key: bytes, data: memoryview, obj: object, *, namespace: bytes | None, parent: bytes | None, token_count: int,
+             with_checksum: bool = True) -> BlockMeta:
+    """Block metadata for a payload; dtype and shape come from numpy arrays and tensors.
+
+    ``with_checksum=False`` leaves ``payload_checksum`` 0 for the caller to fill in later.
+    """
     dtype, shape = "uint8", (data.nbytes,)
     np_dtype = getattr(obj, "dtype", None)
     if np_dtype is not None and hasattr(obj, "shape"):
@@ -87,14 +119,14 @@ def describe(key: bytes, data: memoryview, obj: object, *, namespace: bytes | No
             if len(shape) > 8 or (not shape and data.nbytes):
                 dtype, shape = "uint8", (data.nbytes,)
     return BlockMeta(
-        namespace=namespace or bytes(8),
+        namespace=fingerprint(namespace) if namespace is not None else bytes(8),
         key=check_key(key),
         parent=check_key(parent) if parent is not None else NO_PARENT,
         token_count=token_count,
         dtype=dtype,
         shape=shape,
         payload_len=data.nbytes,
-        payload_checksum=checksum(data),
+        payload_checksum=checksum(data) if with_checksum else 0,
     )
 
 
@@ -113,6 +145,7 @@ class ClientCore:
         self.timeouts = timeouts or Timeouts()
         self.verify = verify
         self.hello: pb.HelloResponse | None = None
+        self.stale = False  # the node was unreachable: ask for its Hello again before the next operation
         self.arena: Arena | None = None
         self.pool: DataChannelPool | None = None
         self.path = ""
@@ -124,7 +157,7 @@ class ClientCore:
 
     # -- connection set-up -------------------------------------------------------------
     def ensure_hello(self) -> Op[None]:
-        if self.hello is not None:
+        if self.hello is not None and not self.stale:
             return
         hello = yield ("rpc", "Hello", pb.HelloRequest())
         path = self.transport
@@ -142,9 +175,12 @@ class ClientCore:
         if path == "data-channel":
             if self.target.local:
                 raise InvalidArgument("transport='data-channel' needs a host:port target")
+            if self.pool is not None:  # a restarted node: the old port is gone
+                self.pool.close()
             self.pool = DataChannelPool(self.target.host, hello.data_port, connect_timeout=self.timeouts.connect, io_timeout=self.timeouts.data)
         self.path = path
         self.hello = hello
+        self.stale = False
 
     def _batches(self, n: int, sizes: Sequence[int] | None = None, *, limit: int | None = None) -> list[range]:
         """Split ``n`` items by the node's max batch and (for shm) a byte budget of 1/4 of the arena."""
@@ -163,6 +199,7 @@ class ClientCore:
         return out
 
     # -- writes -------------------------------------------------------------------------
+    @_relearn_node_on_unavailable
     def put_many(
         self,
         keys: Sequence[bytes],
@@ -178,11 +215,14 @@ class ClientCore:
             raise InvalidArgument(f"{len(keys)} keys but {len(parents)} parents")
         views = [as_bytes_view(d) for d in datas]
         metas = [
-            describe(k, v, d, namespace=namespace, parent=parents[i] if parents else None, token_count=token_counts[i] if token_counts else 0)
+            describe(k, v, d, namespace=namespace, parent=parents[i] if parents else None,
+                     token_count=token_counts[i] if token_counts else 0, with_checksum=False)
             for i, (k, v, d) in enumerate(zip(keys, views, datas))
         ]
         yield from self.ensure_hello()
         assert self.hello is not None
+        if self.path != "shm":  # the shm path hashes as it copies and sends the sums with Commit
+            metas = [dataclasses.replace(m, payload_checksum=checksum(v)) for m, v in zip(metas, views)]
         for m in metas:
             if m.payload_len > self.hello.max_block_bytes:
                 raise InvalidArgument(f"block of {m.payload_len} bytes exceeds the node's max_block_bytes={self.hello.max_block_bytes}")
@@ -215,16 +255,17 @@ class ClientCore:
             return out
         arena = self.arena
 
-        def copy_in() -> None:
-            for i, extents in todo:
-                arena.write(extents, views[i])
+        def copy_in() -> list[int]:
+            # hashing each chunk right after copying it, while it is in cache, costs ~0.15x a copy;
+            # hashing the payload first (a second pass over main memory) costs ~0.4x
+            return [arena.write_hashed(extents, views[i]) for i, extents in todo]
 
         try:
-            yield ("io", copy_in)
+            sums = yield ("io", copy_in)
         except BaseException:
             yield from self._quietly("Abort", pb.AbortRequest(reservation_ids=ids))
             raise
-        resp = yield ("rpc", "Commit", pb.CommitRequest(reservation_ids=ids))
+        resp = yield ("rpc", "Commit", pb.CommitRequest(reservation_ids=ids, payload_checksums=sums))
         for (i, _), st in zip(todo, resp.statuses):
             out[i] = st == pb.KEY_STATUS_OK
         return out
@@ -255,6 +296,7 @@ class ClientCore:
         return [s in (pb.KEY_STATUS_OK, pb.KEY_STATUS_EXISTS) for s in resp.statuses]
 
     # -- reads --------------------------------------------------------------------------
+    @_relearn_node_on_unavailable
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object] | None) -> Op[list[Any]]:
         """With ``outs``: bytes written per key (``None`` for a miss).  Without: ``bytes | None`` per key."""
         ks = [check_key(k) for k in keys]

@@ -24,17 +24,18 @@ class DataChannelPool:
         self._lock = threading.Lock()
         self._max_idle = max_idle
 
-    def _get(self) -> socket.socket:
+    def _get(self, *, fresh: bool = False) -> tuple[socket.socket, bool]:
+        """A connection and whether it was reused from the pool (the node may have closed it)."""
         with self._lock:
-            if self._idle:
-                return self._idle.pop()
+            if self._idle and not fresh:
+                return self._idle.pop(), True
         try:
             s = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
         except OSError as e:
             raise Unavailable(f"cannot open the data channel to {self.host}:{self.port}: {e}") from e
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         s.settimeout(self.io_timeout)
-        return s
+        return s, False
 
     def _put(self, s: socket.socket) -> None:
         with self._lock:
@@ -43,14 +44,21 @@ class DataChannelPool:
                 return
         s.close()
 
-    def get(self, transfer_id: bytes, outs: Sequence[memoryview]) -> None:
+    def get(self, transfer_id: bytes, outs: Sequence[memoryview], *, _fresh: bool = False) -> None:
         """Receive each expected payload straight into its ``outs`` view (exact sizes)."""
-        s = self._get()
+        s, reused = self._get(fresh=_fresh)
         ok = False
         try:
-            s.sendall(REQUEST.pack(REQUEST_MAGIC, OP_GET, transfer_id))
-            head = bytearray(REPLY.size)
-            if not _recv_into_exact(s, memoryview(head)):
+            try:
+                s.sendall(REQUEST.pack(REQUEST_MAGIC, OP_GET, transfer_id))
+                head = bytearray(REPLY.size)
+                got_reply = _recv_into_exact(s, memoryview(head))
+            except OSError:
+                got_reply = False
+            if not got_reply:
+                if reused:  # the node closed this idle pooled connection before reading our request
+                    s.close()
+                    return self.get(transfer_id, outs, _fresh=True)
                 raise Unavailable("the node closed the data channel (transfer expired or unknown)")
             magic, status = REPLY.unpack(head)
             if magic != REPLY_MAGIC or status != STATUS_OK:
@@ -68,7 +76,10 @@ class DataChannelPool:
 
     def put(self, transfer_id: bytes, payloads: Sequence[memoryview]) -> list[int]:
         """Send payloads; return the node's per-block KeyStatus values."""
-        s = self._get()
+        s, reused = self._get()
+        if reused and _peer_closed(s):  # an idle pooled connection the node has since closed
+            s.close()
+            s, _ = self._get(fresh=True)
         ok = False
         try:
             s.sendall(REQUEST.pack(REQUEST_MAGIC, OP_PUT, transfer_id))
@@ -98,3 +109,18 @@ class DataChannelPool:
             idle, self._idle = self._idle, []
         for s in idle:
             s.close()
+
+
+def _peer_closed(s: socket.socket) -> bool:  # restores the socket's timeout
+    """True if the peer has closed (or reset) an idle connection: a non-blocking peek sees EOF."""
+    timeout = s.gettimeout()
+    try:
+        s.setblocking(False)
+        try:
+            return s.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            return False
+        finally:
+            s.settimeout(timeout)
+    except OSError:
+        return True

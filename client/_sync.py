@@ -9,9 +9,9 @@ from typing import Any
 
 import grpc
 
-from client._core import IDEMPOTENT, ClientCore, Op, T, Timeouts, as_key_list
+from client._core import IDEMPOTENT, ClientCore, Op, T, Timeouts, as_key_list, fingerprint
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
-from kvstore.keys import check_key
+from kvstore.keys import Namespace, check_key
 from kvstore.wire import error_from_rpc
 
 if False:  # typing only
@@ -48,6 +48,15 @@ class KVClient:
     memory) or ``host:port`` (bytes over the node's TCP data channel).  A miss is
     ``None`` (or ``False``), never an exception; errors are :class:`kvstore.errors.KVStoreError`.
     """
+
+    def __new__(cls, target: str, **kwargs: Any) -> Any:
+        # an etcd://HOST:PORT/CLUSTER target routes over a whole cluster (client/_cluster.py);
+        # every other target is one node, handled below as before
+        if cls is KVClient and isinstance(target, str) and target.startswith("etcd://"):
+            from client._cluster import ClusterClient
+
+            return ClusterClient(target, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -110,11 +119,11 @@ class KVClient:
             return stop.value  # type: ignore[no-any-return]
 
     # -- API ----------------------------------------------------------------------------
-    def put(self, key: bytes, data: object, *, namespace: bytes | None = None, parent: bytes | None = None, token_count: int = 0) -> bool:
+    def put(self, key: bytes, data: object, *, namespace: bytes | Namespace | None = None, parent: bytes | None = None, token_count: int = 0) -> bool:
         """Store one block; True if it is stored (or already was), False if the node had no room."""
         return self._run(self._core.put_many([key], [data], namespace=namespace, parents=[parent], token_counts=[token_count]))[0]
 
-    def put_many(self, keys: Sequence[bytes], datas: Sequence[object], *, namespace: bytes | None = None,
+    def put_many(self, keys: Sequence[bytes], datas: Sequence[object], *, namespace: bytes | Namespace | None = None,
                  parents: Sequence[bytes | None] | None = None, token_counts: Sequence[int] | None = None) -> list[bool]:
         return self._run(self._core.put_many(list(keys), list(datas), namespace=namespace, parents=parents, token_counts=token_counts))
 
@@ -154,9 +163,9 @@ class KVClient:
     def unpin(self, keys: Sequence[bytes]) -> int:
         return self._run(self._core.simple("Unpin", pb.KeysRequest(keys=[check_key(k) for k in as_key_list(keys)])))
 
-    def invalidate(self, namespace: bytes) -> int:
+    def invalidate(self, namespace: bytes | Namespace) -> int:
         """Drop every block of a namespace (its 8-byte fingerprint) on this node."""
-        return self._run(self._core.simple("Invalidate", pb.InvalidateRequest(namespace=bytes(namespace))))
+        return self._run(self._core.simple("Invalidate", pb.InvalidateRequest(namespace=fingerprint(namespace))))
 
     def stats(self) -> dict[str, Any]:
         return self._run(self._core.stats())

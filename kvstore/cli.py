@@ -30,7 +30,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eviction-policy", metavar="NAME", help="eviction policy (default prefix-lru)")
     p.add_argument("--write-through", action="store_true", default=None, help="persist every block to NVMe at commit")
     p.add_argument("--token-file", metavar="FILE", help="require this bearer token on every call")
-    p.add_argument("--lease-ttl", dest="lease_ttl_s", type=float, metavar="S", help="read lease lifetime in seconds")
+    p.add_argument("--read-lease-ttl", dest="lease_ttl_s", type=float, metavar="S", help="read lease lifetime in seconds (default 30)")
+    p.add_argument("--etcd", metavar="HOST:PORT[,HOST:PORT]", help="join the cluster whose membership lives in this etcd")
+    p.add_argument("--cluster", metavar="NAME", help="cluster name in etcd (default 'default')")
+    p.add_argument("--zone", metavar="ZONE", help="failure zone published in this node's membership record")
+    p.add_argument("--lease-ttl", dest="etcd_lease_ttl_s", type=float, metavar="S",
+                   help="TTL of this node's etcd membership lease in seconds (default 10; kept alive every TTL/3)")
     p.add_argument("--reservation-ttl", dest="reservation_ttl_s", type=float, metavar="S", help="unfinished writes are reclaimed after S seconds")
     p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics on this port")
     p.add_argument("--log-level", default="INFO")
@@ -44,7 +49,8 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {
         k: getattr(a, k)
         for k in ("listen", "data_listen", "socket", "data_dir", "dram", "nvme", "node_id", "arena_path", "eviction_policy",
-                  "write_through", "token_file", "lease_ttl_s", "reservation_ttl_s", "metrics_port")
+                  "write_through", "token_file", "lease_ttl_s", "reservation_ttl_s", "metrics_port",
+                  "etcd", "cluster", "zone", "etcd_lease_ttl_s")
     }
     cfg = load_config(a.config, overrides=overrides)
     return asyncio.run(serve(cfg))
@@ -64,7 +70,9 @@ def _cmd_bench(a: argparse.Namespace) -> int:
     return bench.main(a)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The full parser.  Plugin modules are imported only for ``command`` (the subcommand
+    being run), so one plugin's import cost or failure never affects the others."""
     p = argparse.ArgumentParser(prog="kvstore", description="Tiered KV-cache store for LLM inference.")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="run one node (DRAM arena + NVMe tier, gRPC on a Unix socket and TCP)")
@@ -80,10 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(fn=_cmd_bench)
     # subcommands that live in their own modules register themselves here
     for name, module, help_text in _PLUGINS:
-        mod = __import__(module, fromlist=["add_arguments"])
-        sp = sub.add_parser(name, help=help_text)
-        mod.add_arguments(sp)
-        sp.set_defaults(fn=mod.main)
+        sp = sub.add_parser(name, help=help_text, add_help=name == command)
+        if name == command:
+            mod = __import__(module, fromlist=["add_arguments"])
+            mod.add_arguments(sp)
+            sp.set_defaults(fn=mod.main)
     return p
 
 
@@ -92,11 +101,15 @@ _PLUGINS: list[tuple[str, str, str]] = [
     ("replay", "kvstore.replay", "replay a Mooncake-format request trace through the eviction policies or a live store"),
     ("plan", "kvstore.plan", "capacity planner: DRAM and NVMe sizes that reach a target hit ratio on a trace"),
     ("demo", "gpu_agent.demo", "end-to-end demos with a real transformer (e.g. `kvstore demo pd`: prefill -> decode handoff)"),
+    ("up", "kvstore.up", "a whole local cluster in the foreground: a private etcd and N nodes (Ctrl-C stops it all)"),
+    ("cluster", "kvstore.cluster.cli", "cluster configuration and namespaces in etcd: set, show, invalidate"),
 ]
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     try:
         return int(args.fn(args) or 0)
     except KVStoreError as e:

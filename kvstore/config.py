@@ -11,6 +11,7 @@ import os
 import re
 import socket
 import tomllib
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -41,7 +42,10 @@ def parse_size(value: object) -> int:
     m = _SIZE.match(str(value))
     if not m or m.group(2).lower() not in _UNITS:
         raise InvalidArgument(f"not a size: {value!r} (examples: 4GiB, 512MiB, 1G, 65536)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    n = Fraction(m.group(1)) * _UNITS[m.group(2).lower()]  # exact: no float rounding of big sizes
+    if n.denominator != 1:
+        raise InvalidArgument(f"not a whole number of bytes: {value!r}")
+    return int(n)
 
 
 def default_data_dir() -> Path:
@@ -74,11 +78,23 @@ class NodeConfig(BaseModel):
     flush_on_shutdown_s: float = Field(30.0, ge=0, description="On SIGTERM, spend up to this long demoting dirty DRAM blocks to NVMe.")
     prefault: bool = Field(True, description="Touch every arena page at start-up so copies never pay first-touch costs.")
     metrics_port: int | None = Field(None, description="Port of the Prometheus /metrics endpoint; unset: none.")
+    etcd: str = Field("", description="etcd endpoints HOST:PORT[,HOST:PORT] of the cluster to join; empty: a standalone node.")
+    cluster: str = Field("default", description="Cluster name: membership, config and namespaces live under /kvstore/<cluster>/ in etcd.")
+    zone: str = Field("", description="Failure zone of this node, published in its membership record.")
+    etcd_lease_ttl_s: float = Field(10.0, ge=1, description="TTL of the etcd lease that holds this node's membership record (whole seconds, rounded up).")
 
     @field_validator("dram", "nvme", "max_block_bytes", mode="before")
     @classmethod
     def _size(cls, v: object) -> int:
         return parse_size(v)
+
+    @field_validator("node_id")
+    @classmethod
+    def _node_id(cls, v: str) -> str:
+        # it names files (the arena under /dev/shm): no separators, no surprises
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", v):
+            raise ValueError(f"node_id must be letters, digits, '.', '_' or '-' (starting with a letter or digit), got {v!r}")
+        return v
 
     @field_validator("listen", "data_listen")
     @classmethod
@@ -147,5 +163,13 @@ def load_config(
         raise InvalidArgument(f"unknown config key(s) {unknown}; known: {sorted(NodeConfig.model_fields)}")
     try:
         return NodeConfig(**merged)
-    except (ValidationError, InvalidArgument) as e:
-        raise InvalidArgument(f"invalid configuration: {e}") from e
+    except ValidationError as e:
+        raise InvalidArgument(f"invalid configuration: {'; '.join(_describe(err) for err in e.errors())}") from None
+
+
+def _describe(err: Any) -> str:
+    """One pydantic error as ``field: what is wrong (got value)``, without pydantic's boilerplate."""
+    where = ".".join(str(p) for p in err["loc"]) or "config"
+    if err["type"] == "value_error":  # our own validators' messages already quote the value
+        return f"{where}: {err['msg'].removeprefix('Value error, ')}"
+    return f"{where}: {err['msg']} (got {err.get('input')!r})"

@@ -33,6 +33,7 @@ import dataclasses
 import enum
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -230,6 +231,29 @@ class TierManager:
         r = self._reservations.get(rid)
         return (r.meta, r.extents) if r else None
 
+    def hold(self, *, reservation_ids: Sequence[int] = (), lease_ids: Sequence[int] = ()) -> bool:
+        """Exempt live reservations and leases from their deadlines: a transfer now moves
+        their bytes and resolves them itself (commit/abort, release) when it ends.
+
+        Without this the reaper could free an extent while a stalled transfer still
+        writes into it or sends from it, after it went to another block.  False if any of
+        them had already expired (the caller must then not touch their extents).
+        """
+        live = True
+        for rid in reservation_ids:
+            r = self._reservations.get(rid)
+            if r is None:
+                live = False
+            else:
+                r.deadline = math.inf
+        for lid in lease_ids:
+            lease = self._leases.get(lid)
+            if lease is None:
+                live = False
+            else:
+                lease.deadline = math.inf
+        return live
+
     # -- leased reads ---------------------------------------------------------------
     async def acquire(self, keys: Sequence[ChunkKey]) -> list[Leased]:
         """Lease every key that is stored, promoting NVMe hits into DRAM.
@@ -389,7 +413,9 @@ class TierManager:
             if freed >= need:
                 break
         if not batch:
-            if self._busy:  # another round is demoting: let it finish, then retry
+            # another round is demoting, or write-through persists hold blocks for a moment:
+            # let them finish, then retry (those blocks are not pinned or leased)
+            if self._busy or self._background:
                 await asyncio.sleep(0.001)
                 return
             raise CapacityExceeded(

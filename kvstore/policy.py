@@ -22,6 +22,7 @@ from typing import Protocol
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import NO_PARENT, ChunkKey
+from kvstore.sketch import FrequencySketch
 
 
 class EvictionPolicy(Protocol):
@@ -194,9 +195,147 @@ class PrefixAwareLRUPolicy:
         return key in self._last
 
 
+class _PrefixHeapPolicy:
+    """Base of the prefix-aware priority policies: the lowest-priority *leaf* goes first.
+
+    Same tree bookkeeping and round protocol as :class:`PrefixAwareLRUPolicy` (child
+    counts per parent key whether or not the parent is resident; a heap with lazy
+    invalidation; offered keys restored when a round ends), but the heap is ordered by
+    ``(priority, tick)`` where subclasses compute the priority on every use.
+    ``_evicted(key, priority)`` is called when the caller removes the key that the
+    running round has just offered (an eviction, as opposed to a delete).
+    """
+
+    name = ""
+
+    def __init__(self) -> None:
+        self._tick = 0
+        self._prio: dict[ChunkKey, tuple[int, int]] = {}  # resident key -> (priority, tick) of its valid entry
+        self._parent: dict[ChunkKey, ChunkKey] = {}
+        self._children: dict[ChunkKey, int] = {}
+        self._heap: list[tuple[int, int, ChunkKey]] = []
+        self._offering: ChunkKey | None = None  # the key a running round has just yielded
+
+    # -- hooks ------------------------------------------------------------------------
+    def _priority(self, key: ChunkKey, new: bool) -> int:
+        raise NotImplementedError
+
+    def _evicted(self, key: ChunkKey, priority: int) -> None:
+        pass
+
+    # -- bookkeeping --------------------------------------------------------------------
+    def _touch(self, key: ChunkKey, new: bool) -> None:
+        self._tick += 1
+        entry = (self._priority(key, new), self._tick)
+        self._prio[key] = entry
+        if self._children.get(key, 0) == 0:
+            heapq.heappush(self._heap, (entry[0], entry[1], key))
+        if len(self._heap) > 2 * len(self._prio) + 64:
+            self._heap = [(p, t, k) for k, (p, t) in self._prio.items() if self._children.get(k, 0) == 0]
+            heapq.heapify(self._heap)
+
+    def insert(self, key: ChunkKey, parent: ChunkKey, size: int) -> None:
+        if key in self._prio:
+            self._touch(key, False)
+            return
+        if parent == key or (key in self._children and self._is_ancestor(key, parent)):
+            parent = NO_PARENT
+        self._parent[key] = parent
+        if parent != NO_PARENT:
+            self._children[parent] = self._children.get(parent, 0) + 1
+        self._touch(key, True)
+
+    def _is_ancestor(self, key: ChunkKey, of: ChunkKey) -> bool:
+        while of != NO_PARENT:
+            if of == key:
+                return True
+            of = self._parent.get(of, NO_PARENT)
+        return False
+
+    def access(self, key: ChunkKey) -> None:
+        if key in self._prio:
+            self._touch(key, False)
+
+    def remove(self, key: ChunkKey) -> None:
+        entry = self._prio.pop(key, None)
+        if entry is None:
+            return
+        if key == self._offering:
+            self._offering = None
+            self._evicted(key, entry[0])
+        parent = self._parent.pop(key)
+        if parent != NO_PARENT:
+            left = self._children[parent] - 1
+            if left:
+                self._children[parent] = left
+            else:
+                del self._children[parent]
+                pe = self._prio.get(parent)
+                if pe is not None:
+                    heapq.heappush(self._heap, (pe[0], pe[1], parent))
+
+    def admit(self, key: ChunkKey, size: int) -> bool:
+        return True
+
+    def _valid(self, prio: int, tick: int, key: ChunkKey) -> bool:
+        e = self._prio.get(key)
+        return e is not None and e[1] == tick and e[0] == prio and self._children.get(key, 0) == 0
+
+    def victims(self) -> Iterator[ChunkKey]:
+        offered: dict[ChunkKey, tuple[int, int]] = {}
+        try:
+            while self._heap:
+                prio, tick, key = heapq.heappop(self._heap)
+                if offered.get(key) == (prio, tick) or not self._valid(prio, tick, key):
+                    continue
+                offered[key] = (prio, tick)
+                self._offering = key
+                yield key
+                self._offering = None
+        finally:
+            self._offering = None
+            for key, (prio, tick) in offered.items():
+                if self._valid(prio, tick, key):
+                    heapq.heappush(self._heap, (prio, tick, key))
+
+    def __len__(self) -> int:
+        return len(self._prio)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._prio
+
+
+class PrefixLFUDAPolicy(_PrefixHeapPolicy):
+    """Prefix-aware LFU with dynamic aging over a frequency sketch."""
+
+    name = "prefix-lfuda"
+    SAMPLE_FACTOR = 10
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sketch = FrequencySketch(1 << 10, 10 << 10)
+        self._age = 0
+        self._peak = 0
+
+    def _priority(self, key: ChunkKey, new: bool) -> int:
+        n = len(self._prio) + (1 if new else 0)
+        if n > self._peak:
+            self._peak = n
+            if 4 * n > self._sketch.width:
+                self._sketch.resize(self._sketch.width * 4)
+            self._sketch.sample = max(self._sketch.sample, self.SAMPLE_FACTOR * n)
+        f = self._sketch.increment(key)
+        return self._age + f
+
+    def _evicted(self, key: ChunkKey, priority: int) -> None:
+        if priority > self._age:
+            self._age = priority
+
+
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     LRUPolicy.name: LRUPolicy,
     PrefixAwareLRUPolicy.name: PrefixAwareLRUPolicy,
+    PrefixLFUDAPolicy.name: PrefixLFUDAPolicy,
 }
 DEFAULT_POLICY = PrefixAwareLRUPolicy.name
 

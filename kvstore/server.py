@@ -80,6 +80,7 @@ class Node:
         self.manager: TierManager | None = None
         self.data: DataChannelServer | None = None
         self.server: grpc.aio.Server | None = None
+        self.cluster: Any = None  # kvstore.cluster.node.NodeAgent when cfg.etcd is set
 
     async def start(self) -> dict[str, Any]:
         self._lock_fd = lock_data_dir(Path(self.cfg.data_dir))
@@ -91,6 +92,10 @@ class Node:
 
     async def _undo_start(self) -> None:
         """A start that failed half-way leaves no arena file, socket, listener or lock behind."""
+        if self.cluster is not None:
+            from kvstore.cluster.node import stop_quietly
+
+            await stop_quietly(self.cluster)
         if self.server is not None:
             with contextlib.suppress(Exception):
                 await self.server.stop(None)
@@ -186,6 +191,11 @@ class Node:
             "data_dir": str(data_dir),
             "pid": os.getpid(),
         }
+        if cfg.etcd:  # join the cluster only once we serve: a registered node must answer
+            from kvstore.cluster.node import NodeAgent
+
+            self.cluster = NodeAgent(cfg, self.endpoints, self.manager)
+            self.endpoints.update(await self.cluster.start())
         return self.endpoints
 
     async def _reap_forever(self) -> None:
@@ -204,6 +214,8 @@ class Node:
         await self._stopped.wait()
 
     async def stop(self) -> None:
+        if self.cluster is not None:  # deregister first, so clients route elsewhere while we drain
+            await self.cluster.stop()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace=10.0)  # drains in-flight calls
         self.data.close()
@@ -233,7 +245,9 @@ async def serve(config: NodeConfig, *, out: Any = sys.stdout) -> int:
         f"  DRAM arena   {ep['arena']} ({human(ep['dram_bytes'])})\n"
         f"  NVMe tier    {ep['data_dir']}/nvme ({human(ep['nvme_bytes'])})\n"
         f"  SDK: KVClient({ep['unix']!r}) locally, KVClient({ep['grpc']!r}) remotely\n"
-        f"READY {json.dumps(ep)}",
+        + (f"  cluster      {ep['cluster']} via etcd {ep['etcd']} (registered: {ep['registered']}); "
+           f"SDK: KVClient('etcd://{ep['etcd']}/{ep['cluster']}')\n" if ep.get("cluster") else "")
+        + f"READY {json.dumps(ep)}",
         file=out,
         flush=True,
     )

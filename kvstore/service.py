@@ -217,7 +217,21 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     # data-channel callbacks (run on the loop, called from data-channel threads)
     async def take_transfer(self, tid: bytes, op: int) -> Transfer | None:
-        return self.transfers.take(tid, op)
+        t = self.transfers.take(tid, op)
+        if t is None:
+            return None
+        # The data channel now owns these until finish_get/finish_put: the reaper must not
+        # free extents that a stalled transfer still sends from or receives into.
+        ids = [i for i, _, _ in t.items]
+        if op == OP_GET:
+            if self.m.hold(lease_ids=ids):
+                return t
+            self.m.release(ids)
+        else:
+            if self.m.hold(reservation_ids=ids):
+                return t
+            self.m.abort(ids)
+        return None  # some expired before the client came: refuse the whole transfer
 
     async def finish_get(self, t: Transfer, ok: bool) -> None:
         self.m.release([lid for lid, _, _ in t.items])
@@ -282,6 +296,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         self.m.abort([rid])
                     current = None
                     raise errors.InvalidArgument(f"stream for key {meta.key.hex()} carries more bytes than its header says")
+                if rid and self.m.reservation(rid) is None:
+                    # reclaimed at its deadline while the client stalled: its space may be
+                    # another block's by now, so not one more byte goes there
+                    statuses[-1] = int(Status.EXPIRED)
+                    rid = 0
                 if rid and data:
                     views = self.m.dram.arena.views(extents, meta.payload_len)
                     _write_at(views, filled, memoryview(data))
@@ -309,6 +328,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 yield pb.BlockChunk(block=pb.BlockInfo(key=key), status=int(x.status))
                 continue
             try:
+                self.m.hold(lease_ids=[x.lease_id])  # a slow reader must not outlive the lease mid-block
                 views = self.m.dram.arena.views(list(x.extents), x.meta.payload_len)
                 first = True
                 for v in views:

@@ -43,8 +43,8 @@ MIB = 1 << 20
 # mixed block sizes, 64 KiB to 2 MiB; a key-derived jitter makes most of them end mid-page
 SIZES = (64 * KIB, 128 * KIB, 256 * KIB, 512 * KIB, 768 * KIB, 1 * MIB, 1536 * KIB, 2 * MIB)
 STAMP_EVERY = 64 * KIB
-_BASE_LEN = 4 * MIB
-_BASE = np.random.default_rng(20240607).integers(0, 256, _BASE_LEN + 8 * MIB, dtype=np.uint8)
+MAX_PAYLOAD = 16 * MIB  # payload() serves up to this many bytes
+_BASE = np.random.default_rng(20240607).integers(0, 256, MAX_PAYLOAD + 8 * MIB, dtype=np.uint8)
 
 
 # -- the workload ------------------------------------------------------------------------
@@ -71,6 +71,7 @@ def payload(key: bytes, n: int | None = None) -> np.ndarray:
     """The one payload ``key`` may have: a key-chosen window of a fixed random buffer, with
     the key stamped every 64 KiB and at the end (so blocks that share a window differ)."""
     n = size_of(key) if n is None else n
+    assert 16 <= n <= MAX_PAYLOAD, n
     off = int.from_bytes(key[4:8], "little") % (len(_BASE) - n)
     out = _BASE[off : off + n].copy()
     k = np.frombuffer(key, dtype=np.uint8)

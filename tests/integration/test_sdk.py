@@ -217,13 +217,15 @@ def test_chain_prefix_pins_delete_invalidate(kv: Any) -> None:
     (other_key,) = chunk_keys(tokens[:16], other)
     assert other_key not in keys  # the namespace seeds the chain
     plain = rkey()
-    assert kv.put(other_key, b"other", namespace=other.fingerprint) and kv.put(plain, b"plain")
-    assert kv.invalidate(ns.fingerprint) == 5
+    assert kv.put(other_key, b"other", namespace=other) and kv.put(plain, b"plain")  # a Namespace or its fingerprint
+    assert kv.invalidate(ns) == 5
     assert kv.exists(keys) == [False] * 6
     assert kv.get(other_key) == b"other" and kv.get(plain) == b"plain"
     assert kv.invalidate(ns.fingerprint) == 0
     with pytest.raises(InvalidArgument, match="8 bytes"):
         kv.invalidate(b"short")
+    with pytest.raises(InvalidArgument, match="8 bytes"):
+        kv.put(rkey(), b"x", namespace=b"short")
 
 
 def test_stats(kv: Any, sdk_node: NodeProcess) -> None:

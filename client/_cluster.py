@@ -1,0 +1,818 @@
+"""Cluster routing for the SDK: ``KVClient("etcd://HOST:PORT[,HOST:PORT]/CLUSTER")``.
+
+The client watches the cluster's membership in etcd (a
+:class:`~kvstore.cluster.membership.Membership` thread) and computes each key's owners
+itself with rendezvous hashing (:mod:`kvstore.cluster.placement`): no metadata hop.
+Per node it uses an ordinary single-node client (``KVClient`` / ``AsyncKVClient``,
+unchanged), through the node's Unix socket and shared memory when the node runs on
+this machine, over TCP otherwise.
+
+Like the single-node SDK, every operation is written once, as a generator over
+instructions (a sans-I/O core), and driven by a sync or an async driver:
+
+* ``("fanout", [(node_id, op_factory), ...])`` → run ``op_factory(node_core)`` on each
+  node's client in parallel; the results (or the ``KVStoreError`` each raised) come
+  back in order;
+* ``("etcd", fn)`` → run ``fn(ClusterStore)`` on the membership thread's loop.
+
+Routing rules:
+
+* **Writes** go to all R owners of a key in parallel; a put succeeds if one owner stored it.
+* **Reads** go to the owners in rank order, one round per rank, each round one batched
+  call per node in parallel; the first owner that has the block answers.  After the
+  owners, a key may be tried on its *previous* owners (the owners under a membership
+  this client saw before a node joined, for ``handoff_window_s``): on a hit there the
+  block is copied to the current owners (a hand-off read).
+* **Failures**: a node that answers ``Unavailable`` or ``DeadlineExceeded`` (every call
+  has a deadline) counts as a miss and is marked *suspect*: calls skip it for
+  ``suspect_s`` (doubling while it keeps failing, up to 30 s), so only the first call
+  pays the deadline.  Contract errors (``InvalidArgument``, ``Unauthenticated``) raise.
+* **Namespaces**: keys from :meth:`chunk_keys` and the namespace recorded with each block
+  use the namespace's *effective* fingerprint at its current epoch
+  (:func:`kvstore.cluster.state.effective_fingerprint`); ``invalidate`` bumps the epoch in
+  etcd, after which old blocks are never asked for and every node drops them.
+
+Counts returned by ``delete``, ``pin``, ``unpin`` and ``invalidate`` are block *copies*
+(a block with R = 2 counts twice).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Generator, Mapping, Sequence
+from typing import Any, TypeVar
+
+from client._core import ClientCore, Op, Timeouts, as_key_list, fingerprint
+from kvstore.block import BlockMeta, verify_payload
+from kvstore.cluster.membership import Membership
+from kvstore.cluster.placement import Ring
+from kvstore.cluster.state import ClusterSnapshot, NodeInfo, effective_fingerprint, parse_target
+from kvstore.errors import BlockFormatError, CapacityExceeded, InvalidArgument, KVStoreError, Unauthenticated, Unavailable
+from kvstore.keys import ChunkKey, Namespace, check_key, chunk_keys
+from kvstore.wire import meta_from_pb, meta_to_pb
+from protos.kvstore.v1 import kvstore_pb2 as pb
+from tiers.arena import as_bytes_view
+
+log = logging.getLogger("kvstore.client.cluster")
+T = TypeVar("T")
+NodeOp = Callable[[ClientCore], Op[Any]]
+ClusterOp = Generator[tuple[Any, ...], Any, T]
+
+CLUSTER_TIMEOUTS = Timeouts(rpc=2.0, data=30.0, connect=1.0)
+FATAL = (InvalidArgument, Unauthenticated)  # the caller's mistake: raise, whichever node said it
+STREAM_CHUNK = 1 << 20
+
+
+class _Seeded:
+    """Duck-types the two fields :func:`kvstore.keys.chunk_keys` reads, with another seed."""
+
+    __slots__ = ("fingerprint", "chunk_tokens")
+
+    def __init__(self, fingerprint: bytes, chunk_tokens: int) -> None:
+        self.fingerprint = fingerprint
+        self.chunk_tokens = chunk_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Routing for one membership snapshot.  Immutable; shared by threads."""
+
+    snapshot: ClusterSnapshot
+    nodes: Mapping[str, NodeInfo]
+    ring: Ring
+    r: int
+    previous: tuple[Ring, ...]  # memberships before recent joins, newest first
+
+    def owners(self, key: bytes) -> list[str]:
+        return self.ring.owners(key, self.r)
+
+    def handoff(self, key: bytes, owners: Sequence[str]) -> list[str]:
+        out: list[str] = []
+        for ring in self.previous:
+            for n in ring.owners(key, self.r):
+                if n not in owners and n not in out and n in self.nodes:
+                    out.append(n)
+        return out
+
+
+class _Suspects:
+    """Nodes that recently failed, with a doubling back-off.  Thread-safe."""
+
+    def __init__(self, base_s: float, cap_s: float = 30.0) -> None:
+        self.base, self.cap = base_s, cap_s
+        self._until: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def mark(self, node: str) -> None:
+        with self._lock:
+            _, last = self._until.get(node, (0.0, 0.0))
+            span = min(self.cap, last * 2) if last else self.base
+            self._until[node] = (time.monotonic() + span, span)
+
+    def clear(self, node: str) -> None:
+        if node in self._until:
+            with self._lock:
+                self._until.pop(node, None)
+
+    def __contains__(self, node: object) -> bool:
+        entry = self._until.get(node)  # type: ignore[call-overload]
+        return entry is not None and entry[0] > time.monotonic()
+
+    def snapshot(self) -> dict[str, float]:
+        now = time.monotonic()
+        return {n: round(u - now, 3) for n, (u, _) in self._until.items() if u > now}
+
+
+# -- per-node operations only the cluster needs (built from the core's instructions) ---------------
+def _fetch_with_meta(keys: list[ChunkKey], verify: bool) -> NodeOp:
+    """A batched read that also returns each block's metadata (for a hand-off copy): the
+    streaming path, whose chunks carry the header.  Rare, so its speed does not matter."""
+
+    def op(core: ClientCore) -> Op[list[tuple[BlockMeta, bytes] | None]]:
+        chunks = yield ("get_stream", pb.KeysRequest(keys=keys))
+        out: list[tuple[BlockMeta, bytes] | None] = [None] * len(keys)
+        idx, meta, buf = -1, None, bytearray()
+
+        def done() -> None:
+            if meta is not None and len(buf) == meta.payload_len:
+                try:
+                    if verify:
+                        verify_payload(meta, buf)
+                    out[idx] = (meta, bytes(buf))
+                except BlockFormatError:
+                    pass
+
+        for c in chunks:
+            if c.HasField("block"):
+                done()
+                idx, meta, buf = idx + 1, None, bytearray()
+                if c.status == pb.KEY_STATUS_OK:
+                    meta = meta_from_pb(c.block)
+            if meta is not None and c.data:
+                buf += c.data
+        done()
+        return out
+
+    return op
+
+
+def _put_blocks(metas: list[BlockMeta], payloads: list[bytes]) -> NodeOp:
+    """Store blocks with their exact metadata (a hand-off copy keeps namespace, parent, shape)."""
+
+    def op(core: ClientCore) -> Op[list[bool]]:
+        def chunks() -> Any:
+            for m, p in zip(metas, payloads):
+                mv = memoryview(p)
+                for off in range(0, max(len(p), 1), STREAM_CHUNK):
+                    part = bytes(mv[off : off + STREAM_CHUNK])
+                    yield pb.BlockChunk(block=meta_to_pb(m), data=part) if off == 0 else pb.BlockChunk(data=part)
+
+        resp = yield ("put_stream", chunks)
+        return [s in (pb.KEY_STATUS_OK, pb.KEY_STATUS_EXISTS) for s in resp.statuses]
+
+    return op
+
+
+class ClusterCore:
+    """Routing state shared by :class:`ClusterClient` and :class:`AsyncClusterClient`.
+
+    Owns the membership view and the suspect list; both are thread-safe, so one core
+    serves every thread of a sync client.
+    """
+
+    def __init__(self, target: str, *, timeouts: Timeouts | None, transport: str, verify: bool,
+                 replication: int | None, suspect_s: float, prefer_local: bool, wait_s: float) -> None:
+        self.target = target
+        endpoints, self.cluster = parse_target(target)
+        if replication is not None and replication < 1:
+            raise InvalidArgument(f"replication must be >= 1, got {replication}")
+        self.timeouts = timeouts or CLUSTER_TIMEOUTS
+        self.transport = transport
+        self.verify = verify
+        self.replication = replication
+        self.prefer_local = prefer_local and transport in ("auto", "shm")
+        self.suspects = _Suspects(suspect_s)
+        self.hostname = socket.gethostname()
+        self._epoch_floor: dict[bytes, int] = {}  # epochs this client bumped, before its view shows them
+        self._registered: set[bytes] = set()
+        self._plan: tuple[int, float, Plan] | None = None
+        self._history: list[tuple[float, frozenset[str]]] = []  # (when, node set before a join)
+        self._last_nodes: frozenset[str] = frozenset()
+        self._hist_lock = threading.Lock()
+        self.membership = Membership(endpoints, self.cluster, timeout=min(2.0, self.timeouts.rpc), on_change=self._seen)
+        self.membership.start(wait=wait_s)
+        self.closed = False
+        self.handoffs = 0  # blocks this client copied to a new owner (hand-off reads)
+
+    # -- membership and placement ----------------------------------------------------------
+    def _seen(self, snap: ClusterSnapshot) -> None:
+        """Remember the membership before each join (for hand-off reads); runs on the view's thread."""
+        if not snap.nodes:
+            return
+        nodes = frozenset(snap.nodes)
+        with self._hist_lock:
+            if self._last_nodes and not nodes <= self._last_nodes:
+                self._history.insert(0, (time.monotonic(), self._last_nodes))
+                del self._history[4:]
+            self._last_nodes = nodes
+
+    def plan(self) -> Plan:
+        snap = self.membership.snapshot()
+        now = time.monotonic()
+        cached = self._plan
+        if cached is not None and cached[0] == id(snap) and now - cached[1] < 1.0:
+            return cached[2]
+        nodes = self.membership.routing_nodes()
+        r = self.replication or snap.config.replication
+        window = snap.config.handoff_window_s
+        with self._hist_lock:
+            previous = tuple(Ring(s & set(nodes)) for t, s in self._history if now - t < window and s & set(nodes))
+        plan = Plan(snap, nodes, Ring(nodes), r, previous)
+        self._plan = (id(snap), now, plan)
+        return plan
+
+    def node_target(self, info: NodeInfo) -> str:
+        if self.prefer_local and info.unix and info.host == self.hostname and os.path.exists(info.unix.removeprefix("unix://")):
+            return info.unix
+        return info.grpc
+
+    # -- namespaces and epochs ---------------------------------------------------------------
+    def epoch(self, fp: bytes) -> int:
+        return max(self.membership.snapshot().epoch(fp), self._epoch_floor.get(fp, 0))
+
+    def effective(self, namespace: object) -> bytes:
+        fp = fingerprint(namespace)
+        self._register(fp, namespace)
+        return effective_fingerprint(fp, self.epoch(fp))
+
+    def _register(self, fp: bytes, namespace: object) -> None:
+        """Record a namespace in etcd the first time this client uses it (fire and forget)."""
+        if fp in self._registered or fp in self.membership.snapshot().namespaces:
+            return
+        self._registered.add(fp)
+        fields = namespace.to_dict() if isinstance(namespace, Namespace) else None
+        try:
+            self.membership.run_async(lambda store: store.register_namespace(fp, fields))
+        except Unavailable:
+            self._registered.discard(fp)
+
+    def chunk_keys(self, tokens: Any, namespace: Namespace) -> list[ChunkKey]:
+        if not isinstance(namespace, Namespace):
+            raise InvalidArgument(f"chunk_keys needs a Namespace, got {type(namespace).__name__}")
+        return chunk_keys(tokens, _Seeded(self.effective(namespace), namespace.chunk_tokens))  # type: ignore[arg-type]
+
+    # -- outcome of one node call ------------------------------------------------------------
+    def failed(self, node: str, result: object) -> bool:
+        """True if ``result`` is an error (the node is then suspect); raises contract errors."""
+        if not isinstance(result, BaseException):
+            self.suspects.clear(node)
+            return False
+        if isinstance(result, FATAL):
+            raise result
+        if not isinstance(result, CapacityExceeded):
+            log.info("node %s failed (%s: %s); routing around it", node, type(result).__name__, result)
+            self.suspects.mark(node)
+        return True
+
+    # -- operations ----------------------------------------------------------------------------
+    def put_many(self, keys: Sequence[bytes], datas: Sequence[object], *, namespace: object, parents: Sequence[bytes | None] | None,
+                 token_counts: Sequence[int] | None) -> ClusterOp[list[bool]]:
+        ks = [check_key(k) for k in keys]
+        datas = list(datas)
+        if len(ks) != len(datas):
+            raise InvalidArgument(f"{len(ks)} keys but {len(datas)} payloads")
+        if parents is not None and len(parents) != len(ks):
+            raise InvalidArgument(f"{len(ks)} keys but {len(parents)} parents")
+        eff = self.effective(namespace) if namespace is not None else None
+        plan = self.plan()
+        groups: dict[str, list[int]] = {}
+        for i, k in enumerate(ks):
+            for n in plan.owners(k):
+                if n not in self.suspects:
+                    groups.setdefault(n, []).append(i)
+        stored = [False] * len(ks)
+        calls = []
+        for n, idx in groups.items():
+            def op(core: ClientCore, idx: list[int] = idx) -> Op[list[bool]]:
+                return core.put_many([ks[i] for i in idx], [datas[i] for i in idx], namespace=eff,
+                                     parents=[parents[i] for i in idx] if parents is not None else None,
+                                     token_counts=[token_counts[i] for i in idx] if token_counts is not None else None)
+            calls.append((n, op))
+        results = yield ("fanout", plan, calls)
+        for (n, _), res in zip(calls, results):
+            if not self.failed(n, res):
+                for i, ok in zip(groups[n], res):
+                    stored[i] = stored[i] or ok
+        return stored
+
+    def _rounds(self, plan: Plan, keys: list[ChunkKey], cands: list[list[str]], call: Callable[[list[int]], NodeOp], *,
+                hit: Callable[[Any], bool], prefix: bool = False) -> ClusterOp[tuple[list[Any], list[str | None]]]:
+        """Ask each key's candidate nodes in order until one has it: one round per rank,
+        one batched call per node per round, the calls of a round in parallel.
+
+        Returns per key the hit result (or None) and the node that answered.  With
+        ``prefix``, only keys before the first key known to be missing everywhere are asked.
+        """
+        n = len(keys)
+        pos = [0] * n
+        result: list[Any] = [None] * n
+        where: list[str | None] = [None] * n
+        todo = set(range(n))
+        while todo:
+            groups: dict[str, list[int]] = {}
+            bound = n
+            for i in sorted(todo):
+                if i >= bound:
+                    break
+                while pos[i] < len(cands[i]) and cands[i][pos[i]] in self.suspects:
+                    pos[i] += 1
+                if pos[i] >= len(cands[i]):
+                    todo.discard(i)
+                    if prefix:
+                        bound = i
+                    continue
+                groups.setdefault(cands[i][pos[i]], []).append(i)
+            if prefix:
+                todo = {i for i in todo if i < bound}
+                groups = {node: kept for node, idx in groups.items() if (kept := [i for i in idx if i < bound])}
+            if not groups:
+                break
+            calls = [(node, call(idx)) for node, idx in groups.items()]
+            results = yield ("fanout", plan, calls)
+            for (node, _), res in zip(calls, results):
+                failed = self.failed(node, res)
+                for j, i in enumerate(groups[node]):
+                    if not failed and hit(res[j]):
+                        result[i], where[i] = res[j], node
+                        todo.discard(i)
+                    else:
+                        pos[i] += 1
+        return result, where
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object] | None) -> ClusterOp[list[Any]]:
+        ks = [check_key(k) for k in keys]
+        if outs is not None and len(outs) != len(ks):
+            raise InvalidArgument(f"{len(ks)} keys but {len(outs)} output buffers")
+        plan = self.plan()
+        owners = [plan.owners(k) for k in ks]
+        # 1) the owners, in rank order
+        result, _ = yield from self._rounds(
+            plan, ks, owners,
+            lambda idx: lambda core: core.get_many_into([ks[i] for i in idx], [outs[i] for i in idx] if outs is not None else None),
+            hit=lambda v: v is not None)
+        # 2) hand-off: the previous owners of keys every owner missed
+        missing = [i for i, v in enumerate(result) if v is None] if plan.previous else []
+        cands = [plan.handoff(ks[i], owners[i]) for i in missing]
+        if not any(cands):
+            return result
+        sub = [ks[i] for i in missing]
+        found, _ = yield from self._rounds(plan, sub, cands, lambda idx: _fetch_with_meta([sub[j] for j in idx], self.verify),
+                                           hit=lambda v: v is not None)
+        copies: dict[str, list[tuple[BlockMeta, bytes]]] = {}
+        for j, i in enumerate(missing):
+            if found[j] is None:
+                continue
+            meta, payload = found[j]
+            if outs is not None:
+                dest = as_bytes_view(outs[i], writable=True)
+                if dest.nbytes < meta.payload_len:
+                    raise InvalidArgument(f"output buffer holds {dest.nbytes} bytes; block {meta.key.hex()} has {meta.payload_len}")
+                dest[: meta.payload_len] = payload
+                result[i] = meta.payload_len
+            else:
+                result[i] = payload
+            for n in owners[i]:
+                if n not in self.suspects:
+                    copies.setdefault(n, []).append((meta, payload))
+        if copies:  # the hand-off proper: the current owners get the block now
+            calls = [(n, _put_blocks([m for m, _ in items], [p for _, p in items])) for n, items in copies.items()]
+            results = yield ("fanout", plan, calls)
+            for (n, _), res in zip(calls, results):
+                if not self.failed(n, res):
+                    self.handoffs += sum(bool(x) for x in res)
+        return result
+
+    def lookup(self, keys: Sequence[bytes], *, prefix: bool = False) -> ClusterOp[tuple[list[str | None], list[str | None]]]:
+        """Tier and node of each key: owners first, then previous owners (a later get hands it off)."""
+        ks = [check_key(k) for k in as_key_list(keys)]
+        plan = self.plan()
+        cands = []
+        for k in ks:
+            o = plan.owners(k)
+            cands.append(o + plan.handoff(k, o) if plan.previous else o)
+        tiers, where = yield from self._rounds(
+            plan, ks, cands, lambda idx: lambda core: core.lookup([ks[i] for i in idx]), hit=lambda t: t is not None, prefix=prefix)
+        return tiers, where
+
+    def match_prefix(self, keys: Sequence[bytes]) -> ClusterOp[tuple[int, list[str], list[str]]]:
+        tiers, where = yield from self.lookup(keys, prefix=True)
+        n = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
+        return n, [t for t in tiers[:n] if t is not None], [w for w in where[:n] if w is not None]
+
+    def to_owners(self, keys: Sequence[bytes], method: str, make: Callable[[list[ChunkKey]], Any]) -> ClusterOp[int]:
+        """One call per node with the keys it owns (pin, unpin); returns the summed counts."""
+        ks = [check_key(k) for k in as_key_list(keys)]
+        plan = self.plan()
+        groups: dict[str, list[ChunkKey]] = {}
+        for k in ks:
+            for n in plan.owners(k):
+                if n not in self.suspects:
+                    groups.setdefault(n, []).append(k)
+        calls = [(n, lambda core, sub=sub: core.simple(method, make(sub))) for n, sub in groups.items()]
+        results = yield ("fanout", plan, calls)
+        return sum(r for (n, _), r in zip(calls, results) if not self.failed(n, r))
+
+    def to_all(self, method: str, request: Any, field: str = "count") -> ClusterOp[dict[str, Any]]:
+        """The same call on every live node (delete, invalidate, stats): node -> result or error."""
+        plan = self.plan()
+        calls = [(n, lambda core: core.simple(method, request, field)) for n in plan.nodes if n not in self.suspects]
+        results = yield ("fanout", plan, calls)
+        out: dict[str, Any] = {}
+        for (n, _), r in zip(calls, results):
+            self.failed(n, r)  # raises contract errors, marks failed nodes
+            out[n] = r
+        return out
+
+    def delete(self, keys: Sequence[bytes]) -> ClusterOp[int]:
+        # every live node, not only the owners: a copy left on a former owner must not come back
+        res = yield from self.to_all("Delete", pb.KeysRequest(keys=[check_key(k) for k in as_key_list(keys)]))
+        return sum(v for v in res.values() if not isinstance(v, BaseException))
+
+    def invalidate(self, namespace: object) -> ClusterOp[int]:
+        fp = fingerprint(namespace)
+        fields = namespace.to_dict() if isinstance(namespace, Namespace) else None
+        rec = yield ("etcd", lambda store: store.bump_epoch(fp, fields))
+        self._epoch_floor[fp] = max(self._epoch_floor.get(fp, 0), rec.epoch)
+        retired = effective_fingerprint(fp, rec.epoch - 1)
+        # nodes drop the old epoch's blocks when their watch sees the bump; asking them now
+        # as well closes the window for clients that key by the plain fingerprint
+        res = yield from self.to_all("Invalidate", pb.InvalidateRequest(namespace=retired))
+        return sum(v for v in res.values() if not isinstance(v, BaseException))
+
+    def stats(self) -> ClusterOp[dict[str, Any]]:
+        plan = self.plan()
+        calls = [(n, lambda core: core.stats()) for n in plan.nodes]
+        results = yield ("fanout", plan, calls)
+        nodes = {}
+        for (n, _), r in zip(calls, results):
+            nodes[n] = {"error": f"{type(r).__name__}: {r}"} if isinstance(r, BaseException) else r
+            if isinstance(r, BaseException) and not isinstance(r, FATAL):
+                self.suspects.mark(n)
+        return {
+            "target": self.target,
+            "cluster": self.cluster,
+            "replication": plan.r,
+            "membership": plan.snapshot.to_dict(),
+            "suspects": self.suspects.snapshot(),
+            "nodes": nodes,
+        }
+
+    def close(self) -> None:
+        self.closed = True
+        self.membership.close()
+
+
+# -- drivers ---------------------------------------------------------------------------------------
+_CLIENT_OPTIONS = ("token", "token_file", "timeouts", "transport", "verify")
+
+
+class _ClusterBase:
+    """The API both drivers share: argument handling and the calls that need no I/O."""
+
+    _core: ClusterCore
+
+    def _init_core(self, target: str, *, timeouts: Timeouts | None, transport: str, verify: bool, replication: int | None,
+                   suspect_s: float, prefer_local: bool, wait_s: float) -> None:
+        self._core = ClusterCore(target, timeouts=timeouts, transport=transport, verify=verify, replication=replication,
+                                 suspect_s=suspect_s, prefer_local=prefer_local, wait_s=wait_s)
+
+    @property
+    def membership(self) -> Membership:
+        return self._core.membership
+
+    def snapshot(self) -> ClusterSnapshot:
+        """The membership, configuration and namespace epochs this client routes by."""
+        return self._core.membership.snapshot()
+
+    def nodes(self) -> list[str]:
+        return sorted(self._core.plan().nodes)
+
+    def owners(self, key: bytes) -> list[str]:
+        """The nodes that own ``key`` now, best first."""
+        return self._core.plan().owners(check_key(key))
+
+    def wait_for_nodes(self, n: int, timeout: float = 30.0) -> bool:
+        """Wait until the view shows at least ``n`` live nodes."""
+        return self._core.membership.wait_for(lambda s: len(s.nodes) >= n, timeout) is not None
+
+    def chunk_keys(self, tokens: Any, namespace: Namespace) -> list[ChunkKey]:
+        """Keys for ``tokens`` at the namespace's current epoch (equal to
+        :func:`client.chunk_keys` until the namespace is first invalidated)."""
+        return self._core.chunk_keys(tokens, namespace)
+
+    def effective_namespace(self, namespace: Namespace | bytes) -> bytes:
+        """The fingerprint blocks of ``namespace`` are stored under at its current epoch."""
+        return self._core.effective(namespace)
+
+    def epoch(self, namespace: Namespace | bytes) -> int:
+        return self._core.epoch(fingerprint(namespace))
+
+    @property
+    def suspects(self) -> dict[str, float]:
+        """Nodes being routed around, with the seconds left."""
+        return self._core.suspects.snapshot()
+
+    @staticmethod
+    def _no_views() -> InvalidArgument:
+        return InvalidArgument("zero-copy views need one node: use KVClient('unix:///path/to/kvstore.sock') of the local node")
+
+
+class ClusterClient(_ClusterBase):
+    """A blocking client of a whole cluster; ``KVClient("etcd://...")`` returns one.
+
+    Same methods as :class:`client.KVClient` (plus :meth:`chunk_keys`,
+    :meth:`match_prefix_locations`, :meth:`owners`, ...).  Thread-safe.  Batch calls fan
+    out to the owning nodes on a small thread pool.
+    """
+
+    def __init__(self, target: str, *, token: str | None = None, token_file: str | None = None, timeouts: Timeouts | None = None,
+                 transport: str = "auto", verify: bool = True, replication: int | None = None, suspect_s: float = 2.0,
+                 prefer_local: bool = True, wait_s: float = 10.0, max_workers: int = 16) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from client._sync import resolve_token
+
+        self._init_core(target, timeouts=timeouts, transport=transport, verify=verify, replication=replication,
+                        suspect_s=suspect_s, prefer_local=prefer_local, wait_s=wait_s)
+        self._node_kw = {"token": resolve_token(token, token_file) or None, "timeouts": self._core.timeouts,
+                         "transport": transport, "verify": verify}
+        self._clients: dict[str, tuple[tuple[Any, ...], Any]] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvstore-cluster")
+
+    def _client(self, info: NodeInfo) -> Any:
+        from client._sync import KVClient
+
+        ident = (info.grpc, info.unix, info.pid, info.started_at)
+        with self._lock:
+            entry = self._clients.get(info.node_id)
+            if entry is not None and entry[0] == ident:
+                return entry[1]
+            client = KVClient(self._core.node_target(info), **self._node_kw)  # type: ignore[arg-type]
+            self._clients[info.node_id] = (ident, client)
+        if entry is not None:  # the node restarted: its old address is gone
+            entry[1].close()
+        return client
+
+    def _call(self, info: NodeInfo, make: NodeOp) -> Any:
+        try:
+            client = self._client(info)
+            return client._run(make(client._core))
+        except KVStoreError as e:
+            return e
+
+    def _run(self, op: ClusterOp[T]) -> T:
+        if self._core.closed:
+            raise Unavailable("this client is closed; create a new one")
+        try:
+            instr = next(op)
+            while True:
+                if instr[0] == "fanout":
+                    plan, calls = instr[1], instr[2]
+                    infos = [plan.nodes[n] for n, _ in calls]
+                    if len(calls) == 1:
+                        result: Any = [self._call(infos[0], calls[0][1])]
+                    else:
+                        futs = [self._pool.submit(self._call, info, make) for info, (_, make) in zip(infos, calls)]
+                        result = [f.result() for f in futs]
+                elif instr[0] == "etcd":
+                    result = self._core.membership.call(instr[1])
+                else:
+                    raise AssertionError(f"unknown instruction {instr[0]}")
+                instr = op.send(result)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+
+    # -- API (as KVClient) --------------------------------------------------------------------------
+    def put(self, key: bytes, data: object, *, namespace: bytes | Namespace | None = None, parent: bytes | None = None, token_count: int = 0) -> bool:
+        return self._run(self._core.put_many([key], [data], namespace=namespace, parents=[parent], token_counts=[token_count]))[0]
+
+    def put_many(self, keys: Sequence[bytes], datas: Sequence[object], *, namespace: bytes | Namespace | None = None,
+                 parents: Sequence[bytes | None] | None = None, token_counts: Sequence[int] | None = None) -> list[bool]:
+        return self._run(self._core.put_many(list(keys), list(datas), namespace=namespace, parents=parents, token_counts=token_counts))
+
+    def get(self, key: bytes) -> bytes | None:
+        return self._run(self._core.get_many_into([key], None))[0]  # type: ignore[no-any-return]
+
+    def get_into(self, key: bytes, out: object) -> int | None:
+        return self._run(self._core.get_many_into([key], [out]))[0]  # type: ignore[no-any-return]
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return self._run(self._core.get_many_into(list(keys), None))
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[int | None]:
+        return self._run(self._core.get_many_into(list(keys), list(outs)))
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return [t is not None for t in self.lookup(keys)]
+
+    def lookup(self, keys: Sequence[bytes]) -> list[str | None]:
+        return self._run(self._core.lookup(keys))[0]
+
+    def lookup_locations(self, keys: Sequence[bytes]) -> list[tuple[str, str] | None]:
+        """``(node_id, tier)`` holding each key, or None."""
+        tiers, where = self._run(self._core.lookup(keys))
+        return [(w, t) if t is not None and w is not None else None for t, w in zip(tiers, where)]
+
+    def match_prefix(self, keys: Sequence[bytes]) -> int:
+        return self._run(self._core.match_prefix(keys))[0]
+
+    def match_prefix_tiers(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
+        n, tiers, _ = self._run(self._core.match_prefix(keys))
+        return n, tiers
+
+    def match_prefix_locations(self, keys: Sequence[bytes]) -> tuple[int, list[tuple[str, str]]]:
+        """How many leading keys the cluster holds, and the (node_id, tier) of each."""
+        n, tiers, where = self._run(self._core.match_prefix(keys))
+        return n, list(zip(where, tiers))
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return self._run(self._core.delete(keys))
+
+    def pin(self, keys: Sequence[bytes], ttl: float) -> int:
+        return self._run(self._core.to_owners(keys, "Pin", lambda ks: pb.PinRequest(keys=ks, ttl_s=ttl)))
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        return self._run(self._core.to_owners(keys, "Unpin", lambda ks: pb.KeysRequest(keys=ks)))
+
+    def invalidate(self, namespace: bytes | Namespace) -> int:
+        """Bump the namespace's epoch in etcd: no node serves its old blocks, and all drop them."""
+        return self._run(self._core.invalidate(namespace))
+
+    def stats(self) -> dict[str, Any]:
+        return self._run(self._core.stats())
+
+    def acquire(self, keys: Sequence[bytes]) -> Any:
+        raise self._no_views()
+
+    def reserve(self, metas: Sequence[BlockMeta]) -> Any:
+        raise self._no_views()
+
+    def close(self) -> None:
+        if self._core.closed:
+            return
+        self._core.close()
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            clients, self._clients = self._clients, {}
+        for _, c in clients.values():
+            c.close()
+
+    def __enter__(self) -> "ClusterClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClusterClient(_ClusterBase):
+    """The asyncio twin of :class:`ClusterClient`; ``AsyncKVClient("etcd://...")`` returns one.
+
+    Use it from one event loop.  The membership view runs on its own thread either way.
+    """
+
+    def __init__(self, target: str, *, token: str | None = None, token_file: str | None = None, timeouts: Timeouts | None = None,
+                 transport: str = "auto", verify: bool = True, replication: int | None = None, suspect_s: float = 2.0,
+                 prefer_local: bool = True, wait_s: float = 10.0) -> None:
+        from client._sync import resolve_token
+
+        self._init_core(target, timeouts=timeouts, transport=transport, verify=verify, replication=replication,
+                        suspect_s=suspect_s, prefer_local=prefer_local, wait_s=wait_s)
+        self._node_kw = {"token": resolve_token(token, token_file) or None, "timeouts": self._core.timeouts,
+                         "transport": transport, "verify": verify}
+        self._clients: dict[str, tuple[tuple[Any, ...], Any]] = {}
+        self._stale: list[Any] = []
+
+    def _client(self, info: NodeInfo) -> Any:
+        from client._async import AsyncKVClient
+
+        ident = (info.grpc, info.unix, info.pid, info.started_at)
+        entry = self._clients.get(info.node_id)
+        if entry is not None and entry[0] == ident:
+            return entry[1]
+        if entry is not None:
+            self._stale.append(entry[1])
+        client = AsyncKVClient(self._core.node_target(info), **self._node_kw)  # type: ignore[arg-type]
+        self._clients[info.node_id] = (ident, client)
+        return client
+
+    async def _call(self, info: NodeInfo, make: NodeOp) -> Any:
+        try:
+            client = self._client(info)
+            return await client._run(make(client._core))
+        except KVStoreError as e:
+            return e
+
+    async def _run(self, op: ClusterOp[T]) -> T:
+        import asyncio
+
+        if self._core.closed:
+            raise Unavailable("this client is closed; create a new one")
+        while self._stale:
+            await self._stale.pop().close()
+        try:
+            instr = next(op)
+            while True:
+                if instr[0] == "fanout":
+                    plan, calls = instr[1], instr[2]
+                    result: Any = await asyncio.gather(*(self._call(plan.nodes[n], make) for n, make in calls))
+                elif instr[0] == "etcd":
+                    result = await asyncio.wait_for(self._core.membership.run_async(instr[1]), self._core.membership.timeout * 3 + 1)
+                else:
+                    raise AssertionError(f"unknown instruction {instr[0]}")
+                instr = op.send(result)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        except asyncio.TimeoutError:
+            raise Unavailable(f"etcd at {self._core.membership.endpoints} did not answer in time") from None
+
+    async def put(self, key: bytes, data: object, *, namespace: bytes | Namespace | None = None, parent: bytes | None = None, token_count: int = 0) -> bool:
+        return (await self._run(self._core.put_many([key], [data], namespace=namespace, parents=[parent], token_counts=[token_count])))[0]
+
+    async def put_many(self, keys: Sequence[bytes], datas: Sequence[object], *, namespace: bytes | Namespace | None = None,
+                       parents: Sequence[bytes | None] | None = None, token_counts: Sequence[int] | None = None) -> list[bool]:
+        return await self._run(self._core.put_many(list(keys), list(datas), namespace=namespace, parents=parents, token_counts=token_counts))
+
+    async def get(self, key: bytes) -> bytes | None:
+        return (await self._run(self._core.get_many_into([key], None)))[0]  # type: ignore[no-any-return]
+
+    async def get_into(self, key: bytes, out: object) -> int | None:
+        return (await self._run(self._core.get_many_into([key], [out])))[0]  # type: ignore[no-any-return]
+
+    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return await self._run(self._core.get_many_into(list(keys), None))
+
+    async def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[int | None]:
+        return await self._run(self._core.get_many_into(list(keys), list(outs)))
+
+    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return [t is not None for t in await self.lookup(keys)]
+
+    async def lookup(self, keys: Sequence[bytes]) -> list[str | None]:
+        return (await self._run(self._core.lookup(keys)))[0]
+
+    async def lookup_locations(self, keys: Sequence[bytes]) -> list[tuple[str, str] | None]:
+        tiers, where = await self._run(self._core.lookup(keys))
+        return [(w, t) if t is not None and w is not None else None for t, w in zip(tiers, where)]
+
+    async def match_prefix(self, keys: Sequence[bytes]) -> int:
+        return (await self._run(self._core.match_prefix(keys)))[0]
+
+    async def match_prefix_tiers(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
+        n, tiers, _ = await self._run(self._core.match_prefix(keys))
+        return n, tiers
+
+    async def match_prefix_locations(self, keys: Sequence[bytes]) -> tuple[int, list[tuple[str, str]]]:
+        n, tiers, where = await self._run(self._core.match_prefix(keys))
+        return n, list(zip(where, tiers))
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        return await self._run(self._core.delete(keys))
+
+    async def pin(self, keys: Sequence[bytes], ttl: float) -> int:
+        return await self._run(self._core.to_owners(keys, "Pin", lambda ks: pb.PinRequest(keys=ks, ttl_s=ttl)))
+
+    async def unpin(self, keys: Sequence[bytes]) -> int:
+        return await self._run(self._core.to_owners(keys, "Unpin", lambda ks: pb.KeysRequest(keys=ks)))
+
+    async def invalidate(self, namespace: bytes | Namespace) -> int:
+        return await self._run(self._core.invalidate(namespace))
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._run(self._core.stats())
+
+    def acquire(self, keys: Sequence[bytes]) -> Any:
+        raise self._no_views()
+
+    def reserve(self, metas: Sequence[BlockMeta]) -> Any:
+        raise self._no_views()
+
+    async def close(self) -> None:
+        if self._core.closed:
+            return
+        self._core.close()
+        clients, self._clients = self._clients, {}
+        for c in [*(c for _, c in clients.values()), *self._stale]:
+            await c.close()
+        self._stale = []
+
+    async def __aenter__(self) -> "AsyncClusterClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

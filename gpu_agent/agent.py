@@ -1,0 +1,461 @@
+"""``GPUAgent``: the engine-facing KV connector, and the wiring of its parts.
+
+One per inference worker.  It owns a :class:`~gpu_agent.copy_engine.CopyEngine`
+(streams, events, the arena registered as pinned memory), an
+:class:`~gpu_agent.pool.HBMPool` and two single-thread executors: the *prefetcher*
+(looks blocks up, leases them — which promotes NVMe blocks into the node's DRAM — and
+copies them into the pool) and the *completer* (waits on a transfer's event, then
+releases its leases or checksums and commits its reservation).  The engine's thread
+never blocks on the device: it gets handles whose events it waits on.
+
+Calls (shaped after vLLM's KV connector):
+
+* ``lookup(tokens) -> int``: tokens cached (full chunks, leading, any tier or HBM);
+* ``prefetch(tokens)``: non-blocking; NVMe/remote → DRAM → HBM within the byte and
+  time budgets of :class:`AgentConfig` (the plan is :func:`gpu_agent.planner.plan_prefetch`);
+* ``load(tokens, kv_buffers, block_ids) -> LoadHandle``: the cached prefix into the
+  engine's pages, layer by layer (``wait_layer(i)``); HBM-resident blocks are copied
+  device to device, the others straight from the arena (DMA);
+* ``save(tokens, kv_buffers, block_ids) -> SaveHandle``: the prompt's full chunks
+  into the store, asynchronously (device → arena, then checksum and commit).
+
+Fails open: a store that cannot answer gives a miss (counted and logged), never an
+exception on the engine's path; contract violations (wrong buffer shapes, dtypes,
+devices) raise :class:`~kvstore.errors.InvalidArgument`.
+
+Close the agent before its client: the arena's pinned registration is undone here.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import xxhash
+
+from gpu_agent.copy_engine import CopyEngine, DoneEvent, Event, Segmented, byte_view, copy_range, host_tensor
+from gpu_agent.layout import ByteCopy, KVCacheLayout, PagedAdapter
+from gpu_agent.planner import Bandwidths, plan_prefetch, usable_prefix
+from gpu_agent.pool import HBMPool
+from kvstore.block import BlockMeta, checksum
+from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.keys import ChunkKey, Namespace, chunk_keys, parent_keys
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """Knobs of one agent."""
+
+    hbm_bytes: int = 1 << 30
+    """Byte budget of the HBM block pool (whole blocks; the rest is unused)."""
+    prefetch_bytes: int = 1 << 30
+    """Most bytes one ``prefetch`` call brings into HBM."""
+    prefetch_seconds: float = 1.0
+    """Most estimated transfer time one ``prefetch`` call plans for."""
+    bandwidths: Bandwidths = Bandwidths()
+    """Per-hop bandwidths the prefetch planner estimates time with."""
+    batch_blocks: int = 64
+    """Blocks per reserve/commit or acquire round trip."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SaveResult:
+    stored: int = 0  # blocks written by this call
+    existed: int = 0  # blocks the store already had (nothing written)
+    failed: int = 0  # blocks not stored (no room, an error): the engine recomputes them next time
+
+    def __add__(self, o: "SaveResult") -> "SaveResult":
+        return SaveResult(self.stored + o.stored, self.existed + o.existed, self.failed + o.failed)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefetchResult:
+    fetched: int = 0  # blocks copied into HBM by this call
+    resident: int = 0  # blocks of the prefix already in HBM
+    prefix: int = 0  # blocks of the prompt cached anywhere, without a gap
+    limit: str = ""  # what stopped the plan short ("bytes", "time", "pool"), if anything
+
+
+class LoadHandle:
+    """A load in flight.  ``num_tokens`` (known at once) is how many leading tokens it
+    loads; ``wait_layer(i)`` orders the caller after layer i's copies (on CUDA the current
+    stream waits, the host does not block), so layer i+1 loads while layer i computes."""
+
+    def __init__(self, num_tokens: int, hbm_chunks: int, events: list[Event], done: "concurrent.futures.Future[bool] | None") -> None:
+        self.num_tokens = num_tokens
+        self.hbm_chunks = hbm_chunks
+        self._events = events
+        self._done = done
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._events)
+
+    def wait_layer(self, layer: int) -> None:
+        self._events[layer].wait()
+
+    def done(self) -> bool:
+        return all(e.query() for e in self._events) and (self._done is None or self._done.done())
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every layer is loaded and the leases are back; False if a lease
+        expired under the copy (the loaded bytes are then not to be trusted)."""
+        for e in self._events:
+            e.synchronize()
+        return True if self._done is None else self._done.result(timeout)
+
+
+class SaveHandle:
+    """A save in flight: ``wait()`` returns the :class:`SaveResult` once blocks are committed."""
+
+    def __init__(self, parts: list["concurrent.futures.Future[SaveResult]"], base: SaveResult = SaveResult()) -> None:
+        self._parts = parts
+        self._base = base
+
+    def done(self) -> bool:
+        return all(p.done() for p in self._parts)
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        out = self._base
+        for p in self._parts:
+            out = out + p.result(timeout)
+        return out
+
+
+def arena_buffer(client: Any) -> memoryview:
+    """The node's arena as this process maps it (through the client's core)."""
+    core = client._core  # SDK-internal: see the note in the module docstring of gpu_agent
+    if not core.target.local:
+        raise InvalidArgument("GPUAgent needs a KVClient on the local node (a unix:// target): it reads the node's arena in place")
+    client._run(core.ensure_hello())
+    if core.arena is None:
+        raise InvalidArgument("this client could not map the node's arena (is the node on this machine?)")
+    return core.arena.buf  # type: ignore[no-any-return]
+
+
+class GPUAgent:
+    """The KV connector of one inference worker.  Thread-safe; one per worker."""
+
+    def __init__(
+        self,
+        client: Any,
+        layout: KVCacheLayout,
+        namespace: Namespace,
+        *,
+        device: str | torch.device | None = None,
+        config: AgentConfig | None = None,
+    ) -> None:
+        layout.check_namespace(namespace)
+        self.client = client
+        self.layout = layout
+        self.namespace = namespace
+        self.config = config or AgentConfig()
+        self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = getattr(torch, layout.dtype)
+        self.chunk_tokens = namespace.chunk_tokens
+        self.adapter = PagedAdapter(layout, self.chunk_tokens)
+        self.block_bytes = layout.block_bytes(self.chunk_tokens)
+        self.layer_bytes = layout.layer_bytes(self.chunk_tokens)
+        self._fingerprint = namespace.fingerprint
+        self.engine = CopyEngine(self.device)
+        self.pinned = self.engine.register_host(arena_buffer(client))
+        self.pool = HBMPool(self.config.hbm_bytes, self.block_bytes, self.device)
+        self._prefetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-prefetch")
+        self._completer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-complete")
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._closed = False
+
+    # -- keys ----------------------------------------------------------------------------
+    def keys(self, tokens: Sequence[int] | Any) -> list[ChunkKey]:
+        """One key per full chunk of ``tokens`` (a list, numpy array or CPU tensor of ids)."""
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.detach().cpu().reshape(-1).numpy()
+        return chunk_keys(tokens, self.namespace)
+
+    def _tiers(self, keys: list[ChunkKey]) -> list[str | None]:
+        try:
+            return self.client.lookup(keys)  # type: ignore[no-any-return]
+        except KVStoreError as e:  # fail open: a store that cannot answer is a miss
+            self.counters["store_errors"] += 1
+            log.warning("kvstore lookup failed (%s); treating as a miss", e)
+            return [None] * len(keys)
+
+    def _meta_ok(self, meta: BlockMeta | None) -> bool:
+        ok = meta is not None and meta.namespace == self._fingerprint and meta.payload_len == self.block_bytes
+        if meta is not None and not ok:
+            self.counters["incompatible_blocks"] += 1
+        return ok
+
+    # -- lookup ----------------------------------------------------------------------------
+    def lookup(self, tokens: Sequence[int] | Any) -> int:
+        """Tokens of ``tokens``' leading full chunks that are cached (store or HBM pool)."""
+        keys = self.keys(tokens)
+        if not keys:
+            return 0
+        tiers = self._tiers(keys)
+        with self.pool.lock:
+            in_hbm = [self.pool.contains(k) for k in keys]
+        n = usable_prefix(tiers, in_hbm)
+        self.counters["lookups"] += 1
+        self.counters["lookup_hit_tokens"] += n * self.chunk_tokens
+        return n * self.chunk_tokens
+
+    # -- prefetch --------------------------------------------------------------------------
+    def prefetch(self, tokens: Sequence[int] | Any) -> "concurrent.futures.Future[PrefetchResult]":
+        """Start bringing ``tokens``' cached prefix into HBM; returns at once."""
+        keys = self.keys(tokens)
+        return self._prefetcher.submit(self._prefetch, keys)
+
+    def _prefetch(self, keys: list[ChunkKey]) -> PrefetchResult:
+        if not keys:
+            return PrefetchResult()
+        tiers = self._tiers(keys)
+        with self.pool.lock:
+            in_hbm = [self.pool.contains(k) for k in keys]
+            plan = plan_prefetch(
+                tiers, in_hbm, block_bytes=self.block_bytes, free_slots=self.pool.free_slots, entries=self.pool.entries(),
+                keys=keys, byte_budget=self.config.prefetch_bytes, time_budget_s=self.config.prefetch_seconds,
+                bandwidths=self.config.bandwidths,
+            )
+        if not plan.fetch:
+            return PrefetchResult(0, plan.resident, plan.prefix, plan.limit)
+        fetch = [keys[i] for i in plan.fetch]
+        try:
+            leased = self.client.acquire(fetch)  # promotes NVMe (or remote) blocks into the node's DRAM
+        except KVStoreError as e:
+            self.counters["store_errors"] += 1
+            log.warning("kvstore acquire for prefetch failed (%s)", e)
+            return PrefetchResult(0, plan.resident, plan.prefix, plan.limit)
+        inserted: list[bytes] = []
+        with leased:
+            with self.pool.lock:
+                self.pool.evict([k for k in plan.evict if k not in set(keys)])
+                jobs: list[tuple[torch.Tensor, Segmented]] = []
+                protect = set(keys[: plan.prefix])
+                for i, k, meta, views in zip(plan.fetch, fetch, leased.metas, leased.views):
+                    if views is None or not self._meta_ok(meta):
+                        break  # a gap: the chunks after it are useless
+                    if self.pool.contains(k):
+                        continue  # a concurrent load or prefetch got there first
+                    slot = self.pool.insert(k, i, protect=protect)
+                    if slot is None:
+                        break
+                    jobs.append((slot, Segmented([host_tensor(v) for v in views])))
+                    inserted.append(k)
+                nbytes = self.block_bytes
+
+                def copy() -> None:
+                    for slot, src in jobs:
+                        copy_range(slot, 0, src, 0, nbytes)
+
+                ev = self.engine.submit("h2d", copy) if jobs else DoneEvent()
+            try:
+                ev.synchronize()  # this worker waits on its own transfer, never on the device
+            except Exception:
+                with self.pool.lock:
+                    self.pool.evict(inserted)
+                raise
+        held = [k for k, v in zip(leased.keys, leased.views) if v is not None]  # valid[] follows the leases held
+        valid = dict(zip(held, leased.valid))
+        bad = [k for k in inserted if not valid.get(k, True)]
+        if bad:  # a lease expired under the copy: those bytes may have been reused
+            with self.pool.lock:
+                self.pool.evict(bad)
+            self.counters["expired_leases"] += len(bad)
+        self.counters["prefetched_blocks"] += len(inserted) - len(bad)
+        return PrefetchResult(len(inserted) - len(bad), plan.resident, plan.prefix, plan.limit)
+
+    # -- load ------------------------------------------------------------------------------
+    def _check_buffers(self, kv_buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        lay = self.layout
+        if len(kv_buffers) != lay.num_layers:
+            raise InvalidArgument(f"kv_buffers has {len(kv_buffers)} layers; the layout has {lay.num_layers}")
+        out = []
+        for i, b in enumerate(kv_buffers):
+            if b.dim() != 5 or tuple(b.shape) != lay.buffer_shape(b.shape[1]):
+                raise InvalidArgument(
+                    f"kv_buffers[{i}] has shape {tuple(b.shape)}; expected (2, num_pages, {lay.page_size}, {lay.num_kv_heads}, {lay.head_dim})"
+                )
+            if b.dtype != self.dtype or b.device != self.device:
+                raise InvalidArgument(f"kv_buffers[{i}] is {b.dtype} on {b.device}; the agent moves {self.dtype} on {self.device}")
+            if not b.is_contiguous():
+                raise InvalidArgument(f"kv_buffers[{i}] must be contiguous")
+            out.append(byte_view(b))
+        return out
+
+    def load(self, tokens: Sequence[int] | Any, kv_buffers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> LoadHandle:
+        """Load the cached leading chunks of ``tokens`` into the pages ``block_ids`` (as far as
+        ``block_ids`` reach).  Returns at once with the copies queued, layer by layer."""
+        dst = self._check_buffers(kv_buffers)
+        num_pages = kv_buffers[0].shape[1]
+        keys = self.keys(tokens)[: len(block_ids) // self.adapter.pages_per_chunk]
+        if not keys:
+            return LoadHandle(0, 0, [DoneEvent()] * self.layout.num_layers, None)
+        with self.pool.lock:
+            in_hbm = [self.pool.contains(k) for k in keys]
+        need = [k for k, h in zip(keys, in_hbm) if not h]
+        leased = None
+        if need:
+            try:
+                leased = self.client.acquire(need)
+            except KVStoreError as e:
+                self.counters["store_errors"] += 1
+                log.warning("kvstore acquire for load failed (%s); loading only what HBM holds", e)
+        host: dict[bytes, Segmented] = {}
+        if leased is not None:
+            for k, meta, views in zip(leased.keys, leased.metas, leased.views):
+                if views is not None and self._meta_ok(meta):
+                    host[k] = Segmented([host_tensor(v) for v in views])
+        try:
+            with self.pool.lock:
+                sources: list[torch.Tensor | Segmented] = []
+                hbm = 0
+                for k in keys:
+                    slot = self.pool.lookup(k)
+                    if slot is not None:
+                        sources.append(slot)
+                        hbm += 1
+                    elif k in host:
+                        sources.append(host[k])
+                    else:
+                        break  # a gap (evicted since lookup): load the prefix before it
+                plans = [self.adapter.chunk_copies(self.adapter.chunk_pages(block_ids, c), num_pages) for c in range(len(sources))]
+                events = [
+                    self.engine.submit("h2d", self._layer_copier(layer, dst[layer], sources, plans), after_compute=(layer == 0))
+                    for layer in range(self.layout.num_layers)
+                ] if sources else [DoneEvent()] * self.layout.num_layers
+        except BaseException:
+            if leased is not None:
+                leased.release()
+            raise
+        done = self._completer.submit(self._finish_load, events[-1], leased) if leased is not None else None
+        n = len(sources) * self.chunk_tokens
+        self.counters["loads"] += 1
+        self.counters["load_tokens"] += n
+        self.counters["load_hbm_blocks"] += hbm
+        self.counters["load_host_blocks"] += len(sources) - hbm
+        return LoadHandle(n, hbm, events, done)
+
+    def _layer_copier(self, layer: int, dst: torch.Tensor, sources: list[torch.Tensor | Segmented], plans: list[list[ByteCopy]]) -> Any:
+        base = layer * self.layer_bytes
+
+        def copy() -> None:
+            for src, copies in zip(sources, plans):
+                for c in copies:
+                    copy_range(dst, c.buffer_offset, src, base + c.block_offset, c.nbytes)
+
+        return copy
+
+    def _finish_load(self, last: Event, leased: Any) -> bool:
+        try:
+            last.synchronize()
+        finally:
+            valid = leased.release()
+        if not all(valid):
+            self.counters["expired_leases"] += valid.count(False)
+            log.error("a read lease expired during a load: the loaded KV may be wrong; raise the node's --lease-ttl")
+            return False
+        return True
+
+    # -- save ------------------------------------------------------------------------------
+    def save(self, tokens: Sequence[int] | Any, kv_buffers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> SaveHandle:
+        """Offload ``tokens``' full chunks (their KV in pages ``block_ids``) to the store.
+        Returns at once; chunks the store already holds are skipped."""
+        src = self._check_buffers(kv_buffers)
+        num_pages = kv_buffers[0].shape[1]
+        keys = self.keys(tokens)[: len(block_ids) // self.adapter.pages_per_chunk]
+        parents = parent_keys(keys)
+        shape = self.layout.block_shape(self.chunk_tokens)
+        metas = [
+            BlockMeta(self._fingerprint, k, p, self.chunk_tokens, self.layout.dtype, shape, self.block_bytes, 0)
+            for k, p in zip(keys, parents)
+        ]
+        parts: list[concurrent.futures.Future[SaveResult]] = []
+        base = SaveResult()
+        step = max(1, self.config.batch_blocks)
+        for lo in range(0, len(metas), step):
+            try:
+                res = self.client.reserve(metas[lo : lo + step])
+            except KVStoreError as e:
+                self.counters["store_errors"] += 1
+                log.warning("kvstore reserve failed (%s); %d blocks not saved", e, len(metas) - lo)
+                base = base + SaveResult(failed=len(metas) - lo)
+                break
+            jobs = []
+            for j, views in enumerate(res.views):
+                if views is not None:
+                    pages = self.adapter.chunk_pages(block_ids, lo + j)
+                    jobs.append((views, Segmented([host_tensor(v) for v in views]), self.adapter.chunk_copies(pages, num_pages)))
+            existed = sum(res.existed)
+            if not jobs:
+                res.abort()
+                base = base + SaveResult(existed=existed, failed=len(res.views) - existed)
+                continue
+
+            def copy(jobs: list[Any] = jobs) -> None:
+                for layer in range(self.layout.num_layers):
+                    b = layer * self.layer_bytes
+                    for _, dst, copies in jobs:
+                        for c in copies:
+                            copy_range(dst, b + c.block_offset, src[layer], c.buffer_offset, c.nbytes)
+
+            try:
+                ev = self.engine.submit("d2h", copy, after_compute=True)
+            except BaseException:
+                res.abort()
+                raise
+            no_room = len(res.views) - existed - len(jobs)
+            parts.append(self._completer.submit(self._finish_save, ev, res, [j[0] for j in jobs], existed, no_room))
+        self.counters["saves"] += 1
+        return SaveHandle(parts, base)
+
+    def _finish_save(self, ev: Event, res: Any, views: list[list[memoryview]], existed: int, no_room: int) -> SaveResult:
+        try:
+            ev.synchronize()
+            sums = [checksum(v[0]) if len(v) == 1 else _checksum_parts(v) for v in views]
+            ok = res.commit(sums)
+        except BaseException as e:
+            res.abort()
+            self.counters["save_errors"] += 1
+            log.warning("saving %d blocks failed: %s", len(views), e)
+            return SaveResult(existed=existed, failed=len(views) + no_room)
+        stored = sum(ok)
+        self.counters["saved_blocks"] += stored
+        return SaveResult(stored, existed, len(ok) - stored + no_room)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        with self.pool.lock:
+            pool = self.pool.stats()
+        return {"counters": dict(self.counters), "pool": pool, "pinned_arena": self.pinned, **self.engine.stats()}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._prefetcher.shutdown(wait=True)
+        self._completer.shutdown(wait=True)
+        self.engine.close()
+        self.pool.clear()
+
+    def __enter__(self) -> "GPUAgent":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _checksum_parts(views: list[memoryview]) -> int:
+    h = xxhash.xxh3_64()
+    for v in views:
+        h.update(v)
+    return h.intdigest()

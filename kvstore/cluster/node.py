@@ -1,0 +1,129 @@
+"""A node's part in a cluster: membership registration and namespace-epoch reclaim.
+
+Owned by :class:`kvstore.server.Node` and run on the node's event loop (the same loop
+that owns the tier manager, so reclaiming calls the manager directly).  Nothing here
+is on the data path: if etcd is down the node keeps serving, its registration retries
+and re-registers when etcd returns (see :class:`~kvstore.cluster.etcd.Registration`).
+
+Reclaim: when a namespace's epoch rises to ``E``, every block whose recorded namespace
+is the effective fingerprint of an older epoch (``effective_fingerprint(fp, e)``,
+``e < E``) is deleted from DRAM and NVMe in one pass.  The first snapshot after start-up
+does the same for every known namespace, so bumps made while the node was down are
+applied to what it finds on NVMe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from typing import Any
+
+from kvstore import __version__
+from kvstore.cluster.etcd import ClusterWatcher, Registration
+from kvstore.cluster.state import ClusterSnapshot, NodeInfo, effective_fingerprint
+from kvstore.config import NodeConfig
+from kvstore.errors import Unavailable
+from kvstore.manager import TierManager
+
+log = logging.getLogger("kvstore.cluster.node")
+
+
+class NodeAgent:
+    def __init__(self, cfg: NodeConfig, endpoints: dict[str, Any], manager: TierManager) -> None:
+        self.cfg = cfg
+        self.manager = manager
+        self.info = NodeInfo(
+            node_id=cfg.node_id,
+            grpc=endpoints["grpc"],
+            data=endpoints.get("data", ""),
+            unix=endpoints.get("unix", ""),
+            host=socket.gethostname(),
+            zone=cfg.zone,
+            version=__version__,
+            dram_bytes=cfg.dram,
+            nvme_bytes=cfg.nvme,
+            pid=endpoints.get("pid", 0),
+            data_dir=str(endpoints.get("data_dir", cfg.data_dir)),
+            started_at=time.time(),
+        )
+        self.registration = Registration(cfg.etcd, cfg.cluster, self.info, ttl_s=cfg.etcd_lease_ttl_s)
+        self.watcher = ClusterWatcher(cfg.etcd, cfg.cluster, self._on_snapshot)
+        self.snapshot = ClusterSnapshot(cfg.cluster)
+        self._applied: dict[bytes, int] = {}  # namespace fingerprint -> epoch whose stale blocks are gone
+        self._first = True
+        self._reclaim_lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._pending: set[asyncio.Task[Any]] = set()
+
+    async def start(self, first_timeout: float = 5.0) -> dict[str, Any]:
+        """Register (waiting up to ``first_timeout`` s; an unreachable etcd is retried in the
+        background) and start watching.  A node id taken by another live node is an error."""
+        registered = True
+        try:
+            await asyncio.wait_for(self.registration.register(), first_timeout)
+        except (Unavailable, asyncio.TimeoutError) as e:
+            registered = False
+            log.warning("cannot register with etcd at %s yet (%s); serving anyway, retrying in the background", self.cfg.etcd, e)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self.registration.run()), loop.create_task(self.watcher.run())]
+        return {"cluster": self.cfg.cluster, "etcd": self.cfg.etcd, "registered": registered,
+                "lease_ttl_s": self.registration.ttl, "zone": self.cfg.zone}
+
+    async def stop(self) -> None:
+        """Deregister first (clients stop routing here), then stop watching."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.registration.lease_id is not None and not await self.registration.deregister():
+            log.warning("could not deregister from etcd; the record expires with its lease")
+        await self.registration.close()
+        await self.watcher.close()
+        for t in list(self._pending):
+            t.cancel()
+        await asyncio.gather(*self._pending, return_exceptions=True)
+
+    # -- namespace epochs ---------------------------------------------------------------------
+    def _on_snapshot(self, snap: ClusterSnapshot) -> None:
+        self.snapshot = snap
+        if not snap.connected:
+            return
+        stale: set[bytes] = set()
+        for fp, rec in snap.namespaces.items():
+            applied = self._applied.get(fp, None if self._first else 0)
+            if rec.epoch > 0 and (applied is None or rec.epoch > applied):
+                stale.update(effective_fingerprint(fp, e) for e in range(rec.epoch))
+            self._applied[fp] = rec.epoch
+        self._first = False
+        if stale:
+            task = asyncio.get_running_loop().create_task(self._reclaim(stale))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+
+    async def _reclaim(self, stale: set[bytes]) -> int:
+        """Delete every block recorded under one of the ``stale`` effective fingerprints."""
+        async with self._reclaim_lock:
+            m = self.manager
+            keys = [k for k in m.dram.keys() if (meta := m.dram.meta(k)) is not None and meta.namespace in stale]
+            if m.nvme is not None:
+                nvme = m.nvme
+
+                def scan() -> list[Any]:
+                    return [k for k in nvme.keys() if (meta := nvme.meta(k)) is not None and meta.namespace in stale]
+
+                seen = set(keys)
+                keys.extend(k for k in await asyncio.get_running_loop().run_in_executor(None, scan) if k not in seen)
+            n = await m.delete(keys) if keys else 0
+            m.counters["invalidated_blocks"] += n
+            m.counters["epoch_reclaimed_blocks"] += n
+            if n:
+                log.info("namespace epoch bump: reclaimed %d stale blocks", n)
+            return n
+
+
+async def stop_quietly(agent: NodeAgent | None) -> None:
+    if agent is not None:
+        with contextlib.suppress(Exception):
+            await agent.stop()

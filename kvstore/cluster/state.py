@@ -1,0 +1,230 @@
+"""What a cluster agrees on, as plain immutable values: node records, cluster
+configuration, namespace epochs, and one consistent snapshot of all three.
+
+Pure: no I/O (``kvstore.cluster.etcd`` reads and writes these; ``membership`` and the
+SDK read snapshots).  The etcd key schema, under ``/kvstore/<cluster>/``:
+
+====================================  ==============================================
+``nodes/<node_id>``                   JSON :class:`NodeInfo`, attached to the node's lease
+``config/<name>``                     JSON value of one :data:`CONFIG` setting
+``namespaces/<fingerprint hex>``      JSON ``{"epoch": int, "namespace": {...} | null,
+                                      "updated_at": unix seconds}``
+====================================  ==============================================
+
+**Epochs.** Bumping a namespace's epoch invalidates its KV everywhere.  The epoch is
+folded into the namespace fingerprint the cluster uses (:func:`effective_fingerprint`):
+epoch 0 is the plain ``Namespace.fingerprint`` (so a cluster that never invalidates
+keys exactly like a single node, and the golden key vectors stay as they are); epoch
+``e > 0`` uses ``xxh3_64(b"kvstore-epoch\\0" || fingerprint || e as u64 little-endian)``.
+Keys derived from it (``ClusterClient.chunk_keys``) and the namespace recorded in each
+block both change with the epoch, so a node that has not yet heard of a bump still never
+serves an old block to a client that has; nodes drop blocks of stale effective
+fingerprints when they see the bump (and at start-up, for bumps they missed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import xxhash
+
+from kvstore.errors import InvalidArgument
+
+ROOT = "/kvstore"
+
+
+def prefix(cluster: str) -> str:
+    check_cluster_name(cluster)
+    return f"{ROOT}/{cluster}/"
+
+
+def check_cluster_name(cluster: str) -> str:
+    if not cluster or "/" in cluster or not cluster.isprintable() or cluster.strip() != cluster:
+        raise InvalidArgument(f"cluster name must be non-empty, printable and without '/', got {cluster!r}")
+    return cluster
+
+
+def node_key(cluster: str, node_id: str) -> bytes:
+    return f"{prefix(cluster)}nodes/{node_id}".encode()
+
+
+def config_key(cluster: str, name: str) -> bytes:
+    return f"{prefix(cluster)}config/{name}".encode()
+
+
+def namespace_key(cluster: str, fingerprint: bytes) -> bytes:
+    return f"{prefix(cluster)}namespaces/{bytes(fingerprint).hex()}".encode()
+
+
+# -- epochs ---------------------------------------------------------------------------
+def effective_fingerprint(fingerprint: bytes, epoch: int) -> bytes:
+    """The fingerprint a cluster uses for a namespace at ``epoch`` (see the module doc)."""
+    fp = bytes(fingerprint)
+    if len(fp) != 8:
+        raise InvalidArgument(f"a namespace fingerprint is 8 bytes, got {len(fp)}")
+    if epoch < 0:
+        raise InvalidArgument(f"epoch must be >= 0, got {epoch}")
+    if epoch == 0:
+        return fp
+    return xxhash.xxh3_64_digest(b"kvstore-epoch\0" + fp + epoch.to_bytes(8, "little"))
+
+
+# -- configuration ----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, slots=True)
+class Setting:
+    kind: type
+    default: Any
+    minimum: float
+    doc: str
+
+
+CONFIG: dict[str, Setting] = {
+    "replication": Setting(int, 1, 1, "copies of each block: the top R nodes of the rendezvous order own it"),
+    "handoff_window_s": Setting(float, 300.0, 0, "for this long after a node joins, a miss on a new owner is retried on the previous owner (hand-off read)"),
+}
+
+
+def parse_setting(name: str, raw: object) -> Any:
+    """Validate one setting (from the CLI or etcd); raises InvalidArgument naming it."""
+    s = CONFIG.get(name)
+    if s is None:
+        raise InvalidArgument(f"unknown cluster setting {name!r}; known: {', '.join(sorted(CONFIG))}")
+    try:
+        value = s.kind(json.loads(raw) if isinstance(raw, (str, bytes)) else raw)
+        if s.kind is int and isinstance(raw, (str, bytes)) and not float(json.loads(raw)).is_integer():
+            raise ValueError
+    except (ValueError, TypeError):
+        raise InvalidArgument(f"cluster setting {name} must be {s.kind.__name__}, got {raw!r}") from None
+    if isinstance(value, float) and not math.isfinite(value) or value < s.minimum:
+        raise InvalidArgument(f"cluster setting {name} must be >= {s.minimum}, got {value}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    replication: int = 1
+    handoff_window_s: float = 300.0
+
+    @classmethod
+    def from_raw(cls, raw: Mapping[str, bytes]) -> "ClusterConfig":
+        """Known settings from etcd values; bad or unknown ones keep their defaults (logged by the caller)."""
+        kw: dict[str, Any] = {}
+        for name, value in raw.items():
+            try:
+                kw[name] = parse_setting(name, value)
+            except InvalidArgument:
+                continue
+        return cls(**kw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# -- nodes --------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """A node's membership record: how to reach it and what it holds."""
+
+    node_id: str
+    grpc: str  # host:port of the gRPC TCP listener
+    data: str = ""  # host:port of the data channel
+    unix: str = ""  # unix:///path of the local socket (same machine only)
+    host: str = ""  # hostname of the machine
+    zone: str = ""
+    version: str = ""
+    dram_bytes: int = 0
+    nvme_bytes: int = 0
+    pid: int = 0
+    data_dir: str = ""
+    started_at: float = 0.0  # unix seconds when this incarnation registered
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "NodeInfo":
+        d = json.loads(raw)
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})  # newer nodes may add fields
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NamespaceRecord:
+    fingerprint: bytes
+    epoch: int = 0
+    namespace: dict[str, Any] | None = None
+    updated_at: float = 0.0
+
+    @property
+    def effective(self) -> bytes:
+        return effective_fingerprint(self.fingerprint, self.epoch)
+
+    def to_json(self) -> bytes:
+        return json.dumps({"epoch": self.epoch, "namespace": self.namespace, "updated_at": self.updated_at}, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, fingerprint: bytes, raw: bytes) -> "NamespaceRecord":
+        d = json.loads(raw)
+        return cls(bytes(fingerprint), int(d.get("epoch", 0)), d.get("namespace"), float(d.get("updated_at", 0.0)))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClusterSnapshot:
+    """Everything under ``/kvstore/<cluster>/`` at one etcd revision.  Immutable."""
+
+    cluster: str
+    revision: int = 0
+    nodes: Mapping[str, NodeInfo] = dataclasses.field(default_factory=dict)
+    config: ClusterConfig = ClusterConfig()
+    namespaces: Mapping[bytes, NamespaceRecord] = dataclasses.field(default_factory=dict)
+    connected: bool = False  # False: etcd unreachable, this is the last view we had
+    loaded: bool = False  # False: never reached etcd (the view is empty, not known-empty)
+
+    def epoch(self, fingerprint: bytes) -> int:
+        rec = self.namespaces.get(bytes(fingerprint))
+        return rec.epoch if rec is not None else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "cluster": self.cluster,
+            "revision": self.revision,
+            "connected": self.connected,
+            "config": self.config.to_dict(),
+            "nodes": {n: dataclasses.asdict(i) for n, i in sorted(self.nodes.items())},
+            "namespaces": {
+                fp.hex(): {"epoch": r.epoch, "effective_fingerprint": r.effective.hex(), "namespace": r.namespace, "updated_at": r.updated_at}
+                for fp, r in sorted(self.namespaces.items())
+            },
+        }
+
+
+def parse_endpoints(spec: str) -> list[tuple[str, int]]:
+    """``HOST:PORT[,HOST:PORT...]`` (an ``http://`` prefix is tolerated)."""
+    out = []
+    for part in (spec or "").split(","):
+        part = part.strip().removeprefix("http://")
+        if not part:
+            continue
+        host, sep, port = part.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise InvalidArgument(f"etcd endpoint must be HOST:PORT, got {part!r} (in {spec!r})")
+        out.append((host.strip("[]"), int(port)))
+    if not out:
+        raise InvalidArgument(f"no etcd endpoint in {spec!r}; give HOST:PORT[,HOST:PORT]")
+    return out
+
+
+def parse_target(target: str) -> tuple[str, str]:
+    """``etcd://HOST:PORT[,HOST:PORT]/CLUSTER`` → (endpoints, cluster)."""
+    if not target.startswith("etcd://"):
+        raise InvalidArgument(f"a cluster target is etcd://HOST:PORT[,HOST:PORT]/CLUSTER, got {target!r}")
+    rest = target[len("etcd://") :]
+    eps, sep, cluster = rest.partition("/")
+    if not sep or not cluster:
+        raise InvalidArgument(f"a cluster target names its cluster: etcd://HOST:PORT/CLUSTER, got {target!r}")
+    parse_endpoints(eps)
+    return eps, check_cluster_name(cluster.rstrip("/"))

@@ -1,0 +1,148 @@
+"""Cluster test fixtures: a private etcd, nodes that join it, and cluster clients.
+
+Import the fixtures into a test module (``from cluster_fixtures import etcd, cluster``).
+``etcd`` is a single-member etcd on free loopback ports in a temporary directory,
+stopped by its PID at teardown (tests may stop and restart it meanwhile).  ``cluster``
+starts ``kvstore serve --etcd ...`` nodes (real processes, via ``conftest.NodeProcess``)
+with a 2-second membership lease so expiry is quick, and stops every node it started
+(resuming any left SIGSTOPped) at teardown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import NodeProcess
+
+from kvstore.cluster.local_etcd import LocalEtcd, find_etcd
+
+LEASE_TTL = 2  # seconds; etcd's minimum is about 1.5
+FAST = {"rpc": 1.0, "data": 2.0, "connect": 1.0}  # client deadlines for fault tests
+
+needs_etcd = pytest.mark.skipif(find_etcd() is None, reason="etcd is not installed (Debian: apt-get install etcd-server)")
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[LocalEtcd]:
+    if find_etcd() is None:
+        pytest.skip("etcd is not installed (Debian: apt-get install etcd-server)")
+    server = LocalEtcd(tmp_path / "etcd").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        assert server.proc is None
+
+
+class Cluster:
+    """Nodes of one cluster in one etcd; ``client()`` builds cluster clients."""
+
+    def __init__(self, etcd: LocalEtcd, tmp: Path) -> None:
+        self.etcd = etcd
+        self.tmp = tmp
+        self.name = f"c{uuid.uuid4().hex[:6]}"
+        self.nodes: dict[str, NodeProcess] = {}
+        self.all: list[NodeProcess] = []
+        self.clients: list[Any] = []
+        self.stopped: set[int] = set()  # pids we SIGSTOPped
+
+    @property
+    def target(self) -> str:
+        return f"etcd://{self.etcd.endpoint}/{self.name}"
+
+    def node_args(self, *extra: str) -> tuple[str, ...]:
+        return ("--etcd", self.etcd.endpoint, "--cluster", self.name, "--lease-ttl", str(LEASE_TTL),
+                "--dram", "64MiB", "--nvme", "128MiB", *extra)
+
+    def start(self, *node_ids: str, extra: tuple[str, ...] = ()) -> list[NodeProcess]:
+        """Start nodes in parallel (each with its own data dir; a node id reuses its dir)."""
+        procs = [NodeProcess(self.tmp / nid, *self.node_args(*extra), node_id=nid) for nid in node_ids]
+        errors: list[BaseException] = []
+
+        def run(p: NodeProcess) -> None:
+            try:
+                p.start(timeout=60)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(p,)) for p in procs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.all.extend(procs)
+        for p in procs:
+            self.nodes[p.node_id] = p
+        if errors:
+            raise errors[0]
+        return procs
+
+    def set(self, name: str, value: object) -> None:
+        from kvstore.cluster.etcd import ClusterStore
+
+        async def go() -> None:
+            store = ClusterStore(self.etcd.endpoint, self.name)
+            try:
+                await store.set_config(name, value)
+            finally:
+                await store.close()
+
+        asyncio.run(go())
+
+    def client(self, **kw: Any) -> Any:
+        from client import KVClient, Timeouts
+
+        kw.setdefault("timeouts", Timeouts(**FAST))
+        c = KVClient(self.target, **kw)
+        self.clients.append(c)
+        return c
+
+    def sigstop(self, node_id: str) -> None:
+        pid = self.nodes[node_id].proc.pid  # type: ignore[union-attr]
+        os.kill(pid, signal.SIGSTOP)
+        self.stopped.add(pid)
+
+    def sigcont(self, node_id: str) -> None:
+        pid = self.nodes[node_id].proc.pid  # type: ignore[union-attr]
+        os.kill(pid, signal.SIGCONT)
+        self.stopped.discard(pid)
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        for pid in list(self.stopped):
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        for p in self.all:
+            p.stop(timeout=30)
+            Path(f"/dev/shm/kvstore-test-{p.node_id}.arena").unlink(missing_ok=True)
+
+
+@pytest.fixture
+def cluster(etcd: LocalEtcd, tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(etcd, tmp_path)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def wait_until(pred: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
