@@ -49,6 +49,7 @@ class AsyncKVClient:
         # made on first use: a grpc.aio channel belongs to the loop it was created on, and
         # clients are often constructed before the loop that uses them (asyncio.run(main()))
         self._channel: grpc.aio.Channel | None = None
+        self._inflight: set[asyncio.Future[Any]] = set()
         self._stub_: pb_grpc.KVStoreStub | None = None
 
     @property
@@ -80,6 +81,11 @@ class AsyncKVClient:
                     kind = instr[0]
                     if kind == "rpc":
                         result = await self._rpc(instr[1], instr[2])
+                    elif kind == "rpc_nowait":
+                        task = asyncio.ensure_future(getattr(self._stub, instr[1])(instr[2], timeout=self._core.timeouts.rpc, metadata=self._metadata))
+                        self._inflight.add(task)
+                        task.add_done_callback(_forget(self._inflight))
+                        result = None
                     elif kind == "io":
                         result = await asyncio.to_thread(instr[1])
                     elif kind == "put_stream":
@@ -150,6 +156,8 @@ class AsyncKVClient:
         return await self._run(self._core.stats())
 
     async def close(self) -> None:
+        if self._inflight:  # deliver releases still in flight before the channel goes
+            await asyncio.wait(list(self._inflight), timeout=self._core.timeouts.rpc)
         self._core.close()
         if self._channel is not None:
             await self._channel.close()
@@ -159,3 +167,14 @@ class AsyncKVClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _forget(pending: set[Any]) -> Any:
+    """A done-callback that drops a fire-and-forget call and swallows its outcome."""
+
+    def done(task: Any) -> None:
+        pending.discard(task)
+        if not task.cancelled():
+            task.exception()
+
+    return done

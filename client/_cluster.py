@@ -257,7 +257,7 @@ class ClusterCore:
         self._registered.add(fp)
         fields = namespace.to_dict() if isinstance(namespace, Namespace) else None
         try:
-            self.membership.run_async(lambda store: store.register_namespace(fp, fields))
+            self.membership.submit(lambda store: store.register_namespace(fp, fields))
         except Unavailable:
             self._registered.discard(fp)
 
@@ -521,6 +521,11 @@ class _ClusterBase:
 
     def epoch(self, namespace: Namespace | bytes) -> int:
         return self._core.epoch(fingerprint(namespace))
+
+    @property
+    def handoffs(self) -> int:
+        """Blocks this client copied to a new owner after finding them on a previous owner."""
+        return self._core.handoffs
 
     @property
     def suspects(self) -> dict[str, float]:
@@ -803,9 +808,11 @@ class AsyncClusterClient(_ClusterBase):
         raise self._no_views()
 
     async def close(self) -> None:
+        import asyncio
+
         if self._core.closed:
             return
-        self._core.close()
+        await asyncio.to_thread(self._core.close)  # joins the membership thread
         clients, self._clients = self._clients, {}
         for c in [*(c for _, c in clients.values()), *self._stale]:
             await c.close()

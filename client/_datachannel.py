@@ -12,6 +12,8 @@ import socket
 import threading
 from collections.abc import Sequence
 
+import xxhash
+
 from kvstore.datachannel import COUNT, OP_GET, OP_PUT, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC, STATUS_OK, _recv_into_exact
 from kvstore.errors import DeadlineExceeded, Unavailable
 
@@ -44,8 +46,11 @@ class DataChannelPool:
                 return
         s.close()
 
-    def get(self, transfer_id: bytes, outs: Sequence[memoryview], *, _fresh: bool = False) -> None:
-        """Receive each expected payload straight into its ``outs`` view (exact sizes)."""
+    def get(self, transfer_id: bytes, outs: Sequence[memoryview], *, hashed: bool = False, _fresh: bool = False) -> list[int]:
+        """Receive each expected payload straight into its ``outs`` view (exact sizes).
+
+        With ``hashed``, return each payload's xxh3-64, computed piece by piece as the
+        bytes arrive (while they are still in cache) rather than in a second pass."""
         s, reused = self._get(fresh=_fresh)
         ok = False
         try:
@@ -58,15 +63,20 @@ class DataChannelPool:
             if not got_reply:
                 if reused:  # the node closed this idle pooled connection before reading our request
                     s.close()
-                    return self.get(transfer_id, outs, _fresh=True)
+                    return self.get(transfer_id, outs, hashed=hashed, _fresh=True)
                 raise Unavailable("the node closed the data channel (transfer expired or unknown)")
             magic, status = REPLY.unpack(head)
             if magic != REPLY_MAGIC or status != STATUS_OK:
                 raise Unavailable(f"data channel refused the transfer (status {status})")
+            sums: list[int] = []
             for out in outs:
-                if not _recv_into_exact(s, out):
+                h = xxhash.xxh3_64() if hashed else None
+                if not _recv_into_exact(s, out, h):
                     raise Unavailable("the data channel closed mid-transfer")
+                if h is not None:
+                    sums.append(h.intdigest())
             ok = True
+            return sums
         except socket.timeout as e:
             raise DeadlineExceeded(f"data channel transfer exceeded {self.io_timeout} s") from e
         except OSError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -73,6 +74,8 @@ class KVClient:
         self._metadata = (("authorization", f"Bearer {tok}"),) if tok else ()
         self._channel = grpc.insecure_channel(self._core.target.grpc_target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._inflight: list[Any] = []
+        self._inflight_lock = threading.Lock()
 
     # -- driver -------------------------------------------------------------------------
     def _rpc(self, method: str, request: Any) -> Any:
@@ -88,6 +91,21 @@ class KVClient:
                 raise err from None
         raise AssertionError("unreachable")
 
+    def _start(self, method: str, request: Any) -> None:
+        """Fire a call without waiting; failures are harmless (leases expire on their own)."""
+        with self._inflight_lock:
+            self._inflight = [f for f in self._inflight if not f.done()]
+            self._inflight.append(getattr(self._stub, method).future(request, timeout=self._core.timeouts.rpc, metadata=self._metadata))
+
+    def _drain(self) -> None:
+        with self._inflight_lock:
+            pending, self._inflight = self._inflight, []
+        for f in pending:
+            try:
+                f.result(timeout=self._core.timeouts.rpc)
+            except Exception:
+                pass
+
     def _run(self, op: Op[T]) -> T:
         self._core.check_open()
         try:
@@ -97,6 +115,8 @@ class KVClient:
                     kind = instr[0]
                     if kind == "rpc":
                         result = self._rpc(instr[1], instr[2])
+                    elif kind == "rpc_nowait":
+                        result = self._start(instr[1], instr[2])
                     elif kind == "io":
                         result = instr[1]()
                     elif kind == "put_stream":
@@ -210,6 +230,7 @@ class KVClient:
         return ReservedBlocks([m.key for m in ms], ms, views, commit, abort, existed)
 
     def close(self) -> None:
+        self._drain()  # deliver releases still in flight before the channel goes
         self._core.close()
         self._channel.close()
 

@@ -32,6 +32,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -133,7 +134,8 @@ class SaveHandle:
 
 def arena_buffer(client: Any) -> memoryview:
     """The node's arena as this process maps it (through the client's core)."""
-    core = client._core  # SDK-internal: see the note in the module docstring of gpu_agent
+    # SDK-internal until KVClient has a public accessor for its arena mapping
+    core = client._core
     if not core.target.local:
         raise InvalidArgument("GPUAgent needs a KVClient on the local node (a unix:// target): it reads the node's arena in place")
     client._run(core.ensure_hello())
@@ -172,7 +174,12 @@ class GPUAgent:
         self._prefetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-prefetch")
         self._completer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-complete")
         self.counters: collections.Counter[str] = collections.Counter()
+        self._counters_lock = threading.Lock()  # the engine's thread, the prefetcher and the completer all count
         self._closed = False
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._counters_lock:
+            self.counters[name] += n
 
     # -- keys ----------------------------------------------------------------------------
     def keys(self, tokens: Sequence[int] | Any) -> list[ChunkKey]:
@@ -185,14 +192,14 @@ class GPUAgent:
         try:
             return self.client.lookup(keys)  # type: ignore[no-any-return]
         except KVStoreError as e:  # fail open: a store that cannot answer is a miss
-            self.counters["store_errors"] += 1
+            self._count("store_errors", 1)
             log.warning("kvstore lookup failed (%s); treating as a miss", e)
             return [None] * len(keys)
 
     def _meta_ok(self, meta: BlockMeta | None) -> bool:
         ok = meta is not None and meta.namespace == self._fingerprint and meta.payload_len == self.block_bytes
         if meta is not None and not ok:
-            self.counters["incompatible_blocks"] += 1
+            self._count("incompatible_blocks", 1)
         return ok
 
     # -- lookup ----------------------------------------------------------------------------
@@ -205,8 +212,8 @@ class GPUAgent:
         with self.pool.lock:
             in_hbm = [self.pool.contains(k) for k in keys]
         n = usable_prefix(tiers, in_hbm)
-        self.counters["lookups"] += 1
-        self.counters["lookup_hit_tokens"] += n * self.chunk_tokens
+        self._count("lookups", 1)
+        self._count("lookup_hit_tokens", n * self.chunk_tokens)
         return n * self.chunk_tokens
 
     # -- prefetch --------------------------------------------------------------------------
@@ -232,13 +239,14 @@ class GPUAgent:
         try:
             leased = self.client.acquire(fetch)  # promotes NVMe (or remote) blocks into the node's DRAM
         except KVStoreError as e:
-            self.counters["store_errors"] += 1
+            self._count("store_errors", 1)
             log.warning("kvstore acquire for prefetch failed (%s)", e)
             return PrefetchResult(0, plan.resident, plan.prefix, plan.limit)
         inserted: list[bytes] = []
         with leased:
             with self.pool.lock:
-                self.pool.evict([k for k in plan.evict if k not in set(keys)])
+                mine = set(keys)
+                self.pool.evict([k for k in plan.evict if k not in mine])
                 jobs: list[tuple[torch.Tensor, Segmented]] = []
                 protect = set(keys[: plan.prefix])
                 for i, k, meta, views in zip(plan.fetch, fetch, leased.metas, leased.views):
@@ -270,8 +278,8 @@ class GPUAgent:
         if bad:  # a lease expired under the copy: those bytes may have been reused
             with self.pool.lock:
                 self.pool.evict(bad)
-            self.counters["expired_leases"] += len(bad)
-        self.counters["prefetched_blocks"] += len(inserted) - len(bad)
+            self._count("expired_leases", len(bad))
+        self._count("prefetched_blocks", len(inserted) - len(bad))
         return PrefetchResult(len(inserted) - len(bad), plan.resident, plan.prefix, plan.limit)
 
     # -- load ------------------------------------------------------------------------------
@@ -308,7 +316,7 @@ class GPUAgent:
             try:
                 leased = self.client.acquire(need)
             except KVStoreError as e:
-                self.counters["store_errors"] += 1
+                self._count("store_errors", 1)
                 log.warning("kvstore acquire for load failed (%s); loading only what HBM holds", e)
         host: dict[bytes, Segmented] = {}
         if leased is not None:
@@ -339,10 +347,10 @@ class GPUAgent:
             raise
         done = self._completer.submit(self._finish_load, events[-1], leased) if leased is not None else None
         n = len(sources) * self.chunk_tokens
-        self.counters["loads"] += 1
-        self.counters["load_tokens"] += n
-        self.counters["load_hbm_blocks"] += hbm
-        self.counters["load_host_blocks"] += len(sources) - hbm
+        self._count("loads", 1)
+        self._count("load_tokens", n)
+        self._count("load_hbm_blocks", hbm)
+        self._count("load_host_blocks", len(sources) - hbm)
         return LoadHandle(n, hbm, events, done)
 
     def _layer_copier(self, layer: int, dst: torch.Tensor, sources: list[torch.Tensor | Segmented], plans: list[list[ByteCopy]]) -> Any:
@@ -361,7 +369,7 @@ class GPUAgent:
         finally:
             valid = leased.release()
         if not all(valid):
-            self.counters["expired_leases"] += valid.count(False)
+            self._count("expired_leases", valid.count(False))
             log.error("a read lease expired during a load: the loaded KV may be wrong; raise the node's --lease-ttl")
             return False
         return True
@@ -386,7 +394,7 @@ class GPUAgent:
             try:
                 res = self.client.reserve(metas[lo : lo + step])
             except KVStoreError as e:
-                self.counters["store_errors"] += 1
+                self._count("store_errors", 1)
                 log.warning("kvstore reserve failed (%s); %d blocks not saved", e, len(metas) - lo)
                 base = base + SaveResult(failed=len(metas) - lo)
                 break
@@ -415,7 +423,7 @@ class GPUAgent:
                 raise
             no_room = len(res.views) - existed - len(jobs)
             parts.append(self._completer.submit(self._finish_save, ev, res, [j[0] for j in jobs], existed, no_room))
-        self.counters["saves"] += 1
+        self._count("saves", 1)
         return SaveHandle(parts, base)
 
     def _finish_save(self, ev: Event, res: Any, views: list[list[memoryview]], existed: int, no_room: int) -> SaveResult:
@@ -425,18 +433,20 @@ class GPUAgent:
             ok = res.commit(sums)
         except BaseException as e:
             res.abort()
-            self.counters["save_errors"] += 1
+            self._count("save_errors", 1)
             log.warning("saving %d blocks failed: %s", len(views), e)
             return SaveResult(existed=existed, failed=len(views) + no_room)
         stored = sum(ok)
-        self.counters["saved_blocks"] += stored
+        self._count("saved_blocks", stored)
         return SaveResult(stored, existed, len(ok) - stored + no_room)
 
     # -- lifecycle -------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         with self.pool.lock:
             pool = self.pool.stats()
-        return {"counters": dict(self.counters), "pool": pool, "pinned_arena": self.pinned, **self.engine.stats()}
+        with self._counters_lock:
+            counters = dict(self.counters)
+        return {"counters": counters, "pool": pool, "pinned_arena": self.pinned, **self.engine.stats()}
 
     def close(self) -> None:
         if self._closed:

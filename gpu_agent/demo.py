@@ -51,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dram", default="256MiB", help="DRAM tier of the private node (default 256MiB)")
     p.add_argument("--nvme", default="512MiB", help="NVMe tier of the private node (default 512MiB)")
     p.add_argument("--device", help="torch device of the workers (default: cuda if available, else cpu)")
+    p.add_argument("--repeat", type=int, default=3, help="runs per scenario; TTFT is the fastest (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -113,6 +114,16 @@ def make_prompt(n: int, vocab: int, seed: int) -> list[int]:
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
+    if a.chunk_tokens <= 0 or a.chunk_tokens % 16:
+        raise SystemExit("--chunk-tokens must be a positive multiple of 16 (the engine's page size)")
+    if a.prompt_tokens < 2 * a.chunk_tokens:
+        raise SystemExit("--prompt-tokens must hold at least two chunks (the partial scenario caches half of them)")
+    if a.new_tokens < 1:
+        raise SystemExit("--new-tokens must be at least 1")
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        raise SystemExit("the demo needs Hugging Face transformers: pip install 'kvstore[demo]' (or 'transformers>=5,<6')")
     from client import KVClient
     from gpu_agent._node import PrivateNode
     from gpu_agent.hf import ModelSpec
@@ -120,10 +131,6 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
     spec = ModelSpec(hidden_size=a.hidden, intermediate_size=2 * a.hidden, num_layers=a.layers,
                      max_positions=a.prompt_tokens + a.new_tokens, seed=a.seed)
-    if a.chunk_tokens <= 0 or a.chunk_tokens % 16:
-        raise SystemExit("--chunk-tokens must be a positive multiple of 16 (the engine's page size)")
-    if a.prompt_tokens < 2 * a.chunk_tokens:
-        raise SystemExit("--prompt-tokens must hold at least two chunks (the partial scenario caches half of them)")
     prompt = make_prompt(a.prompt_tokens, spec.vocab_size, a.seed)
     salt = uuid.uuid4().hex  # a namespace of this run's own: blocks of earlier runs never count
     layout = spec.layout()
@@ -163,32 +170,46 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "device": dinfo["device"], "prefill_pid": pinfo["pid"], "decode_pid": dinfo["pid"], "scenarios": {},
         }
         sc: dict[str, Any] = out["scenarios"]
-        ref = decode.call("reference", prompt=prompt, new_tokens=a.new_tokens)
-        reference = ref["tokens"]
+        repeat = max(1, a.repeat)
+        refs = [decode.call("reference", prompt=prompt, new_tokens=a.new_tokens) for _ in range(repeat)]
+        reference = refs[0]["tokens"]
         out["reference_tokens"] = reference
-        sc["full recompute"] = {"ttft_s": ref["ttft_s"], "cached_tokens": 0, "tier": "-"}
+        sc["full recompute"] = {"ttft_s": min(r["ttft_s"] for r in refs), "cached_tokens": 0, "tier": "-",
+                                "tokens": reference if all(r["tokens"] == reference for r in refs) else None}
 
         saved = prefill.call("prefill", target=target, prompt=prompt)
         out["prefill"] = {k: saved[k] for k in ("prefill_s", "save_s", "stored", "existed", "failed")}
 
-        def scenario(name: str, **kw: Any) -> None:
-            where = tier_summary(tiers())
-            r = decode.call("decode", target=target, prompt=prompt, new_tokens=a.new_tokens, **kw)
-            sc[name] = {"ttft_s": r["ttft_s"], "cached_tokens": r["cached_tokens"], "tier": "hbm" if r["hbm_chunks"] else where,
-                        "load_s": r["load_s"], "tokens": r["tokens"]}
+        def scenario(name: str, before: Any = None, **kw: Any) -> None:
+            runs = []
+            for _ in range(repeat):
+                if before is not None:
+                    before()
+                where = tier_summary(tiers())
+                r = decode.call("decode", target=target, prompt=prompt, new_tokens=a.new_tokens, **kw)
+                runs.append({"ttft_s": r["ttft_s"], "cached_tokens": r["cached_tokens"], "tier": "hbm" if r["hbm_chunks"] else where,
+                             "load_s": r["load_s"], "tokens": r["tokens"]})
+            best = min(runs, key=lambda x: x["ttft_s"])
+            if any(x["tokens"] != best["tokens"] for x in runs):
+                best["tokens"] = None
+            sc[name] = best
+
+        def restart() -> None:
+            nonlocal target
+            assert node is not None
+            node.restart()  # SIGTERM flushes DRAM to NVMe; the new process starts with an empty DRAM tier
+            target = node.target
 
         scenario("DRAM hit")
         scenario("HBM hit (prefetched)", prefetch=True)
         if node is not None:
-            node.restart()  # SIGTERM flushes DRAM to NVMe; the new process starts with an empty DRAM tier
-            target = node.target
-            scenario("NVMe hit")
+            scenario("NVMe hit", before=restart)
         half = len(keys) // 2
         with KVClient(target) as kv:
             kv.delete(keys[half:])
         scenario("partial hit (half)")
         for s in sc.values():
-            s["tokens_equal"] = s.pop("tokens", reference) == reference
+            s["tokens_equal"] = s.pop("tokens") == reference
         out["ok"] = all(s["tokens_equal"] for s in sc.values())
         return out
     finally:

@@ -103,6 +103,7 @@ _PLUGINS: list[tuple[str, str, str]] = [
     ("demo", "gpu_agent.demo", "end-to-end demos with a real transformer (e.g. `kvstore demo pd`: prefill -> decode handoff)"),
     ("up", "kvstore.up", "a whole local cluster in the foreground: a private etcd and N nodes (Ctrl-C stops it all)"),
     ("cluster", "kvstore.cluster.cli", "cluster configuration and namespaces in etcd: set, show, invalidate"),
+    ("dashboard", "kvstore.dashboard.cli", "live cache-hit dashboard (web page) for one node or a whole cluster"),
 ]
 
 

@@ -220,12 +220,16 @@ def _recv_exact_small(conn: socket.socket, n: int) -> bytes | None:
     return bytes(buf) if _recv_into_exact(conn, memoryview(buf)) else None
 
 
-def _recv_into_exact(conn: socket.socket, view: memoryview) -> bool:
-    """Fill ``view`` from ``conn``; False on a clean or abrupt end of stream."""
+def _recv_into_exact(conn: socket.socket, view: memoryview, hasher: Any = None) -> bool:
+    """Fill ``view`` from ``conn``; False on a clean or abrupt end of stream.
+
+    ``hasher`` (an xxhash object), if given, is fed each piece as it lands."""
     pos, n = 0, view.nbytes
     while pos < n:
         got = conn.recv_into(view[pos:], n - pos)
         if got == 0:
             return False
+        if hasher is not None:
+            hasher.update(view[pos : pos + got])
         pos += got
     return True

@@ -42,6 +42,7 @@ from typing import Any
 from kvstore.block import BlockMeta, checksum
 from kvstore.errors import CapacityExceeded, InvalidArgument
 from kvstore.keys import ChunkKey
+from kvstore.misses import CORRUPT, EVICTED, INVALIDATED, NEVER_STORED, TIER_LABEL, KeyHistory, Ledger
 from tiers.allocator import Extent
 from tiers.base import MissReason, TierKind
 from tiers.dram import DRAMTier
@@ -126,6 +127,11 @@ class TierManager:
         self._promoting: dict[ChunkKey, asyncio.Future[bool]] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self.counters: collections.Counter[str] = collections.Counter()
+        # cache-hit accounting (kvstore/misses.py): why keys left, what lookups found
+        self.history = KeyHistory()
+        self.ledger = Ledger()
+        self._departed: collections.deque[tuple[ChunkKey, str, bytes | None]] = collections.deque()  # from executor threads
+        self._corrupt_demoted: set[ChunkKey] = set()  # from executor threads: dirty blocks that failed their checksum
 
     # -- helpers ------------------------------------------------------------------
     async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -152,20 +158,62 @@ class TierManager:
             return TierKind.NVME
         return None
 
+    def _locate(self, key: ChunkKey) -> tuple[TierKind | None, BlockMeta | None]:
+        meta = self.dram.meta(key)
+        if meta is not None:
+            return TierKind.DRAM, meta
+        if self.nvme is not None:
+            meta = self.nvme.meta(key)
+            if meta is not None:
+                return TierKind.NVME, meta
+        return None, None
+
+    # -- why keys left (kvstore/misses.py) ------------------------------------------------
+    def _forget(self, key: ChunkKey, reason: str, meta: BlockMeta | None) -> None:
+        """Remember that ``key`` left this node for ``reason`` (loop only)."""
+        self._drain_departed()
+        self.history.record(key, reason, self.ledger.tag(meta))
+
+    def _drain_departed(self) -> None:
+        while self._departed:
+            key, reason, ns = self._departed.popleft()
+            self.history.record(key, reason, self.ledger.namespaces.tag(ns) if ns is not None else 0)
+
+    def _reason(self, key: ChunkKey) -> tuple[str, int]:
+        """Why ``key`` is missing: ``(reason, namespace tag)``."""
+        self._drain_departed()
+        return self.history.lookup(key) or (NEVER_STORED, 0)
+
     # -- lookups --------------------------------------------------------------------
     def exists(self, keys: Sequence[ChunkKey]) -> list[TierKind | None]:
-        return [self.where(k) for k in keys]
+        out: list[TierKind | None] = []
+        hits: list[tuple[str, BlockMeta]] = []
+        misses: list[tuple[str, int]] = []
+        for k in keys:
+            t, meta = self._locate(k)
+            out.append(t)
+            if meta is not None:
+                hits.append((TIER_LABEL[t], meta))  # type: ignore[index]
+            else:
+                misses.append(self._reason(k))
+        self.ledger.record("exists", hits, misses)
+        return out
 
     def match_prefix(self, keys: Sequence[ChunkKey]) -> tuple[int, list[TierKind]]:
         tiers: list[TierKind] = []
+        hits: list[tuple[str, BlockMeta]] = []
         for k in keys:
-            t = self.where(k)
+            t, meta = self._locate(k)
             if t is None:
                 break
             tiers.append(t)
+            hits.append((TIER_LABEL[t], meta))  # type: ignore[arg-type]
         self.counters["match_prefix_calls"] += 1
         self.counters["match_prefix_keys"] += len(keys)
         self.counters["match_prefix_hits"] += len(tiers)
+        # the keys after the first gap miss for the gap's reason (a chunk is useless without its ancestors)
+        gap = (*self._reason(keys[len(tiers)]), len(keys) - len(tiers)) if len(tiers) < len(keys) else None
+        self.ledger.record("match_prefix", hits, extra_misses=gap)
         return len(tiers), tiers
 
     # -- two-phase writes -----------------------------------------------------------
@@ -208,6 +256,8 @@ class TierManager:
                 if actual != meta.payload_checksum:
                     self.dram.abort(r.extents)
                     self.counters["corrupt_puts"] += 1
+                    if not self.dram.contains(meta.key):
+                        self._forget(meta.key, CORRUPT, meta)
                     out.append(Status.CORRUPT)
                     continue
             old = self._alloc_id(meta.key)
@@ -255,8 +305,10 @@ class TierManager:
         return live
 
     # -- leased reads ---------------------------------------------------------------
-    async def acquire(self, keys: Sequence[ChunkKey]) -> list[Leased]:
+    async def acquire(self, keys: Sequence[ChunkKey], *, request: bool = True) -> list[Leased]:
         """Lease every key that is stored, promoting NVMe hits into DRAM.
+
+        Each key is accounted as a ``get`` hit or miss (``request``: also count one request).
 
         DRAM hits are leased first, so promotions for the same call cannot evict them;
         each promoted block is leased the moment it lands.  A key that cannot be brought
@@ -294,11 +346,18 @@ class TierManager:
 
             await asyncio.gather(*(one(i) for i in todo))
         result: list[Leased] = []
+        hits: list[tuple[str, BlockMeta]] = []
+        misses: list[tuple[str, int]] = []
         for i, x in enumerate(out):
             if x is None:
                 x = Leased(keys[i], Status.MISS)
                 self.counters["get_misses"] += 1
             result.append(x)
+            if x.status == Status.OK:
+                hits.append((TIER_LABEL[x.tier], x.meta))  # type: ignore[index,arg-type]
+            elif x.status in (Status.MISS, Status.CORRUPT):
+                misses.append(self._reason(x.key))  # NO_SPACE is neither: the SDK retries it
+        self.ledger.record("get", hits, misses, request=request)
         return result
 
     def _lease(self, key: ChunkKey, tier: TierKind, deadline: float) -> Leased:
@@ -364,6 +423,8 @@ class TierManager:
             self.dram.abort(extents)
             if res.miss == MissReason.CORRUPT:
                 self.counters["corrupt_blocks"] += 1
+                if self.where(key) is None:
+                    self._forget(key, CORRUPT, meta)
             return res.hit
         self.dram.commit(res.meta, extents)
         self.counters["promotions"] += 1
@@ -430,8 +491,12 @@ class TierManager:
             self._busy.difference_update(batch)
         for key in batch:
             if self.dram.contains(key) and self.can_evict(key):
+                meta = self.dram.meta(key)
                 self.dram.delete(key)
                 self.counters["dram_evictions"] += 1
+                if self.nvme is None or not self.nvme.contains(key):  # it left the node
+                    self._forget(key, CORRUPT if key in self._corrupt_demoted else EVICTED, meta)
+                self._corrupt_demoted.discard(key)
 
     async def _persist(self, keys: Sequence[ChunkKey]) -> None:
         """Write DRAM blocks that NVMe lacks to NVMe (one group commit)."""
@@ -469,6 +534,8 @@ class TierManager:
         for meta, view in items:
             if self.verify_demotions and checksum(view) != meta.payload_checksum:
                 self.counters["corrupt_demotions"] += 1
+                if len(self._corrupt_demoted) < 4096:
+                    self._corrupt_demoted.add(meta.key)
                 log.warning("not demoting %s: payload does not match its checksum", meta.key.hex())
                 continue
             good.append((meta, view))
@@ -502,11 +569,15 @@ class TierManager:
         need = sum(record_bytes(m.payload_len) for m, _ in part)
         biggest = max(m.payload_len for m, _ in part)
         while self.nvme.capacity_bytes - self.nvme.used_bytes < need or not self.nvme.fits(biggest):
-            victim = next(self.nvme.victims(lambda k: k not in protect and not self.pinned(k)), None)
+            # never the block being promoted (it would vanish while we make room for it)
+            victim = next(self.nvme.victims(lambda k: k not in protect and k not in self._promoting and not self.pinned(k)), None)
             if victim is None:
                 return False
+            vmeta = self.nvme.meta(victim)
             self.nvme.delete(victim)
             self.counters["nvme_evictions"] += 1
+            if not self.dram.contains(victim):  # read racily from this thread: at worst a stale reason
+                self._departed.append((victim, EVICTED, vmeta.namespace if vmeta is not None else None))
         return True
 
     def _spawn(self, coro: Any) -> None:
@@ -520,6 +591,7 @@ class TierManager:
         nvme_keys = []
         for k in keys:
             hit = False
+            _, meta = self._locate(k)
             alloc = self._alloc_id(k)
             if alloc is not None:
                 if self._refs[alloc]:
@@ -532,6 +604,8 @@ class TierManager:
                 hit = True
             self._pins.pop(k, None)
             n += hit
+            if hit:
+                self._forget(k, INVALIDATED, meta)
         if nvme_keys:
             await self._io(lambda: [self.nvme.delete(k) for k in nvme_keys])
         self.counters["deletes"] += n

@@ -1,8 +1,8 @@
 """``kvstore serve``: the one wiring function of a node process.
 
 Builds, in order: the data-directory lock, the DRAM arena and tier, the NVMe tier,
-the tier manager, the gRPC service (Unix socket + TCP), the data channel and the
-reaper; tears them down in reverse on SIGTERM/SIGINT: stop accepting, drain in-flight
+the tier manager, the metrics registry, the gRPC service (Unix socket + TCP), the data
+channel, the reaper and (with ``metrics_port``) the ``/metrics`` endpoint; tears them down in reverse on SIGTERM/SIGINT: stop accepting, drain in-flight
 calls, demote dirty DRAM blocks to NVMe (bounded by ``flush_on_shutdown_s``), flush
 and close the index, exit 0.
 """
@@ -29,6 +29,7 @@ from kvstore.config import NodeConfig
 from kvstore.datachannel import DataChannelServer
 from kvstore.errors import DataDirLocked, InvalidArgument
 from kvstore.manager import TierManager
+from kvstore.metrics import MetricsServer, NodeMetrics, manager_snapshot
 from kvstore.policy import make_policy
 from kvstore.service import AuthInterceptor, DecodeGuard, KVStoreService
 from protos.kvstore.v1 import kvstore_pb2 as pb
@@ -81,6 +82,9 @@ class Node:
         self.data: DataChannelServer | None = None
         self.server: grpc.aio.Server | None = None
         self.cluster: Any = None  # kvstore.cluster.node.NodeAgent when cfg.etcd is set
+        self.metrics: NodeMetrics | None = None
+        self.metrics_server: MetricsServer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> dict[str, Any]:
         self._lock_fd = lock_data_dir(Path(self.cfg.data_dir))
@@ -96,6 +100,8 @@ class Node:
             from kvstore.cluster.node import stop_quietly
 
             await stop_quietly(self.cluster)
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         if self.server is not None:
             with contextlib.suppress(Exception):
                 await self.server.stop(None)
@@ -134,11 +140,15 @@ class Node:
             dram, nvme, write_through=cfg.write_through,
             reservation_ttl=cfg.reservation_ttl_s, lease_ttl=cfg.lease_ttl_s,
         )
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
+        from kvstore import __version__
+
+        self.metrics = NodeMetrics(cfg.node_id, __version__, self._metrics_snapshot)
 
         host, port = cfg.listen.rsplit(":", 1)
         dhost, dport = (cfg.data_listen.rsplit(":", 1) if cfg.data_listen else (host, "0"))
-        self.service = KVStoreService(self.manager, cfg, arena_path=str(self.arena.path), arena_size=self.arena.size, data_port=0)
+        self.service = KVStoreService(self.manager, cfg, arena_path=str(self.arena.path), arena_size=self.arena.size, data_port=0,
+                                      metrics=self.metrics)
         try:
             self.data = DataChannelServer(
                 dhost.strip("[]"), int(dport), arena=self.arena, loop=loop,
@@ -175,16 +185,26 @@ class Node:
         if bound == 0:
             raise InvalidArgument(f"cannot listen on {cfg.listen} (in use?); pick another --listen HOST:PORT (port 0: any free port)")
         os.chmod(sock, 0o660)
+        if cfg.metrics_port is not None:
+            if not 0 <= cfg.metrics_port <= 65535:
+                raise InvalidArgument(f"metrics_port={cfg.metrics_port} is not a TCP port (0: any free port)")
+            try:
+                self.metrics_server = MetricsServer(host.strip("[]"), cfg.metrics_port, self.metrics, token=token)
+            except OSError as e:
+                raise InvalidArgument(f"cannot serve metrics on {host}:{cfg.metrics_port}: {e}; pick another --metrics-port") from e
         await self.server.start()
         self.data.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("kvstore.v1.KVStore", health_pb2.HealthCheckResponse.SERVING)
         self._reaper = loop.create_task(self._reap_forever())
+        if self.metrics_server is not None:
+            self.metrics_server.start()
         self.endpoints = {
             "node_id": cfg.node_id,
             "grpc": f"{host}:{bound}",
             "unix": f"unix://{sock}",
             "data": f"{self.data.address[0]}:{self.data.address[1]}",
+            "metrics": f"http://{host}:{self.metrics_server.address[1]}/metrics" if self.metrics_server else None,
             "arena": str(self.arena.path),
             "dram_bytes": cfg.dram,
             "nvme_bytes": cfg.nvme,
@@ -197,6 +217,16 @@ class Node:
             self.cluster = NodeAgent(cfg, self.endpoints, self.manager)
             self.endpoints.update(await self.cluster.start())
         return self.endpoints
+
+    def _metrics_snapshot(self) -> dict[str, Any]:
+        """Called by the metrics HTTP thread: the manager's state, read on the loop that owns it."""
+        assert self._loop is not None and self.manager is not None
+        manager, service = self.manager, self.service
+
+        async def snap() -> dict[str, Any]:
+            return manager_snapshot(manager, {"pending_transfers": len(service.transfers)})
+
+        return asyncio.run_coroutine_threadsafe(snap(), self._loop).result(timeout=5.0)
 
     async def _reap_forever(self) -> None:
         while True:
@@ -217,6 +247,8 @@ class Node:
         if self.cluster is not None:  # deregister first, so clients route elsewhere while we drain
             await self.cluster.stop()
         await self.health.enter_graceful_shutdown()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         await self.server.stop(grace=10.0)  # drains in-flight calls
         self.data.close()
         self._reaper.cancel()
@@ -244,7 +276,8 @@ async def serve(config: NodeConfig, *, out: Any = sys.stdout) -> int:
         f"  data channel {ep['data']}\n"
         f"  DRAM arena   {ep['arena']} ({human(ep['dram_bytes'])})\n"
         f"  NVMe tier    {ep['data_dir']}/nvme ({human(ep['nvme_bytes'])})\n"
-        f"  SDK: KVClient({ep['unix']!r}) locally, KVClient({ep['grpc']!r}) remotely\n"
+        + (f"  metrics      {ep['metrics']}\n" if ep.get("metrics") else "")
+        + f"  SDK: KVClient({ep['unix']!r}) locally, KVClient({ep['grpc']!r}) remotely\n"
         + (f"  cluster      {ep['cluster']} via etcd {ep['etcd']} (registered: {ep['registered']}); "
            f"SDK: KVClient('etcd://{ep['etcd']}/{ep['cluster']}')\n" if ep.get("cluster") else "")
         + f"READY {json.dumps(ep)}",

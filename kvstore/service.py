@@ -7,9 +7,11 @@ Limits (keys per batch, block size) are enforced here, before any state changes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hmac
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -22,6 +24,7 @@ from kvstore.config import NodeConfig
 from kvstore.datachannel import OP_GET, OP_PUT, Transfer, TransferTable
 from kvstore.keys import ChunkKey, check_key
 from kvstore.manager import Status, TierManager
+from kvstore.metrics import NodeMetrics
 from kvstore.wire import ERROR_METADATA_KEY, extents_to_pb, meta_from_pb, meta_to_pb, status_for, tier_to_pb
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -69,20 +72,29 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
 
 
 def _rpc(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    """Map typed errors to gRPC status codes with the error's name in trailing metadata."""
+    """Map typed errors to gRPC status codes with the error's name in trailing metadata;
+    time the call into ``kvstore_rpc_duration_seconds``."""
+    method = fn.__name__
 
     @functools.wraps(fn)
     async def wrapper(self: "KVStoreService", request: Any, context: grpc.aio.ServicerContext) -> Any:
+        start = time.perf_counter()
+        error: str | None = None
         try:
             if isinstance(request, Malformed):
                 raise request.invalid()
             return await fn(self, request, context)
         except errors.KVStoreError as e:
-            context.set_trailing_metadata(((ERROR_METADATA_KEY, type(e).__name__),))
+            error = type(e).__name__
+            context.set_trailing_metadata(((ERROR_METADATA_KEY, error),))
             await context.abort(status_for(e), str(e))
         except ValueError as e:  # malformed protobuf contents that slipped past validation
-            context.set_trailing_metadata(((ERROR_METADATA_KEY, "InvalidArgument"),))
+            error = "InvalidArgument"
+            context.set_trailing_metadata(((ERROR_METADATA_KEY, error),))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        finally:
+            if self.metrics is not None:
+                self.metrics.observe_rpc(method, time.perf_counter() - start, error)
 
     return wrapper
 
@@ -111,10 +123,13 @@ _deny = grpc.unary_unary_rpc_method_handler(_deny_unary)
 
 
 class KVStoreService(pb_grpc.KVStoreServicer):
-    def __init__(self, manager: TierManager, config: NodeConfig, *, arena_path: str, arena_size: int, data_port: int) -> None:
+    def __init__(self, manager: TierManager, config: NodeConfig, *, arena_path: str, arena_size: int, data_port: int,
+                 metrics: NodeMetrics | None = None) -> None:
         self.m = manager
         self.cfg = config
+        self.metrics = metrics
         self.transfers = TransferTable(manager.clock)
+        self._transfer_started: dict[int, float] = {}  # id(transfer) -> perf_counter at take
         self._hello = pb.HelloResponse(
             node_id=config.node_id,
             version=__version__,
@@ -181,7 +196,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         sums = list(request.payload_checksums) or None
         if len(ids) > self.cfg.max_batch:
             raise errors.InvalidArgument(f"{len(ids)} ids in one request; the limit is {self.cfg.max_batch}")
-        return pb.StatusesResponse(statuses=[int(s) for s in await self.m.commit(ids, sums)])
+        sizes = [r[0].payload_len if (r := self.m.reservation(rid)) else 0 for rid in ids]
+        statuses = await self.m.commit(ids, sums)
+        self.m.counters["local_bytes_in"] += sum(n for n, st in zip(sizes, statuses) if st == Status.OK)
+        return pb.StatusesResponse(statuses=[int(s) for s in statuses])
 
     @_rpc
     async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.Empty:
@@ -191,6 +209,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_rpc
     async def Acquire(self, request: pb.KeysRequest, context: Any) -> pb.AcquireResponse:
         leased = await self.m.acquire(self._keys(request.keys))
+        self.m.counters["local_bytes_out"] += sum(x.meta.payload_len for x in leased if x.status == Status.OK)
         return pb.AcquireResponse(leases=[self._lease_pb(x) for x in leased], ttl_s=self.m.lease_ttl)
 
     @_rpc
@@ -220,6 +239,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         t = self.transfers.take(tid, op)
         if t is None:
             return None
+        self._transfer_started[id(t)] = time.perf_counter()
         # The data channel now owns these until finish_get/finish_put: the reaper must not
         # free extents that a stalled transfer still sends from or receives into.
         ids = [i for i, _, _ in t.items]
@@ -233,12 +253,19 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             self.m.abort(ids)
         return None  # some expired before the client came: refuse the whole transfer
 
+    def _transfer_done(self, t: Transfer, op: str) -> None:
+        start = self._transfer_started.pop(id(t), None)
+        if start is not None and self.metrics is not None:
+            self.metrics.transfer_seconds.labels(op).observe(time.perf_counter() - start)
+
     async def finish_get(self, t: Transfer, ok: bool) -> None:
+        self._transfer_done(t, "get")
         self.m.release([lid for lid, _, _ in t.items])
         if ok:
             self.m.counters["tcp_bytes_out"] += sum(m.payload_len for _, m, _ in t.items)
 
     async def finish_put(self, t: Transfer, complete: bool) -> list[int]:
+        self._transfer_done(t, "put")
         ids = [rid for rid, _, _ in t.items]
         if not complete:
             self.m.abort(ids)
@@ -273,6 +300,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 )
             (st,) = await self.m.commit([rid], verify=True)
             statuses[-1] = int(st)
+            if st == Status.OK:
+                self.m.counters["grpc_stream_bytes_in"] += meta.payload_len
 
         try:
             async for chunk in request_iterator:
@@ -314,6 +343,20 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return pb.StatusesResponse(statuses=statuses)
 
     async def GetStream(self, request: pb.KeysRequest, context: Any) -> Any:
+        start = time.perf_counter()
+        error: str | None = None
+        try:
+            async with contextlib.aclosing(self._get_stream(request, context)) as chunks:  # leases go back at once
+                async for chunk in chunks:
+                    yield chunk
+        except BaseException as e:  # noqa: B036 - only named, then re-raised
+            error = type(e).__name__
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.observe_rpc("GetStream", time.perf_counter() - start, error)
+
+    async def _get_stream(self, request: pb.KeysRequest, context: Any) -> Any:
         try:
             if isinstance(request, Malformed):
                 raise request.invalid()
@@ -322,8 +365,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             context.set_trailing_metadata(((ERROR_METADATA_KEY, type(e).__name__),))
             await context.abort(status_for(e), str(e))
             return
-        for key in keys:
-            (x,) = await self.m.acquire([key])
+        for i, key in enumerate(keys):
+            (x,) = await self.m.acquire([key], request=i == 0)  # one request, however many keys
             if x.status != Status.OK:
                 yield pb.BlockChunk(block=pb.BlockInfo(key=key), status=int(x.status))
                 continue
@@ -341,6 +384,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                             yield pb.BlockChunk(data=part)
                 if first:  # an empty payload has no views, but the client still needs its header chunk
                     yield pb.BlockChunk(block=meta_to_pb(x.meta), status=pb.KEY_STATUS_OK)
+                self.m.counters["grpc_stream_bytes_out"] += x.meta.payload_len
             finally:
                 self.m.release([x.lease_id])
 

@@ -49,7 +49,7 @@ class Cluster:
     def __init__(self, etcd: LocalEtcd, tmp: Path) -> None:
         self.etcd = etcd
         self.tmp = tmp
-        self.name = f"c{uuid.uuid4().hex[:6]}"
+        self.name = f"c{uuid.uuid4().hex[:8]}"
         self.nodes: dict[str, NodeProcess] = {}
         self.all: list[NodeProcess] = []
         self.clients: list[Any] = []
@@ -63,9 +63,15 @@ class Cluster:
         return ("--etcd", self.etcd.endpoint, "--cluster", self.name, "--lease-ttl", str(LEASE_TTL),
                 "--dram", "64MiB", "--nvme", "128MiB", *extra)
 
+    def arena(self, node_id: str) -> str:
+        # unique per test run: a node of a concurrent run with the same id must never
+        # truncate the arena file this run's clients have mapped (that is a SIGBUS)
+        return f"/dev/shm/kvstore-test-{self.name}-{node_id}.arena"
+
     def start(self, *node_ids: str, extra: tuple[str, ...] = ()) -> list[NodeProcess]:
         """Start nodes in parallel (each with its own data dir; a node id reuses its dir)."""
-        procs = [NodeProcess(self.tmp / nid, *self.node_args(*extra), node_id=nid) for nid in node_ids]
+        procs = [NodeProcess(self.tmp / nid, *self.node_args("--arena-path", self.arena(nid), *extra), node_id=nid)
+                 for nid in node_ids]
         errors: list[BaseException] = []
 
         def run(p: NodeProcess) -> None:
@@ -126,7 +132,7 @@ class Cluster:
                 pass
         for p in self.all:
             p.stop(timeout=30)
-            Path(f"/dev/shm/kvstore-test-{p.node_id}.arena").unlink(missing_ok=True)
+            Path(self.arena(p.node_id)).unlink(missing_ok=True)
 
 
 @pytest.fixture

@@ -161,7 +161,7 @@ class ClusterWatcher:
     """
 
     def __init__(self, endpoints: str, cluster: str, on_snapshot: Callable[[ClusterSnapshot], None], *,
-                 timeout: float = 2.0, ping_s: float = 2.0) -> None:
+                 timeout: float = 2.0, ping_s: float = 5.0) -> None:
         self.cluster = state.check_cluster_name(cluster)
         self.session = EtcdSession(endpoints, timeout=timeout)
         self.on_snapshot = on_snapshot

@@ -15,6 +15,7 @@ routing on the last membership they saw.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -94,13 +95,13 @@ class Membership:
 
     # -- the view -----------------------------------------------------------------------------
     def _publish(self, snap: ClusterSnapshot) -> None:
+        if self._on_change is not None:  # before waiters wake: they may rely on what it records
+            self._on_change(snap)
         with self._cond:
             self._snap = snap
             if snap.nodes:
                 self._last_nodes = snap.nodes
             self._cond.notify_all()
-        if self._on_change is not None:
-            self._on_change(snap)
 
     def snapshot(self) -> ClusterSnapshot:
         return self._snap
@@ -133,9 +134,13 @@ class Membership:
             fut.cancel()
             raise Unavailable(f"etcd at {self.endpoints} did not answer in time") from None
 
-    def run_async(self, fn: Callable[[ClusterStore], Awaitable[T]]) -> "asyncio.Future[Any]":
-        """Like :meth:`call` but returns a future awaitable on another event loop."""
+    def submit(self, fn: Callable[[ClusterStore], Awaitable[T]]) -> "concurrent.futures.Future[T]":
+        """Start ``fn(store)`` on the membership loop without waiting (fire and forget, or ``.result()``)."""
         loop, store = self._loop, self._store
         if loop is None or store is None or self._thread is None:
             raise Unavailable("membership view is closed")
-        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(fn(store), loop))  # type: ignore[arg-type]
+        return asyncio.run_coroutine_threadsafe(fn(store), loop)  # type: ignore[arg-type]
+
+    def run_async(self, fn: Callable[[ClusterStore], Awaitable[T]]) -> "asyncio.Future[T]":
+        """Like :meth:`call`, awaitable from another event loop (call it from that loop)."""
+        return asyncio.wrap_future(self.submit(fn))

@@ -330,6 +330,27 @@ def test_data_channel_get_closed_halfway_releases_leases(node_factory: Any) -> N
             _check_exact(remote, k, n)
 
 
+@pytest.mark.timeout(120)
+def test_get_stream_cancelled_halfway_releases_its_lease(node_factory: Any) -> None:
+    node = _start(node_factory, "--dram", "64MiB", "--nvme", "256MiB", ttl=LONG_TTL)
+    keys, n = _keys("stream-get-cancel", 2), 8 * MIB
+    with KVClient(node.unix, timeouts=FAST) as kv:
+        for k in keys:
+            _put_exact(kv, k, n)
+        ch, stub = _stub(node.tcp)
+        try:
+            call = stub.GetStream(pb.KeysRequest(keys=keys), timeout=60)
+            first = next(call)
+            assert first.status == pb.KEY_STATUS_OK and bytes(first.data) == worker.payload(keys[0], n)[: len(first.data)].tobytes()
+            call.cancel()
+            _poll(lambda: _idle(kv), timeout=5, what="a cancelled GetStream releases its lease")
+        finally:
+            ch.close()
+    with KVClient(node.tcp, transport="grpc-stream", timeouts=FAST) as remote:
+        for k in keys:
+            _check_exact(remote, k, n)
+
+
 # -- stalls past the deadline: the space may be reused, so the stalled transfer must not touch it
 @pytest.mark.timeout(120)
 def test_data_channel_put_stalled_past_its_deadline_corrupts_nothing(node_factory: Any) -> None:
@@ -431,6 +452,30 @@ def test_data_channel_get_stalled_past_its_deadline_sends_no_foreign_bytes(node_
         # a short read (the node gave up) is acceptable; different bytes are not
         assert body == worker.payload(key, n).tobytes()[: len(body)], "the node sent bytes that are not the block's"
         _poll(lambda: _idle(kv), timeout=10, what="the transfer is resolved")
+        _check_exact(kv, key, n)
+
+
+@pytest.mark.timeout(120)
+def test_get_stream_stalled_past_its_deadline_sends_no_foreign_bytes(node_factory: Any) -> None:
+    node = _start(node_factory, "--dram", "64MiB", "--nvme", "512MiB", ttl=SHORT_TTL)
+    key, n = _key("stream-get-stall"), 16 * MIB
+    with KVClient(node.unix, timeouts=FAST) as kv:
+        _put_exact(kv, key, n)
+        ch, stub = _stub(node.tcp)
+        try:
+            call = stub.GetStream(pb.KeysRequest(keys=[key]), timeout=60)
+            body = bytearray(next(call).data)
+            time.sleep(3.5)  # the lease deadline passes while most of the block is still to come
+            _fill(kv, "stream-get-stall-fill", DRAM)
+            try:
+                for c in call:
+                    body += c.data
+            except grpc.RpcError:
+                pass  # giving up is acceptable; different bytes are not
+        finally:
+            ch.close()
+        assert bytes(body) == worker.payload(key, n).tobytes()[: len(body)], "the node streamed bytes that are not the block's"
+        _poll(lambda: _idle(kv), timeout=10, what="the stream is resolved")
         _check_exact(kv, key, n)
 
 

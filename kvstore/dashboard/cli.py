@@ -1,0 +1,83 @@
+"""``kvstore dashboard``: parse the flags, run :class:`~kvstore.dashboard.server.Dashboard`
+in the foreground until SIGINT/SIGTERM.  Prints a ``READY {json}`` line with the URL."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+DEFAULT_LISTEN = "127.0.0.1:8600"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
+                   help=f"where the page is served (default {DEFAULT_LISTEN}; port 0: any free port)")
+    p.add_argument("--nodes", metavar="HOST:PORT,...",
+                   help="the nodes' Prometheus endpoints (what `kvstore serve --metrics-port` serves), comma-separated")
+    p.add_argument("--etcd", metavar="HOST:PORT[,...] | etcd://HOST:PORT/CLUSTER",
+                   help="take the node list from this cluster's membership in etcd")
+    p.add_argument("--cluster", default=None, metavar="NAME", help="cluster name in etcd (default 'default', or the one in etcd://.../CLUSTER)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="with --etcd: scrape this port on each node's host when its membership record names no metrics endpoint")
+    p.add_argument("--token-file", metavar="FILE",
+                   help="the nodes' bearer token: sent to the nodes, and required from viewers (any user name, the token as password)")
+    p.add_argument("--interval", type=float, default=1.0, metavar="S", help="refresh period in seconds, 0.1 to 2 (default 1)")
+    p.add_argument("--title", default="", help="page title")
+
+
+def _fail(msg: str) -> int:
+    print(f"kvstore dashboard: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(a: argparse.Namespace) -> int:
+    from kvstore.dashboard.server import Dashboard, EtcdNodes, StaticNodes
+    from kvstore.errors import KVStoreError
+
+    if bool(a.nodes) == bool(a.etcd):
+        return _fail("name the nodes with --nodes HOST:PORT,... or take them from etcd with --etcd HOST:PORT (one of the two)")
+    host, sep, port = a.listen.rpartition(":")
+    if not sep or not port.isdigit():
+        return _fail(f"--listen must be HOST:PORT, got {a.listen!r}")
+    token = ""
+    if a.token_file:
+        try:
+            token = Path(a.token_file).read_text().strip()
+        except OSError as e:
+            return _fail(f"cannot read --token-file {a.token_file}: {e}")
+    elif os.environ.get("KVSTORE_TOKEN"):
+        token = os.environ["KVSTORE_TOKEN"]
+    try:
+        if a.nodes:
+            source = StaticNodes(a.nodes.split(","))
+        else:
+            from kvstore.cluster.state import parse_target
+
+            endpoints, cluster = (parse_target(a.etcd) if a.etcd.startswith("etcd://") else (a.etcd, a.cluster or "default"))
+            if a.cluster and a.etcd.startswith("etcd://") and a.cluster != cluster:
+                return _fail(f"--cluster {a.cluster!r} contradicts {a.etcd!r}")
+            source = EtcdNodes(endpoints, cluster, metrics_port=a.metrics_port)
+    except (ValueError, KVStoreError) as e:
+        return _fail(str(e))
+    try:
+        dash = Dashboard(source, host=host.strip("[]") or "127.0.0.1", port=int(port), token=token, interval=a.interval, title=a.title)
+    except (ValueError, OSError) as e:
+        source.close()
+        return _fail(f"cannot serve the dashboard on {a.listen}: {e}")
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    dash.start()
+    try:
+        print(f"kvstore dashboard: {dash.url} ({source.description}, every {a.interval:g} s){' — token required' if token else ''}")
+        print(f"READY {json.dumps({'url': dash.url, 'pid': os.getpid()})}", flush=True)
+        stop.wait()
+        return 0
+    finally:
+        dash.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

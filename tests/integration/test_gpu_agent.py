@@ -1,0 +1,226 @@
+"""The GPU agent against a real node, on CPU tensors (the same code paths as on CUDA).
+
+Save then load must give byte-identical KV in other pages; blocks are self-describing;
+prefetch brings NVMe blocks up through DRAM into the HBM pool, and load then reads the
+pool; a gap stops a load; the agent fails open when the node goes away.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+import torch
+
+from client import KVClient
+from gpu_agent import AgentConfig, GPUAgent, KVCacheLayout
+from kvstore.errors import InvalidArgument
+from kvstore.keys import NO_PARENT, parent_keys
+
+C = 64  # chunk tokens: 4 engine pages of 16
+
+
+def make_layout(dtype: str = "float16") -> KVCacheLayout:
+    return KVCacheLayout(num_layers=3, num_kv_heads=2, head_dim=16, dtype=dtype, page_size=16)
+
+
+def buffers(lay: KVCacheLayout, pages: int, *, fill: bool, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, lay.dtype)
+    if not fill:
+        return [torch.zeros(lay.buffer_shape(pages), dtype=dt) for _ in range(lay.num_layers)]
+    return [torch.randn(lay.buffer_shape(pages), generator=g).to(dt) for _ in range(lay.num_layers)]
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 30000, (n,), generator=g).tolist()
+
+
+def same_pages(a: list[torch.Tensor], ids_a: list[int], b: list[torch.Tensor], ids_b: list[int], n_pages: int) -> bool:
+    return all(torch.equal(x[:, ids_a[:n_pages]].view(torch.uint8), y[:, ids_b[:n_pages]].view(torch.uint8)) for x, y in zip(a, b))
+
+
+@pytest.fixture
+def agent_factory(node: Any) -> Any:
+    made: list[tuple[GPUAgent, KVClient]] = []
+
+    def make(lay: KVCacheLayout | None = None, target: str | None = None, **cfg: Any) -> GPUAgent:
+        lay = lay or make_layout()
+        ns = lay.namespace("test-model", chunk_tokens=C, tenant_salt=uuid.uuid4().hex)
+        client = KVClient(target or node.unix)
+        a = GPUAgent(client, lay, ns, device="cpu", config=AgentConfig(**cfg))
+        made.append((a, client))
+        return a
+
+    yield make
+    for a, c in made:
+        a.close()
+        c.close()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_save_then_load_is_byte_identical_in_other_pages(agent_factory: Any, dtype: str) -> None:
+    lay = make_layout(dtype)
+    agent = agent_factory(lay)
+    toks = tokens(5 * C + 10)  # 5 full chunks and a partial one (never stored)
+    src = buffers(lay, 40, fill=True)
+    src_ids = [39 - 2 * i for i in range(20)] + [0]  # scattered pages: one copy per page
+    assert agent.lookup(toks) == 0
+    res = agent.save(toks, src, src_ids).wait(timeout=30)
+    assert (res.stored, res.existed, res.failed) == (5, 0, 0)
+    assert agent.lookup(toks) == 5 * C
+
+    dst = buffers(lay, 40, fill=False)
+    dst_ids = list(range(2, 23))  # contiguous pages: one copy per chunk and K/V half
+    h = agent.load(toks, dst, dst_ids)
+    assert h.num_tokens == 5 * C and h.num_layers == 3
+    for layer in range(3):
+        h.wait_layer(layer)
+    assert h.wait(timeout=30) is True
+    assert same_pages(src, src_ids, dst, dst_ids, 20)
+    untouched = [i for i in range(40) if i not in dst_ids[:20]]
+    assert all(not d[:, untouched].any() for d in dst)  # nothing outside the block table was written
+    assert agent.stats()["counters"]["load_host_blocks"] == 5
+
+
+def test_blocks_are_self_describing(agent_factory: Any) -> None:
+    agent = agent_factory()
+    toks = tokens(2 * C)
+    src = buffers(agent.layout, 8, fill=True)
+    agent.save(toks, src, list(range(8))).wait(timeout=30)
+    keys = agent.keys(toks)
+    with agent.client.acquire(keys) as held:
+        for i, meta in enumerate(held.metas):
+            assert meta is not None
+            assert meta.namespace == agent.namespace.fingerprint
+            assert meta.parent == parent_keys(keys)[i] and parent_keys(keys)[0] == NO_PARENT
+            assert meta.token_count == C and meta.dtype == "float16"
+            assert meta.shape == (3, 2, C, 2, 16) and meta.payload_len == agent.block_bytes
+            # the payload is [layer][K/V][token][head][dim]: layer 1's V of token 17 is page 1, slot 1
+            block = torch.frombuffer(bytearray(b"".join(bytes(v) for v in held.views[i])), dtype=torch.float16).view(meta.shape)
+            assert torch.equal(block[1, 1, 17], src[1][1, 4 * i + 1, 1])
+
+
+def test_saving_twice_writes_nothing_new(agent_factory: Any) -> None:
+    agent = agent_factory()
+    toks = tokens(3 * C)
+    src = buffers(agent.layout, 12, fill=True)
+    assert agent.save(toks, src, list(range(12))).wait(timeout=30).stored == 3
+    longer = toks + tokens(C, seed=5)
+    src2 = buffers(agent.layout, 16, fill=True, seed=1)
+    res = agent.save(longer, src2, list(range(16))).wait(timeout=30)
+    assert (res.stored, res.existed) == (1, 3)
+
+
+def test_load_stops_at_a_gap_and_at_the_end_of_the_block_table(agent_factory: Any) -> None:
+    agent = agent_factory()
+    toks = tokens(4 * C)
+    src = buffers(agent.layout, 16, fill=True)
+    agent.save(toks, src, list(range(16))).wait(timeout=30)
+    dst = buffers(agent.layout, 16, fill=False)
+    h = agent.load(toks, dst, list(range(9)))  # pages for two chunks and a bit
+    assert h.num_tokens == 2 * C and h.wait(timeout=30)
+    agent.client.delete([agent.keys(toks)[2]])
+    assert agent.lookup(toks) == 2 * C
+    h = agent.load(toks, dst, list(range(16)))
+    assert h.num_tokens == 2 * C and h.wait(timeout=30)
+    assert same_pages(src, list(range(8)), dst, list(range(8)), 8)
+    miss = agent.load(tokens(3 * C, seed=9), dst, list(range(16)))
+    assert miss.num_tokens == 0 and miss.wait()
+
+
+def test_prefetch_then_load_reads_the_hbm_pool(agent_factory: Any) -> None:
+    agent = agent_factory()
+    toks = tokens(4 * C)
+    src = buffers(agent.layout, 16, fill=True)
+    agent.save(toks, src, list(range(16))).wait(timeout=30)
+    fut = agent.prefetch(toks)
+    r = fut.result(timeout=30)
+    assert (r.fetched, r.prefix, r.resident) == (4, 4, 0)
+    assert agent.prefetch(toks).result(timeout=30).resident == 4  # nothing left to fetch
+    agent.client.delete(agent.keys(toks))  # gone from the store: the HBM copies still serve
+    assert agent.lookup(toks) == 4 * C
+    dst = buffers(agent.layout, 20, fill=False)
+    ids = [19, 3, 7, 11, 0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14]
+    h = agent.load(toks, dst, ids)
+    assert h.num_tokens == 4 * C and h.hbm_chunks == 4 and h.wait(timeout=30)
+    assert same_pages(src, list(range(16)), dst, ids, 16)
+
+
+def test_a_small_pool_evicts_and_loads_mix_hbm_and_dram(agent_factory: Any) -> None:
+    lay = make_layout()
+    agent = agent_factory(lay, hbm_bytes=2 * lay.block_bytes(C))
+    a, b = tokens(3 * C, seed=1), tokens(3 * C, seed=2)
+    sa, sb = buffers(lay, 12, fill=True, seed=1), buffers(lay, 12, fill=True, seed=2)
+    agent.save(a, sa, list(range(12))).wait(timeout=30)
+    agent.save(b, sb, list(range(12))).wait(timeout=30)
+    r = agent.prefetch(a).result(timeout=30)
+    assert r.fetched == 2 and r.limit == "pool"
+    r = agent.prefetch(b).result(timeout=30)
+    assert r.fetched == 2 and agent.pool.evictions == 2  # a's blocks made room: they stay in DRAM
+    dst = buffers(lay, 12, fill=False)
+    h = agent.load(a, dst, list(range(12)))
+    assert h.num_tokens == 3 * C and h.hbm_chunks == 0 and h.wait(timeout=30)
+    assert same_pages(sa, list(range(12)), dst, list(range(12)), 12)
+    h = agent.load(b, dst, list(range(12)))
+    assert h.hbm_chunks == 2 and h.wait(timeout=30)
+    assert same_pages(sb, list(range(12)), dst, list(range(12)), 12)
+
+
+def test_prefetch_promotes_nvme_blocks(node_factory: Any, tmp_path: Any) -> None:
+    data = tmp_path / "persist"
+    n = node_factory("--dram", "64MiB", "--nvme", "128MiB", data_dir=data)
+    lay = make_layout()
+    ns = lay.namespace("test-model", chunk_tokens=C, tenant_salt=uuid.uuid4().hex)
+    toks = tokens(3 * C)
+    src = buffers(lay, 12, fill=True)
+    with KVClient(n.unix) as c, GPUAgent(c, lay, ns, device="cpu") as agent:
+        assert agent.save(toks, src, list(range(12))).wait(timeout=30).stored == 3
+    assert n.stop() == 0  # SIGTERM: dirty DRAM blocks are demoted to NVMe
+    n2 = node_factory("--dram", "64MiB", "--nvme", "128MiB", data_dir=data)
+    with KVClient(n2.unix) as c, GPUAgent(c, lay, ns, device="cpu") as agent:
+        keys = agent.keys(toks)
+        assert c.lookup(keys) == ["nvme"] * 3
+        assert agent.lookup(toks) == 3 * C
+        r = agent.prefetch(toks).result(timeout=30)
+        assert r.fetched == 3
+        assert c.lookup(keys) == ["dram"] * 3  # leased through the node: promoted on the way
+        dst = buffers(lay, 12, fill=False)
+        h = agent.load(toks, dst, list(range(12)))
+        assert h.hbm_chunks == 3 and h.wait(timeout=30)
+        assert same_pages(src, list(range(12)), dst, list(range(12)), 12)
+
+
+def test_contract_violations_raise(agent_factory: Any, node: Any) -> None:
+    agent = agent_factory()
+    toks = tokens(C)
+    with pytest.raises(InvalidArgument, match="layers"):
+        agent.load(toks, buffers(agent.layout, 4, fill=False)[:2], [0, 1, 2, 3])
+    with pytest.raises(InvalidArgument, match="shape"):
+        agent.save(toks, [torch.zeros(2, 4, 16, 2, 8, dtype=torch.float16)] * 3, [0, 1, 2, 3])
+    with pytest.raises(InvalidArgument, match="float32"):
+        agent.save(toks, [torch.zeros(make_layout().buffer_shape(4))] * 3, [0, 1, 2, 3])
+    with pytest.raises(InvalidArgument, match="unix://"):
+        agent_factory(target=node.tcp)
+
+
+def test_fails_open_when_the_node_is_gone(node_factory: Any) -> None:
+    n = node_factory("--dram", "64MiB", "--nvme", "0")
+    lay = make_layout()
+    ns = lay.namespace("test-model", chunk_tokens=C)
+    from client import Timeouts
+
+    with KVClient(n.unix, timeouts=Timeouts(rpc=2.0)) as c, GPUAgent(c, lay, ns, device="cpu") as agent:
+        toks = tokens(2 * C)
+        src = buffers(lay, 8, fill=True)
+        agent.save(toks, src, list(range(8))).wait(timeout=30)
+        n.kill9()
+        assert agent.lookup(toks) == 0
+        h = agent.load(toks, buffers(lay, 8, fill=False), list(range(8)))
+        assert h.num_tokens == 0 and h.wait()
+        res = agent.save(tokens(2 * C, seed=3), src, list(range(8))).wait(timeout=30)
+        assert res.stored == 0 and res.failed == 2
+        assert agent.prefetch(toks).result(timeout=30).fetched == 0
+        assert agent.stats()["counters"]["store_errors"] >= 3
