@@ -24,6 +24,9 @@ from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
+    # reconnect to a restarted node within seconds, not gRPC's default of up to 120 s
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 RETRIES = 2
 

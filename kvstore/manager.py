@@ -32,6 +32,7 @@ import collections
 import dataclasses
 import enum
 import itertools
+import secrets
 import logging
 import math
 import time
@@ -116,7 +117,9 @@ class TierManager:
         self.verify_demotions = verify_demotions
         self._executor = executor or ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstore-io")
         self._own_executor = executor is None
-        self._ids = itertools.count(1)
+        # ids start at a random point so a late Release/Abort meant for an earlier node
+        # process on the same socket cannot hit another client's lease or reservation
+        self._ids = itertools.count(secrets.randbits(48) + 1)
         self._reservations: dict[int, _Reservation] = {}
         self._leases: dict[int, _Lease] = {}
         self._expired: collections.OrderedDict[int, None] = collections.OrderedDict()
