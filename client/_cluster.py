@@ -24,7 +24,8 @@ Routing rules:
   this client saw before a node joined, for ``handoff_window_s``): on a hit there the
   block is copied to the current owners (a hand-off read).
 * **Failures**: a node that answers ``Unavailable`` or ``DeadlineExceeded`` (every call
-  has a deadline) counts as a miss and is marked *suspect*: calls skip it for
+  has a deadline) counts as a miss (in :meth:`ClusterClient.miss_counts`, reasons
+  ``node_down`` / ``deadline``: nodes cannot count what never reached them) and is marked *suspect*: calls skip it for
   ``suspect_s`` (doubling while it keeps failing, up to 30 s), so only the first call
   pays the deadline.  Contract errors (``InvalidArgument``, ``Unauthenticated``) raise.
 * **Namespaces**: keys from :meth:`chunk_keys` and the namespace recorded with each block
@@ -38,6 +39,7 @@ Counts returned by ``delete``, ``pin``, ``unpin`` and ``invalidate`` are block *
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -52,8 +54,11 @@ from kvstore.block import BlockMeta, verify_payload
 from kvstore.cluster.membership import Membership
 from kvstore.cluster.placement import Ring
 from kvstore.cluster.state import ClusterSnapshot, NodeInfo, effective_fingerprint, parse_target
-from kvstore.errors import BlockFormatError, CapacityExceeded, InvalidArgument, KVStoreError, Unauthenticated, Unavailable
+from kvstore.errors import (
+    BlockFormatError, CapacityExceeded, DeadlineExceeded, InvalidArgument, KVStoreError, Unauthenticated, Unavailable,
+)
 from kvstore.keys import ChunkKey, Namespace, check_key, chunk_keys
+from kvstore.misses import DEADLINE, NODE_DOWN
 from kvstore.wire import meta_from_pb, meta_to_pb
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from tiers.arena import as_bytes_view
@@ -208,6 +213,8 @@ class ClusterCore:
         self.membership.start(wait=wait_s)
         self.closed = False
         self.handoffs = 0  # blocks this client copied to a new owner (hand-off reads)
+        self.misses: dict[str, int] = {NODE_DOWN: 0, DEADLINE: 0}  # keys missed because an owner failed
+        self._misses_lock = threading.Lock()
 
     # -- membership and placement ----------------------------------------------------------
     def _seen(self, snap: ClusterSnapshot) -> None:
@@ -311,12 +318,14 @@ class ClusterCore:
         return stored
 
     def _rounds(self, plan: Plan, keys: list[ChunkKey], cands: list[list[str]], call: Callable[[list[int]], NodeOp], *,
-                hit: Callable[[Any], bool], prefix: bool = False) -> ClusterOp[tuple[list[Any], list[str | None]]]:
+                hit: Callable[[Any], bool], prefix: bool = False,
+                why: list[str | None] | None = None) -> ClusterOp[tuple[list[Any], list[str | None]]]:
         """Ask each key's candidate nodes in order until one has it: one round per rank,
         one batched call per node per round, the calls of a round in parallel.
 
         Returns per key the hit result (or None) and the node that answered.  With
         ``prefix``, only keys before the first key known to be missing everywhere are asked.
+        ``why`` (if given) gets, per key, ``node_down`` or ``deadline`` when a candidate failed.
         """
         n = len(keys)
         pos = [0] * n
@@ -331,6 +340,8 @@ class ClusterCore:
                     break
                 while pos[i] < len(cands[i]) and cands[i][pos[i]] in self.suspects:
                     pos[i] += 1
+                    if why is not None:
+                        why[i] = why[i] or NODE_DOWN
                 if pos[i] >= len(cands[i]):
                     todo.discard(i)
                     if prefix:
@@ -346,13 +357,24 @@ class ClusterCore:
             results = yield ("fanout", plan, calls)
             for (node, _), res in zip(calls, results):
                 failed = self.failed(node, res)
+                down = DEADLINE if isinstance(res, DeadlineExceeded) else NODE_DOWN if isinstance(res, Unavailable) else None
                 for j, i in enumerate(groups[node]):
                     if not failed and hit(res[j]):
                         result[i], where[i] = res[j], node
                         todo.discard(i)
                     else:
                         pos[i] += 1
+                        if why is not None and down is not None:
+                            why[i] = why[i] or down
         return result, where
+
+    def _count_misses(self, result: list[Any], why: list[str | None]) -> None:
+        """Count the keys that stayed missing because an owner failed (``miss_counts``)."""
+        counts = collections.Counter(w for r, w in zip(result, why) if r is None and w is not None)
+        if counts:
+            with self._misses_lock:
+                for reason, n in counts.items():
+                    self.misses[reason] += n
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object] | None) -> ClusterOp[list[Any]]:
         ks = [check_key(k) for k in keys]
@@ -361,14 +383,16 @@ class ClusterCore:
         plan = self.plan()
         owners = [plan.owners(k) for k in ks]
         # 1) the owners, in rank order
+        why: list[str | None] = [None] * len(ks)
         result, _ = yield from self._rounds(
             plan, ks, owners,
             lambda idx: lambda core: core.get_many_into([ks[i] for i in idx], [outs[i] for i in idx] if outs is not None else None),
-            hit=lambda v: v is not None)
+            hit=lambda v: v is not None, why=why)
         # 2) hand-off: the previous owners of keys every owner missed
         missing = [i for i, v in enumerate(result) if v is None] if plan.previous else []
         cands = [plan.handoff(ks[i], owners[i]) for i in missing]
         if not any(cands):
+            self._count_misses(result, why)
             return result
         sub = [ks[i] for i in missing]
         found, _ = yield from self._rounds(plan, sub, cands, lambda idx: _fetch_with_meta([sub[j] for j in idx], self.verify),
@@ -395,6 +419,7 @@ class ClusterCore:
             for (n, _), res in zip(calls, results):
                 if not self.failed(n, res):
                     self.handoffs += sum(bool(x) for x in res)
+        self._count_misses(result, why)
         return result
 
     def lookup(self, keys: Sequence[bytes], *, prefix: bool = False) -> ClusterOp[tuple[list[str | None], list[str | None]]]:
@@ -405,8 +430,11 @@ class ClusterCore:
         for k in ks:
             o = plan.owners(k)
             cands.append(o + plan.handoff(k, o) if plan.previous else o)
+        why: list[str | None] = [None] * len(ks)
         tiers, where = yield from self._rounds(
-            plan, ks, cands, lambda idx: lambda core: core.lookup([ks[i] for i in idx]), hit=lambda t: t is not None, prefix=prefix)
+            plan, ks, cands, lambda idx: lambda core: core.lookup([ks[i] for i in idx]), hit=lambda t: t is not None, prefix=prefix,
+            why=why)
+        self._count_misses(tiers, why)
         return tiers, where
 
     def match_prefix(self, keys: Sequence[bytes]) -> ClusterOp[tuple[int, list[str], list[str]]]:
@@ -531,6 +559,13 @@ class _ClusterBase:
     def suspects(self) -> dict[str, float]:
         """Nodes being routed around, with the seconds left."""
         return self._core.suspects.snapshot()
+
+    def miss_counts(self) -> dict[str, int]:
+        """Keys this client found missing because an owner was down (``node_down``: it failed,
+        or was being routed around) or too slow (``deadline``).  These are the two miss reasons
+        no node can count; the nodes' ``kvstore_miss_blocks_total`` counts the others."""
+        with self._core._misses_lock:
+            return dict(self._core.misses)
 
     @staticmethod
     def _no_views() -> InvalidArgument:

@@ -194,6 +194,18 @@ class KVClient:
         return self._run(self._core.stats())
 
     # -- zero-copy views (local targets; used by gpu_agent) --------------------------------
+    def arena_buffer(self) -> memoryview:
+        """The node's whole shared-memory arena as this process maps it (connecting if needed).
+
+        For code that registers it once with a DMA engine (``cudaHostRegister``); the bytes
+        of a block may only be touched under a lease or reservation from this client."""
+        if not self._core.target.local:
+            raise InvalidArgument("the arena is only reachable from a unix:// target on the node's machine")
+        self._run(self._core.ensure_hello())
+        if self._core.arena is None:
+            raise InvalidArgument("this client could not map the node's arena (is the node on this machine, sharing /dev/shm?)")
+        return self._core.arena.buf
+
     def acquire(self, keys: Sequence[bytes]) -> "LeasedBlocks":
         """Lease blocks and get read-only views of their arena bytes (no copy).  Use as a
         context manager; the views must not be used after it exits."""

@@ -23,7 +23,9 @@ Fails open: a store that cannot answer gives a miss (counted and logged), never 
 exception on the engine's path; contract violations (wrong buffer shapes, dtypes,
 devices) raise :class:`~kvstore.errors.InvalidArgument`.
 
-Close the agent before its client: the arena's pinned registration is undone here.
+Close the agent before its client: the arena's pinned registration is undone here.  A
+node restart creates a new arena file: make a new client and agent (the registered
+mapping is the old one).
 """
 
 from __future__ import annotations
@@ -133,15 +135,8 @@ class SaveHandle:
 
 
 def arena_buffer(client: Any) -> memoryview:
-    """The node's arena as this process maps it (through the client's core)."""
-    # SDK-internal until KVClient has a public accessor for its arena mapping
-    core = client._core
-    if not core.target.local:
-        raise InvalidArgument("GPUAgent needs a KVClient on the local node (a unix:// target): it reads the node's arena in place")
-    client._run(core.ensure_hello())
-    if core.arena is None:
-        raise InvalidArgument("this client could not map the node's arena (is the node on this machine?)")
-    return core.arena.buf  # type: ignore[no-any-return]
+    """The node's arena as this process maps it (``KVClient.arena_buffer``)."""
+    return client.arena_buffer()  # type: ignore[no-any-return]
 
 
 class GPUAgent:

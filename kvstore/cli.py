@@ -104,6 +104,7 @@ _PLUGINS: list[tuple[str, str, str]] = [
     ("up", "kvstore.up", "a whole local cluster in the foreground: a private etcd and N nodes (Ctrl-C stops it all)"),
     ("cluster", "kvstore.cluster.cli", "cluster configuration and namespaces in etcd: set, show, invalidate"),
     ("dashboard", "kvstore.dashboard.cli", "live cache-hit dashboard (web page) for one node or a whole cluster"),
+    ("health", "kvstore.health", "one gRPC health check of a node (exit 0: SERVING), for container probes"),
 ]
 
 

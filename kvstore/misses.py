@@ -182,26 +182,40 @@ class Ledger:
         """
         if request:
             self.requests[op] += 1
+        # aggregate first (one dict op per hit), then touch the counters once per (tier, namespace)
+        groups: dict[tuple[str, bytes], list[int]] = {}
+        for tier, meta in hits:
+            g = groups.get((tier, meta.namespace))
+            if g is None:
+                groups[tier, meta.namespace] = [1, meta.token_count]
+            else:
+                g[0] += 1
+                g[1] += meta.token_count
         asked = 0
         request_tag: int | None = None
         mixed = False
-        for tier, meta in hits:
-            t = self.namespaces.tag(meta.namespace)
+        for (tier, fp), (n, tokens) in groups.items():
+            t = self.namespaces.tag(fp)
             ns = self.namespaces.label(t)
-            self.hits[op, tier] += 1
-            self.hit_tokens[op, tier] += meta.token_count
-            self.ns_hits[ns, op] += 1
-            self.ns_hit_tokens[ns, op] += meta.token_count
+            self.hits[op, tier] += n
+            self.hit_tokens[op, tier] += tokens
+            self.ns_hits[ns, op] += n
+            self.ns_hit_tokens[ns, op] += tokens
             if request_tag is None:
                 request_tag = t
             elif t != request_tag:
                 mixed = True
-            asked += 1
+            asked += n
         fallback = _TAG_UNKNOWN if request_tag is None or mixed else request_tag
-        for reason, tag in misses:
-            self.misses[op, reason] += 1
-            self.ns_misses[self.namespaces.label(tag or fallback), op] += 1
-            asked += 1
+        if misses:
+            mgroups: dict[tuple[str, int], int] = {}
+            for reason, tag in misses:
+                key = (reason, tag or fallback)
+                mgroups[key] = mgroups.get(key, 0) + 1
+            for (reason, tag), n in mgroups.items():
+                self.misses[op, reason] += n
+                self.ns_misses[self.namespaces.label(tag), op] += n
+                asked += n
         if extra_misses is not None:
             reason, tag, n = extra_misses
             if n > 0:

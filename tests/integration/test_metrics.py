@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from cluster_fixtures import Cluster, cluster, etcd, needs_etcd  # noqa: F401 - fixtures
 from conftest import ROOT, NodeProcess
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -217,3 +218,21 @@ def test_every_metric_grafana_queries_is_exported(dram_node: NodeProcess) -> Non
 def test_prometheus_example_scrapes_kvstore_nodes() -> None:
     text = (ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text()
     assert "scrape_configs:" in text and "/metrics" in text and "kvstore" in text
+
+
+@needs_etcd
+def test_cluster_client_counts_node_down_and_deadline_misses(cluster: Cluster) -> None:  # noqa: F811
+    """The two miss reasons a node cannot count itself: the cluster SDK counts them."""
+    cluster.start("m1", "m2", extra=("--lease-ttl", "60"))  # a hung node stays registered
+    kv = cluster.client(replication=1, suspect_s=30.0)
+    keys = [i.to_bytes(16, "big") for i in range(1, 41)]
+    assert all(kv.put_many(keys, [block(i)[:4096] for i in range(40)]))
+    on_m1 = [key for key in keys if kv.owners(key) == ["m1"]]
+    assert on_m1
+    assert kv.miss_counts() == {"node_down": 0, "deadline": 0}
+    cluster.sigstop("m1")
+    assert kv.get_many(on_m1) == [None] * len(on_m1)  # m1 does not answer within the deadline
+    assert kv.miss_counts() == {"node_down": 0, "deadline": len(on_m1)}
+    assert kv.match_prefix(on_m1) == 0  # m1 is now routed around: its keys miss as node_down
+    assert kv.miss_counts() == {"node_down": 1, "deadline": len(on_m1)}  # a prefix stops at its first miss
+    cluster.sigcont("m1")
