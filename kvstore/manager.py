@@ -19,6 +19,9 @@ What it adds on top of the tiers:
   default); dirty victims are demoted to NVMe (write-back) in one group commit, clean
   ones are dropped.  ``write_through`` persists every commit at once instead.
 * **Pins** with a TTL keep blocks resident.
+* **Cache-hit accounting** (``kvstore/misses.py``): every lookup key is counted as a hit
+  (per tier, with its tokens) or a miss with its reason; ``history`` remembers, in
+  bounded memory, why keys left (evicted, invalidated, corrupt).
 
 Invariants: a block's DRAM allocation is freed only when no lease refers to it; a
 reserved extent belongs to exactly one reservation until commit, abort or reap; tier

@@ -24,6 +24,7 @@ class NodeProcess:
     def __init__(self, data_dir: Path, *args: str, env: dict[str, str] | None = None, node_id: str | None = None) -> None:
         self.data_dir = data_dir
         self.node_id = node_id or f"t{uuid.uuid4().hex[:8]}"
+        self.arena_path = f"/dev/shm/kvstore-test-{self.node_id}-{uuid.uuid4().hex[:6]}.arena"
         self.args = list(args)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc: subprocess.Popen[str] | None = None
@@ -36,7 +37,7 @@ class NodeProcess:
             "--data-dir", str(self.data_dir),
             "--listen", "127.0.0.1:0",
             "--node-id", self.node_id,
-            "--arena-path", f"/dev/shm/kvstore-test-{self.node_id}.arena",
+            "--arena-path", self.arena_path,
             *self.args,
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env, cwd=ROOT)
@@ -100,7 +101,7 @@ def node_factory(tmp_path: Path) -> Iterator[Any]:
     for n in nodes:
         n.stop(timeout=30)
         try:
-            os.unlink(f"/dev/shm/kvstore-test-{n.node_id}.arena")
+            os.unlink(n.arena_path)
         except FileNotFoundError:
             pass
 

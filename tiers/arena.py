@@ -14,6 +14,7 @@ Python 3.11 the latter unlinks the segment when any attached process exits
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import sys
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import xxhash
 
-from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.errors import DataDirLocked, InvalidArgument, Unavailable
 from tiers.allocator import Extent
 
 _PREFAULT_STEP = 64 << 20
@@ -38,6 +39,7 @@ class Arena:
         self._mm = mm
         self.buf = memoryview(mm)
         self._owner = owner
+        self._lock_fd: int | None = None
 
     @classmethod
     def create(cls, path: str | os.PathLike[str], size: int, *, prefault: bool = True) -> "Arena":
@@ -45,16 +47,35 @@ class Arena:
         if size <= 0:
             raise InvalidArgument(f"arena size must be positive, got {size}")
         p.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        # A file left by an earlier node is replaced, never truncated: clients that still map
+        # it keep the old pages (no SIGBUS, no bytes mixed into the new arena).  A file that a
+        # running node holds (its flock) is refused.
         try:
+            old = os.open(p, os.O_RDWR)
+        except FileNotFoundError:
+            pass
+        else:
+            try:
+                fcntl.flock(old, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise DataDirLocked(f"DRAM arena {p} belongs to another running node; give this one its own --arena-path") from None
+            finally:
+                os.close(old)
+            p.unlink(missing_ok=True)
+        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:
+                p.unlink(missing_ok=True)
                 raise InvalidArgument(f"cannot size the DRAM arena {p} to {size} bytes: {e}") from e
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
         arena = cls(p, size, mm, owner=True)
+        arena._lock_fd = fd  # held (flock) for the arena's life
         if prefault:
             arena.prefault()
         return arena
@@ -150,6 +171,9 @@ class Arena:
                 self.path.unlink()
             except FileNotFoundError:
                 pass
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # after the unlink: nobody can take over a half-closed arena
+            self._lock_fd = None
 
 
 def as_bytes_view(obj: object, *, writable: bool = False) -> memoryview:

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import math
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -94,6 +95,20 @@ class EtcdSession:
         if c is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(c.close(), 2.0)
+
+
+def healthy(host: str, port: int, timeout: float = 0.5) -> bool:
+    """etcd's HTTP ``/health`` on its client port: True once the member has a leader."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            s.sendall(f"GET /health HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+            s.settimeout(timeout)
+            data = b""
+            while chunk := s.recv(4096):
+                data += chunk
+        return b'"health":"true"' in data
+    except OSError:
+        return False
 
 
 # -- reading the whole cluster --------------------------------------------------------------

@@ -92,17 +92,9 @@ class LocalEtcd:
         raise Unavailable(f"etcd did not become healthy within {timeout} s; see {self.data_dir / 'etcd.log'}")
 
     def _healthy(self) -> bool:
-        """etcd answers /health with {"health":"true"} once it has a leader."""
-        try:
-            with socket.create_connection((self.host, self.client_port), timeout=0.5) as s:
-                s.sendall(f"GET /health HTTP/1.0\r\nHost: {self.host}\r\n\r\n".encode())
-                s.settimeout(0.5)
-                data = b""
-                while chunk := s.recv(4096):
-                    data += chunk
-            return b'"health":"true"' in data
-        except OSError:
-            return False
+        from kvstore.cluster.etcd import healthy
+
+        return healthy(self.host, self.client_port)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
         proc, self.proc = self.proc, None

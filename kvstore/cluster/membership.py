@@ -19,7 +19,7 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from kvstore.cluster.etcd import ClusterStore, ClusterWatcher
 from kvstore.cluster.state import ClusterSnapshot, NodeInfo, check_cluster_name, parse_endpoints

@@ -164,7 +164,7 @@ class Dashboard:
     # -- polling --------------------------------------------------------------------------------
     def poll_once(self) -> None:
         targets = self.source.targets()
-        timeout = max(0.5, min(2.0, self.interval * 1.5))
+        timeout = max(0.5, min(1.5, self.interval * 1.5))  # a hung node must not stall the page
         futures = {name: self._pool.submit(fetch, url, token=self.token, timeout=timeout)
                    for name, (url, _) in targets.items() if url}
         results: dict[str, tuple[str | None, Scrape | None, str]] = {}
@@ -174,15 +174,13 @@ class Dashboard:
         self.model.update(results, names=self.source.names(), source_status=self.source.status())
 
     def _poll_forever(self) -> None:
-        next_at = time.monotonic()
-        while not self._stop.is_set():
-            next_at += self.interval
+        next_at = time.monotonic() + self.interval  # start() already polled once
+        while not self._stop.wait(max(0.0, next_at - time.monotonic())):
             try:
                 self.poll_once()
             except Exception:  # one bad poll must not end the dashboard
                 log.exception("dashboard poll failed")
-            self._stop.wait(max(0.0, next_at - time.monotonic()))
-            next_at = max(next_at, time.monotonic() - self.interval)
+            next_at = max(next_at + self.interval, time.monotonic())  # after a slow poll: no burst to catch up
 
     def api(self, since: int) -> dict[str, Any]:
         v = self.model.view(since)

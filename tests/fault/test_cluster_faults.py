@@ -137,19 +137,21 @@ def test_hung_node_calls_end_at_their_deadline_as_misses(cluster: Cluster) -> No
         t = time.monotonic()
         assert kv.get_many(keys) == data
         assert kv.match_prefix(keys) == len(keys)
-        assert time.monotonic() - t < 0.5  # routed around: no second wait
+        second = time.monotonic() - t
+        assert second < 0.9 * FAST["rpc"]  # routed around: no second wait
         # a key whose only copy is on the hung node: a miss at the deadline, not an error
         t = time.monotonic()
         got = r1.get_many([only[i] for i in on_hung])
         assert got == [None] * len(on_hung) and time.monotonic() - t < deadline
         t = time.monotonic()
-        assert r1.match_prefix([only[i] for i in on_hung]) == 0 and time.monotonic() - t < 0.5
+        assert r1.match_prefix([only[i] for i in on_hung]) == 0 and time.monotonic() - t < 0.9 * FAST["rpc"]
         # writes still land on the live owner
         more, more_data = blocks(10, seed=6)
         assert kv.put_many(more, more_data) == [True] * 10
         assert kv.get_many(more) == more_data
         assert hung in kv.nodes()  # still a member: it was routed around, not removed
-        print(f"\nhung node: first read of 40 keys {first * 1000:.0f} ms (deadline {FAST['rpc']} s), then routed around")
+        print(f"\nhung node: first read of 40 keys {first * 1000:.0f} ms (deadline {FAST['rpc']} s); "
+              f"then a read and a match_prefix routed around it in {second * 1000:.0f} ms")
     finally:
         cluster.sigcont(hung)
     # once it answers again it serves: a client without the back-off reads its blocks

@@ -1,0 +1,176 @@
+"""``kvstore up`` runs the topology of deploy/compose.yaml with local processes: etcd,
+the compose file's nodes (same count, cluster, tier sizes and lease TTL) and its
+dashboard command; end to end: put/get through the printed SDK target, every node
+registered in etcd and healthy by ``kvstore health``, the dashboard lists them, and one
+SIGTERM stops everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+from conftest import ROOT
+
+from kvstore.cli import build_parser
+from kvstore.cluster.local_etcd import find_etcd
+
+pytestmark = pytest.mark.skipif(find_etcd() is None, reason="etcd is not installed (Debian: apt-get install etcd-server)")
+
+COMPOSE = yaml.safe_load((ROOT / "deploy" / "compose.yaml").read_text())
+
+
+def compose_topology() -> dict[str, Any]:
+    nodes = {n: s for n, s in COMPOSE["services"].items() if s.get("command", [None])[0] == "serve"}
+    envs = [s["environment"] for s in nodes.values()]
+    shared = {k for k in envs[0] if all(e.get(k) == envs[0][k] for e in envs)}
+    env = {k: str(envs[0][k]) for k in shared}
+    dash = build_parser("dashboard").parse_args(COMPOSE["services"]["dashboard"]["command"])
+    return {"nodes": len(nodes), "cluster": env["KVSTORE_CLUSTER"], "dram": env["KVSTORE_DRAM"], "nvme": env["KVSTORE_NVME"],
+            "lease_ttl": env["KVSTORE_ETCD_LEASE_TTL_S"], "dashboard": dash}
+
+
+class Proc:
+    """A child whose stdout is read up to its ``READY {json}`` line, then drained."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: list[str] = []
+
+    def ready(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        found: dict[str, Any] = {}
+
+        def read() -> None:
+            for line in self.proc.stdout:  # type: ignore[union-attr]
+                self.lines.append(line)
+                if line.startswith("READY ") and not found:
+                    found.update(json.loads(line[len("READY "):]))
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not found and self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert found, f"no READY line (rc={self.proc.poll()}):\n{''.join(self.lines)}"
+        return found
+
+    def stop(self, timeout: float) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie not yet reaped by its parent counts as gone
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    return False
+
+
+def health(target: str) -> int:
+    return subprocess.run([sys.executable, "-m", "kvstore", "health", "--quiet", "--timeout", "3", "--target", target],
+                          cwd=ROOT, timeout=30).returncode
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        assert r.status == 200
+        return json.loads(r.read())
+
+
+def test_up_runs_the_compose_topology_end_to_end(tmp_path: Path) -> None:
+    from client import KVClient, Namespace, Timeouts
+    from kvstore.cluster.membership import Membership
+
+    topo = compose_topology()
+    assert topo["nodes"] == 3
+    up = Proc("up", "--nodes", str(topo["nodes"]), "--cluster", topo["cluster"], "--dram", topo["dram"], "--nvme", topo["nvme"],
+              "--lease-ttl", topo["lease_ttl"], "--data-dir", str(tmp_path / "up"))
+    dash: Proc | None = None
+    info: dict[str, Any] = {}
+    try:
+        info = up.ready(timeout=120)
+        nodes = {n["node_id"]: n for n in info["nodes"]}
+        assert len(nodes) == topo["nodes"] and info["cluster"] == topo["cluster"]
+        assert info["target"] == f"etcd://{info['etcd']}/{topo['cluster']}"
+
+        # every node registered, under the addresses it serves
+        with Membership(info["etcd"], topo["cluster"]) as view:
+            snap = view.wait_for(lambda s: set(s.nodes) == set(nodes), 15)
+            assert snap is not None, f"registered: {sorted(view.snapshot().nodes)}"
+            for node_id, rec in snap.nodes.items():
+                assert rec.grpc == nodes[node_id]["grpc"] and rec.data == nodes[node_id]["data"]
+                assert rec.dram_bytes == 256 << 20 and str(topo["dram"]) == "256MiB"
+
+        # the image's health check, against every node's TCP listener and Unix socket
+        for n in nodes.values():
+            assert health(n["grpc"]) == 0 and health(n["unix"]) == 0
+
+        # put/get through the SDK target that `up` printed
+        with KVClient(info["target"], timeouts=Timeouts(rpc=5.0, data=10.0, connect=5.0)) as kv:
+            assert kv.wait_for_nodes(topo["nodes"], 15)
+            ns = Namespace("deploy-compose")
+            keys = kv.chunk_keys(np.arange(256 * 12), ns)
+            rng = np.random.default_rng(8)
+            data = [rng.integers(0, 255, 64 << 10, dtype=np.uint8) for _ in keys]
+            assert kv.put_many(keys, data, namespace=ns) == [True] * len(keys)
+            assert [bytes(g) for g in kv.get_many(keys)] == [d.tobytes() for d in data]
+            assert kv.match_prefix(keys) == len(keys)
+            owners = {o for k in keys for o in kv.owners(k)}
+            assert len(owners) > 1, "blocks spread over the nodes"
+
+        # the dashboard: `up` starts it where it can, else compose's command against up's etcd
+        if info.get("dashboard"):
+            url = str(info["dashboard"]).rstrip("/") + "/"
+        else:
+            a = topo["dashboard"]
+            dash = Proc("dashboard", "--etcd", info["etcd"], "--cluster", a.cluster, "--metrics-port", str(a.metrics_port),
+                        "--listen", "127.0.0.1:0")
+            url = dash.ready(timeout=60)["url"]
+        deadline = time.monotonic() + 15
+        while True:
+            names = {n["name"] for n in get_json(url + "api/cluster")["nodes"]}
+            if names == set(nodes) or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert names == set(nodes)
+    finally:
+        if dash is not None:
+            assert dash.stop(timeout=30) == 0
+        rc = up.stop(timeout=120)
+
+    # one SIGTERM stopped everything `up` started
+    assert rc == 0, "".join(up.lines)
+    assert "kvstore up: stopped" in "".join(up.lines)
+    for pid in [info["etcd_pid"], *(n["pid"] for n in info["nodes"])]:
+        deadline = time.monotonic() + 10
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(pid), f"pid {pid} outlived `kvstore up`"
+    assert health(info["nodes"][0]["grpc"]) == 1
+    from kvstore.config import NodeConfig
+
+    for n in info["nodes"]:  # the nodes removed their arenas from /dev/shm
+        assert not NodeConfig(node_id=n["node_id"], data_dir=n["data_dir"]).arena_file().exists()
