@@ -60,6 +60,8 @@ class AsyncKVClient:
         return self._stub_
 
     async def _rpc(self, method: str, request: Any) -> Any:
+        if method == "Stats" and self._inflight:  # stats reflect this client's own releases
+            await asyncio.wait(list(self._inflight), timeout=self._core.timeouts.rpc)
         attempts = RETRIES + 1 if method in IDEMPOTENT else 1
         for attempt in range(attempts):
             try:

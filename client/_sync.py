@@ -82,6 +82,8 @@ class KVClient:
 
     # -- driver -------------------------------------------------------------------------
     def _rpc(self, method: str, request: Any) -> Any:
+        if method == "Stats" and self._inflight:
+            self._drain()  # stats reflect this client's own releases
         attempts = RETRIES + 1 if method in IDEMPOTENT else 1
         for attempt in range(attempts):
             try:

@@ -222,8 +222,8 @@ class _PrefixHeapPolicy:
     def _inserted(self, key: ChunkKey, parent: ChunkKey) -> None:
         """A key not resident before is being inserted under ``parent`` (before its priority)."""
 
-    def _removed(self, key: ChunkKey, priority: int, tick: int) -> None:
-        """A resident key left (evicted or deleted); ``priority``/``tick`` of its last use."""
+    def _removed(self, key: ChunkKey) -> None:
+        """A resident key left (evicted or deleted)."""
 
     # -- bookkeeping --------------------------------------------------------------------
     def _touch(self, key: ChunkKey, new: bool) -> None:
@@ -260,10 +260,9 @@ class _PrefixHeapPolicy:
             self._touch(key, False)
 
     def remove(self, key: ChunkKey) -> None:
-        entry = self._prio.pop(key, None)
-        if entry is None:
+        if self._prio.pop(key, None) is None:
             return
-        self._removed(key, *entry)
+        self._removed(key)
         parent = self._parent.pop(key)
         if parent != NO_PARENT:
             left = self._children[parent] - 1
@@ -361,7 +360,7 @@ class PrefixReusePolicy(_PrefixHeapPolicy):
                 self._level[node] = level
                 node = self._parent.get(node, NO_PARENT)
 
-    def _removed(self, key: ChunkKey, priority: int, tick: int) -> None:
+    def _removed(self, key: ChunkKey) -> None:
         self._fanout.pop(key, None)
         self._level.pop(key, None)
 
@@ -396,7 +395,7 @@ POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     PrefixReusePolicy.name: PrefixReusePolicy,
     PrefixFrequencyPolicy.name: PrefixFrequencyPolicy,
 }
-DEFAULT_POLICY = PrefixAwareLRUPolicy.name
+DEFAULT_POLICY = PrefixReusePolicy.name
 
 
 def make_policy(name: str) -> EvictionPolicy:

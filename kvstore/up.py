@@ -48,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for every `kvstore serve` (repeatable, e.g. --node-arg=--write-through)")
     p.add_argument("--log-level", default="WARNING", help="log level of the nodes (default WARNING)")
+    p.add_argument("--dashboard-port", type=int, default=0, metavar="PORT",
+                   help="port of the cache-hit dashboard (default 0: any free port; -1: no dashboard)")
 
 
 def _die_with_parent() -> None:
@@ -65,6 +67,7 @@ class NodeChild:
             "--etcd", etcd, "--cluster", cluster, "--node-id", self.node_id,
             "--data-dir", str(data_dir), "--listen", f"{a.host}:0", "--data-listen", f"{a.host}:0",
             "--dram", a.dram, "--nvme", a.nvme, "--lease-ttl", str(a.lease_ttl), "--log-level", a.log_level,
+            "--metrics-port", "0",
             *a.node_arg,
         ]
         self.proc: subprocess.Popen[str] | None = None
@@ -129,6 +132,7 @@ class LocalCluster:
         self.dir = Path(a.data_dir) if a.data_dir else Path(tempfile.mkdtemp(prefix="kvstore-up-"))
         self.etcd: LocalEtcd | None = None
         self.nodes: list[NodeChild] = []
+        self.dashboard: Any = None
 
     def start(self) -> dict[str, Any]:
         a = self.a
@@ -146,6 +150,10 @@ class LocalCluster:
         failed = [n.error for n in self.nodes if n.error]
         if failed:
             raise KVStoreError("; ".join(failed))
+        if a.dashboard_port >= 0:
+            from kvstore.dashboard.server import Dashboard, EtcdNodes
+
+            self.dashboard = Dashboard(EtcdNodes(self.etcd.endpoint, a.cluster), host=a.host, port=a.dashboard_port).start()
         return self.describe()
 
     async def _configure(self) -> None:
@@ -167,7 +175,7 @@ class LocalCluster:
             "cluster": self.a.cluster,
             "replication": self.a.replication,
             "data_dir": str(self.dir),
-            "dashboard": None,  # issue 6: start the dashboard here and report its URL
+            "dashboard": self.dashboard.url if self.dashboard is not None else None,
             "nodes": [
                 {k: n.endpoints.get(k) for k in ("node_id", "grpc", "unix", "data", "pid", "data_dir")} for n in self.nodes
             ],
@@ -178,6 +186,10 @@ class LocalCluster:
         return [n.node_id for n in self.nodes if n.proc is not None and n.proc.poll() is not None]
 
     def stop(self) -> None:
+        if self.dashboard is not None:
+            self.dashboard.close()
+            self.dashboard.source.close()
+            self.dashboard = None
         for n in self.nodes:
             n.terminate()
         for n in self.nodes:
@@ -208,6 +220,8 @@ def main(a: argparse.Namespace) -> int:
             print(f"  node {n['node_id']:<10} grpc {n['grpc']}  data {n['data']}  {n['unix']}  (pid {n['pid']})")
         print(f"  data          {info['data_dir']}{' (removed at exit)' if cluster.own_dir else ''}")
         print(f"  SDK           KVClient({info['target']!r})")
+        if info["dashboard"]:
+            print(f"  dashboard     {info['dashboard']}")
         print(f"  manage        kvstore cluster show --etcd {info['etcd']} --cluster {info['cluster']}")
         print("  Ctrl-C stops everything")
         print(f"READY {json.dumps(info)}", flush=True)

@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 
 need_apt=()
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
-command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)   # a reference in `kvstore bench`
+command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)           # the dashboard's browser test
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   export DEBIAN_FRONTEND=noninteractive

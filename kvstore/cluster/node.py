@@ -48,6 +48,7 @@ class NodeAgent:
             pid=endpoints.get("pid", 0),
             data_dir=str(endpoints.get("data_dir", cfg.data_dir)),
             started_at=time.time(),
+            metrics=str(endpoints.get("metrics") or ""),
         )
         self.registration = Registration(cfg.etcd, cfg.cluster, self.info, ttl_s=cfg.etcd_lease_ttl_s)
         self.watcher = ClusterWatcher(cfg.etcd, cfg.cluster, self._on_snapshot)

@@ -141,6 +141,7 @@ class NodeInfo:
     pid: int = 0
     data_dir: str = ""
     started_at: float = 0.0  # unix seconds when this incarnation registered
+    metrics: str = ""  # http://host:port/metrics when the node serves Prometheus metrics
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()

@@ -163,6 +163,10 @@ def test_image_entrypoint_is_an_installed_console_script() -> None:
     entry = DOCKERFILE.exec_form("ENTRYPOINT")
     assert entry == ["kvstore"]
     target = PYPROJECT["project"]["scripts"]["kvstore"]
+    from importlib import metadata
+
+    installed = {ep.name: ep.value for ep in metadata.distribution("kvstore").entry_points if ep.group == "console_scripts"}
+    assert installed.get("kvstore") == target  # what pip put on PATH, not only what pyproject says
     module, _, func = target.partition(":")
     assert callable(getattr(__import__(module, fromlist=[func]), func))
     cmd = DOCKERFILE.exec_form("CMD")
@@ -207,6 +211,14 @@ def test_image_config_paths_ports_and_build_context(tmp_path: Path) -> None:
     for src in copied | set(DOCKERFILE.copies().values()):
         assert (ROOT / src).exists(), src
         assert src in allowed, f"{src} is excluded from the build context by Dockerfile.dockerignore"
+
+
+def test_health_reports_failure_as_exit_1(tmp_path: Path) -> None:
+    """Docker reserves exit 2 of a health check: every failure is 1."""
+    from kvstore.health import main
+
+    for argv in (["--config", str(tmp_path / "missing.toml")], ["--target", f"unix://{tmp_path}/none.sock", "--timeout", "0.5"]):
+        assert main(build_parser("health").parse_args(["health", "--quiet", *argv])) == 1
 
 
 # -- compose ------------------------------------------------------------------------------
@@ -414,12 +426,16 @@ def cluster(request: pytest.FixtureRequest) -> Cluster:
     return Cluster(docs_of(request.param))
 
 
-def test_every_manifest_parses_and_validates(cluster: Cluster) -> None:
+def test_every_manifest_validates_against_the_kubernetes_schemas(cluster: Cluster) -> None:
     kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed")
+    for d in cluster.docs:
+        kv.validate(d, K8S_VERSION, strict=True)  # strict: unknown fields fail too
+
+
+def test_workloads_are_unprivileged_and_namespace_less(cluster: Cluster) -> None:
     assert cluster.docs
     for d in cluster.docs:
         assert "namespace" not in d["metadata"], "manifests are namespace-less"
-        kv.validate(d, K8S_VERSION, strict=True)
     for w in cluster.workloads():
         selector = w["spec"]["selector"]["matchLabels"]
         assert selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()
