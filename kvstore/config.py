@@ -28,7 +28,7 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 ENV_PREFIX = "KVSTORE_"
 # KVSTORE_* variables that belong to the SDK and CLI, not to the node's schema.
-CLIENT_ENV = {"KVSTORE_TARGET", "KVSTORE_TOKEN_FILE_CLIENT"}
+CLIENT_ENV = {"KVSTORE_TARGET"}
 
 
 def parse_size(value: object) -> int:
@@ -78,6 +78,15 @@ class NodeConfig(BaseModel):
     flush_on_shutdown_s: float = Field(30.0, ge=0, description="On SIGTERM, spend up to this long demoting dirty DRAM blocks to NVMe.")
     prefault: bool = Field(True, description="Touch every arena page at start-up so copies never pay first-touch costs.")
     metrics_port: int | None = Field(None, description="Port of the Prometheus /metrics endpoint; unset: none.")
+    advertise_host: str = Field("", description="Host that clients and peers should dial (published in etcd and the READY line); empty: the listen host, or this machine's name when listening on a wildcard address.")
+    arena_mode: str = Field("0600", description="Permission bits of the arena file and Unix socket, octal: 0660 lets an engine container of the same group (another uid) use them.")
+
+    @field_validator("arena_mode")
+    @classmethod
+    def _mode(cls, v: str) -> str:
+        if not re.fullmatch(r"0?[0-7]{3}", v):
+            raise ValueError(f"expected octal permission bits like 0600 or 0660, got {v!r}")
+        return v
     etcd: str = Field("", description="etcd endpoints HOST:PORT[,HOST:PORT] of the cluster to join; empty: a standalone node.")
     cluster: str = Field("default", description="Cluster name: membership, config and namespaces live under /kvstore/<cluster>/ in etcd.")
     zone: str = Field("", description="Failure zone of this node, published in its membership record.")

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -129,7 +130,7 @@ class Node:
         if cfg.max_block_bytes > cfg.dram:
             cfg = cfg.model_copy(update={"max_block_bytes": cfg.dram})
             self.cfg = cfg
-        self.arena = Arena.create(cfg.arena_file(), cfg.dram, prefault=cfg.prefault)
+        self.arena = Arena.create(cfg.arena_file(), cfg.dram, prefault=cfg.prefault, mode=int(cfg.arena_mode, 8))
         dram = DRAMTier(self.arena, policy=make_policy(cfg.eviction_policy))
         nvme = None
         if cfg.nvme > 0:
@@ -184,7 +185,7 @@ class Node:
             bound = 0
         if bound == 0:
             raise InvalidArgument(f"cannot listen on {cfg.listen} (in use?); pick another --listen HOST:PORT (port 0: any free port)")
-        os.chmod(sock, 0o660)
+        os.chmod(sock, int(cfg.arena_mode, 8))
         if cfg.metrics_port is not None:
             if not 0 <= cfg.metrics_port <= 65535:
                 raise InvalidArgument(f"metrics_port={cfg.metrics_port} is not a TCP port (0: any free port)")
@@ -199,12 +200,13 @@ class Node:
         self._reaper = loop.create_task(self._reap_forever())
         if self.metrics_server is not None:
             self.metrics_server.start()
+        public = cfg.advertise_host or (socket.getfqdn() if host.strip("[]") in ("0.0.0.0", "::", "") else host)
         self.endpoints = {
             "node_id": cfg.node_id,
-            "grpc": f"{host}:{bound}",
+            "grpc": f"{public}:{bound}",
             "unix": f"unix://{sock}",
-            "data": f"{self.data.address[0]}:{self.data.address[1]}",
-            "metrics": f"http://{host}:{self.metrics_server.address[1]}/metrics" if self.metrics_server else None,
+            "data": f"{public}:{self.data.address[1]}",
+            "metrics": f"http://{public}:{self.metrics_server.address[1]}/metrics" if self.metrics_server else None,
             "arena": str(self.arena.path),
             "dram_bytes": cfg.dram,
             "nvme_bytes": cfg.nvme,

@@ -42,7 +42,7 @@ class Arena:
         self._lock_fd: int | None = None
 
     @classmethod
-    def create(cls, path: str | os.PathLike[str], size: int, *, prefault: bool = True) -> "Arena":
+    def create(cls, path: str | os.PathLike[str], size: int, *, prefault: bool = True, mode: int = 0o600) -> "Arena":
         p = Path(path)
         if size <= 0:
             raise InvalidArgument(f"arena size must be positive, got {size}")
@@ -62,7 +62,8 @@ class Arena:
             finally:
                 os.close(old)
             p.unlink(missing_ok=True)
-        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+        os.fchmod(fd, mode)  # not narrowed by the umask
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             try:
