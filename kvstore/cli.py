@@ -27,7 +27,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nvme", metavar="SIZE", help="NVMe tier size, e.g. 100GiB; 0 disables (default 4GiB)")
     p.add_argument("--node-id", metavar="ID", help="node name (default: hostname)")
     p.add_argument("--arena-path", metavar="PATH", help="shared-memory file of the arena (default /dev/shm/kvstore-<id>-<hash>.arena)")
-    p.add_argument("--eviction-policy", metavar="NAME", help="eviction policy (default prefix-lru)")
+    p.add_argument("--eviction-policy", metavar="NAME", help="eviction policy (default prefix-reuse; see `kvstore replay`)")
     p.add_argument("--write-through", action="store_true", default=None, help="persist every block to NVMe at commit")
     p.add_argument("--token-file", metavar="FILE", help="require this bearer token on every call")
     p.add_argument("--read-lease-ttl", dest="lease_ttl_s", type=float, metavar="S", help="read lease lifetime in seconds (default 30)")

@@ -66,7 +66,7 @@ class NodeConfig(BaseModel):
     dram: int = Field(1 << 30, description="DRAM arena size in bytes (accepts 4GiB-style strings).")
     nvme: int = Field(4 << 30, description="NVMe tier size in bytes; 0 disables the tier.")
     arena_path: str = Field("", description="Shared-memory file of the DRAM arena; empty: /dev/shm/kvstore-<node_id>.arena.")
-    eviction_policy: str = Field("prefix-lru", description="DRAM and NVMe eviction policy (see kvstore.policy.POLICIES).")
+    eviction_policy: str = Field("prefix-reuse", description="DRAM and NVMe eviction policy (see kvstore.policy.POLICIES).")
     write_through: bool = Field(False, description="Persist every commit to NVMe at once instead of on eviction.")
     direct_io: bool | None = Field(None, description="O_DIRECT on NVMe segment files; unset: use it where the filesystem allows.")
     reservation_ttl_s: float = Field(30.0, gt=0, description="Unfinished writes are reclaimed after this many seconds.")

@@ -322,11 +322,18 @@ class PrefixReusePolicy(_PrefixHeapPolicy):
       up its resident ancestors when a fan-out reaches a power of two (so each key's
       level rises at most ~log2(children) times: amortised O(1) per insert).
 
-    The bonus is capped (one step for reuse, logarithmic in fan-out) because a bigger one
-    keeps stale blocks too long once the tier is large enough for LRU to catch most reuse;
-    the weights were tuned so that it is never below LRU over a 1–50 % capacity sweep
-    (``kvstore plan``).  Bonuses are fixed at each use, so ordering stays a heap:
-    O(log n) per operation.
+    * **pressure**: the bonus only pays when the tier is too small for LRU to catch the
+      reuse; once it is large enough, keeping blocks longer than LRU would can only
+      displace blocks LRU would have hit.  So the bonus is scaled by how many inserts
+      re-insert a block the sketch saw lately (an eviction that cost a hit) rather than
+      a new one: none below ``PRESSURE[0]`` of inserts, in full above ``PRESSURE[1]``
+      (decayed counts over ~4 N inserts).  Below the ramp the policy is prefix-aware LRU.
+
+    The bonus is capped (one step for reuse, logarithmic in fan-out) and scaled by
+    pressure because a bigger one keeps stale blocks too long once the tier is large
+    enough for LRU to catch most reuse; with these weights it never fell below LRU over
+    a 1–50 % capacity sweep of the traces it was tuned and checked on (``kvstore plan``).
+    Bonuses are fixed at each use, so ordering stays a heap: O(log n) per operation.
     """
 
     name = "prefix-reuse"
@@ -334,9 +341,12 @@ class PrefixReusePolicy(_PrefixHeapPolicy):
     REUSE_CAP = 1  # uses beyond the first that still add a REUSE step
     SHARE = 0.5
     MEMORY = 10  # the sketch forgets uses older than about MEMORY × N events
+    PRESSURE = (0.05, 0.30)  # the bonus ramps from none to full as the re-insert share goes from lo to hi
 
     def __init__(self) -> None:
         super().__init__()
+        self._inserts = 0.0  # decayed counts of inserts, and of inserts of keys seen lately
+        self._again = 0.0
         self._sketch = FrequencySketch(1 << 10)
         self._peak = 0
         self._fanout: dict[ChunkKey, int] = {}  # resident key -> distinct children seen while resident
@@ -349,6 +359,13 @@ class PrefixReusePolicy(_PrefixHeapPolicy):
         self._sketch.sample = max(self._sketch.sample, self.MEMORY * n)
 
     def _inserted(self, key: ChunkKey, parent: ChunkKey) -> None:
+        if self.PRESSURE[1]:
+            self._inserts += 1
+            if self._sketch.estimate(key):
+                self._again += 1
+            if self._inserts > 4 * max(self._peak, 64):
+                self._inserts /= 2
+                self._again /= 2
         if not self.SHARE or parent == NO_PARENT or parent not in self._prio or self._sketch.estimate(key):
             return  # only a child not seen lately counts as a new branch
         n = self._fanout.get(parent, 0) + 1
@@ -373,6 +390,10 @@ class PrefixReusePolicy(_PrefixHeapPolicy):
         level = self._level.get(key, 0)
         if level:
             bonus += self.SHARE * (level + 0.5)
+        if self.PRESSURE[1] and bonus:
+            lo, hi = self.PRESSURE
+            again = self._again / self._inserts if self._inserts else 0.0
+            bonus *= min(1.0, max(0.0, (again - lo) / (hi - lo)))
         return self._tick + int(bonus * self._peak)
 
 
@@ -387,6 +408,7 @@ class PrefixFrequencyPolicy(PrefixReusePolicy):
     REUSE = 0.5
     REUSE_CAP = 4
     SHARE = 0.0
+    PRESSURE = (0.0, 0.0)  # always the full bonus
 
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {

@@ -1,10 +1,219 @@
-"""Placeholder: being written."""
+"""``kvstore replay``: a Mooncake-format trace through the eviction policies, or a live node.
+
+    kvstore replay TRACE --capacity 5%                     # simulator: the node's own tier manager
+    kvstore replay TRACE --capacity 2000 --policy lru --json
+    kvstore replay TRACE --target unix:///run/kvstore.sock --block-bytes 64KiB [--speedup 10]
+    kvstore replay --generate OUT.jsonl --requests 3000 --seed 7 [--system-prompts 20 --reuse 0.7 ...]
+
+Parsing and reporting only: the work is in :mod:`kvstore.simulator` (simulator mode),
+:mod:`kvstore.livereplay` (live mode), :mod:`kvstore.optimal` (the offline optimum) and
+:mod:`kvstore.tracegen` (``--generate``).  Every figure is reported next to LRU and the
+optimum at the same capacity, with the share of the LRU → optimum gap the policy closes.
+
+Hit ratio: prefix-hit blocks ÷ all blocks of all requests (a block is a hit only if it
+and every block before it in its request were cached); hit tokens count the tokens of
+those blocks (the last block of a prompt may be partial).
+"""
+
+from __future__ import annotations
+
 import argparse
+import json
+import math
+import sys
+from typing import Any
+
+from kvstore.config import parse_size
+from kvstore.errors import InvalidArgument
+from kvstore.optimal import optimal
+from kvstore.policy import DEFAULT_POLICY, POLICIES
+from kvstore.simulator import DEFAULT_PUT_BATCH, check_policy, simulate
+from kvstore.trace import DEFAULT_BLOCK_TOKENS, Trace
+from kvstore.tracegen import GenParams, generate
+
+DEFAULT_BLOCK_BYTES = 64 << 10
+
+
+def parse_capacity(spec: str, trace: Trace, *, block_bytes: int | None = None, flag: str = "--capacity") -> int:
+    """``2000`` (blocks), ``5%`` (of the trace's unique blocks), ``8GiB`` (÷ block bytes) or ``unlimited``."""
+    s = str(spec).strip()
+    if s.lower() in ("unlimited", "inf", "all"):
+        return max(1, trace.unique_blocks)
+    if s.endswith("%"):
+        try:
+            pct = float(s[:-1])
+        except ValueError:
+            raise InvalidArgument(f"{flag}: not a capacity: {spec!r} (examples: 2000, 5%, 8GiB, unlimited)") from None
+        if not math.isfinite(pct) or pct <= 0:
+            raise InvalidArgument(f"{flag} must be a positive percentage, got {spec!r}")
+        return max(1, round(trace.unique_blocks * pct / 100))
+    if s.lstrip("+-").isdigit():
+        n = int(s)
+        if n <= 0:
+            raise InvalidArgument(f"{flag} must be a positive number of blocks, got {spec!r}")
+        return n
+    if s.startswith("-"):
+        raise InvalidArgument(f"{flag} must be positive, got {spec!r}")
+    if not any(c.isalpha() for c in s):
+        raise InvalidArgument(f"{flag}: not a capacity: {spec!r} (examples: 2000, 5%, 8GiB, unlimited)")
+    try:
+        nbytes = parse_size(s)
+    except InvalidArgument:
+        raise InvalidArgument(f"{flag}: not a capacity: {spec!r} (examples: 2000, 5%, 8GiB, unlimited)") from None
+    if block_bytes is None:
+        raise InvalidArgument(f"{flag} {spec} is a size: give --bytes-per-token (simulator) or --block-bytes (live) to turn it into blocks")
+    blocks = nbytes // block_bytes
+    if blocks <= 0:
+        raise InvalidArgument(f"{flag} {spec} holds no block of {block_bytes} bytes")
+    return blocks
+
+
+def positive_int(flag: str):  # argparse type factories: errors name the flag
+    def conv(v: str) -> int:
+        try:
+            n = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {v!r}") from None
+        if n <= 0:
+            raise argparse.ArgumentTypeError(f"{flag} must be positive, got {v}")
+        return n
+
+    return conv
+
+
+def size_arg(flag: str):
+    def conv(v: str) -> int:
+        try:
+            n = parse_size(v)
+        except InvalidArgument as e:
+            raise argparse.ArgumentTypeError(f"{flag}: {e}") from None
+        if n <= 0:
+            raise argparse.ArgumentTypeError(f"{flag} must be positive, got {v}")
+        return n
+
+    return conv
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    pass
+    p.add_argument("trace", nargs="?", metavar="TRACE", help="Mooncake-format JSON-lines trace")
+    p.add_argument("--capacity", metavar="N|N%%|SIZE", help="tier size: blocks, %% of the trace's unique blocks, a byte size (8GiB), or 'unlimited'")
+    p.add_argument("--policy", default=DEFAULT_POLICY,
+                   help=f"eviction policy, one of {sorted(POLICIES)} (default {DEFAULT_POLICY}); in live mode, the node's --eviction-policy")
+    p.add_argument("--block-tokens", type=positive_int("--block-tokens"), default=DEFAULT_BLOCK_TOKENS, help="tokens per hash id in the trace (default 512)")
+    p.add_argument("--requests", type=positive_int("--requests"), metavar="N", help="replay only the first N requests (with --generate: how many to write, default 2000)")
+    p.add_argument("--bytes-per-token", type=positive_int("--bytes-per-token"), metavar="N", help="KV bytes per token, to read a --capacity given in bytes (simulator)")
+    p.add_argument("--put-batch", type=positive_int("--put-batch"), default=DEFAULT_PUT_BATCH, help="blocks per put call (default 16; capped at a quarter of the tier)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    live = p.add_argument_group("live mode")
+    live.add_argument("--target", metavar="URL", help="unix:///path/kvstore.sock or host:port of a running node (etcd:// needs a cluster-aware SDK)")
+    live.add_argument("--block-bytes", type=size_arg("--block-bytes"), default=DEFAULT_BLOCK_BYTES, help="synthetic payload per block (default 64KiB; keep it a multiple of 64KiB)")
+    live.add_argument("--speedup", type=float, default=0.0, metavar="F", help="honour the trace's timestamps, F times faster (default 0: as fast as possible)")
+    live.add_argument("--token-file", metavar="FILE", help="bearer token for the node")
+    gen = p.add_argument_group("trace generator (--generate OUT)")
+    gen.add_argument("--generate", metavar="OUT", help="write a synthetic trace (multi-turn conversations over shared system prompts) and exit")
+    d = GenParams()
+    gen.add_argument("--seed", type=int, default=d.seed)
+    gen.add_argument("--system-prompts", type=int, default=d.system_prompts, help=f"shared system prompts (default {d.system_prompts})")
+    gen.add_argument("--system-tokens", type=int, default=d.system_tokens, help=f"mean system prompt length (default {d.system_tokens})")
+    gen.add_argument("--zipf", type=float, default=d.zipf, help=f"Zipf exponent of system prompt popularity (default {d.zipf})")
+    gen.add_argument("--reuse", type=float, default=d.reuse, help=f"share of conversations opening with a shared system prompt (default {d.reuse})")
+    gen.add_argument("--turns", type=float, default=d.turns, help=f"mean turns per conversation (default {d.turns})")
+    gen.add_argument("--think-time", type=float, default=d.think_s, metavar="S", help=f"mean seconds between turns (default {d.think_s})")
+    gen.add_argument("--user-tokens", type=int, default=d.user_tokens, help=f"mean new user tokens per turn (default {d.user_tokens})")
+    gen.add_argument("--output-tokens", type=int, default=d.output_tokens, help=f"mean output tokens per turn (default {d.output_tokens})")
+    gen.add_argument("--branch", type=float, default=d.branch, help=f"chance a turn re-asks from an earlier turn (default {d.branch})")
+    gen.add_argument("--one-shot", type=float, default=d.one_shot, help=f"share of single unrelated requests (default {d.one_shot})")
+    gen.add_argument("--rate", type=float, default=d.rate, help=f"requests per second (default {d.rate})")
+
+
+def gap_closed(hit: float, lru: float, opt: float) -> float | None:
+    """Share of the LRU → optimum gap closed; None when there is no gap to speak of."""
+    return (hit - lru) / (opt - lru) if opt - lru > 1e-9 else None
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.2f}%"
+
+
+def _generate(a: argparse.Namespace) -> int:
+    if a.trace:
+        raise InvalidArgument("give either TRACE (to replay) or --generate OUT (to write one), not both")
+    params = GenParams(
+        requests=a.requests or 2000, seed=a.seed, system_prompts=a.system_prompts, system_tokens=a.system_tokens,
+        zipf=a.zipf, reuse=a.reuse, turns=a.turns, think_s=a.think_time, user_tokens=a.user_tokens,
+        output_tokens=a.output_tokens, branch=a.branch, one_shot=a.one_shot, rate=a.rate, block_tokens=a.block_tokens,
+    ).check()
+    trace = Trace(generate(params), block_tokens=a.block_tokens, name=a.generate)
+    try:
+        trace.write(a.generate)
+    except OSError as e:
+        raise InvalidArgument(f"--generate: cannot write {a.generate}: {e.strerror or e}") from None
+    summary = {"generated": a.generate, **trace.summary()}
+    if a.json:
+        print(json.dumps(summary))
+    else:
+        print(f"wrote {a.generate}: {summary['requests']} requests, {summary['blocks']} blocks ({summary['unique_blocks']} unique), "
+              f"{summary['duration_s']:.0f} s; unlimited-capacity hit ratio {_pct(summary['unlimited_hit_ratio'])}")
+    return 0
 
 
 def main(a: argparse.Namespace) -> int:
-    raise SystemExit("not implemented yet")
+    if a.generate:
+        return _generate(a)
+    if not a.trace:
+        raise InvalidArgument("give a TRACE to replay (or --generate OUT to write one)")
+    check_policy(a.policy)
+    trace = Trace.load(a.trace, block_tokens=a.block_tokens, limit=a.requests)
+    live = bool(a.target)
+    if not live and a.capacity is None:
+        raise InvalidArgument("--capacity is required in simulator mode (blocks, N%, a size like 8GiB, or unlimited)")
+    bytes_per_block = a.block_bytes if live else (a.bytes_per_token * a.block_tokens if a.bytes_per_token else None)
+    capacity = parse_capacity(a.capacity, trace, block_bytes=bytes_per_block) if a.capacity is not None else None
+    out: dict[str, Any] = {"mode": "live" if live else "simulator", "trace": a.trace, **trace.summary()}
+    if live:
+        from kvstore.livereplay import new_salt, replay_live
+
+        trace = trace.with_salt(new_salt())
+        res = replay_live(trace, a.target, block_bytes=a.block_bytes, batch=a.put_batch, speedup=a.speedup,
+                          capacity_blocks=capacity, token_file=a.token_file)
+        capacity = res.capacity_blocks
+        sim = simulate(trace, capacity, a.policy, batch=a.put_batch)
+        out.update(target=a.target, block_bytes=a.block_bytes, elapsed_s=round(res.elapsed_s, 3), bytes_moved=res.bytes_moved,
+                   node_events=res.events, simulated_hit_ratio=sim.hit_ratio, matches_simulator=res.per_request_hits == sim.per_request_hits,
+                   warnings=list(res.warnings))
+        hit_ratio, hit_blocks, hit_tokens, token_ratio = res.hit_ratio, res.hit_blocks, res.hit_tokens, res.token_hit_ratio
+    else:
+        assert capacity is not None
+        sim = simulate(trace, capacity, a.policy, batch=a.put_batch)
+        out["evictions"] = sim.evictions
+        hit_ratio, hit_blocks, hit_tokens, token_ratio = sim.hit_ratio, sim.hit_blocks, sim.hit_tokens, sim.token_hit_ratio
+    lru = sim if a.policy == "lru" else simulate(trace, capacity, "lru", batch=a.put_batch)
+    opt = optimal(trace, capacity)
+    out.update(
+        policy=a.policy, capacity_blocks=capacity, capacity_fraction=capacity / trace.unique_blocks,
+        hit_ratio=hit_ratio, hit_blocks=hit_blocks, hit_tokens=hit_tokens, token_hit_ratio=token_ratio,
+        lru_hit_ratio=lru.hit_ratio, optimal_hit_ratio=opt.hit_ratio, optimal_hit_tokens=opt.hit_tokens,
+        gap_closed=gap_closed(hit_ratio, lru.hit_ratio, opt.hit_ratio),
+    )
+    if a.json:
+        print(json.dumps(out))
+    else:
+        _print_report(out)
+    return 0
+
+
+def _print_report(o: dict[str, Any]) -> None:
+    print(f"trace     {o['trace']}: {o['requests']} requests, {o['blocks']} blocks ({o['unique_blocks']} unique), "
+          f"unlimited-capacity hit ratio {_pct(o['unlimited_hit_ratio'])}")
+    print(f"capacity  {o['capacity_blocks']} blocks ({100 * o['capacity_fraction']:.1f}% of unique blocks), mode {o['mode']}")
+    print(f"{'':14}{'hit ratio':>10}  {'hit tokens':>14}")
+    print(f"{o['policy']:14}{_pct(o['hit_ratio']):>10}  {o['hit_tokens']:>14,}   ({_pct(o['token_hit_ratio'])} of tokens)")
+    print(f"{'lru':14}{_pct(o['lru_hit_ratio']):>10}")
+    print(f"{'optimal':14}{_pct(o['optimal_hit_ratio']):>10}  {o['optimal_hit_tokens']:>14,}")
+    print(f"gap closed: {_pct(o['gap_closed'])} of the LRU → optimum gap")
+    if o["mode"] == "live":
+        mb = {k: f"{v / 2**20:.1f} MiB" for k, v in o["bytes_moved"].items()}
+        print(f"live      {o['elapsed_s']:.1f} s against {o['target']}; bytes moved: {mb}")
+        print(f"          simulator at the same capacity: {_pct(o['simulated_hit_ratio'])} "
+              f"({'identical per request' if o['matches_simulator'] else 'DIFFERS'})")
+    sys.stdout.flush()

@@ -22,6 +22,10 @@ a DRAM tier of exactly ``capacity`` blocks):
    ``victims()`` rounds); a key already stored answers ``EXISTS`` and is not touched
    (the node deduplicates puts).
 
+Every hash id is a block, the partial last one of a prompt included, as in the trace's own
+figures (its 64 % unlimited-capacity hit ratio counts them).  A real engine stores only
+full chunks (DESIGN §1); on Mooncake traces that differs by well under 1 % of blocks.
+
 Admission: the node consults ``policy.admit`` only when demoting to NVMe, never for
 DRAM, so neither does a DRAM-only replay; policies filter one-hit wonders through
 their eviction order instead (a new block is the first victim unless it is reused).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up kvstore on a fresh Debian machine: system packages, a virtual environment
-# in .venv, the package (editable) with its test, GPU-agent and demo extras.  Idempotent.
+# in .venv, the package (editable) with its test, GPU-agent, demo and planner extras.  Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,5 +20,5 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 # the CPU build of torch (the GPU agent's extra); an unpinned torch would pull a multi-GB CUDA build
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test,gpu,demo]"
+.venv/bin/python -m pip install -q -e ".[test,gpu,demo,plan]"
 echo "kvstore is set up in .venv"

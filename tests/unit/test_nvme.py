@@ -15,7 +15,7 @@ import xxhash
 from kvstore.block import BlockMeta, checksum
 from kvstore.errors import CapacityExceeded, DataDirLocked, InvalidArgument, Unavailable
 from kvstore.keys import ChunkKey
-from kvstore.policy import LRUPolicy, PrefixAwareLRUPolicy
+from kvstore.policy import DEFAULT_POLICY, make_policy, LRUPolicy, PrefixAwareLRUPolicy
 from tiers.base import MissReason, Tier, TierKind
 from tiers.nvme import PAGE, NVMeTier, record_bytes
 
@@ -508,5 +508,5 @@ def test_close_waits_for_reads_in_flight(make, monkeypatch: pytest.MonkeyPatch) 
 
 def test_default_policy_and_admission(make) -> None:
     t = make()
-    assert isinstance(t.policy, PrefixAwareLRUPolicy)
+    assert type(t.policy) is type(make_policy(DEFAULT_POLICY))
     assert t.admit(key("any"), 1000) is True

@@ -1,0 +1,101 @@
+"""Capacity sweeps: hit ratios of several policies and the optimum over a list of capacities.
+
+Pure orchestration over :func:`kvstore.simulator.simulate` and :func:`kvstore.optimal.optimal`;
+independent replays run in worker processes (each gets the trace once, at start-up).
+``jobs=1`` runs everything in this process (tests, small traces).  Results do not depend
+on ``jobs``: every replay is deterministic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+
+from kvstore.optimal import optimal
+from kvstore.simulator import DEFAULT_PUT_BATCH, check_capacity, check_policy, simulate
+from kvstore.trace import Trace
+
+DEFAULT_FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.20, 0.50)
+"""The sweep's capacities, as fractions of a trace's unique blocks."""
+OPTIMAL = "optimal"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SweepPoint:
+    capacity_blocks: int
+    fraction: float  # of the trace's unique blocks
+    hit_ratio: dict[str, float]  # policy name (and "optimal") -> prefix hit ratio
+    hit_tokens: dict[str, int]
+
+
+def capacities_for(trace: Trace, fractions: Sequence[float]) -> list[int]:
+    out = sorted({max(1, round(trace.unique_blocks * f)) for f in fractions})
+    return [check_capacity(c) for c in out]
+
+
+_trace: Trace | None = None
+
+
+def _init(trace: Trace) -> None:
+    global _trace
+    _trace = trace
+
+
+def _one(job: tuple[str, int, int]) -> tuple[str, int, float, int]:
+    name, capacity, batch = job
+    assert _trace is not None
+    r = optimal(_trace, capacity) if name == OPTIMAL else simulate(_trace, capacity, name, batch=batch)
+    return name, capacity, r.hit_ratio, r.hit_tokens
+
+
+def run_jobs(trace: Trace, jobs_list: list[tuple[str, int, int]], jobs: int) -> list[tuple[str, int, float, int]]:
+    if jobs <= 1 or len(jobs_list) <= 1:
+        _init(trace)
+        return [_one(j) for j in jobs_list]
+    # the slow ones first, so a worker is not left with a long replay at the end
+    order = sorted(jobs_list, key=lambda j: (j[0] == OPTIMAL, -j[1]))
+    with ProcessPoolExecutor(max_workers=min(jobs, len(order)), initializer=_init, initargs=(trace,)) as ex:
+        return list(ex.map(_one, order))
+
+
+def sweep(
+    trace: Trace,
+    capacities: Sequence[int],
+    policies: Sequence[str],
+    *,
+    batch: int = DEFAULT_PUT_BATCH,
+    jobs: int | None = None,
+) -> list[SweepPoint]:
+    """Every policy and the optimum at every capacity, smallest capacity first."""
+    for p in policies:
+        check_policy(p)
+    caps = sorted({check_capacity(c) for c in capacities})
+    names = [*dict.fromkeys(policies), OPTIMAL]
+    results = run_jobs(trace, [(n, c, batch) for c in caps for n in names], jobs if jobs is not None else (os.cpu_count() or 1))
+    ratio = {(n, c): h for n, c, h, _ in results}
+    tokens = {(n, c): t for n, c, _, t in results}
+    return [
+        SweepPoint(c, c / trace.unique_blocks, {n: ratio[(n, c)] for n in names}, {n: tokens[(n, c)] for n in names})
+        for c in caps
+    ]
+
+
+def smallest_capacity(trace: Trace, policy: str, target: float, lo: int, hi: int, *, batch: int = DEFAULT_PUT_BATCH, rel: float = 0.01) -> int:
+    """Smallest capacity in ``(lo, hi]`` whose hit ratio reaches ``target``, by bisection.
+
+    Assumes the hit ratio at ``hi`` reaches ``target`` and grows with capacity (true of the
+    optimum; true up to small wiggles of the online policies, so the answer is within
+    ``rel`` of the smallest capacity that reaches it, or just above a wiggle).
+    """
+    def ratio(c: int) -> float:
+        return optimal(trace, c).hit_ratio if policy == OPTIMAL else simulate(trace, c, policy, batch=batch).hit_ratio
+
+    while hi - lo > max(1, int(lo * rel)):
+        mid = (lo + hi) // 2
+        if ratio(mid) >= target:
+            hi = mid
+        else:
+            lo = mid
+    return hi
