@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from client._core import IDEMPOTENT, ClientCore, Op, T, Timeouts, as_key_list, fingerprint
+from client._core import IDEMPOTENT, ClientCore, Op, T, Timeouts, as_key_list, fingerprint, report_request
 from client._sync import CHANNEL_OPTIONS, RETRIES, resolve_token
 from kvstore.errors import KVStoreError, Unavailable
 from kvstore.keys import Namespace, check_key
@@ -153,6 +153,9 @@ class AsyncKVClient:
 
     async def invalidate(self, namespace: bytes | Namespace) -> int:
         return await self._run(self._core.simple("Invalidate", pb.InvalidateRequest(namespace=fingerprint(namespace))))
+
+    async def report_hits(self, blocks: int, tokens: int = 0, *, tier: str = "hbm", op: str = "get", namespace: bytes | Namespace | None = None) -> None:
+        await self._run(self._core.call("ReportHits", report_request(blocks, tokens, tier, op, namespace)))
 
     async def stats(self) -> dict[str, Any]:
         return await self._run(self._core.stats())

@@ -462,6 +462,10 @@ class ClientCore:
         resp = yield ("rpc", "MatchPrefix", pb.KeysRequest(keys=[check_key(k) for k in keys]))
         return resp.matched, [TIER_NAMES.get(t, "?") for t in resp.tiers]
 
+    def call(self, method: str, request: Any) -> Op[Any]:
+        """One unary call; the response as is."""
+        return (yield ("rpc", method, request))
+
     def simple(self, method: str, request: Any, field: str = "count") -> Op[Any]:
         resp = yield ("rpc", method, request)
         return getattr(resp, field)
@@ -540,3 +544,12 @@ def as_key_list(keys: object) -> list[bytes]:
 
 
 Driver = Callable[[Op[T]], T]
+
+
+def report_request(blocks: int, tokens: int, tier: str, op: str, namespace: object) -> pb.ReportHitsRequest:
+    if tier not in ("hbm", "remote"):
+        raise InvalidArgument(f"report hits served from 'hbm' or 'remote', got {tier!r}")
+    if blocks < 0 or tokens < 0:
+        raise InvalidArgument("blocks and tokens must be non-negative")
+    ns = fingerprint(namespace) if namespace is not None else b""  # type: ignore[arg-type]
+    return pb.ReportHitsRequest(op=op, tier=pb.TIER_HBM, blocks=blocks, tokens=tokens, namespace=ns, remote=tier == "remote")

@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from client._core import IDEMPOTENT, ClientCore, Op, T, Timeouts, as_key_list, fingerprint
+from client._core import IDEMPOTENT, ClientCore, Op, T, Timeouts, as_key_list, fingerprint, report_request
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.keys import Namespace, check_key
 from kvstore.wire import error_from_rpc
@@ -191,6 +191,11 @@ class KVClient:
     def invalidate(self, namespace: bytes | Namespace) -> int:
         """Drop every block of a namespace (its 8-byte fingerprint) on this node."""
         return self._run(self._core.simple("Invalidate", pb.InvalidateRequest(namespace=fingerprint(namespace))))
+
+    def report_hits(self, blocks: int, tokens: int = 0, *, tier: str = "hbm", op: str = "get", namespace: bytes | Namespace | None = None) -> None:
+        """Tell the node about hits it did not serve (``tier="hbm"``: an agent's HBM pool;
+        ``"remote"``: another node), so its metrics show every tier."""
+        self._run(self._core.call("ReportHits", report_request(blocks, tokens, tier, op, namespace)))
 
     def stats(self) -> dict[str, Any]:
         return self._run(self._core.stats())

@@ -346,7 +346,15 @@ class GPUAgent:
         self._count("load_tokens", n)
         self._count("load_hbm_blocks", hbm)
         self._count("load_host_blocks", len(sources) - hbm)
+        if hbm:  # the node cannot see pool hits: report them so its metrics show the HBM tier
+            self._completer.submit(self._report_hbm_hits, hbm)
         return LoadHandle(n, hbm, events, done)
+
+    def _report_hbm_hits(self, blocks: int) -> None:
+        try:
+            self.client.report_hits(blocks, blocks * self.chunk_tokens, tier="hbm", op="get", namespace=self.namespace)
+        except KVStoreError:
+            self._count("report_errors")  # metrics only: never fails a load
 
     def _layer_copier(self, layer: int, dst: torch.Tensor, sources: list[torch.Tensor | Segmented], plans: list[list[ByteCopy]]) -> Any:
         base = layer * self.layer_bytes

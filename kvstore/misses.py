@@ -227,7 +227,7 @@ class Ledger:
     def report(self, op: str, tier: str, blocks: int, tokens: int = 0, namespace: bytes | None = None) -> None:
         """Hits that happened elsewhere (HBM in a GPU agent, a remote node) reported to this node.
 
-        Not wired to an RPC yet: the hook a future ``ReportHits`` call would use.
+        Fed by the ``ReportHits`` RPC (``KVClient.report_hits``).
         """
         if op not in OPS or tier not in TIERS:
             raise ValueError(f"unknown op {op!r} or tier {tier!r}")

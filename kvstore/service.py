@@ -408,6 +408,25 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return pb.DeleteResponse(count=self.m.unpin(self._keys(request.keys)))
 
     @_rpc
+    async def ReportHits(self, request: pb.ReportHitsRequest, context: Any) -> pb.Empty:
+        from kvstore.misses import OPS
+
+        if request.op not in OPS:
+            raise errors.InvalidArgument(f"op must be one of {OPS}, got {request.op!r}")
+        if request.remote:
+            tier = "remote"
+        elif request.tier == pb.TIER_HBM:
+            tier = "hbm"
+        else:
+            raise errors.InvalidArgument("report HBM hits (tier TIER_HBM) or a remote node's hits (remote=true)")
+        if request.blocks > self.cfg.max_batch * 64 or request.tokens > request.blocks * (1 << 20):
+            raise errors.InvalidArgument(f"implausible report: {request.blocks} blocks, {request.tokens} tokens")
+        if request.namespace and len(request.namespace) != 8:
+            raise errors.InvalidArgument(f"a namespace fingerprint is 8 bytes, got {len(request.namespace)}")
+        self.m.ledger.report(request.op, tier, request.blocks, request.tokens, bytes(request.namespace) or None)
+        return pb.Empty()
+
+    @_rpc
     async def Stats(self, request: pb.Empty, context: Any) -> pb.StatsResponse:
         s = self.m.stats()
         tiers = [

@@ -275,3 +275,19 @@ class StatsResponse(_message.Message):
     leases: int
     pins: int
     def __init__(self, node_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., reservations: _Optional[int] = ..., leases: _Optional[int] = ..., pins: _Optional[int] = ...) -> None: ...
+
+class ReportHitsRequest(_message.Message):
+    __slots__ = ("op", "tier", "blocks", "tokens", "namespace", "remote")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
+    op: str
+    tier: Tier
+    blocks: int
+    tokens: int
+    namespace: bytes
+    remote: bool
+    def __init__(self, op: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., blocks: _Optional[int] = ..., tokens: _Optional[int] = ..., namespace: _Optional[bytes] = ..., remote: _Optional[bool] = ...) -> None: ...
