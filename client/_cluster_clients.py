@@ -1,0 +1,375 @@
+"""The cluster SDK's two drivers: :class:`ClusterClient` (blocking) and
+:class:`AsyncClusterClient` (asyncio), over the one routing core in :mod:`client._cluster`.
+
+``KVClient("etcd://...")`` / ``AsyncKVClient("etcd://...")`` return these.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from client._core import Timeouts, fingerprint
+from kvstore.block import BlockMeta
+from kvstore.cluster.membership import Membership
+from kvstore.cluster.state import ClusterSnapshot, NodeInfo
+from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+from kvstore.keys import ChunkKey, Namespace, check_key
+from protos.kvstore.v1 import kvstore_pb2 as pb
+from client._cluster import ClusterCore, ClusterOp, NodeOp, T
+
+
+# -- drivers ---------------------------------------------------------------------------------------
+_CLIENT_OPTIONS = ("token", "token_file", "timeouts", "transport", "verify")
+
+
+class _ClusterBase:
+    """The API both drivers share: argument handling and the calls that need no I/O."""
+
+    _core: ClusterCore
+
+    def _init_core(self, target: str, *, timeouts: Timeouts | None, transport: str, verify: bool, replication: int | None,
+                   suspect_s: float, prefer_local: bool, wait_s: float) -> None:
+        self._core = ClusterCore(target, timeouts=timeouts, transport=transport, verify=verify, replication=replication,
+                                 suspect_s=suspect_s, prefer_local=prefer_local, wait_s=wait_s)
+
+    @property
+    def membership(self) -> Membership:
+        return self._core.membership
+
+    def snapshot(self) -> ClusterSnapshot:
+        """The membership, configuration and namespace epochs this client routes by."""
+        return self._core.membership.snapshot()
+
+    def nodes(self) -> list[str]:
+        return sorted(self._core.plan().nodes)
+
+    def owners(self, key: bytes) -> list[str]:
+        """The nodes that own ``key`` now, best first."""
+        return self._core.plan().owners(check_key(key))
+
+    def wait_for_nodes(self, n: int, timeout: float = 30.0) -> bool:
+        """Wait until the view shows at least ``n`` live nodes."""
+        return self._core.membership.wait_for(lambda s: len(s.nodes) >= n, timeout) is not None
+
+    def chunk_keys(self, tokens: Any, namespace: Namespace) -> list[ChunkKey]:
+        """Keys for ``tokens`` at the namespace's current epoch (equal to
+        :func:`client.chunk_keys` until the namespace is first invalidated)."""
+        return self._core.chunk_keys(tokens, namespace)
+
+    def effective_namespace(self, namespace: Namespace | bytes) -> bytes:
+        """The fingerprint blocks of ``namespace`` are stored under at its current epoch."""
+        return self._core.effective(namespace)
+
+    def epoch(self, namespace: Namespace | bytes) -> int:
+        return self._core.epoch(fingerprint(namespace))
+
+    @property
+    def handoffs(self) -> int:
+        """Blocks this client copied to a new owner after finding them on a previous owner."""
+        return self._core.handoffs
+
+    @property
+    def suspects(self) -> dict[str, float]:
+        """Nodes being routed around, with the seconds left."""
+        return self._core.suspects.snapshot()
+
+    def miss_counts(self) -> dict[str, int]:
+        """Keys this client found missing because an owner was down (``node_down``: it failed,
+        or was being routed around) or too slow (``deadline``).  These are the two miss reasons
+        no node can count; the nodes' ``kvstore_miss_blocks_total`` counts the others."""
+        with self._core._misses_lock:
+            return dict(self._core.misses)
+
+    @staticmethod
+    def _no_views() -> InvalidArgument:
+        return InvalidArgument("zero-copy views need one node: use KVClient('unix:///path/to/kvstore.sock') of the local node")
+
+
+class ClusterClient(_ClusterBase):
+    """A blocking client of a whole cluster; ``KVClient("etcd://...")`` returns one.
+
+    Same methods as :class:`client.KVClient` (plus :meth:`chunk_keys`,
+    :meth:`match_prefix_locations`, :meth:`owners`, ...).  Thread-safe.  Batch calls fan
+    out to the owning nodes on a small thread pool.
+    """
+
+    def __init__(self, target: str, *, token: str | None = None, token_file: str | None = None, timeouts: Timeouts | None = None,
+                 transport: str = "auto", verify: bool = True, replication: int | None = None, suspect_s: float = 2.0,
+                 prefer_local: bool = True, wait_s: float = 10.0, max_workers: int = 16) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from client._sync import resolve_token
+
+        self._init_core(target, timeouts=timeouts, transport=transport, verify=verify, replication=replication,
+                        suspect_s=suspect_s, prefer_local=prefer_local, wait_s=wait_s)
+        self._node_kw = {"token": resolve_token(token, token_file) or None, "timeouts": self._core.timeouts,
+                         "transport": transport, "verify": verify}
+        self._clients: dict[str, tuple[tuple[Any, ...], Any]] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvstore-cluster")
+
+    def _client(self, info: NodeInfo) -> Any:
+        from client._sync import KVClient
+
+        ident = (info.grpc, info.unix, info.pid, info.started_at)
+        with self._lock:
+            entry = self._clients.get(info.node_id)
+            if entry is not None and entry[0] == ident:
+                return entry[1]
+            client = KVClient(self._core.node_target(info), **self._node_kw)  # type: ignore[arg-type]
+            self._clients[info.node_id] = (ident, client)
+        if entry is not None:  # the node restarted: its old address is gone
+            entry[1].close()
+        return client
+
+    def _call(self, info: NodeInfo, make: NodeOp) -> Any:
+        try:
+            client = self._client(info)
+            return client._run(make(client._core))
+        except KVStoreError as e:
+            return e
+
+    def _run(self, op: ClusterOp[T]) -> T:
+        if self._core.closed:
+            raise Unavailable("this client is closed; create a new one")
+        try:
+            instr = next(op)
+            while True:
+                if instr[0] == "fanout":
+                    plan, calls = instr[1], instr[2]
+                    infos = [plan.nodes[n] for n, _ in calls]
+                    if len(calls) == 1:
+                        result: Any = [self._call(infos[0], calls[0][1])]
+                    else:
+                        futs = [self._pool.submit(self._call, info, make) for info, (_, make) in zip(infos, calls)]
+                        result = [f.result() for f in futs]
+                elif instr[0] == "etcd":
+                    result = self._core.membership.call(instr[1])
+                else:
+                    raise AssertionError(f"unknown instruction {instr[0]}")
+                instr = op.send(result)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+
+    # -- API (as KVClient) --------------------------------------------------------------------------
+    def put(self, key: bytes, data: object, *, namespace: bytes | Namespace | None = None, parent: bytes | None = None, token_count: int = 0) -> bool:
+        return self._run(self._core.put_many([key], [data], namespace=namespace, parents=[parent], token_counts=[token_count]))[0]
+
+    def put_many(self, keys: Sequence[bytes], datas: Sequence[object], *, namespace: bytes | Namespace | None = None,
+                 parents: Sequence[bytes | None] | None = None, token_counts: Sequence[int] | None = None) -> list[bool]:
+        return self._run(self._core.put_many(list(keys), list(datas), namespace=namespace, parents=parents, token_counts=token_counts))
+
+    def get(self, key: bytes) -> bytes | None:
+        return self._run(self._core.get_many_into([key], None))[0]  # type: ignore[no-any-return]
+
+    def get_into(self, key: bytes, out: object) -> int | None:
+        return self._run(self._core.get_many_into([key], [out]))[0]  # type: ignore[no-any-return]
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return self._run(self._core.get_many_into(list(keys), None))
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[int | None]:
+        return self._run(self._core.get_many_into(list(keys), list(outs)))
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return [t is not None for t in self.lookup(keys)]
+
+    def lookup(self, keys: Sequence[bytes]) -> list[str | None]:
+        return self._run(self._core.lookup(keys))[0]
+
+    def lookup_locations(self, keys: Sequence[bytes]) -> list[tuple[str, str] | None]:
+        """``(node_id, tier)`` holding each key, or None."""
+        tiers, where = self._run(self._core.lookup(keys))
+        return [(w, t) if t is not None and w is not None else None for t, w in zip(tiers, where)]
+
+    def match_prefix(self, keys: Sequence[bytes]) -> int:
+        return self._run(self._core.match_prefix(keys))[0]
+
+    def match_prefix_tiers(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
+        n, tiers, _ = self._run(self._core.match_prefix(keys))
+        return n, tiers
+
+    def match_prefix_locations(self, keys: Sequence[bytes]) -> tuple[int, list[tuple[str, str]]]:
+        """How many leading keys the cluster holds, and the (node_id, tier) of each."""
+        n, tiers, where = self._run(self._core.match_prefix(keys))
+        return n, list(zip(where, tiers))
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return self._run(self._core.delete(keys))
+
+    def pin(self, keys: Sequence[bytes], ttl: float) -> int:
+        return self._run(self._core.to_owners(keys, "Pin", lambda ks: pb.PinRequest(keys=ks, ttl_s=ttl)))
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        return self._run(self._core.to_owners(keys, "Unpin", lambda ks: pb.KeysRequest(keys=ks)))
+
+    def invalidate(self, namespace: bytes | Namespace) -> int:
+        """Bump the namespace's epoch in etcd: no node serves its old blocks, and all drop them."""
+        return self._run(self._core.invalidate(namespace))
+
+    def stats(self) -> dict[str, Any]:
+        return self._run(self._core.stats())
+
+    def acquire(self, keys: Sequence[bytes]) -> Any:
+        raise self._no_views()
+
+    def reserve(self, metas: Sequence[BlockMeta]) -> Any:
+        raise self._no_views()
+
+    def close(self) -> None:
+        if self._core.closed:
+            return
+        self._core.close()
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            clients, self._clients = self._clients, {}
+        for _, c in clients.values():
+            c.close()
+
+    def __enter__(self) -> "ClusterClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClusterClient(_ClusterBase):
+    """The asyncio twin of :class:`ClusterClient`; ``AsyncKVClient("etcd://...")`` returns one.
+
+    Use it from one event loop.  The membership view runs on its own thread either way.
+    """
+
+    def __init__(self, target: str, *, token: str | None = None, token_file: str | None = None, timeouts: Timeouts | None = None,
+                 transport: str = "auto", verify: bool = True, replication: int | None = None, suspect_s: float = 2.0,
+                 prefer_local: bool = True, wait_s: float = 10.0) -> None:
+        from client._sync import resolve_token
+
+        self._init_core(target, timeouts=timeouts, transport=transport, verify=verify, replication=replication,
+                        suspect_s=suspect_s, prefer_local=prefer_local, wait_s=wait_s)
+        self._node_kw = {"token": resolve_token(token, token_file) or None, "timeouts": self._core.timeouts,
+                         "transport": transport, "verify": verify}
+        self._clients: dict[str, tuple[tuple[Any, ...], Any]] = {}
+        self._stale: list[Any] = []
+
+    def _client(self, info: NodeInfo) -> Any:
+        from client._async import AsyncKVClient
+
+        ident = (info.grpc, info.unix, info.pid, info.started_at)
+        entry = self._clients.get(info.node_id)
+        if entry is not None and entry[0] == ident:
+            return entry[1]
+        if entry is not None:
+            self._stale.append(entry[1])
+        client = AsyncKVClient(self._core.node_target(info), **self._node_kw)  # type: ignore[arg-type]
+        self._clients[info.node_id] = (ident, client)
+        return client
+
+    async def _call(self, info: NodeInfo, make: NodeOp) -> Any:
+        try:
+            client = self._client(info)
+            return await client._run(make(client._core))
+        except KVStoreError as e:
+            return e
+
+    async def _run(self, op: ClusterOp[T]) -> T:
+        import asyncio
+
+        if self._core.closed:
+            raise Unavailable("this client is closed; create a new one")
+        while self._stale:
+            await self._stale.pop().close()
+        try:
+            instr = next(op)
+            while True:
+                if instr[0] == "fanout":
+                    plan, calls = instr[1], instr[2]
+                    result: Any = await asyncio.gather(*(self._call(plan.nodes[n], make) for n, make in calls))
+                elif instr[0] == "etcd":
+                    result = await asyncio.wait_for(self._core.membership.run_async(instr[1]), self._core.membership.timeout * 3 + 1)
+                else:
+                    raise AssertionError(f"unknown instruction {instr[0]}")
+                instr = op.send(result)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        except asyncio.TimeoutError:
+            raise Unavailable(f"etcd at {self._core.membership.endpoints} did not answer in time") from None
+
+    async def put(self, key: bytes, data: object, *, namespace: bytes | Namespace | None = None, parent: bytes | None = None, token_count: int = 0) -> bool:
+        return (await self._run(self._core.put_many([key], [data], namespace=namespace, parents=[parent], token_counts=[token_count])))[0]
+
+    async def put_many(self, keys: Sequence[bytes], datas: Sequence[object], *, namespace: bytes | Namespace | None = None,
+                       parents: Sequence[bytes | None] | None = None, token_counts: Sequence[int] | None = None) -> list[bool]:
+        return await self._run(self._core.put_many(list(keys), list(datas), namespace=namespace, parents=parents, token_counts=token_counts))
+
+    async def get(self, key: bytes) -> bytes | None:
+        return (await self._run(self._core.get_many_into([key], None)))[0]  # type: ignore[no-any-return]
+
+    async def get_into(self, key: bytes, out: object) -> int | None:
+        return (await self._run(self._core.get_many_into([key], [out])))[0]  # type: ignore[no-any-return]
+
+    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return await self._run(self._core.get_many_into(list(keys), None))
+
+    async def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[int | None]:
+        return await self._run(self._core.get_many_into(list(keys), list(outs)))
+
+    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return [t is not None for t in await self.lookup(keys)]
+
+    async def lookup(self, keys: Sequence[bytes]) -> list[str | None]:
+        return (await self._run(self._core.lookup(keys)))[0]
+
+    async def lookup_locations(self, keys: Sequence[bytes]) -> list[tuple[str, str] | None]:
+        tiers, where = await self._run(self._core.lookup(keys))
+        return [(w, t) if t is not None and w is not None else None for t, w in zip(tiers, where)]
+
+    async def match_prefix(self, keys: Sequence[bytes]) -> int:
+        return (await self._run(self._core.match_prefix(keys)))[0]
+
+    async def match_prefix_tiers(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
+        n, tiers, _ = await self._run(self._core.match_prefix(keys))
+        return n, tiers
+
+    async def match_prefix_locations(self, keys: Sequence[bytes]) -> tuple[int, list[tuple[str, str]]]:
+        n, tiers, where = await self._run(self._core.match_prefix(keys))
+        return n, list(zip(where, tiers))
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        return await self._run(self._core.delete(keys))
+
+    async def pin(self, keys: Sequence[bytes], ttl: float) -> int:
+        return await self._run(self._core.to_owners(keys, "Pin", lambda ks: pb.PinRequest(keys=ks, ttl_s=ttl)))
+
+    async def unpin(self, keys: Sequence[bytes]) -> int:
+        return await self._run(self._core.to_owners(keys, "Unpin", lambda ks: pb.KeysRequest(keys=ks)))
+
+    async def invalidate(self, namespace: bytes | Namespace) -> int:
+        return await self._run(self._core.invalidate(namespace))
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._run(self._core.stats())
+
+    def acquire(self, keys: Sequence[bytes]) -> Any:
+        raise self._no_views()
+
+    def reserve(self, metas: Sequence[BlockMeta]) -> Any:
+        raise self._no_views()
+
+    async def close(self) -> None:
+        import asyncio
+
+        if self._core.closed:
+            return
+        await asyncio.to_thread(self._core.close)  # joins the membership thread
+        clients, self._clients = self._clients, {}
+        for c in [*(c for _, c in clients.values()), *self._stale]:
+            await c.close()
+        self._stale = []
+
+    async def __aenter__(self) -> "AsyncClusterClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
