@@ -41,7 +41,8 @@ def test_engine_bench_json(tmp_path: Path) -> None:
     assert isinstance(r["direct_io"], bool) and isinstance(r["cold_reads"], bool)
     assert r["block_bytes"] == 4 << 20
     assert r["working_set_bytes"] == 32 << 20
-    assert set(r["targets_met"]) == {"dram_get_vs_memcpy", "nvme_read_vs_direct_io"}
+    assert set(r["targets_met"]) == {"dram_get_vs_memcpy", "nvme_read_vs_direct_io", "match_prefix_1000_us"}
+    assert positive(r["match_prefix_1000_us"])
     assert not any(tmp_path.iterdir()), "the engine bench must remove its files"
 
 
