@@ -1,6 +1,6 @@
 """Mooncake-format request traces: parsing, validation and the keys of their blocks.
 
-One JSON object per line, one request each (``../shared/traces/README.md``):
+One JSON object per line, one request each (``tests/data/README.md``; the format of the traces Mooncake published):
 ``timestamp`` (ms from the start), ``input_length`` and ``output_length`` (tokens) and
 ``hash_ids``, one id per ``block_tokens``-token block of the prompt (the last block may
 be partial).  Two requests that share an id at the same position share that block and

@@ -14,7 +14,7 @@ from kvstore.policy import POLICIES
 from kvstore.simulator import simulate
 from kvstore.trace import Trace
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces" / "synthetic_trace.jsonl"
+SHARED = Path(__file__).resolve().parents[1] / "data" / "mooncake_synthetic_trace.jsonl"  # see tests/data/README.md
 
 
 def brute_force(trace: Trace, capacity: int) -> int:
@@ -91,7 +91,6 @@ def test_capacity_must_be_positive() -> None:
         optimal(Trace.from_hash_ids([[1]]), 0)
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason="shared Mooncake trace not present")
 def test_issue_figures_on_the_shared_trace() -> None:
     """The issue: unlimited 64.0%; at 2,000 blocks LRU about 15% and the optimum about 38%."""
     trace = Trace.load(SHARED)

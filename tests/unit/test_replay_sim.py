@@ -15,7 +15,7 @@ from kvstore.trace import Request, Trace
 from kvstore.tracegen import GenParams, generate
 from tiers.dram import DRAMTier
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces" / "synthetic_trace.jsonl"
+SHARED = Path(__file__).resolve().parents[1] / "data" / "mooncake_synthetic_trace.jsonl"  # see tests/data/README.md
 
 
 def test_it_is_the_nodes_own_code() -> None:
@@ -100,7 +100,6 @@ def test_many_random_traces_never_overfill() -> None:
             assert r.hit_blocks <= t.total_blocks
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason="shared Mooncake trace not present")
 def test_issue_lru_figure_on_the_shared_trace() -> None:
     """The issue: at 2,000 blocks plain LRU gets about 15%."""
     r = simulate(Trace.load(SHARED), 2000, "lru")
