@@ -36,7 +36,7 @@ import numpy as np
 
 from kvstore.errors import InvalidArgument
 from kvstore.simulator import put_batch
-from kvstore.trace import Trace
+from kvstore.trace import HitRatios, Trace
 from tiers.dram import DEFAULT_UNIT
 
 # node counters reported as bytes moved per tier (before/after difference)
@@ -58,7 +58,7 @@ def new_salt() -> str:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class LiveResult:
+class LiveResult(HitRatios):
     target: str
     capacity_blocks: int
     block_bytes: int
@@ -73,14 +73,6 @@ class LiveResult:
     events: dict[str, int]
     node_tiers: dict[str, Any]
     warnings: tuple[str, ...]
-
-    @property
-    def hit_ratio(self) -> float:
-        return self.hit_blocks / self.blocks if self.blocks else 0.0
-
-    @property
-    def token_hit_ratio(self) -> float:
-        return self.hit_tokens / self.tokens if self.tokens else 0.0
 
 
 def node_capacity_blocks(stats: dict[str, Any], block_bytes: int) -> int:

@@ -22,13 +22,13 @@ from __future__ import annotations
 import dataclasses
 import heapq
 
-from kvstore.trace import Trace
+from kvstore.trace import HitRatios, Trace
 
 NEVER = 1 << 62
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class OptimalResult:
+class OptimalResult(HitRatios):
     capacity_blocks: int
     blocks: int
     hit_blocks: int
@@ -37,14 +37,6 @@ class OptimalResult:
     per_request_hits: tuple[int, ...]
 
     policy = "optimal"
-
-    @property
-    def hit_ratio(self) -> float:
-        return self.hit_blocks / self.blocks if self.blocks else 0.0
-
-    @property
-    def token_hit_ratio(self) -> float:
-        return self.hit_tokens / self.tokens if self.tokens else 0.0
 
 
 def next_uses(trace: Trace) -> list[int]:

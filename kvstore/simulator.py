@@ -41,7 +41,7 @@ from kvstore.block import BlockMeta
 from kvstore.errors import InvalidArgument
 from kvstore.manager import Status, TierManager
 from kvstore.policy import DEFAULT_POLICY, POLICIES, make_policy
-from kvstore.trace import Trace
+from kvstore.trace import HitRatios, Trace
 from tiers.dram import DRAMTier
 
 DEFAULT_PUT_BATCH = 16
@@ -71,7 +71,7 @@ class BytelessArena:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class SimResult:
+class SimResult(HitRatios):
     policy: str
     capacity_blocks: int
     requests: int
@@ -81,14 +81,6 @@ class SimResult:
     hit_tokens: int
     evictions: int
     per_request_hits: tuple[int, ...]
-
-    @property
-    def hit_ratio(self) -> float:
-        return self.hit_blocks / self.blocks if self.blocks else 0.0
-
-    @property
-    def token_hit_ratio(self) -> float:
-        return self.hit_tokens / self.tokens if self.tokens else 0.0
 
 
 def check_policy(name: str) -> str:

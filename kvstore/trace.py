@@ -225,3 +225,22 @@ class Trace:
             "duration_s": round(span, 3),
             "unlimited_hit_ratio": hits / self.total_blocks if self.total_blocks else 0.0,
         }
+
+
+class HitRatios:
+    """The two ratios every replay result reports, from its ``blocks``/``hit_blocks`` and
+    ``tokens``/``hit_tokens`` counts (a mixin for the simulator, live and optimal results)."""
+
+    __slots__ = ()
+    blocks: int
+    hit_blocks: int
+    tokens: int
+    hit_tokens: int
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hit_blocks / self.blocks if self.blocks else 0.0
+
+    @property
+    def token_hit_ratio(self) -> float:
+        return self.hit_tokens / self.tokens if self.tokens else 0.0
