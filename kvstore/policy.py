@@ -98,111 +98,14 @@ class LRUPolicy:
         return key in self._order or key in self._aside
 
 
-class PrefixAwareLRUPolicy:
-    """LRU restricted to leaves of the resident prefix tree.
-
-    A chunk is useless without its ancestors, so a block is only proposed once none of
-    its children is resident: descendants always go before their ancestors.  Leaves are
-    ordered by last access (a heap with lazy invalidation).
-
-    Child counts are kept per parent key whether or not the parent is resident, so a
-    parent inserted after its children (out-of-order commits, a rebuild from an index
-    in key order) or removed and re-inserted still waits for them.
-    """
-
-    name = "prefix-lru"
-
-    def __init__(self) -> None:
-        self._tick = 0
-        self._last: dict[ChunkKey, int] = {}
-        self._parent: dict[ChunkKey, ChunkKey] = {}
-        self._children: dict[ChunkKey, int] = {}  # parent -> resident children (parent may be absent)
-        self._heap: list[tuple[int, ChunkKey]] = []
-
-    def _touch(self, key: ChunkKey) -> None:
-        self._tick += 1
-        self._last[key] = self._tick
-        if self._children.get(key, 0) == 0:
-            heapq.heappush(self._heap, (self._tick, key))
-        if len(self._heap) > 2 * len(self._last) + 64:
-            self._heap = [(t, k) for k, t in self._last.items() if self._children.get(k, 0) == 0]
-            heapq.heapify(self._heap)
-
-    def insert(self, key: ChunkKey, parent: ChunkKey, size: int) -> None:
-        if key in self._last:
-            self._touch(key)
-            return
-        if parent == key or (key in self._children and self._is_ancestor(key, parent)):
-            parent = NO_PARENT  # a bogus parent that would close a cycle: nothing in it could ever go
-        self._parent[key] = parent
-        if parent != NO_PARENT:
-            self._children[parent] = self._children.get(parent, 0) + 1
-        self._touch(key)
-
-    def _is_ancestor(self, key: ChunkKey, of: ChunkKey) -> bool:
-        """Whether ``key`` is ``of`` or one of its recorded ancestors (only walked for out-of-order inserts)."""
-        while of != NO_PARENT:
-            if of == key:
-                return True
-            of = self._parent.get(of, NO_PARENT)
-        return False
-
-    def access(self, key: ChunkKey) -> None:
-        if key in self._last:
-            self._touch(key)
-
-    def remove(self, key: ChunkKey) -> None:
-        if key not in self._last:
-            return
-        del self._last[key]
-        parent = self._parent.pop(key)
-        if parent != NO_PARENT:
-            left = self._children[parent] - 1
-            if left:
-                self._children[parent] = left
-            else:
-                del self._children[parent]
-                if parent in self._last:  # the parent just became a leaf
-                    heapq.heappush(self._heap, (self._last[parent], parent))
-        # key's own child count stays: its resident children still hold it back if it is re-inserted
-
-    def admit(self, key: ChunkKey, size: int) -> bool:
-        return True
-
-    def _valid(self, tick: int, key: ChunkKey) -> bool:
-        return self._last.get(key) == tick and self._children.get(key, 0) == 0
-
-    def victims(self) -> Iterator[ChunkKey]:
-        offered: dict[ChunkKey, int] = {}  # this round's proposals: key -> tick
-        try:
-            while self._heap:
-                tick, key = heapq.heappop(self._heap)
-                if offered.get(key) == tick or not self._valid(tick, key):
-                    continue  # stale, or a second heap entry of a key already offered this round
-                offered[key] = tick  # recorded before yielding: the caller may stop right after a skip
-                yield key
-        finally:
-            # put back every offered key still resident and unchanged (skipped, or pending when the
-            # caller stopped); evicted or re-touched ones fail _valid and are not duplicated
-            for key, tick in offered.items():
-                if self._valid(tick, key):
-                    heapq.heappush(self._heap, (tick, key))
-
-    def __len__(self) -> int:
-        return len(self._last)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._last
-
-
 class _PrefixHeapPolicy:
     """Base of the prefix-aware priority policies: the lowest-priority *leaf* goes first.
 
-    The tree bookkeeping and the round protocol are those of :class:`PrefixAwareLRUPolicy`
-    (child counts per parent key whether or not the parent is resident; a heap with lazy
-    invalidation; every offered key restored when a round ends), but the heap is ordered
-    by ``(priority, tick)`` and a subclass computes the priority at every use.  An entry
-    is valid while it is the key's latest and the key has no resident child.
+    Child counts are kept per parent key whether or not the parent is resident; the heap
+    (lazy invalidation) is ordered by ``(priority, tick)``, a subclass computing the
+    priority at every use; every key offered in a round is restored when the round ends
+    unless it was evicted or touched.  An entry is valid while it is the key's latest and
+    the key has no resident child.
     """
 
     name = ""
@@ -299,6 +202,24 @@ class _PrefixHeapPolicy:
 
     def __contains__(self, key: object) -> bool:
         return key in self._prio
+
+
+class PrefixAwareLRUPolicy(_PrefixHeapPolicy):
+    """LRU restricted to leaves of the resident prefix tree.
+
+    A chunk is useless without its ancestors, so a block is only proposed once none of
+    its children is resident: descendants always go before their ancestors.  Leaves are
+    ordered by last access (a heap with lazy invalidation).
+
+    Child counts are kept per parent key whether or not the parent is resident, so a
+    parent inserted after its children (out-of-order commits, a rebuild from an index
+    in key order) or removed and re-inserted still waits for them.
+    """
+
+    name = "prefix-lru"
+
+    def _priority(self, key: ChunkKey, new: bool) -> int:
+        return 0  # every leaf alike: the tick (last access) decides
 
 
 class PrefixReusePolicy(_PrefixHeapPolicy):
