@@ -10,7 +10,7 @@ import grpc
 
 from client._core import IDEMPOTENT, ClientCore, Op, T, Timeouts, as_key_list, fingerprint, report_request
 from client._sync import CHANNEL_OPTIONS, RETRIES, resolve_token
-from kvstore.errors import KVStoreError, Unavailable
+from kvstore.errors import Unavailable
 from kvstore.keys import Namespace, check_key
 from kvstore.wire import error_from_rpc
 from protos.kvstore.v1 import kvstore_pb2 as pb
@@ -74,22 +74,29 @@ class AsyncKVClient:
                 raise err from None
         raise AssertionError("unreachable")
 
+    def _fire(self, method: str, request: Any) -> None:
+        """Start a call without waiting; its outcome is dropped (``close`` still delivers it)."""
+        task = asyncio.ensure_future(getattr(self._stub, method)(request, timeout=self._core.timeouts.rpc, metadata=self._metadata))
+        self._inflight.add(task)
+        task.add_done_callback(_forget(self._inflight))
+
     async def _run(self, op: Op[T]) -> T:
         self._core.check_open()
+        cancelled = False
         try:
             instr = next(op)
             while True:
                 try:
                     kind = instr[0]
-                    if kind == "rpc":
-                        result = await self._rpc(instr[1], instr[2])
-                    elif kind == "rpc_nowait":
-                        task = asyncio.ensure_future(getattr(self._stub, instr[1])(instr[2], timeout=self._core.timeouts.rpc, metadata=self._metadata))
-                        self._inflight.add(task)
-                        task.add_done_callback(_forget(self._inflight))
+                    if kind == "rpc_nowait" or (kind == "rpc" and cancelled):
+                        # after a cancel the op only gives things back (Abort, Release): sent,
+                        # not awaited, so the cancel takes effect now even if the node hangs
+                        self._fire(instr[1], instr[2])
                         result = None
+                    elif kind == "rpc":
+                        result = await self._rpc(instr[1], instr[2])
                     elif kind == "io":
-                        result = await asyncio.to_thread(instr[1])
+                        result = await _uncancellable_thread(instr[1])
                     elif kind == "put_stream":
                         chunks = instr[1]
                         try:
@@ -104,7 +111,11 @@ class AsyncKVClient:
                             raise error_from_rpc(e) from None
                     else:
                         raise AssertionError(f"unknown instruction {kind}")
-                except KVStoreError as e:
+                except BaseException as e:  # noqa: B036 - thrown into the op, which re-raises it
+                    # a KVStoreError, or this task cancelled (the caller gave up): either way the
+                    # op first gives back what it holds (aborts, releases) rather than leaving
+                    # it pinned on the node until the TTL
+                    cancelled = cancelled or isinstance(e, asyncio.CancelledError)
                     instr = op.throw(e)
                     continue
                 instr = op.send(result)
@@ -172,6 +183,24 @@ class AsyncKVClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+async def _uncancellable_thread(fn: Any) -> Any:
+    """``fn()`` in a worker thread.  If we are cancelled meanwhile, wait for the thread before
+    re-raising: it copies into or out of arena extents, which the op gives back to the node
+    as it unwinds (and the node may hand to another block at once)."""
+    fut = asyncio.ensure_future(asyncio.to_thread(fn))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        while not fut.done():
+            try:
+                await asyncio.wait([fut])
+            except asyncio.CancelledError:
+                pass
+        if not fut.cancelled():
+            fut.exception()
+        raise
 
 
 def _forget(pending: set[Any]) -> Any:

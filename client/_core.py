@@ -160,7 +160,7 @@ class ClientCore:
 
     # -- connection set-up -------------------------------------------------------------
     def ensure_hello(self) -> Op[None]:
-        if self.hello is not None and not self.stale:
+        if self.hello is not None and not self.stale and not self._arena_replaced():
             return
         hello = yield ("rpc", "Hello", pb.HelloRequest())
         path = self.transport
@@ -184,6 +184,18 @@ class ClientCore:
         self.path = path
         self.hello = hello
         self.stale = False
+
+    def _arena_replaced(self) -> bool:
+        """The node restarted (or stopped) since we mapped its arena: it replaced the file,
+        so our mapping is a dead arena.  Seen even by a client that made no call meanwhile
+        (one stat, about a microsecond)."""
+        return self.path == "shm" and self.arena is not None and self.arena.replaced()
+
+    def _dead_arena(self, method: str, request: Any) -> Op[None]:
+        """Checked after Reserve/Acquire, which a node restarted since ``ensure_hello``
+        may have answered: give back what it granted and fail like any call during a restart."""
+        yield from self._quietly(method, request)
+        raise Unavailable("the node restarted (its arena file was replaced); the next call reconnects")
 
     def _batches(self, n: int, sizes: Sequence[int] | None = None, *, limit: int | None = None) -> list[range]:
         """Split ``n`` items by the node's max batch and (for shm) a byte budget of 1/4 of the arena."""
@@ -245,7 +257,11 @@ class ClientCore:
 
     def _put_shm(self, metas: list[BlockMeta], views: list[memoryview]) -> Op[list[bool]]:
         assert self.arena is not None
+        t0 = time.monotonic()
         resp = yield ("rpc", "Reserve", pb.ReserveRequest(blocks=[meta_to_pb(m) for m in metas]))
+        # The node started the reservations' deadline after t0.  Past it, their space may
+        # already be another block's: a block whose copy would start that late is not copied.
+        stop_at = t0 + resp.ttl_s - min(1.0, 0.1 * resp.ttl_s)
         ids, todo = [], []
         out = [False] * len(metas)
         for i, r in enumerate(resp.reservations):
@@ -257,17 +273,29 @@ class ClientCore:
         if not ids:
             return out
         arena = self.arena
+        if arena.replaced():
+            yield from self._dead_arena("Abort", pb.AbortRequest(reservation_ids=ids))
 
         def copy_in() -> list[int]:
             # hashing each chunk right after copying it, while it is in cache, costs ~0.15x a copy;
             # hashing the payload first (a second pass over main memory) costs ~0.4x
-            return [arena.write_hashed(extents, views[i]) for i, extents in todo]
+            sums = []
+            for i, extents in todo:
+                if time.monotonic() >= stop_at:
+                    break
+                sums.append(arena.write_hashed(extents, views[i]))
+            return sums
 
         try:
             sums = yield ("io", copy_in)
         except BaseException:
             yield from self._quietly("Abort", pb.AbortRequest(reservation_ids=ids))
             raise
+        if len(sums) < len(ids):  # too slow: the rest are not stored
+            yield from self._quietly("Abort", pb.AbortRequest(reservation_ids=ids[len(sums) :]))
+            ids = ids[: len(sums)]
+            if not ids:
+                return out
         resp = yield ("rpc", "Commit", pb.CommitRequest(reservation_ids=ids, payload_checksums=sums))
         for (i, _), st in zip(todo, resp.statuses):
             out[i] = st == pb.KEY_STATUS_OK
@@ -348,6 +376,9 @@ class ClientCore:
         resp = yield ("rpc", "Acquire", pb.KeysRequest(keys=keys))
         ids = [x.lease_id for x in resp.leases if x.status == pb.KEY_STATUS_OK]
         result: list[Any] = [None] * len(keys)
+        arena = self.arena
+        if ids and arena.replaced():
+            yield from self._dead_arena("Release", pb.ReleaseRequest(lease_ids=ids))
         try:
             plan = []
             for i, x in enumerate(resp.leases):
@@ -357,7 +388,6 @@ class ClientCore:
                     meta = meta_from_pb(x.block)
                     dest = self._dest(meta, outs[i]) if outs is not None else None
                     plan.append((i, extents_from_pb(x.extents), meta, dest))
-            arena = self.arena
             copied: list[Any] = []
 
             def copy_out() -> None:
@@ -490,13 +520,17 @@ class ClientCore:
         from client._zerocopy import views_of
 
         resp = yield ("rpc", "Acquire", pb.KeysRequest(keys=[check_key(k) for k in keys]))
+        arena = self.arena  # after the call: what another thread's reconnect mapped meanwhile
+        granted = [x.lease_id for x in resp.leases if x.status == pb.KEY_STATUS_OK]
+        if granted and arena.replaced():
+            yield from self._dead_arena("Release", pb.ReleaseRequest(lease_ids=granted))
         ids, metas, views = [], [], []
         for x in resp.leases:
             if x.status == pb.KEY_STATUS_OK:
                 meta = meta_from_pb(x.block)
                 ids.append(x.lease_id)
                 metas.append(meta)
-                views.append(views_of(self.arena, extents_from_pb(x.extents), meta.payload_len, writable=False))
+                views.append(views_of(arena, extents_from_pb(x.extents), meta.payload_len, writable=False))
             else:
                 metas.append(None)
                 views.append(None)
@@ -510,12 +544,16 @@ class ClientCore:
         from client._zerocopy import views_of
 
         resp = yield ("rpc", "Reserve", pb.ReserveRequest(blocks=[meta_to_pb(m) for m in metas]))
+        arena = self.arena  # after the call: what another thread's reconnect mapped meanwhile
+        granted = [r.reservation_id for r in resp.reservations if r.status == pb.KEY_STATUS_OK]
+        if granted and arena.replaced():
+            yield from self._dead_arena("Abort", pb.AbortRequest(reservation_ids=granted))
         ids, views, existed = [], [], []
         for m, r in zip(metas, resp.reservations):
             existed.append(r.status == pb.KEY_STATUS_EXISTS)
             if r.status == pb.KEY_STATUS_OK:
                 ids.append(r.reservation_id)
-                views.append(views_of(self.arena, extents_from_pb(r.extents), m.payload_len, writable=True))
+                views.append(views_of(arena, extents_from_pb(r.extents), m.payload_len, writable=True))
             else:
                 views.append(None)
         return ids, views, existed

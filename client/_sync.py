@@ -136,7 +136,8 @@ class KVClient:
                             raise error_from_rpc(e) from None
                     else:
                         raise AssertionError(f"unknown instruction {kind}")
-                except KVStoreError as e:
+                except BaseException as e:  # noqa: B036 - thrown into the op, which re-raises it
+                    # a KVStoreError, or an interrupt: the op first gives back what it holds
                     instr = op.throw(e)
                     continue
                 instr = op.send(result)

@@ -130,7 +130,9 @@ class TierManager:
         self._detached: dict[int, list[Extent]] = {}  # deleted while leased; freed on last release
         self._pins: dict[ChunkKey, float] = {}  # key -> pinned until (clock)
         self._busy: set[ChunkKey] = set()  # being demoted
-        self._promoting: dict[ChunkKey, asyncio.Future[bool]] = {}
+        self._promoting: dict[ChunkKey, asyncio.Future[Status | None]] = {}
+        self._persisting: collections.Counter[ChunkKey] = collections.Counter()  # being written to NVMe
+        self._doomed: set[ChunkKey] = set()  # deleted while being written to NVMe: that copy goes when the write ends
         self._background: set[asyncio.Task[Any]] = set()
         self.counters: collections.Counter[str] = collections.Counter()
         # cache-hit accounting (kvstore/misses.py): why keys left, what lookups found
@@ -141,7 +143,21 @@ class TierManager:
 
     # -- helpers ------------------------------------------------------------------
     async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        """Run ``fn`` in the executor.  A cancelled caller still waits for it to end before
+        unwinding: the thread cannot be stopped, and it may be reading or writing arena
+        extents that the caller frees (and another block gets) as it unwinds."""
+        fut = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            while not fut.done():
+                try:
+                    await asyncio.wait([fut])
+                except asyncio.CancelledError:
+                    pass
+            if not fut.cancelled():
+                fut.exception()  # the caller's cancellation is what propagates
+            raise
 
     def _alloc_id(self, key: ChunkKey) -> int | None:
         ext = self.dram.extents(key)
@@ -157,10 +173,13 @@ class TierManager:
         alloc = self._alloc_id(key)
         return alloc is None or self._refs[alloc] == 0
 
+    def _on_nvme(self, key: ChunkKey) -> bool:
+        return self.nvme is not None and key not in self._doomed and self.nvme.contains(key)
+
     def where(self, key: ChunkKey) -> TierKind | None:
         if self.dram.contains(key):
             return TierKind.DRAM
-        if self.nvme is not None and self.nvme.contains(key):
+        if self._on_nvme(key):
             return TierKind.NVME
         return None
 
@@ -168,7 +187,7 @@ class TierManager:
         meta = self.dram.meta(key)
         if meta is not None:
             return TierKind.DRAM, meta
-        if self.nvme is not None:
+        if self.nvme is not None and key not in self._doomed:
             meta = self.nvme.meta(key)
             if meta is not None:
                 return TierKind.NVME, meta
@@ -226,22 +245,26 @@ class TierManager:
     async def reserve(self, metas: Sequence[BlockMeta]) -> list[Reserved]:
         out: list[Reserved] = []
         deadline = self.clock() + self.reservation_ttl
-        for meta in metas:
-            if self.where(meta.key) is not None:
-                self.counters["puts_deduplicated"] += 1
-                out.append(Reserved(Status.EXISTS))
-                continue
-            try:
-                extents = await self._allocate(meta.payload_len)
-            except CapacityExceeded:
-                if self.dram.allocator.rounded(meta.payload_len) > self.dram.capacity_bytes:
-                    raise
-                self.counters["reserve_no_space"] += 1
-                out.append(Reserved(Status.NO_SPACE))
-                continue
-            rid = next(self._ids)
-            self._reservations[rid] = _Reservation(meta, extents, deadline)
-            out.append(Reserved(Status.OK, rid, tuple(extents)))
+        try:
+            for meta in metas:
+                if self.where(meta.key) is not None:
+                    self.counters["puts_deduplicated"] += 1
+                    out.append(Reserved(Status.EXISTS))
+                    continue
+                try:
+                    extents = await self._allocate(meta.payload_len)
+                except CapacityExceeded:
+                    if self.dram.allocator.rounded(meta.payload_len) > self.dram.capacity_bytes:
+                        raise
+                    self.counters["reserve_no_space"] += 1
+                    out.append(Reserved(Status.NO_SPACE))
+                    continue
+                rid = next(self._ids)
+                self._reservations[rid] = _Reservation(meta, extents, deadline)
+                out.append(Reserved(Status.OK, rid, tuple(extents)))
+        except BaseException:
+            self.abort([r.reservation_id for r in out if r.status == Status.OK])  # nobody will learn their ids
+            raise
         return out
 
     async def commit(self, ids: Sequence[int], checksums: Sequence[int] | None = None, *, verify: bool = False) -> list[Status]:
@@ -258,7 +281,14 @@ class TierManager:
                 continue
             meta = r.meta if checksums is None else dataclasses.replace(r.meta, payload_checksum=checksums[i])
             if verify:
-                actual = await self._io(self._checksum_extents, r.extents, meta.payload_len)
+                try:
+                    actual = await self._io(self._checksum_extents, r.extents, meta.payload_len)
+                except BaseException:
+                    # popped above, so neither the reaper nor the caller would ever free it; the
+                    # rest of the batch may be held (a data-channel transfer): they go too
+                    self.dram.abort(r.extents)
+                    self.abort(ids[i + 1 :])
+                    raise
                 if actual != meta.payload_checksum:
                     self.dram.abort(r.extents)
                     self.counters["corrupt_puts"] += 1
@@ -326,7 +356,7 @@ class TierManager:
         for i, k in enumerate(keys):
             if self.dram.contains(k):
                 out[i] = self._lease(k, TierKind.DRAM, deadline)
-        todo = [i for i, x in enumerate(out) if x is None and self.nvme is not None and self.nvme.contains(keys[i])]
+        todo = [i for i, x in enumerate(out) if x is None and self._on_nvme(keys[i])]
         if todo:
             gate = asyncio.Semaphore(4)
 
@@ -337,20 +367,29 @@ class TierManager:
                         out[i] = self._lease(k, TierKind.DRAM, deadline)
                         return
                     try:
-                        ok = await self._promote(k)
+                        st = await self._promote(k)
                     except CapacityExceeded:
                         out[i] = Leased(k, Status.NO_SPACE)
                         self.counters["get_no_space"] += 1
                         return
-                if ok and self.dram.contains(k):
+                if st == Status.OK and self.dram.contains(k):
                     out[i] = self._lease(k, TierKind.NVME, deadline)
-                elif ok:  # promoted by a concurrent call, evicted again before we ran
+                elif st == Status.OK:  # promoted by a concurrent call, evicted again before we ran
                     out[i] = Leased(k, Status.NO_SPACE)
-                else:
-                    out[i] = Leased(k, Status.CORRUPT if self.where(k) is None else Status.MISS)
-                    self.counters["get_misses_corrupt"] += 1
+                else:  # corrupt, or deleted while it was being read
+                    out[i] = Leased(k, st)
+                    self.counters["get_misses_corrupt" if st == Status.CORRUPT else "get_misses"] += 1
 
-            await asyncio.gather(*(one(i) for i in todo))
+            # every promotion runs to its end before a failure propagates, so none leases
+            # a block after we gave back what this call holds
+            try:
+                done = await asyncio.gather(*(one(i) for i in todo), return_exceptions=True)
+                failed = next((e for e in done if isinstance(e, BaseException)), None)
+                if failed is not None:
+                    raise failed
+            except BaseException:
+                self.release([x.lease_id for x in out if x is not None and x.status == Status.OK])
+                raise
         result: list[Leased] = []
         hits: list[tuple[str, BlockMeta]] = []
         misses: list[tuple[str, int]] = []
@@ -397,45 +436,54 @@ class TierManager:
             if extents is not None:
                 self.dram.free(extents)
 
-    async def _promote(self, key: ChunkKey) -> bool:
-        fut = self._promoting.get(key)
-        if fut is not None:
-            return await asyncio.shield(fut)
+    async def _promote(self, key: ChunkKey) -> Status:
+        """Bring ``key`` from NVMe into DRAM (once, however many calls ask): ``OK`` if it is
+        in DRAM now, ``CORRUPT``, or ``MISS`` (gone meanwhile)."""
+        while (fut := self._promoting.get(key)) is not None:
+            st = await asyncio.shield(fut)
+            if st is not None:
+                return st
         fut = asyncio.get_running_loop().create_future()
         self._promoting[key] = fut
         try:
-            ok = await self._promote_once(key)
-            fut.set_result(ok)
-            return ok
+            st = await self._promote_once(key)
+        except asyncio.CancelledError:
+            fut.set_result(None)  # the leader's call was cancelled, not the waiters': they try again
+            raise
         except BaseException as e:
             fut.set_exception(e)
             fut.exception()  # mark retrieved: concurrent waiters get it via shield
             raise
         finally:
             del self._promoting[key]
+        fut.set_result(st)
+        return st
 
-    async def _promote_once(self, key: ChunkKey) -> bool:
+    async def _promote_once(self, key: ChunkKey) -> Status:
         assert self.nvme is not None
-        meta = self.nvme.meta(key)
+        meta = self.nvme.meta(key) if key not in self._doomed else None
         if meta is None:
-            return False
+            return Status.MISS
         extents = await self._allocate(meta.payload_len)
         try:
             res = await self._io(self._nvme_read_to_arena, key, extents)
         except BaseException:
             self.dram.abort(extents)
             raise
-        if not res.hit or self.dram.contains(key):
+        # deleted while we read it (deletes leave NVMe at once): it must not come back
+        gone = not self._on_nvme(key)
+        if not res.hit or gone or self.dram.contains(key):
             self.dram.abort(extents)
             if res.miss == MissReason.CORRUPT:
                 self.counters["corrupt_blocks"] += 1
                 if self.where(key) is None:
                     self._forget(key, CORRUPT, meta)
-            return res.hit
+                return Status.CORRUPT
+            return Status.OK if self.dram.contains(key) else Status.MISS
         self.dram.commit(res.meta, extents)
         self.counters["promotions"] += 1
         self.counters["promoted_bytes"] += res.meta.payload_len
-        return True
+        return Status.OK
 
     def _nvme_read_to_arena(self, key: ChunkKey, extents: list[Extent]) -> Any:
         """Executor thread: read an NVMe block straight into its new arena extents."""
@@ -524,12 +572,22 @@ class TierManager:
         for a in allocs:  # internal leases: the bytes must stay put while the executor reads them
             if a is not None:
                 self._refs[a] += 1
+        for m, _ in items:
+            self._persisting[m.key] += 1
         try:
             written = await self._io(self._write_nvme, items)
         finally:
             for a in allocs:
                 if a is not None:
                     self._drop_ref(a)
+            for m, _ in items:
+                k = m.key
+                self._persisting[k] -= 1
+                if k in self._doomed:  # deleted while we wrote it: the copy must not outlive the delete
+                    self.nvme.delete(k)
+                if self._persisting[k] <= 0:
+                    del self._persisting[k]
+                    self._doomed.discard(k)
         self.counters["demotions"] += written
         self.counters["demoted_bytes"] += sum(m.payload_len for m, _ in items[:written])
 
@@ -554,15 +612,17 @@ class TierManager:
                     self.nvme.write_many(part)
                     written += len(part)
                     continue
-                except CapacityExceeded:
-                    pass  # fragmented: fall back to one block at a time
+                except (CapacityExceeded, OSError):
+                    pass  # fragmented (or a failing disk): fall back to one block at a time
             for item in part:
                 try:
                     if self._nvme_room([item], protect):
                         self.nvme.write_many([item])
                         written += 1
                         continue
-                except CapacityExceeded as e:
+                except (CapacityExceeded, OSError) as e:
+                    # a cache fails open: the block is not demoted (counted), and the put or
+                    # get that needed its DRAM space does not fail with the disk's error
                     log.warning("NVMe tier refused %s: %s", item[0].key.hex(), e)
                 self.counters["nvme_write_failures"] += 1
         return written
@@ -593,9 +653,13 @@ class TierManager:
 
     # -- deletes, pins, invalidation --------------------------------------------------
     async def delete(self, keys: Sequence[ChunkKey]) -> int:
+        """Remove ``keys`` from every tier.  Each key goes from DRAM and NVMe in one step on
+        the loop (an NVMe delete touches memory only), so no promotion can bring it back in
+        between; a copy being written to NVMe right now goes when its write ends."""
         n = 0
-        nvme_keys = []
-        for k in keys:
+        for j, k in enumerate(keys):
+            if j and not j % 1024:
+                await asyncio.sleep(0)  # a whole namespace: let other calls run in between
             hit = False
             _, meta = self._locate(k)
             alloc = self._alloc_id(k)
@@ -605,15 +669,15 @@ class TierManager:
                 else:
                     self.dram.delete(k)
                 hit = True
-            if self.nvme is not None and self.nvme.contains(k):
-                nvme_keys.append(k)
-                hit = True
+            if self.nvme is not None:
+                if self.nvme.delete(k) and k not in self._doomed:  # a doomed key was deleted already
+                    hit = True
+                if self._persisting[k]:
+                    self._doomed.add(k)
             self._pins.pop(k, None)
             n += hit
             if hit:
                 self._forget(k, INVALIDATED, meta)
-        if nvme_keys:
-            await self._io(lambda: [self.nvme.delete(k) for k in nvme_keys])
         self.counters["deletes"] += n
         return n
 
@@ -621,13 +685,14 @@ class TierManager:
         keys = [k for k in self.dram.keys() if (m := self.dram.meta(k)) is not None and m.namespace == namespace]
         if self.nvme is not None:
             nv = await self._io(lambda: [k for k in self.nvme.keys() if (m := self.nvme.meta(k)) is not None and m.namespace == namespace])
-            keys.extend(k for k in nv if k not in set(keys))
+            seen = set(keys)  # once: a set per key made this quadratic (minutes for a big namespace)
+            keys.extend(k for k in nv if k not in seen)
         n = await self.delete(keys)
         self.counters["invalidated_blocks"] += n
         return n
 
     def pin(self, keys: Sequence[ChunkKey], ttl: float) -> int:
-        if ttl <= 0:
+        if not ttl > 0:  # NaN too: it would never expire, yet never pin
             raise InvalidArgument(f"pin ttl must be positive, got {ttl}")
         until = self.clock() + ttl
         n = 0

@@ -40,6 +40,7 @@ class Arena:
         self.buf = memoryview(mm)
         self._owner = owner
         self._lock_fd: int | None = None
+        self._ident: tuple[int, int] | None = None  # (st_dev, st_ino) of the file mapped
 
     @classmethod
     def create(cls, path: str | os.PathLike[str], size: int, *, prefault: bool = True, mode: int = 0o600) -> "Arena":
@@ -89,14 +90,31 @@ class Arena:
         except OSError as e:
             raise Unavailable(f"cannot open the node's DRAM arena {p}: {e}") from e
         try:
-            actual = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            actual = st.st_size
             if actual < size:
                 raise Unavailable(f"DRAM arena {p} has {actual} bytes, node says {size}")
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        return cls(p, size, mm, owner=False)
+        arena = cls(p, size, mm, owner=False)
+        arena._ident = (st.st_dev, st.st_ino)
+        return arena
+
+    def replaced(self) -> bool:
+        """True if ``path`` no longer names the file this (attached) arena maps.
+
+        A restarted node replaces the file (never truncates it), or a stopped one unlinks
+        it: a client's mapping is then a dead arena that no node reads or writes.
+        """
+        if self._ident is None:
+            return False
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return True
+        return (st.st_dev, st.st_ino) != self._ident
 
     def prefault(self) -> None:
         """Touch every page once so later copies run at memcpy speed (DESIGN §9)."""
