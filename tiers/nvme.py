@@ -6,7 +6,7 @@ DRAM land here; a hit here is promoted back by the tier manager.
 On disk, in one directory::
 
     LOCK            exclusive flock, held for the tier's lifetime (one owner per directory)
-    seg-NNNNN.dat   segment files, preallocated with posix_fallocate
+    seg-NNNNN.dat   segment files, each preallocated with posix_fallocate before its first record
     index.lmdb/     key (16 bytes) -> location (segment, offset, record length, seq, checksum)
 
 A record is the 160-byte block header (``kvstore.block``) padded to one 4 KiB page,
@@ -196,6 +196,7 @@ class NVMeTier:
         self._pending: list[_Entry] = []  # removed from memory, delete not yet committed to lmdb
         self._stages: list[mmap.mmap] = []
         self._fds: list[int] = []
+        self._preallocated: set[int] = set()  # segments whose extent is reserved on disk
         self._env: lmdb.Environment | None = None
         self._closed = False
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -266,19 +267,11 @@ class NVMeTier:
         for i, size in enumerate(self._seg_sizes):
             fd = os.open(self._seg_path(i), flags, 0o644)
             self._fds.append(fd)
-            if os.fstat(fd).st_size > size:
+            st_size = os.fstat(fd).st_size
+            if st_size > size:
                 os.ftruncate(fd, size)
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                if e.errno in _DISK_FULL:
-                    raise CapacityExceeded(
-                        f"cannot preallocate {size} bytes for {self._seg_path(i)}: the filesystem is full; "
-                        "lower the NVMe capacity_bytes or free disk space"
-                    ) from e
-                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                os.ftruncate(fd, size)  # no fallocate here: sparse file; ENOSPC may come on write
+            if st_size:  # in use before: keep it whole; an untouched one is preallocated on first write
+                self._preallocate(i)
         i = len(self._seg_sizes)
         while self._seg_path(i).exists():  # segments beyond a reduced capacity
             self._seg_path(i).unlink()
@@ -288,6 +281,28 @@ class NVMeTier:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+
+    def _preallocate(self, seg: int) -> None:
+        """Reserve a segment's whole extent on disk, once, before its first record.
+
+        Segments are preallocated lazily so a large, mostly empty tier does not take its
+        full capacity from the filesystem at start-up.  Idempotent and thread-safe
+        (``posix_fallocate`` of an allocated range is a no-op)."""
+        if seg in self._preallocated:
+            return
+        size = self._seg_sizes[seg]
+        try:
+            os.posix_fallocate(self._fds[seg], 0, size)
+        except OSError as e:
+            if e.errno in _DISK_FULL:
+                raise CapacityExceeded(
+                    f"cannot preallocate {size} bytes for {self._seg_path(seg)}: the filesystem is full; "
+                    "lower the NVMe capacity_bytes or free disk space"
+                ) from e
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.ftruncate(self._fds[seg], size)  # no fallocate here: sparse file; ENOSPC may come on write
+        self._preallocated.add(seg)
 
     def _load_index(self) -> None:
         """Rebuild memory from lmdb, checking every entry's header (not its payload)."""
@@ -508,6 +523,8 @@ class NVMeTier:
             )
         committed = False
         try:
+            for seg in sorted({e.seg for e in entries}):
+                self._preallocate(seg)
             if must_flush:
                 self.flush()
             for e, mv in zip(entries, views):

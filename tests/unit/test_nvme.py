@@ -367,10 +367,14 @@ def test_disk_full_on_write_and_on_preallocate(make, monkeypatch: pytest.MonkeyP
     t.write(*block("a", 5000))
     assert read(t, key("a")) == payload("a", 5000)
     monkeypatch.setattr(os, "posix_fallocate", full)
+    other = NVMeTier(tmp_path / "other", 16 * MiB, sync=False)  # segments are preallocated on first use
     with pytest.raises(CapacityExceeded, match="preallocate"):
-        NVMeTier(tmp_path / "other", 16 * MiB, sync=False)
+        other.write(*block("c", 5000))
+    assert not other.contains(key("c")) and other.used_bytes == 0
     monkeypatch.undo()
-    NVMeTier(tmp_path / "other", 16 * MiB, sync=False).close()  # the failed open released its lock
+    other.write(*block("c", 5000))
+    assert read(other, key("c")) == payload("c", 5000)
+    other.close()
 
 
 def test_threads_read_write_delete(make) -> None:
@@ -510,3 +514,19 @@ def test_default_policy_and_admission(make) -> None:
     t = make()
     assert type(t.policy) is type(make_policy(DEFAULT_POLICY))
     assert t.admit(key("any"), 1000) is True
+
+
+def test_segments_take_disk_space_only_when_used_regression(tmp_path: Path) -> None:
+    """A large, empty tier must not claim its whole capacity from the filesystem at open
+    (a test run, or a node with a generous --nvme on a small disk, filled the disk)."""
+    def on_disk(d: Path) -> int:
+        return sum(p.stat().st_blocks * 512 for p in d.glob("seg-*.dat"))
+
+    t = NVMeTier(tmp_path / "big", 1 << 30, segment_bytes=64 * MiB, sync=False)
+    assert on_disk(tmp_path / "big") < MiB
+    t.write(*block("first", 5000))
+    assert 64 * MiB <= on_disk(tmp_path / "big") < 65 * MiB  # just the first segment, preallocated whole
+    t.close()
+    t = NVMeTier(tmp_path / "big", 1 << 30, segment_bytes=64 * MiB, sync=False)  # reopen keeps it
+    assert read(t, key("first")) == payload("first", 5000)
+    t.close()
