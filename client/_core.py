@@ -191,11 +191,17 @@ class ClientCore:
         (one stat, about a microsecond)."""
         return self.path == "shm" and self.arena is not None and self.arena.replaced()
 
-    def _dead_arena(self, method: str, request: Any) -> Op[None]:
-        """Checked after Reserve/Acquire, which a node restarted since ``ensure_hello``
-        may have answered: give back what it granted and fail like any call during a restart."""
-        yield from self._quietly(method, request)
-        raise Unavailable("the node restarted (its arena file was replaced); the next call reconnects")
+    def _live_arena(self, granted: Sequence[int], undo: str, undo_request: Any) -> Op[Arena]:
+        """The arena that Reserve/Acquire grants refer to, checked after the call (a node
+        restarted since ``ensure_hello`` may have answered it; read after the call, so it is
+        what another thread's reconnect mapped meanwhile).  If the node replaced its arena,
+        give the grants back (``undo``) and fail like any call during a restart."""
+        arena = self.arena
+        assert arena is not None
+        if granted and arena.replaced():
+            yield from self._quietly(undo, undo_request)
+            raise Unavailable("the node restarted (its arena file was replaced); the next call reconnects")
+        return arena
 
     def _batches(self, n: int, sizes: Sequence[int] | None = None, *, limit: int | None = None) -> list[range]:
         """Split ``n`` items by the node's max batch and (for shm) a byte budget of 1/4 of the arena."""
@@ -272,9 +278,7 @@ class ClientCore:
                 todo.append((i, extents_from_pb(r.extents)))
         if not ids:
             return out
-        arena = self.arena
-        if arena.replaced():
-            yield from self._dead_arena("Abort", pb.AbortRequest(reservation_ids=ids))
+        arena = yield from self._live_arena(ids, "Abort", pb.AbortRequest(reservation_ids=ids))
 
         def copy_in() -> list[int]:
             # hashing each chunk right after copying it, while it is in cache, costs ~0.15x a copy;
@@ -376,9 +380,7 @@ class ClientCore:
         resp = yield ("rpc", "Acquire", pb.KeysRequest(keys=keys))
         ids = [x.lease_id for x in resp.leases if x.status == pb.KEY_STATUS_OK]
         result: list[Any] = [None] * len(keys)
-        arena = self.arena
-        if ids and arena.replaced():
-            yield from self._dead_arena("Release", pb.ReleaseRequest(lease_ids=ids))
+        arena = yield from self._live_arena(ids, "Release", pb.ReleaseRequest(lease_ids=ids))
         try:
             plan = []
             for i, x in enumerate(resp.leases):
@@ -520,10 +522,8 @@ class ClientCore:
         from client._zerocopy import views_of
 
         resp = yield ("rpc", "Acquire", pb.KeysRequest(keys=[check_key(k) for k in keys]))
-        arena = self.arena  # after the call: what another thread's reconnect mapped meanwhile
         granted = [x.lease_id for x in resp.leases if x.status == pb.KEY_STATUS_OK]
-        if granted and arena.replaced():
-            yield from self._dead_arena("Release", pb.ReleaseRequest(lease_ids=granted))
+        arena = yield from self._live_arena(granted, "Release", pb.ReleaseRequest(lease_ids=granted))
         ids, metas, views = [], [], []
         for x in resp.leases:
             if x.status == pb.KEY_STATUS_OK:
@@ -544,10 +544,8 @@ class ClientCore:
         from client._zerocopy import views_of
 
         resp = yield ("rpc", "Reserve", pb.ReserveRequest(blocks=[meta_to_pb(m) for m in metas]))
-        arena = self.arena  # after the call: what another thread's reconnect mapped meanwhile
         granted = [r.reservation_id for r in resp.reservations if r.status == pb.KEY_STATUS_OK]
-        if granted and arena.replaced():
-            yield from self._dead_arena("Abort", pb.AbortRequest(reservation_ids=granted))
+        arena = yield from self._live_arena(granted, "Abort", pb.AbortRequest(reservation_ids=granted))
         ids, views, existed = [], [], []
         for m, r in zip(metas, resp.reservations):
             existed.append(r.status == pb.KEY_STATUS_EXISTS)
