@@ -4,10 +4,11 @@
     kvstore replay TRACE --capacity 2000 --policy lru --json
     kvstore replay TRACE --target unix:///run/kvstore.sock --block-bytes 64KiB [--speedup 10]
     kvstore replay --generate OUT.jsonl --requests 3000 --seed 7 [--system-prompts 20 --reuse 0.7 ...]
+    kvstore replay TRACE --capacity 5% --bounds            # oracle bounds: what knowing the future is worth
 
 Parsing and reporting only: the work is in :mod:`kvstore.simulator` (simulator mode),
 :mod:`kvstore.livereplay` (live mode), :mod:`kvstore.optimal` (the offline optimum) and
-:mod:`kvstore.tracegen` (``--generate``).  Every figure is reported next to LRU and the
+:mod:`kvstore.tracegen` (``--generate``) and :mod:`kvstore.bounds` (``--bounds``).  Every figure is reported next to LRU and the
 optimum at the same capacity, with the share of the LRU → optimum gap the policy closes.
 
 Hit ratio: prefix-hit blocks ÷ all blocks of all requests (a block is a hit only if it
@@ -104,6 +105,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bytes-per-token", type=positive_int("--bytes-per-token"), metavar="N", help="KV bytes per token, to read a --capacity given in bytes (simulator)")
     p.add_argument("--put-batch", type=positive_int("--put-batch"), default=DEFAULT_PUT_BATCH, help="blocks per put call (default 16; capped at a quarter of the tier)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--bounds", action="store_true",
+                   help="simulator: also replay oracle policies that know the future (dead blocks, next uses) and report how predictable reuse is")
     live = p.add_argument_group("live mode")
     live.add_argument("--target", metavar="URL", help="unix:///path/kvstore.sock or host:port of a running node (etcd:// needs a cluster-aware SDK)")
     live.add_argument("--block-bytes", type=size_arg("--block-bytes"), default=DEFAULT_BLOCK_BYTES, help="synthetic payload per block (default 64KiB; keep it a multiple of 64KiB)")
@@ -165,6 +168,8 @@ def main(a: argparse.Namespace) -> int:
     check_policy(a.policy)
     trace = Trace.load(a.trace, block_tokens=a.block_tokens, limit=a.requests)
     live = bool(a.target)
+    if live and a.bounds:
+        raise InvalidArgument("--bounds is a simulator report; drop --target")
     if not live and a.capacity is None:
         raise InvalidArgument("--capacity is required in simulator mode (blocks, N%, a size like 8GiB, or unlimited)")
     bytes_per_block = a.block_bytes if live else (a.bytes_per_token * a.block_tokens if a.bytes_per_token else None)
@@ -195,6 +200,10 @@ def main(a: argparse.Namespace) -> int:
         lru_hit_ratio=lru.hit_ratio, optimal_hit_ratio=opt.hit_ratio, optimal_hit_tokens=opt.hit_tokens,
         gap_closed=gap_closed(hit_ratio, lru.hit_ratio, opt.hit_ratio),
     )
+    if a.bounds:
+        from kvstore.bounds import bounds
+
+        out["oracle_bounds"] = bounds(trace, capacity, a.policy, batch=a.put_batch).to_json()
     if a.json:
         print(json.dumps(out))
     else:
@@ -211,9 +220,21 @@ def _print_report(o: dict[str, Any]) -> None:
     print(f"{'lru':14}{_pct(o['lru_hit_ratio']):>10}")
     print(f"{'optimal':14}{_pct(o['optimal_hit_ratio']):>10}  {o['optimal_hit_tokens']:>14,}")
     print(f"gap closed: {_pct(o['gap_closed'])} of the LRU → optimum gap")
+    if "oracle_bounds" in o:
+        _print_bounds(o["oracle_bounds"])
     if o["mode"] == "live":
         mb = {k: f"{v / 2**20:.1f} MiB" for k, v in o["bytes_moved"].items()}
         print(f"live      {o['elapsed_s']:.1f} s against {o['target']}; bytes moved: {mb}")
         print(f"          simulator at the same capacity: {_pct(o['simulated_hit_ratio'])} "
               f"({'identical per request' if o['matches_simulator'] else 'DIFFERS'})")
     sys.stdout.flush()
+
+
+def _print_bounds(b: dict[str, Any]) -> None:
+    print("oracle bounds (same capacity, the node's tier manager; the oracles read the trace's future):")
+    for row in b["bounds"]:
+        print(f"  {row['name']:38}{_pct(row['hit_ratio']):>9}  gap closed {_pct(row['gap_closed']):>8}   {row['what']}")
+    p = b["predictability"]
+    probs = ", ".join(f"{k}: {_pct(v)}" for k, v in p["reuse_probability"].items())
+    print(f"what the block stream tells (in-sample): P(block used again) by chain turn ({probs}); "
+          f"AUC of the best (turn, uses) table {p['reuse_auc']:.3f}; R² of log reuse gap {p['gap_r2']:.3f}")

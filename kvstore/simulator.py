@@ -40,7 +40,7 @@ from collections.abc import Callable
 from kvstore.block import BlockMeta
 from kvstore.errors import InvalidArgument
 from kvstore.manager import Status, TierManager
-from kvstore.policy import DEFAULT_POLICY, POLICIES, make_policy
+from kvstore.policy import DEFAULT_POLICY, POLICIES, EvictionPolicy, make_policy
 from kvstore.trace import HitRatios, Trace
 from tiers.dram import DRAMTier
 
@@ -95,17 +95,28 @@ def check_capacity(capacity_blocks: int) -> int:
     return capacity_blocks
 
 
-def build_manager(capacity_blocks: int, policy: str) -> TierManager:
-    """The node's wiring (``server.py``) for a DRAM-only node of ``capacity_blocks`` blocks."""
-    dram = DRAMTier(BytelessArena(capacity_blocks), policy=make_policy(policy), unit=1)  # type: ignore[arg-type]
+def build_manager(capacity_blocks: int, policy: str | EvictionPolicy) -> TierManager:
+    """The node's wiring (``server.py``) for a DRAM-only node of ``capacity_blocks`` blocks.
+
+    ``policy`` is a registered name, or an instance (the oracle bounds of :mod:`kvstore.bounds`).
+    """
+    pol = make_policy(policy) if isinstance(policy, str) else policy
+    dram = DRAMTier(BytelessArena(capacity_blocks), policy=pol, unit=1)  # type: ignore[arg-type]
     return TierManager(dram, None)
 
 
-async def replay_requests(m: TierManager, trace: Trace, batch: int, on_request: Callable[[int, int], None] | None = None) -> list[int]:
-    """Steps 1–3 of the module docstring for every request; returns the hit blocks of each."""
+async def replay_requests(m: TierManager, trace: Trace, batch: int, on_request: Callable[[int, int], None] | None = None,
+                          before_request: Callable[[int], None] | None = None) -> list[int]:
+    """Steps 1–3 of the module docstring for every request; returns the hit blocks of each.
+
+    ``before_request(i)`` runs before request ``i`` is looked up (an oracle's clock);
+    ``on_request(i, hits)`` after it is stored.
+    """
     ns = trace.namespace.fingerprint
     hits: list[int] = []
     for i, (req, keys) in enumerate(zip(trace.requests, trace.keys)):
+        if before_request is not None:
+            before_request(i)
         n, _ = m.match_prefix(keys)
         if n:
             leased = await m.acquire(keys[:n])
@@ -123,18 +134,23 @@ async def replay_requests(m: TierManager, trace: Trace, batch: int, on_request: 
     return hits
 
 
-def simulate(trace: Trace, capacity_blocks: int, policy: str = DEFAULT_POLICY, *, batch: int = DEFAULT_PUT_BATCH) -> SimResult:
-    """Replay ``trace`` through a DRAM-only tier manager of ``capacity_blocks`` blocks."""
-    check_policy(policy)
+def simulate(trace: Trace, capacity_blocks: int, policy: str | EvictionPolicy = DEFAULT_POLICY, *, batch: int = DEFAULT_PUT_BATCH,
+             before_request: Callable[[int], None] | None = None) -> SimResult:
+    """Replay ``trace`` through a DRAM-only tier manager of ``capacity_blocks`` blocks.
+
+    ``policy``: a name from :data:`POLICIES`, or a fresh policy instance (used once).
+    """
+    if isinstance(policy, str):
+        check_policy(policy)
     check_capacity(capacity_blocks)
     m = build_manager(capacity_blocks, policy)
     try:
-        hits = asyncio.run(replay_requests(m, trace, put_batch(capacity_blocks, batch)))
+        hits = asyncio.run(replay_requests(m, trace, put_batch(capacity_blocks, batch), before_request=before_request))
         evictions = m.counters["dram_evictions"]
     finally:
         m.close()
     return SimResult(
-        policy=policy,
+        policy=policy if isinstance(policy, str) else policy.name,
         capacity_blocks=capacity_blocks,
         requests=len(trace),
         blocks=trace.total_blocks,
