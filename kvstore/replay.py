@@ -108,7 +108,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bounds", action="store_true",
                    help="simulator: also replay oracle policies that know the future (dead blocks, next uses) and report how predictable reuse is")
     live = p.add_argument_group("live mode")
-    live.add_argument("--target", metavar="URL", help="unix:///path/kvstore.sock or host:port of a running node (etcd:// needs a cluster-aware SDK)")
+    live.add_argument("--target", metavar="URL", help="unix:///path/kvstore.sock or host:port of a running node, or etcd://HOST:PORT/CLUSTER for a cluster")
     live.add_argument("--block-bytes", type=size_arg("--block-bytes"), default=DEFAULT_BLOCK_BYTES, help="synthetic payload per block (default 64KiB; keep it a multiple of 64KiB)")
     live.add_argument("--speedup", type=float, default=0.0, metavar="F", help="honour the trace's timestamps, F times faster (default 0: as fast as possible)")
     live.add_argument("--token-file", metavar="FILE", help="bearer token for the node")
