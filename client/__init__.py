@@ -17,6 +17,7 @@ from kvstore.errors import (
     InvalidArgument,
     KVStoreError,
     NotFound,
+    PermissionDenied,
     Unauthenticated,
     Unavailable,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "NO_PARENT",
     "Namespace",
     "NotFound",
+    "PermissionDenied",
     "Timeouts",
     "Unauthenticated",
     "Unavailable",

@@ -9,10 +9,10 @@ from typing import Any
 import grpc
 
 from client._core import IDEMPOTENT, ClientCore, Op, T, Timeouts, as_key_list, fingerprint, report_request
-from client._sync import CHANNEL_OPTIONS, RETRIES, resolve_token
+from client._sync import CHANNEL_OPTIONS, RETRIES, resolve_token, rpc_error
 from kvstore.errors import Unavailable
 from kvstore.keys import Namespace, check_key
-from kvstore.wire import error_from_rpc
+from kvstore.tls import ClientTLS, secure_channel
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -21,7 +21,7 @@ class AsyncKVClient:
     """The asyncio twin of :class:`client.KVClient` (same methods, awaited).
 
     Copies and data-channel transfers run in worker threads so the event loop stays free.
-    Use it from one event loop.
+    Use it from one event loop.  TLS keyword arguments as for :class:`client.KVClient`.
     """
 
     def __new__(cls, target: str, **kwargs: Any) -> Any:
@@ -42,8 +42,15 @@ class AsyncKVClient:
         timeouts: Timeouts | None = None,
         transport: str = "auto",
         verify: bool = True,
+        tls: bool = False,
+        tls_ca_file: str | None = None,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
+        tls_server_name: str | None = None,
     ) -> None:
-        self._core = ClientCore(target, transport=transport, timeouts=timeouts, verify=verify)
+        self._tls = ClientTLS.from_options(tls=tls, ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file,
+                                           server_name=tls_server_name)
+        self._core = ClientCore(target, transport=transport, timeouts=timeouts, verify=verify, tls=self._tls)
         tok = resolve_token(token, token_file)
         self._metadata = (("authorization", f"Bearer {tok}"),) if tok else ()
         # made on first use: a grpc.aio channel belongs to the loop it was created on, and
@@ -55,7 +62,7 @@ class AsyncKVClient:
     @property
     def _stub(self) -> pb_grpc.KVStoreStub:
         if self._stub_ is None:
-            self._channel = grpc.aio.insecure_channel(self._core.target.grpc_target, options=CHANNEL_OPTIONS)
+            self._channel = secure_channel(self._core.target.grpc_target, self._tls, CHANNEL_OPTIONS, aio=True)
             self._stub_ = pb_grpc.KVStoreStub(self._channel)
         return self._stub_
 
@@ -67,7 +74,7 @@ class AsyncKVClient:
             try:
                 return await getattr(self._stub, method)(request, timeout=self._core.timeouts.rpc, metadata=self._metadata)
             except grpc.RpcError as e:
-                err = error_from_rpc(e)
+                err = rpc_error(e, self._tls, self._core.target.grpc_target)
                 if isinstance(err, Unavailable) and attempt + 1 < attempts:
                     await asyncio.sleep(0.05 * (attempt + 1))
                     continue
@@ -102,13 +109,13 @@ class AsyncKVClient:
                         try:
                             result = await self._stub.PutStream(chunks(), timeout=self._core.timeouts.data, metadata=self._metadata)
                         except grpc.RpcError as e:
-                            raise error_from_rpc(e) from None
+                            raise rpc_error(e, self._tls, self._core.target.grpc_target) from None
                     elif kind == "get_stream":
                         try:
                             call = self._stub.GetStream(instr[1], timeout=self._core.timeouts.data, metadata=self._metadata)
                             result = [c async for c in call]
                         except grpc.RpcError as e:
-                            raise error_from_rpc(e) from None
+                            raise rpc_error(e, self._tls, self._core.target.grpc_target) from None
                     else:
                         raise AssertionError(f"unknown instruction {kind}")
                 except BaseException as e:  # noqa: B036 - thrown into the op, which re-raises it

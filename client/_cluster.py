@@ -55,7 +55,7 @@ from kvstore.cluster.membership import Membership
 from kvstore.cluster.placement import Ring
 from kvstore.cluster.state import ClusterSnapshot, NodeInfo, effective_fingerprint, parse_target
 from kvstore.errors import (
-    BlockFormatError, CapacityExceeded, DeadlineExceeded, InvalidArgument, Unauthenticated, Unavailable,
+    BlockFormatError, CapacityExceeded, DeadlineExceeded, InvalidArgument, PermissionDenied, Unauthenticated, Unavailable,
 )
 from kvstore.keys import ChunkKey, Namespace, check_key, chunk_keys
 from kvstore.misses import DEADLINE, NODE_DOWN
@@ -69,7 +69,7 @@ NodeOp = Callable[[ClientCore], Op[Any]]
 ClusterOp = Generator[tuple[Any, ...], Any, T]
 
 CLUSTER_TIMEOUTS = Timeouts(rpc=2.0, data=30.0, connect=1.0)
-FATAL = (InvalidArgument, Unauthenticated)  # the caller's mistake: raise, whichever node said it
+FATAL = (InvalidArgument, Unauthenticated, PermissionDenied)  # the caller's mistake: raise, whichever node said it
 STREAM_CHUNK = 1 << 20
 
 

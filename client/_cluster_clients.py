@@ -16,12 +16,14 @@ from kvstore.cluster.membership import Membership
 from kvstore.cluster.state import ClusterSnapshot, NodeInfo
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.keys import ChunkKey, Namespace, check_key
+from kvstore.tls import ClientTLS
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from client._cluster import ClusterCore, ClusterOp, NodeOp, T
 
 
 # -- drivers ---------------------------------------------------------------------------------------
-_CLIENT_OPTIONS = ("token", "token_file", "timeouts", "transport", "verify")
+_CLIENT_OPTIONS = ("token", "token_file", "timeouts", "transport", "verify",
+                   "tls", "tls_ca_file", "tls_cert_file", "tls_key_file", "tls_server_name")
 
 
 class _ClusterBase:
@@ -92,20 +94,26 @@ class ClusterClient(_ClusterBase):
 
     Same methods as :class:`client.KVClient` (plus :meth:`chunk_keys`,
     :meth:`match_prefix_locations`, :meth:`owners`, ...).  Thread-safe.  Batch calls fan
-    out to the owning nodes on a small thread pool.
+    out to the owning nodes on a small thread pool.  The TLS keyword arguments (as for
+    :class:`client.KVClient`) go to every per-node client; etcd itself is dialled as before.
     """
 
     def __init__(self, target: str, *, token: str | None = None, token_file: str | None = None, timeouts: Timeouts | None = None,
                  transport: str = "auto", verify: bool = True, replication: int | None = None, suspect_s: float = 2.0,
-                 prefer_local: bool = True, wait_s: float = 10.0, max_workers: int = 16) -> None:
+                 prefer_local: bool = True, wait_s: float = 10.0, max_workers: int = 16,
+                 tls: bool = False, tls_ca_file: str | None = None, tls_cert_file: str | None = None,
+                 tls_key_file: str | None = None, tls_server_name: str | None = None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         from client._sync import resolve_token
 
+        # TLS files are read now, so a bad one fails here rather than as every node being "down"
+        ClientTLS.from_options(tls=tls, ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file, server_name=tls_server_name)
         self._init_core(target, timeouts=timeouts, transport=transport, verify=verify, replication=replication,
                         suspect_s=suspect_s, prefer_local=prefer_local, wait_s=wait_s)
         self._node_kw = {"token": resolve_token(token, token_file) or None, "timeouts": self._core.timeouts,
-                         "transport": transport, "verify": verify}
+                         "transport": transport, "verify": verify, "tls": tls, "tls_ca_file": tls_ca_file,
+                         "tls_cert_file": tls_cert_file, "tls_key_file": tls_key_file, "tls_server_name": tls_server_name}
         self._clients: dict[str, tuple[tuple[Any, ...], Any]] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvstore-cluster")
@@ -243,13 +251,18 @@ class AsyncClusterClient(_ClusterBase):
 
     def __init__(self, target: str, *, token: str | None = None, token_file: str | None = None, timeouts: Timeouts | None = None,
                  transport: str = "auto", verify: bool = True, replication: int | None = None, suspect_s: float = 2.0,
-                 prefer_local: bool = True, wait_s: float = 10.0) -> None:
+                 prefer_local: bool = True, wait_s: float = 10.0,
+                 tls: bool = False, tls_ca_file: str | None = None, tls_cert_file: str | None = None,
+                 tls_key_file: str | None = None, tls_server_name: str | None = None) -> None:
         from client._sync import resolve_token
 
+        # TLS files are read now, so a bad one fails here rather than as every node being "down"
+        ClientTLS.from_options(tls=tls, ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file, server_name=tls_server_name)
         self._init_core(target, timeouts=timeouts, transport=transport, verify=verify, replication=replication,
                         suspect_s=suspect_s, prefer_local=prefer_local, wait_s=wait_s)
         self._node_kw = {"token": resolve_token(token, token_file) or None, "timeouts": self._core.timeouts,
-                         "transport": transport, "verify": verify}
+                         "transport": transport, "verify": verify, "tls": tls, "tls_ca_file": tls_ca_file,
+                         "tls_cert_file": tls_cert_file, "tls_key_file": tls_key_file, "tls_server_name": tls_server_name}
         self._clients: dict[str, tuple[tuple[Any, ...], Any]] = {}
         self._stale: list[Any] = []
 

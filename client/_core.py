@@ -20,8 +20,8 @@ Paths, chosen per target:
   bytes are copied between the caller's buffer and the node's arena, which this
   process maps once.
 * ``host:port`` target: the **data channel** (bytes on a raw TCP socket, received
-  straight into the caller's buffer); ``transport="grpc-stream"`` forces the slow
-  streaming fallback.
+  straight into the caller's buffer; TLS-wrapped when the client has TLS settings);
+  ``transport="grpc-stream"`` forces the slow streaming fallback.
 """
 
 from __future__ import annotations
@@ -140,13 +140,15 @@ class ClientCore:
     thread-safe for the disjoint copies the operations make.
     """
 
-    def __init__(self, target: str, *, transport: str = "auto", timeouts: Timeouts | None = None, verify: bool = True) -> None:
+    def __init__(self, target: str, *, transport: str = "auto", timeouts: Timeouts | None = None, verify: bool = True,
+                 tls: Any = None) -> None:
         if transport not in TRANSPORTS:
             raise InvalidArgument(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.target = Target.parse(target)
         self.transport = transport
         self.timeouts = timeouts or Timeouts()
         self.verify = verify
+        self.tls = tls  # kvstore.tls.ClientTLS | None: the owning client's, for the data channel
         self.hello: pb.HelloResponse | None = None
         self.stale = False  # the node was unreachable: ask for its Hello again before the next operation
         self.arena: Arena | None = None
@@ -180,7 +182,8 @@ class ClientCore:
                 raise InvalidArgument("transport='data-channel' needs a host:port target")
             if self.pool is not None:  # a restarted node: the old port is gone
                 self.pool.close()
-            self.pool = DataChannelPool(self.target.host, hello.data_port, connect_timeout=self.timeouts.connect, io_timeout=self.timeouts.data)
+            self.pool = DataChannelPool(self.target.host, hello.data_port, connect_timeout=self.timeouts.connect, io_timeout=self.timeouts.data,
+                                        tls=self.tls)
         self.path = path
         self.hello = hello
         self.stale = False

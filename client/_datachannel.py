@@ -4,23 +4,33 @@ A small pool of blocking TCP connections to one node.  Each transfer takes a
 connection, moves the bytes with ``sendall`` / ``recv_into`` straight from or into
 the caller's buffers, and returns the connection to the pool; a connection that saw
 any error is closed, never reused.  Thread-safe (the pool has its own lock).
+
+With ``tls`` (a :class:`kvstore.tls.ClientTLS`, owned by the client that made the pool)
+each new connection is TLS-wrapped, handshake included, under the connect timeout; the
+transfers then call the same ``sendall`` / ``recv_into`` on the TLS socket, which
+encrypt from and decrypt into the caller's memoryviews directly.
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import xxhash
 
 from kvstore.datachannel import COUNT, OP_GET, OP_PUT, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC, STATUS_OK, _recv_into_exact
 from kvstore.errors import DeadlineExceeded, Unavailable
+from kvstore.tls import explain
 
 
 class DataChannelPool:
-    def __init__(self, host: str, port: int, *, connect_timeout: float, io_timeout: float, max_idle: int = 4) -> None:
+    def __init__(self, host: str, port: int, *, connect_timeout: float, io_timeout: float, max_idle: int = 4,
+                 tls: Any = None) -> None:
         self.host, self.port = host, port
+        self.tls = tls  # kvstore.tls.ClientTLS | None
         self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -36,8 +46,22 @@ class DataChannelPool:
         except OSError as e:
             raise Unavailable(f"cannot open the data channel to {self.host}:{self.port}: {e}") from e
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.tls is not None:
+            try:
+                s = self.tls.wrap(s, self.host)  # the handshake, under the connect timeout
+            except OSError as e:
+                s.close()
+                where = f"{self.host}:{self.port}"
+                if isinstance(e, (ssl.SSLEOFError, ConnectionResetError)):  # dropped before the handshake completed
+                    raise Unavailable(f"the data channel at {where} closed the connection during the TLS handshake "
+                                      f"(does the node serve TLS there?): {e}") from e
+                raise Unavailable(explain(f"TLS handshake on the data channel to {where} failed: {e}", self.tls, where)) from e
         s.settimeout(self.io_timeout)
         return s, False
+
+    def _closed_early(self) -> str:
+        hint = "" if self.tls is not None else "; a node serving TLS also closes plaintext connections at once"
+        return f"the node closed the data channel (transfer expired or unknown{hint})"
 
     def _put(self, s: socket.socket) -> None:
         with self._lock:
@@ -58,13 +82,19 @@ class DataChannelPool:
                 s.sendall(REQUEST.pack(REQUEST_MAGIC, OP_GET, transfer_id))
                 head = bytearray(REPLY.size)
                 got_reply = _recv_into_exact(s, memoryview(head))
+            except ssl.SSLError as e:
+                if reused:
+                    got_reply = False
+                else:  # a fresh TLS connection refused at its first read (TLS 1.3 checks client certificates here)
+                    where = f"{self.host}:{self.port}"
+                    raise Unavailable(explain(f"data channel TLS error: {e}", self.tls, where)) from e
             except OSError:
                 got_reply = False
             if not got_reply:
                 if reused:  # the node closed this idle pooled connection before reading our request
                     s.close()
                     return self.get(transfer_id, outs, hashed=hashed, _fresh=True)
-                raise Unavailable("the node closed the data channel (transfer expired or unknown)")
+                raise Unavailable(self._closed_early())
             magic, status = REPLY.unpack(head)
             if magic != REPLY_MAGIC or status != STATUS_OK:
                 raise Unavailable(f"data channel refused the transfer (status {status})")
@@ -97,7 +127,7 @@ class DataChannelPool:
                 s.sendall(p)
             head = bytearray(REPLY.size + COUNT.size)
             if not _recv_into_exact(s, memoryview(head)):
-                raise Unavailable("the node closed the data channel (transfer expired or unknown)")
+                raise Unavailable(self._closed_early())
             magic, status = REPLY.unpack_from(head)
             (n,) = COUNT.unpack_from(head, REPLY.size)
             if magic != REPLY_MAGIC or status != STATUS_OK or n != len(payloads):
@@ -122,11 +152,21 @@ class DataChannelPool:
 
 
 def _peer_closed(s: socket.socket) -> bool:  # restores the socket's timeout
-    """True if the peer has closed (or reset) an idle connection: a non-blocking peek sees EOF."""
+    """True if the peer has closed (or reset) an idle connection: a non-blocking peek sees EOF.
+
+    TLS sockets cannot peek; a non-blocking read stands in (OpenSSL consumes any session
+    tickets on the way): an idle connection has no bytes due, so EOF and unexpected bytes
+    both mean it is not reusable."""
     timeout = s.gettimeout()
     try:
         s.setblocking(False)
         try:
+            if isinstance(s, ssl.SSLSocket):
+                try:
+                    s.recv(1)
+                    return True
+                except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                    return False
             return s.recv(1, socket.MSG_PEEK) == b""
         except BlockingIOError:
             return False

@@ -13,6 +13,7 @@ import grpc
 from client._core import IDEMPOTENT, ClientCore, Op, T, Timeouts, as_key_list, fingerprint, report_request
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.keys import Namespace, check_key
+from kvstore.tls import ClientTLS, explain, secure_channel
 from kvstore.wire import error_from_rpc
 
 if False:  # typing only
@@ -27,6 +28,14 @@ CHANNEL_OPTIONS = [
     # reconnect to a restarted node within seconds, not gRPC's default of up to 120 s
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    # a keepalive time makes gRPC set TCP_USER_TIMEOUT (= the keepalive timeout) on its
+    # sockets: a connection whose packets went unacknowledged for 5 s (a network partition)
+    # is closed and reopened, instead of waiting out TCP's backed-off retransmissions for
+    # about as long again as the partition lasted once it heals (every client in the process
+    # shares that connection).  Pings stay rare: only during calls, and further apart than
+    # the 5 min gRPC servers allow by default.  Regression: tests/fault/test_partition_netns.py
+    ("grpc.keepalive_time_ms", 360_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
 ]
 RETRIES = 2
 
@@ -45,12 +54,29 @@ def resolve_token(token: str | None, token_file: str | None) -> str:
     return os.environ.get("KVSTORE_TOKEN", "")
 
 
+def rpc_error(e: grpc.RpcError, tls: ClientTLS | None, target: str) -> KVStoreError:
+    """``error_from_rpc``, plus what to check when a connection failed the way a TLS mismatch does."""
+    err = error_from_rpc(e)
+    if isinstance(err, Unavailable):
+        msg = explain(str(err), tls, target)
+        if msg != str(err):
+            return type(err)(msg)
+    return err
+
+
 class KVClient:
     """A blocking client of one kvstore node.  Thread-safe; reuse one per process.
 
     ``target`` is ``unix:///path/to/kvstore.sock`` (same machine: zero-copy shared
     memory) or ``host:port`` (bytes over the node's TCP data channel).  A miss is
     ``None`` (or ``False``), never an exception; errors are :class:`kvstore.errors.KVStoreError`.
+
+    TLS, for ``host:port`` targets of a node started with ``tls_cert_file``: ``tls_ca_file``
+    (PEM roots that verify the node; ``tls=True`` alone uses the system's roots),
+    ``tls_cert_file`` / ``tls_key_file`` (a client certificate, for nodes that require one)
+    and ``tls_server_name`` (the name to verify instead of the host dialled).  The files are
+    read once, here; the gRPC channel and the data channel use the same settings.  Unix
+    socket targets stay plaintext whatever is passed.
     """
 
     def __new__(cls, target: str, **kwargs: Any) -> Any:
@@ -71,11 +97,18 @@ class KVClient:
         timeouts: Timeouts | None = None,
         transport: str = "auto",
         verify: bool = True,
+        tls: bool = False,
+        tls_ca_file: str | None = None,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
+        tls_server_name: str | None = None,
     ) -> None:
-        self._core = ClientCore(target, transport=transport, timeouts=timeouts, verify=verify)
+        self._tls = ClientTLS.from_options(tls=tls, ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file,
+                                           server_name=tls_server_name)
+        self._core = ClientCore(target, transport=transport, timeouts=timeouts, verify=verify, tls=self._tls)
         tok = resolve_token(token, token_file)
         self._metadata = (("authorization", f"Bearer {tok}"),) if tok else ()
-        self._channel = grpc.insecure_channel(self._core.target.grpc_target, options=CHANNEL_OPTIONS)
+        self._channel = secure_channel(self._core.target.grpc_target, self._tls, CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._inflight: list[Any] = []
         self._inflight_lock = threading.Lock()
@@ -89,7 +122,7 @@ class KVClient:
             try:
                 return getattr(self._stub, method)(request, timeout=self._core.timeouts.rpc, metadata=self._metadata)
             except grpc.RpcError as e:
-                err = error_from_rpc(e)
+                err = rpc_error(e, self._tls, self._core.target.grpc_target)
                 if isinstance(err, Unavailable) and attempt + 1 < attempts:
                     time.sleep(0.05 * (attempt + 1))
                     continue
@@ -128,12 +161,12 @@ class KVClient:
                         try:
                             result = self._stub.PutStream(instr[1](), timeout=self._core.timeouts.data, metadata=self._metadata)
                         except grpc.RpcError as e:
-                            raise error_from_rpc(e) from None
+                            raise rpc_error(e, self._tls, self._core.target.grpc_target) from None
                     elif kind == "get_stream":
                         try:
                             result = list(self._stub.GetStream(instr[1], timeout=self._core.timeouts.data, metadata=self._metadata))
                         except grpc.RpcError as e:
-                            raise error_from_rpc(e) from None
+                            raise rpc_error(e, self._tls, self._core.target.grpc_target) from None
                     else:
                         raise AssertionError(f"unknown instruction {kind}")
                 except BaseException as e:  # noqa: B036 - thrown into the op, which re-raises it

@@ -12,6 +12,7 @@ JSON object on stdout (the table then goes to stderr):
   memcpy, a raw loopback socket (``sendall`` → ``recv_into``, peer in another process)
   and a private ``redis-server`` (spoken to in RESP, replies read with ``recv_into``).
   Without ``--target`` it runs its own node process and stops it at the end.
+  ``--paths ...,tls`` adds a private TLS node's data channel against a raw TLS socket (benchtls.py).
 
 Method: every buffer is allocated page-aligned and pre-faulted before timing (first
 touch runs at ~1 GB/s here); each rep runs every case once, interleaved, so machine
@@ -45,6 +46,7 @@ from typing import Any, TextIO
 import numpy as np
 import xxhash
 
+from kvstore import benchtls
 from kvstore.config import default_data_dir, parse_size
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 
@@ -359,14 +361,15 @@ def _recv_exact(s: socket.socket, view: memoryview) -> None:
         pos += got
 
 
-def socket_peer_main() -> None:
-    """The raw-socket reference's far end, in its own process (like the node)."""
+def socket_peer_main(wrap: Callable[[socket.socket], socket.socket] | None = None) -> None:
+    """The raw-socket reference's far end, in its own process (like the node); ``wrap``: TLS (benchtls.py)."""
     cap = int(sys.argv[1])
     buf = buffer(cap, pattern=True)
     ls = socket.create_server(("127.0.0.1", 0))
     print(ls.getsockname()[1], flush=True)
     s, _ = ls.accept()
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s = wrap(s) if wrap else s
     head = bytearray(_PEER_REQ.size)
     while True:
         _recv_exact(s, memoryview(head))
@@ -384,13 +387,15 @@ def socket_peer_main() -> None:
 
 
 class SocketPeer:
-    def __init__(self, capacity: int) -> None:
-        code = "import sys; from kvstore.bench import socket_peer_main; socket_peer_main()"
-        self.proc = subprocess.Popen([sys.executable, "-c", code, str(capacity)], stdout=subprocess.PIPE, text=True)
+    _MAIN = "from kvstore.bench import socket_peer_main as m; m()"
+
+    def __init__(self, capacity: int, *, main: str = _MAIN, args: Sequence[str] = (), wrap: Callable[[Any], Any] = lambda s: s) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", main, str(capacity), *args], stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         port = int(self.proc.stdout.readline())
         self.s = socket.create_connection(("127.0.0.1", port))
         self.s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.s = wrap(self.s)
 
     def get(self, dst: Sequence[np.ndarray]) -> None:
         self.s.sendall(_PEER_REQ.pack(b"G", dst[0].size, len(dst)))
@@ -514,11 +519,12 @@ class Redis:
 class PrivateNode:
     """A ``kvstore serve`` child on free ports with a temporary data dir; SIGTERM stops it."""
 
-    def __init__(self, dram: int, workdir: Path) -> None:
-        self.arena = Path("/dev/shm") / f"kvstore-bench-{os.getpid()}-{workdir.name[-8:]}.arena"
-        cmd = [sys.executable, "-m", "kvstore", "serve", "--data-dir", str(workdir / "node"), "--listen", "127.0.0.1:0",
-               "--dram", str(dram), "--nvme", "0", "--node-id", f"bench-{os.getpid()}", "--arena-path", str(self.arena),
-               "--log-level", "WARNING"]
+    def __init__(self, dram: int, workdir: Path, *, extra: Sequence[str] = (), tag: str = "") -> None:
+        suffix = f"-{tag}" if tag else ""  # a second node of the same run (the tls path's)
+        self.arena = Path("/dev/shm") / f"kvstore-bench-{os.getpid()}-{workdir.name[-8:]}{suffix}.arena"
+        cmd = [sys.executable, "-m", "kvstore", "serve", "--data-dir", str(workdir / f"node{suffix}"), "--listen", "127.0.0.1:0",
+               "--dram", str(dram), "--nvme", "0", "--node-id", f"bench-{os.getpid()}{suffix}", "--arena-path", str(self.arena),
+               "--log-level", "WARNING", *extra]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.output: list[str] = []
@@ -554,11 +560,11 @@ class SDKPath:
 
     _run = itertools.count(int(time.time() * 1000) & 0xFFFFFFFF)
 
-    def __init__(self, name: str, target: str, transport: str) -> None:
+    def __init__(self, name: str, target: str, transport: str, **client_kw: Any) -> None:
         from client import KVClient
 
         self.name = name
-        self.kv = KVClient(target, transport=transport)
+        self.kv = KVClient(target, transport=transport, **client_kw)
         self.run = next(self._run) << 32 | os.getpid()
         self.seq = itertools.count()
 
@@ -622,11 +628,11 @@ def run_sdk(a: argparse.Namespace) -> dict[str, Any]:
                 out["redis"] = f"not measured: {e}"
         else:
             out["redis"] = "not measured: redis-server not installed" if a.redis_server else "not measured: disabled"
+        dram = -(-max(int(ws_max * 1.5), 4 * min(a.batch_bytes, ws_max), 64 * MiB) // MiB) * MiB
         if a.target:
             unix, tcp = _split_targets(a.target)
             out["node"] = a.target
         else:
-            dram = -(-max(int(ws_max * 1.5), 4 * min(a.batch_bytes, ws_max), 64 * MiB) // MiB) * MiB
             log(f"sdk: starting a private node ({dram >> 20} MiB DRAM) ...")
             node = PrivateNode(dram, work)
             cleanup.append(node.stop)
@@ -639,6 +645,12 @@ def run_sdk(a: argparse.Namespace) -> dict[str, Any]:
                 p = SDKPath(name, target, transport)
                 cleanup.append(p.close)
                 paths.append((p, at))
+        tls = None
+        if "tls" in a.paths:
+            log(f"sdk: starting a private TLS node ({dram >> 20} MiB DRAM, throwaway certificates) and a TLS socket peer ...")
+            tls = benchtls.TLSBench(work, dram, ws_max)
+            cleanup.extend([tls.close, (tls_path := SDKPath("tls", tls.target, "data-channel", **tls.client_kw)).close])
+            paths.append((tls_path, set(sizes)))
         results: dict[str, dict[str, Any]] = {p.name: {} for p, _ in paths}
         refs: dict[str, dict[str, Any]] = {}
         for size in sizes:
@@ -648,12 +660,15 @@ def run_sdk(a: argparse.Namespace) -> dict[str, Any]:
             check = [xxhash.xxh3_64_intdigest(s) for s in src]
             log(f"sdk: {n} x {label(size)} in batches of {batch}, best of {reps} ...")
             here = [p for p, at in paths if size in at]
-            best = {k: Best() for k in ["memcpy", "socket_get", "socket_put", "redis_put", "redis_get"]
+            best = {k: Best() for k in ["memcpy", "socket_get", "socket_put", "redis_put", "redis_get", "tls_socket_get", "tls_socket_put"]
                     + [f"{p.name}_{op}" for p in here for op in ("put", "get")]}
             for rep in range(reps):
                 best["memcpy"].add(timed(lambda: memcpy(src, dst)))
                 best["socket_put"].add(timed(lambda: peer.put(src)))
                 best["socket_get"].add(timed(lambda: peer.get(dst)))
+                if tls is not None:
+                    best["tls_socket_put"].add(timed(lambda: tls.peer.put(src)))
+                    best["tls_socket_get"].add(timed(lambda: tls.peer.get(dst)))
                 if redis is not None:
                     rkeys = [b"bench:%d:%d" % (rep, i) for i in range(n)]
                     best["redis_put"].add(timed(lambda: [redis.set_many(k, s) for k, s in zip(batched(rkeys, batch), batched(src, batch))]))
@@ -665,10 +680,13 @@ def run_sdk(a: argparse.Namespace) -> dict[str, Any]:
                     best[f"{p.name}_get"].add(tg)
             refs[label(size)] = {"memcpy_gbps": best["memcpy"].gbps(ws), "socket_gbps": best["socket_get"].gbps(ws),
                                  "socket_put_gbps": best["socket_put"].gbps(ws), "redis_put_gbps": best["redis_put"].gbps(ws),
-                                 "redis_get_gbps": best["redis_get"].gbps(ws), "blocks": n, "batch": batch}
+                                 "redis_get_gbps": best["redis_get"].gbps(ws), "blocks": n, "batch": batch,
+                                 "tls_socket_gbps": best["tls_socket_get"].gbps(ws), "tls_socket_put_gbps": best["tls_socket_put"].gbps(ws)}
             for p in here:
                 results[p.name][label(size)] = {"put_gbps": best[f"{p.name}_put"].gbps(ws), "get_gbps": best[f"{p.name}_get"].gbps(ws),
                                                 "blocks": n, "batch": batch}
+        if tls is not None:
+            out["tls"] = {"cipher": tls.sdk_cipher(tls_path.kv), "socket_cipher": tls.socket_cipher, "node": tls.target}
     finally:
         for fn in reversed(cleanup):
             with contextlib.suppress(Exception):
@@ -686,6 +704,8 @@ def run_sdk(a: argparse.Namespace) -> dict[str, Any]:
         "tcp_put_vs_socket": ratio(at("tcp", "put_gbps"), r["socket_put_gbps"]),
         "tcp_put_vs_redis": ratio(at("tcp", "put_gbps"), r["redis_put_gbps"]),
     }
+    if "tls" in results:  # reported, not targeted: DESIGN §10 sets no TLS figure
+        out["ratios"].update(benchtls.ratios(at, r))
     out["targets"] = {k: TARGETS[k] for k in ("local_get_vs_memcpy", "local_put_vs_memcpy", "tcp_get_vs_socket", "tcp_get_vs_redis")}
     out["targets_met"] = {k: (None if out["ratios"][k] is None else out["ratios"][k] >= t) for k, t in out["targets"].items()}
     return out
@@ -699,13 +719,18 @@ def print_sdk(r: dict[str, Any], f: TextIO) -> None:
         for size, v in by_size.items():
             ref = r["references"][size]
             rel = lambda a, b: f"{a / b:.2f}" if a and b else "-"  # noqa: E731
+            sock = ref.get("tls_socket_gbps") if path == "tls" else ref["socket_gbps"]  # TLS against the TLS socket
             print(f"{path:<13}{size:>8}{v['put_gbps']:>10.2f}{v['get_gbps']:>10.2f}{rel(v['put_gbps'], ref['memcpy_gbps']):>12}"
-                  f"{rel(v['get_gbps'], ref['memcpy_gbps']):>12}{rel(v['get_gbps'], ref['socket_gbps']):>12}", file=f)
+                  f"{rel(v['get_gbps'], ref['memcpy_gbps']):>12}{rel(v['get_gbps'], sock):>12}", file=f)
     print(f"{'reference':<13}{'size':>8}{'memcpy':>10}{'sock put':>10}{'sock get':>10}{'redis put':>11}{'redis get':>11}", file=f)
     for size, ref in r["references"].items():
         fmt = lambda v: f"{v:.2f}" if v else "-"  # noqa: E731
         print(f"{'':<13}{size:>8}{fmt(ref['memcpy_gbps']):>10}{fmt(ref['socket_put_gbps']):>10}{fmt(ref['socket_gbps']):>10}"
               f"{fmt(ref['redis_put_gbps']):>11}{fmt(ref['redis_get_gbps']):>11}", file=f)
+        if ref.get("tls_socket_gbps"):
+            print(f"{'TLS socket':<13}{size:>8}{'':>10}{fmt(ref['tls_socket_put_gbps']):>10}{fmt(ref['tls_socket_gbps']):>10}", file=f)
+    if r.get("tls"):
+        benchtls.print_summary(r, f)
     print(f"targets at {r['ref_size']} (DESIGN §10):", file=f)
     _print_targets(r, f)
 
@@ -743,7 +768,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sizes", type=_sizes, default=None, metavar="LIST", help="block sizes (default 256KiB,4MiB,32MiB)")
     g.add_argument("--target", default=None, metavar="T[,T]",
                    help="use this node: unix:///sock (local path), host:port (tcp), or both comma-separated; default: start a private node")
-    g.add_argument("--paths", default="local,tcp,grpc-stream", help="paths to measure (default local,tcp,grpc-stream)")
+    g.add_argument("--paths", default="local,tcp,grpc-stream",
+                   help="paths to measure (default local,tcp,grpc-stream); add 'tls' for the TLS data channel of a private TLS node "
+                        "against a raw TLS socket (needs the cryptography package)")
     g.add_argument("--stream-sizes", type=_sizes, default=[4 * MiB], metavar="LIST",
                    help="sizes at which to measure the slow grpc-stream fallback (default 4MiB)")
     g.add_argument("--redis-server", default="redis-server", metavar="PATH", help="redis-server binary ('' to skip Redis)")

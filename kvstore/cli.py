@@ -30,6 +30,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eviction-policy", metavar="NAME", help="eviction policy (default prefix-reuse; see `kvstore replay`)")
     p.add_argument("--write-through", action="store_true", default=None, help="persist every block to NVMe at commit")
     p.add_argument("--token-file", metavar="FILE", help="require this bearer token on every call")
+    p.add_argument("--tenant", dest="tenants", action="append", metavar="NAME=TOKEN_FILE",
+                   help="a tenant and the file holding its token (repeat for more tenants or tokens); tenants own the namespaces they write")
     p.add_argument("--read-lease-ttl", dest="lease_ttl_s", type=float, metavar="S", help="read lease lifetime in seconds (default 30)")
     p.add_argument("--etcd", metavar="HOST:PORT[,HOST:PORT]", help="join the cluster whose membership lives in this etcd")
     p.add_argument("--cluster", metavar="NAME", help="cluster name in etcd (default 'default')")
@@ -38,6 +40,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="TTL of this node's etcd membership lease in seconds (default 10; kept alive every TTL/3)")
     p.add_argument("--reservation-ttl", dest="reservation_ttl_s", type=float, metavar="S", help="unfinished writes are reclaimed after S seconds")
     p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics on this port")
+    p.add_argument("--tls-cert-file", metavar="FILE", help="PEM certificate: serve TLS on the TCP listeners (gRPC and data channel); needs --tls-key-file")
+    p.add_argument("--tls-key-file", metavar="FILE", help="PEM private key of --tls-cert-file")
+    p.add_argument("--tls-client-ca-file", metavar="FILE", help="PEM CA: require TCP clients to present a certificate it signed (mutual TLS)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -49,8 +54,8 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {
         k: getattr(a, k)
         for k in ("listen", "data_listen", "socket", "data_dir", "dram", "nvme", "node_id", "arena_path", "eviction_policy",
-                  "write_through", "token_file", "lease_ttl_s", "reservation_ttl_s", "metrics_port",
-                  "etcd", "cluster", "zone", "etcd_lease_ttl_s")
+                  "write_through", "token_file", "tenants", "lease_ttl_s", "reservation_ttl_s", "metrics_port",
+                  "etcd", "cluster", "zone", "etcd_lease_ttl_s", "tls_cert_file", "tls_key_file", "tls_client_ca_file")
     }
     cfg = load_config(a.config, overrides=overrides)
     return asyncio.run(serve(cfg))
@@ -59,7 +64,9 @@ def _cmd_serve(a: argparse.Namespace) -> int:
 def _cmd_stats(a: argparse.Namespace) -> int:
     from client import KVClient
 
-    with KVClient(a.target) as kv:
+    from kvstore.tls import client_kwargs
+
+    with KVClient(a.target, **client_kwargs(a)) as kv:
         print(json.dumps(kv.stats(), indent=2, sort_keys=True))
     return 0
 
@@ -80,6 +87,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     s.set_defaults(fn=_cmd_serve)
     st = sub.add_parser("stats", help="print a node's tiers and counters as JSON")
     st.add_argument("--target", default=os.environ.get("KVSTORE_TARGET", "127.0.0.1:50151"), help="unix:///path or host:port")
+    from kvstore.tls import add_client_arguments
+
+    add_client_arguments(st)
     st.set_defaults(fn=_cmd_stats)
     b = sub.add_parser("bench", help="data-path benchmark against references measured in the same run")
     from kvstore import bench as _bench

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import xxhash
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvstore.errors import InvalidArgument
 
@@ -53,6 +53,66 @@ def default_data_dir() -> Path:
     return Path(base) / "kvstore"
 
 
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+class TenantConfig(BaseModel):
+    """One tenant's credentials: each token (inline or in a file) authenticates as it.  Several
+    tokens let a tenant rotate one without downtime."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    token: tuple[str, ...] = Field((), repr=False, description="Bearer token(s) of the tenant: a string or a list.")
+    token_file: tuple[str, ...] = Field((), description="File(s) each holding one bearer token of the tenant: a path or a list.")
+
+    @field_validator("token", "token_file", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: object) -> object:
+        return (v,) if isinstance(v, str) else v
+
+    @field_validator("token", "token_file")
+    @classmethod
+    def _non_empty(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not t.strip() for t in v):
+            raise ValueError("an empty token or token file name")
+        return tuple(t.strip() for t in v)  # as for token files: surrounding whitespace is not part of it
+
+    @model_validator(mode="after")
+    def _some(self) -> "TenantConfig":
+        if not self.token and not self.token_file:
+            raise ValueError("a tenant needs token or token_file")
+        return self
+
+    def resolve(self, name: str) -> list[str]:
+        """The tenant's tokens, files read now (surrounding whitespace is not part of a token)."""
+        out = list(self.token)
+        for path in self.token_file:
+            try:
+                text = Path(path).read_text().strip()
+            except OSError as e:
+                raise InvalidArgument(f"cannot read token_file {path} of tenant {name!r}: {e}") from e
+            if not text:
+                raise InvalidArgument(f"token_file {path} of tenant {name!r} is empty")
+            out.append(text)
+        return out
+
+
+def _tenant_pairs(v: object) -> object:
+    """``NAME=TOKEN_FILE[,NAME=TOKEN_FILE]`` (env) or a list of ``NAME=TOKEN_FILE`` (flags)
+    → the table form.  Tokens are never given inline there: they would show in ``ps``."""
+    if isinstance(v, str):
+        v = [p for p in (x.strip() for x in v.split(",")) if p]
+    if not isinstance(v, (list, tuple)):
+        return v
+    table: dict[str, dict[str, list[str]]] = {}
+    for item in v:
+        name, sep, path = str(item).partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"expected NAME=TOKEN_FILE, got {item!r}")
+        table.setdefault(name.strip(), {"token_file": []})["token_file"].append(path.strip())
+    return table
+
+
 class NodeConfig(BaseModel):
     """Everything a ``kvstore serve`` process is told at start-up."""
 
@@ -75,6 +135,7 @@ class NodeConfig(BaseModel):
     max_batch: int = Field(4096, gt=0, description="Most keys in one request.")
     token: str = Field("", description="Bearer token required on every RPC and data-channel transfer; empty: no auth.")
     token_file: str = Field("", description="File holding the bearer token (overrides `token`).")
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict, description="Tenant name -> its bearer token(s) (TOML: [tenants.NAME] token/token_file; env and flags: NAME=TOKEN_FILE[,...]). A tenant owns the namespaces it writes first; `token` stays the admin's, allowed everything.")
     flush_on_shutdown_s: float = Field(30.0, ge=0, description="On SIGTERM, spend up to this long demoting dirty DRAM blocks to NVMe.")
     prefault: bool = Field(True, description="Touch every arena page at start-up so copies never pay first-touch costs.")
     metrics_port: int | None = Field(None, description="Port of the Prometheus /metrics endpoint; unset: none.")
@@ -91,6 +152,18 @@ class NodeConfig(BaseModel):
     cluster: str = Field("default", description="Cluster name: membership, config and namespaces live under /kvstore/<cluster>/ in etcd.")
     zone: str = Field("", description="Failure zone of this node, published in its membership record.")
     etcd_lease_ttl_s: float = Field(10.0, ge=1, description="TTL of the etcd lease that holds this node's membership record (whole seconds, rounded up).")
+    tls_cert_file: str = Field("", description="PEM certificate (chain) of the TCP listeners (gRPC and data channel); with tls_key_file, they serve TLS 1.2+ only. The Unix socket stays plaintext.")
+    tls_key_file: str = Field("", description="PEM private key (unencrypted) of tls_cert_file.")
+    tls_client_ca_file: str = Field("", description="PEM CA certificate(s): when set, TCP clients must present a certificate it signed (mutual TLS).")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> "NodeConfig":
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            given, missing = ("tls_cert_file", "tls_key_file") if self.tls_cert_file else ("tls_key_file", "tls_cert_file")
+            raise ValueError(f"{given} is set but {missing} is not: TLS needs both the certificate and its private key (or neither)")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file: the node must serve TLS to verify clients")
+        return self
 
     @field_validator("dram", "nvme", "max_block_bytes", mode="before")
     @classmethod
@@ -123,6 +196,35 @@ class NodeConfig(BaseModel):
         tag = xxhash.xxh3_64_hexdigest(str(Path(self.data_dir).resolve()).encode())[:8]
         return Path("/dev/shm") / f"kvstore-{self.node_id}-{tag}.arena"
 
+    @field_validator("tenants", mode="before")
+    @classmethod
+    def _tenants_in(cls, v: object) -> object:
+        return _tenant_pairs(v)
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names(cls, v: dict[str, TenantConfig]) -> dict[str, TenantConfig]:
+        for name in v:
+            if not TENANT_NAME.fullmatch(name):
+                raise ValueError(f"tenant names are 1-64 letters, digits, '.', '_' or '-' (starting with a letter or digit), got {name!r}")
+        # inline tokens are checked here; tokens in files when the node starts (tenant_tokens)
+        _token_table(self_token="", tenants={n: list(t.token) for n, t in v.items()})
+        return v
+
+    @model_validator(mode="after")
+    def _tenants_and_admin(self) -> "NodeConfig":
+        if self.tenants and self.token:
+            _token_table(self_token=self.token, tenants={n: list(t.token) for n, t in self.tenants.items()})
+        if self.tenants and self.metrics_port is not None and not (self.token or self.token_file):
+            # /metrics is node-wide (every namespace's counters): no tenant token may read it
+            raise ValueError("metrics_port with tenants needs the admin token (token or token_file) to guard /metrics")
+        return self
+
+    def tenant_tokens(self) -> dict[str, str]:
+        """Every tenant token → its tenant, token files read now.  A token given to two
+        tenants, or to a tenant and the admin (``token``), is an error."""
+        return _token_table(self_token=self.auth_token(), tenants={n: t.resolve(n) for n, t in self.tenants.items()})
+
     def auth_token(self) -> str:
         if self.token_file:
             try:
@@ -130,6 +232,19 @@ class NodeConfig(BaseModel):
             except OSError as e:
                 raise InvalidArgument(f"cannot read token_file {self.token_file}: {e}") from e
         return self.token
+
+
+def _token_table(*, self_token: str, tenants: Mapping[str, list[str]]) -> dict[str, str]:
+    by_token: dict[str, str] = {}
+    for name, tokens in tenants.items():
+        for tok in tokens:
+            other = by_token.get(tok)
+            if other is not None and other != name:
+                raise InvalidArgument(f"tenants {other!r} and {name!r} share a token: each token must name one tenant")
+            if self_token and tok == self_token:
+                raise InvalidArgument(f"tenant {name!r} has the admin token (`token`/`token_file`): give it its own")
+            by_token[tok] = name
+    return by_token
 
 
 def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -160,11 +275,16 @@ def load_config(
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise InvalidArgument(f"cannot read config file {file}: {e}") from e
         node = data.pop("node", None)
+        tenants = data.pop("tenants", None)  # [tenants.NAME] sits beside [node]
         if data and node is None:
             node, data = data, {}
         if data:
             raise InvalidArgument(f"unknown section(s) in {file}: {sorted(data)}; put settings under [node]")
         merged.update(node or {})
+        if tenants is not None:
+            if "tenants" in merged:
+                raise InvalidArgument(f"{file} gives tenants twice: use [tenants.NAME] or [node.tenants.NAME], not both")
+            merged["tenants"] = tenants
     merged.update(_env_overrides(os.environ if environ is None else environ))
     merged.update({k: v for k, v in (overrides or {}).items() if v is not None})
     unknown = sorted(set(merged) - set(NodeConfig.model_fields))

@@ -1,4 +1,4 @@
-"""The data channel: bulk block bytes over a plain TCP socket, straight from and into the arena.
+"""The data channel: bulk block bytes over a TCP socket, straight from and into the arena.
 
 Framing (all integers little-endian; see ``protos/kvstore/v1/DATA_CHANNEL.md``)::
 
@@ -13,6 +13,14 @@ call hands out, valid once and until its deadline: it is the capability for the
 bytes.  A connection whose first frame is malformed or names no live transfer is
 closed at once, having read nothing more and written nothing.
 
+With TLS configured (``ssl_context``, built by :mod:`kvstore.tls`), every accepted socket is
+wrapped before its first byte is read; the handshake runs on the connection's own thread
+under the first-frame timeout, so a client that never completes it holds nothing else up,
+and one that speaks plaintext (or presents no trusted certificate under mutual TLS) is
+closed at the handshake.  The framing inside is unchanged; ``sendall`` and ``recv_into``
+on the TLS socket still move the arena's memoryviews without an intermediate copy in
+Python (OpenSSL encrypts from them and decrypts into them).
+
 Threads: one accept thread and one thread per connection do the blocking socket I/O
 (``sendall`` / ``recv_into`` release the GIL).  Everything they need from the node's
 state goes through the event loop (``run_coroutine_threadsafe``): the loop stays the
@@ -26,6 +34,7 @@ import dataclasses
 import logging
 import secrets
 import socket
+import ssl
 import struct
 import threading
 from collections.abc import Callable
@@ -99,8 +108,10 @@ class DataChannelServer:
         finish_get: Callable[[Transfer, bool], Any],  # coroutine fn: release leases
         finish_put: Callable[[Transfer, bool], Any],  # coroutine fn: commit (True) or abort -> list[int]
         on_bytes: Callable[[str, int], None] | None = None,
+        ssl_context: ssl.SSLContext | None = None,  # TLS on every connection (server side), or plaintext
     ) -> None:
         self._arena = arena
+        self._ssl = ssl_context
         self._loop = loop
         self._take = take
         self._finish_get = finish_get
@@ -130,7 +141,9 @@ class DataChannelServer:
         with self._lock:
             for c in list(self._conns):
                 try:
-                    c.shutdown(socket.SHUT_RDWR)
+                    # the TCP shutdown only: SSLSocket.shutdown would also drop the TLS state
+                    # under the connection's thread, which may be inside a read or write
+                    socket.socket.shutdown(c, socket.SHUT_RDWR)
                 except OSError:
                     pass
         if self._thread.is_alive():
@@ -146,6 +159,13 @@ class DataChannelServer:
             except OSError:
                 return
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._ssl is not None:  # no I/O yet: the handshake runs on the connection's thread
+                try:
+                    conn = self._ssl.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+                except (OSError, ValueError) as e:
+                    log.debug("data channel: cannot wrap an accepted socket: %r", e)
+                    conn.close()
+                    continue
             with self._lock:
                 self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="kvstore-data-conn", daemon=True).start()
@@ -153,6 +173,13 @@ class DataChannelServer:
     def _serve(self, conn: socket.socket) -> None:
         try:
             idle_timeout = FIRST_FRAME_TIMEOUT_S  # a new connection must speak promptly
+            if isinstance(conn, ssl.SSLSocket):
+                conn.settimeout(FIRST_FRAME_TIMEOUT_S)
+                try:
+                    conn.do_handshake()
+                except (ssl.SSLError, OSError) as e:  # plaintext peer, untrusted client certificate, timeout
+                    log.info("data channel: TLS handshake with %s failed: %s", _peer(conn), e)
+                    return
             while not self._closing.is_set():
                 conn.settimeout(idle_timeout)
                 # the magic first, so a peer that speaks anything else is dropped at once
@@ -213,6 +240,14 @@ class DataChannelServer:
             statuses = self._call(self._finish_put(t, complete))
         conn.sendall(REPLY.pack(REPLY_MAGIC, STATUS_OK) + COUNT.pack(len(statuses)) + bytes(statuses))
         return True
+
+
+def _peer(conn: socket.socket) -> str:
+    try:
+        host, port = conn.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "a closed peer"
 
 
 def _recv_exact_small(conn: socket.socket, n: int) -> bytes | None:

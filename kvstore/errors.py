@@ -38,6 +38,11 @@ class Unauthenticated(KVStoreError):
     """A missing or wrong bearer token."""
 
 
+class PermissionDenied(KVStoreError):
+    """A valid token whose tenant may not do this: write, delete, pin or invalidate in a
+    namespace another tenant owns (reads of such blocks are misses, never this error)."""
+
+
 class NotFound(KVStoreError):
     """A handle (reservation, lease, transfer) that does not exist or has expired.
 

@@ -29,7 +29,7 @@ import dataclasses
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
 import numpy as np
@@ -110,6 +110,7 @@ def replay_live(
     speedup: float = 0.0,
     capacity_blocks: int | None = None,
     token_file: str | None = None,
+    client_options: Mapping[str, Any] | None = None,
     log: TextIO | None | bool = True,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
@@ -137,7 +138,7 @@ def replay_live(
     payload = np.full(block_bytes, 0x5A, dtype=np.uint8)
     longest = max((len(k) for k in trace.keys), default=0)
     scratch = np.empty(max(1, longest) * block_bytes, dtype=np.uint8)  # get_many_into destinations
-    with KVClient(target, token_file=token_file) as kv:
+    with KVClient(target, token_file=token_file, **(client_options or {})) as kv:
         before = kv.stats()
         nodes, replication = per_node(before)
         cap = sum(node_capacity_blocks(n, block_bytes) for n in nodes.values()) // replication

@@ -19,6 +19,11 @@ What it adds on top of the tiers:
   default); dirty victims are demoted to NVMe (write-back) in one group commit, clean
   ones are dropped.  ``write_through`` persists every commit at once instead.
 * **Pins** with a TTL keep blocks resident.
+* **Tenants** (``kvstore/tenants.py``; the service decides who sees what): lookups,
+  ``acquire`` and ``reserve``'s deduplication take a ``visible(namespace)`` predicate, and a
+  block the caller may not see is absent to it; reservations and leases carry the tenant
+  that made them.  Under one key there is only ever one namespace's block: a commit that
+  would replace another namespace's block is dropped (and reported ``OK``, as if stored).
 * **Cache-hit accounting** (``kvstore/misses.py``): every lookup key is counted as a hit
   (per tier, with its tokens) or a miss with its reason; ``history`` remembers, in
   bounded memory, why keys left (evicted, invalidated, corrupt).
@@ -55,6 +60,9 @@ log = logging.getLogger(__name__)
 
 _EXPIRED_MEMORY = 65536  # how many expired lease ids we remember, to answer release() honestly
 
+Visible = Callable[[bytes], bool]
+"""Whether the caller may see (or change) blocks of a namespace fingerprint."""
+
 
 class Status(enum.IntEnum):
     """Per-key outcome.  Values match the protobuf ``KeyStatus`` enum."""
@@ -89,6 +97,7 @@ class _Reservation:
     meta: BlockMeta
     extents: list[Extent]
     deadline: float
+    tenant: str | None = None  # who made it (None: the admin, or a node without tenants)
 
 
 @dataclasses.dataclass(slots=True)
@@ -96,6 +105,7 @@ class _Lease:
     key: ChunkKey
     alloc: int  # first extent offset: identifies the allocation
     deadline: float
+    tenant: str | None = None
 
 
 class TierManager:
@@ -193,6 +203,26 @@ class TierManager:
                 return TierKind.NVME, meta
         return None, None
 
+    def _find(self, key: ChunkKey, visible: Visible | None) -> tuple[TierKind | None, BlockMeta | None]:
+        """``_locate``, where a block the caller may not see is not there."""
+        t, meta = self._locate(key)
+        if meta is not None and visible is not None and not visible(meta.namespace):
+            return None, None
+        return t, meta
+
+    def namespace_of(self, key: ChunkKey) -> bytes | None:
+        """The namespace the stored block under ``key`` declares; None if none is stored."""
+        meta = self._locate(key)[1]
+        return meta.namespace if meta is not None else None
+
+    def reservation_tenant(self, rid: int) -> str | None:
+        r = self._reservations.get(rid)
+        return r.tenant if r is not None else None
+
+    def lease_tenant(self, lid: int) -> str | None:
+        lease = self._leases.get(lid)
+        return lease.tenant if lease is not None else None
+
     # -- why keys left (kvstore/misses.py) ------------------------------------------------
     def _forget(self, key: ChunkKey, reason: str, meta: BlockMeta | None) -> None:
         """Remember that ``key`` left this node for ``reason`` (loop only)."""
@@ -210,12 +240,12 @@ class TierManager:
         return self.history.lookup(key) or (NEVER_STORED, 0)
 
     # -- lookups --------------------------------------------------------------------
-    def exists(self, keys: Sequence[ChunkKey]) -> list[TierKind | None]:
+    def exists(self, keys: Sequence[ChunkKey], *, visible: Visible | None = None) -> list[TierKind | None]:
         out: list[TierKind | None] = []
         hits: list[tuple[str, BlockMeta]] = []
         misses: list[tuple[str, int]] = []
         for k in keys:
-            t, meta = self._locate(k)
+            t, meta = self._find(k, visible)
             out.append(t)
             if meta is not None:
                 hits.append((TIER_LABEL[t], meta))  # type: ignore[index]
@@ -224,11 +254,11 @@ class TierManager:
         self.ledger.record("exists", hits, misses)
         return out
 
-    def match_prefix(self, keys: Sequence[ChunkKey]) -> tuple[int, list[TierKind]]:
+    def match_prefix(self, keys: Sequence[ChunkKey], *, visible: Visible | None = None) -> tuple[int, list[TierKind]]:
         tiers: list[TierKind] = []
         hits: list[tuple[str, BlockMeta]] = []
         for k in keys:
-            t, meta = self._locate(k)
+            t, meta = self._find(k, visible)
             if t is None:
                 break
             tiers.append(t)
@@ -242,12 +272,16 @@ class TierManager:
         return len(tiers), tiers
 
     # -- two-phase writes -----------------------------------------------------------
-    async def reserve(self, metas: Sequence[BlockMeta]) -> list[Reserved]:
+    async def reserve(self, metas: Sequence[BlockMeta], *, tenant: str | None = None,
+                      visible: Visible | None = None) -> list[Reserved]:
+        """Reserve space for each block, or answer ``EXISTS`` for a key already stored.  A key
+        stored in a namespace the caller may not see (``visible``) gets space like a new one:
+        its commit is dropped, so the answers never tell whether another tenant has it."""
         out: list[Reserved] = []
         deadline = self.clock() + self.reservation_ttl
         try:
             for meta in metas:
-                if self.where(meta.key) is not None:
+                if self._find(meta.key, visible)[1] is not None:
                     self.counters["puts_deduplicated"] += 1
                     out.append(Reserved(Status.EXISTS))
                     continue
@@ -260,7 +294,7 @@ class TierManager:
                     out.append(Reserved(Status.NO_SPACE))
                     continue
                 rid = next(self._ids)
-                self._reservations[rid] = _Reservation(meta, extents, deadline)
+                self._reservations[rid] = _Reservation(meta, extents, deadline, tenant)
                 out.append(Reserved(Status.OK, rid, tuple(extents)))
         except BaseException:
             self.abort([r.reservation_id for r in out if r.status == Status.OK])  # nobody will learn their ids
@@ -296,6 +330,15 @@ class TierManager:
                         self._forget(meta.key, CORRUPT, meta)
                     out.append(Status.CORRUPT)
                     continue
+            # checked after the checksum, so a put answers alike whether or not it was dropped here
+            stored = self._locate(meta.key)[1]
+            if stored is not None and stored.namespace != meta.namespace:
+                # the key holds another namespace's block (a writer declared a namespace its key
+                # was not derived from, or lost a race to one): that block stays, this one goes
+                self.dram.abort(r.extents)
+                self.counters["puts_shadowed"] += 1
+                out.append(Status.OK)
+                continue
             old = self._alloc_id(meta.key)
             if old is not None and self._refs[old]:
                 self._detached[old] = self.dram.detach(meta.key) or []
@@ -341,8 +384,10 @@ class TierManager:
         return live
 
     # -- leased reads ---------------------------------------------------------------
-    async def acquire(self, keys: Sequence[ChunkKey], *, request: bool = True) -> list[Leased]:
-        """Lease every key that is stored, promoting NVMe hits into DRAM.
+    async def acquire(self, keys: Sequence[ChunkKey], *, request: bool = True, tenant: str | None = None,
+                      visible: Visible | None = None) -> list[Leased]:
+        """Lease every key that is stored, promoting NVMe hits into DRAM.  A block the caller
+        may not see (``visible``) is a miss, and is not promoted.
 
         Each key is accounted as a ``get`` hit or miss (``request``: also count one request).
 
@@ -353,10 +398,16 @@ class TierManager:
         """
         deadline = self.clock() + self.lease_ttl
         out: list[Leased | None] = [None] * len(keys)
+        hidden: set[int] = set()
+        if visible is not None:
+            for i, k in enumerate(keys):
+                meta = self._locate(k)[1]
+                if meta is not None and not visible(meta.namespace):
+                    hidden.add(i)
         for i, k in enumerate(keys):
-            if self.dram.contains(k):
-                out[i] = self._lease(k, TierKind.DRAM, deadline)
-        todo = [i for i, x in enumerate(out) if x is None and self._on_nvme(keys[i])]
+            if self.dram.contains(k) and i not in hidden:
+                out[i] = self._lease(k, TierKind.DRAM, deadline, tenant)
+        todo = [i for i, x in enumerate(out) if x is None and i not in hidden and self._on_nvme(keys[i])]
         if todo:
             gate = asyncio.Semaphore(4)
 
@@ -364,7 +415,7 @@ class TierManager:
                 k = keys[i]
                 async with gate:
                     if self.dram.contains(k):  # an earlier key of this call (a duplicate) brought it in
-                        out[i] = self._lease(k, TierKind.DRAM, deadline)
+                        out[i] = self._leased_if_visible(k, TierKind.DRAM, deadline, tenant, visible)
                         return
                     try:
                         st = await self._promote(k)
@@ -373,7 +424,7 @@ class TierManager:
                         self.counters["get_no_space"] += 1
                         return
                 if st == Status.OK and self.dram.contains(k):
-                    out[i] = self._lease(k, TierKind.NVME, deadline)
+                    out[i] = self._leased_if_visible(k, TierKind.NVME, deadline, tenant, visible)
                 elif st == Status.OK:  # promoted by a concurrent call, evicted again before we ran
                     out[i] = Leased(k, Status.NO_SPACE)
                 else:  # corrupt, or deleted while it was being read
@@ -405,12 +456,21 @@ class TierManager:
         self.ledger.record("get", hits, misses, request=request)
         return result
 
-    def _lease(self, key: ChunkKey, tier: TierKind, deadline: float) -> Leased:
+    def _leased_if_visible(self, key: ChunkKey, tier: TierKind, deadline: float, tenant: str | None,
+                           visible: Visible | None) -> Leased | None:
+        """After an await: the key may hold another namespace's block by now (deleted, then
+        written again by someone else), which the caller must not get."""
+        meta = self.dram.meta(key)
+        if visible is not None and meta is not None and not visible(meta.namespace):
+            return None  # a miss
+        return self._lease(key, tier, deadline, tenant)
+
+    def _lease(self, key: ChunkKey, tier: TierKind, deadline: float, tenant: str | None = None) -> Leased:
         ext = self.dram.extents(key)
         meta = self.dram.meta(key)
         assert ext is not None and meta is not None
         lid = next(self._ids)
-        self._leases[lid] = _Lease(key, ext[0].offset, deadline)
+        self._leases[lid] = _Lease(key, ext[0].offset, deadline, tenant)
         self._refs[ext[0].offset] += 1
         self.dram.touch(key)
         self.counters["get_hits_nvme" if tier == TierKind.NVME else "get_hits_dram"] += 1
@@ -652,16 +712,20 @@ class TierManager:
         task.add_done_callback(self._background.discard)
 
     # -- deletes, pins, invalidation --------------------------------------------------
-    async def delete(self, keys: Sequence[ChunkKey]) -> int:
+    async def delete(self, keys: Sequence[ChunkKey], *, may: Visible | None = None) -> int:
         """Remove ``keys`` from every tier.  Each key goes from DRAM and NVMe in one step on
         the loop (an NVMe delete touches memory only), so no promotion can bring it back in
-        between; a copy being written to NVMe right now goes when its write ends."""
+        between; a copy being written to NVMe right now goes when its write ends.  A key whose
+        block's namespace fails ``may`` is left alone (checked at its turn: the loop yields
+        between slices of a big batch)."""
         n = 0
         for j, k in enumerate(keys):
             if j and not j % 1024:
                 await asyncio.sleep(0)  # a whole namespace: let other calls run in between
             hit = False
             _, meta = self._locate(k)
+            if may is not None and meta is not None and not may(meta.namespace):
+                continue
             alloc = self._alloc_id(k)
             if alloc is not None:
                 if self._refs[alloc]:

@@ -86,6 +86,15 @@ class NodeMetrics:
             "kvstore_transfer_duration_seconds", "Data-channel transfers, from the client's connect to the last byte.",
             ["op"], buckets=TRANSFER_BUCKETS, registry=self.registry,
         )
+        # tenants come from the config, so these labels are bounded; admin calls are not counted here
+        self.tenant_requests = Counter(
+            "kvstore_tenant_requests", "gRPC calls made with each tenant's token.", ["tenant"], registry=self.registry,
+        )
+        self.tenant_denied = Counter(
+            "kvstore_tenant_denied", "What tenants were denied: refused = calls answered PERMISSION_DENIED, hidden = "
+            "blocks of another tenant's namespace answered as absent, skipped = keys and ids of deletes, pins, commits, "
+            "aborts and releases left alone because they were not the tenant's.", ["tenant", "kind"], registry=self.registry,
+        )
         self.registry.register(_NodeCollector(self))
 
     def observe_rpc(self, method: str, seconds: float, error: str | None = None) -> None:

@@ -112,6 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     live.add_argument("--block-bytes", type=size_arg("--block-bytes"), default=DEFAULT_BLOCK_BYTES, help="synthetic payload per block (default 64KiB; keep it a multiple of 64KiB)")
     live.add_argument("--speedup", type=float, default=0.0, metavar="F", help="honour the trace's timestamps, F times faster (default 0: as fast as possible)")
     live.add_argument("--token-file", metavar="FILE", help="bearer token for the node")
+    from kvstore.tls import add_client_arguments
+
+    add_client_arguments(p)
     gen = p.add_argument_group("trace generator (--generate OUT)")
     gen.add_argument("--generate", metavar="OUT", help="write a synthetic trace (multi-turn conversations over shared system prompts) and exit")
     d = GenParams()
@@ -177,10 +180,11 @@ def main(a: argparse.Namespace) -> int:
     out: dict[str, Any] = {"mode": "live" if live else "simulator", "trace": a.trace, **trace.summary()}
     if live:
         from kvstore.livereplay import new_salt, replay_live
+        from kvstore.tls import client_kwargs
 
         trace = trace.with_salt(new_salt())
         res = replay_live(trace, a.target, block_bytes=a.block_bytes, batch=a.put_batch, speedup=a.speedup,
-                          capacity_blocks=capacity, token_file=a.token_file)
+                          capacity_blocks=capacity, token_file=a.token_file, client_options=client_kwargs(a))
         capacity = res.capacity_blocks
         sim = simulate(trace, capacity, a.policy, batch=a.put_batch)
         out.update(target=a.target, block_bytes=a.block_bytes, elapsed_s=round(res.elapsed_s, 3), bytes_moved=res.bytes_moved,

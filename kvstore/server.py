@@ -1,8 +1,10 @@
 """``kvstore serve``: the one wiring function of a node process.
 
-Builds, in order: the data-directory lock, the DRAM arena and tier, the NVMe tier,
-the tier manager, the metrics registry, the gRPC service (Unix socket + TCP), the data
-channel, the reaper and (with ``metrics_port``) the ``/metrics`` endpoint; tears them down in reverse on SIGTERM/SIGINT: stop accepting, drain in-flight
+Builds, in order: the data-directory lock, the TLS material (``tls_cert_file``: read
+and checked before anything else is built), the tenants' tokens and namespace
+ownership table (with ``tenants``), the DRAM arena and tier, the NVMe tier,
+the tier manager, the metrics registry, the gRPC service (Unix socket, plaintext; TCP,
+with TLS when configured), the data channel (TLS-wrapped likewise), the reaper and (with ``metrics_port``) the ``/metrics`` endpoint; tears them down in reverse on SIGTERM/SIGINT: stop accepting, drain in-flight
 calls, demote dirty DRAM blocks to NVMe (bounded by ``flush_on_shutdown_s``), flush
 and close the index, exit 0.
 """
@@ -33,6 +35,8 @@ from kvstore.manager import TierManager
 from kvstore.metrics import MetricsServer, NodeMetrics, manager_snapshot
 from kvstore.policy import make_policy
 from kvstore.service import AuthInterceptor, DecodeGuard, KVStoreService
+from kvstore.tenants import Callers, Ownership
+from kvstore.tls import ServerTLS
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tiers.arena import Arena
@@ -85,6 +89,8 @@ class Node:
         self.cluster: Any = None  # kvstore.cluster.node.NodeAgent when cfg.etcd is set
         self.metrics: NodeMetrics | None = None
         self.metrics_server: MetricsServer | None = None
+        self.owners: Ownership | None = None  # with tenants: which tenant owns which namespace
+        self.tls: ServerTLS | None = None  # read once at start; the TCP listeners' credentials
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> dict[str, Any]:
@@ -108,6 +114,8 @@ class Node:
                 await self.server.stop(None)
         if self.data is not None:
             self.data.close()
+        if self.owners is not None:
+            self.owners.close()
         if self.manager is not None:
             self.manager.close()  # closes the NVMe tier and the DRAM tier (which unlinks the arena)
         else:
@@ -130,6 +138,13 @@ class Node:
         if cfg.max_block_bytes > cfg.dram:
             cfg = cfg.model_copy(update={"max_block_bytes": cfg.dram})
             self.cfg = cfg
+        if cfg.tls_cert_file:  # unreadable or invalid files fail here, before the arena is built
+            self.tls = ServerTLS.load(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
+        token = cfg.auth_token()
+        tenant_tokens = cfg.tenant_tokens()  # token files read (and checked) before anything is built
+        callers = Callers(token, tenant_tokens) if token or tenant_tokens else None
+        if tenant_tokens:  # beside the NVMe tier: it lives as long as the blocks it guards
+            self.owners = Ownership(data_dir / "owners.lmdb")
         self.arena = Arena.create(cfg.arena_file(), cfg.dram, prefault=cfg.prefault, mode=int(cfg.arena_mode, 8))
         dram = DRAMTier(self.arena, policy=make_policy(cfg.eviction_policy))
         nvme = None
@@ -149,18 +164,18 @@ class Node:
         host, port = cfg.listen.rsplit(":", 1)
         dhost, dport = (cfg.data_listen.rsplit(":", 1) if cfg.data_listen else (host, "0"))
         self.service = KVStoreService(self.manager, cfg, arena_path=str(self.arena.path), arena_size=self.arena.size, data_port=0,
-                                      metrics=self.metrics)
+                                      metrics=self.metrics, callers=callers, owners=self.owners)
         try:
             self.data = DataChannelServer(
                 dhost.strip("[]"), int(dport), arena=self.arena, loop=loop,
                 take=self.service.take_transfer, finish_get=self.service.finish_get, finish_put=self.service.finish_put,
+                ssl_context=self.tls.context if self.tls is not None else None,
             )
         except OSError as e:
             raise InvalidArgument(f"cannot listen for the data channel on {dhost}:{dport}: {e}; pass --data-listen") from e
         self.service._hello.data_port = self.data.address[1]
 
-        token = cfg.auth_token()
-        interceptors = [AuthInterceptor(token), DecodeGuard()] if token else [DecodeGuard()]
+        interceptors = [AuthInterceptor(callers), DecodeGuard()] if callers is not None else [DecodeGuard()]
         self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
         pb_grpc.add_KVStoreServicer_to_server(self.service, self.server)
         self.health = health_aio.HealthServicer()
@@ -180,7 +195,10 @@ class Node:
         except RuntimeError as e:  # grpc raises instead of returning 0 when it cannot bind
             raise InvalidArgument(f"cannot listen on unix socket {sock}: {e}") from None
         try:
-            bound = self.server.add_insecure_port(f"{host}:{port}")
+            if self.tls is not None:
+                bound = self.server.add_secure_port(f"{host}:{port}", self.tls.credentials)
+            else:
+                bound = self.server.add_insecure_port(f"{host}:{port}")
         except RuntimeError:
             bound = 0
         if bound == 0:
@@ -206,6 +224,7 @@ class Node:
             "grpc": f"{public}:{bound}",
             "unix": f"unix://{sock}",
             "data": f"{public}:{self.data.address[1]}",
+            "tls": "mutual" if self.tls is not None and self.tls.mutual else "on" if self.tls is not None else "off",
             "metrics": f"http://{public}:{self.metrics_server.address[1]}/metrics" if self.metrics_server else None,
             "arena": str(self.arena.path),
             "dram_bytes": cfg.dram,
@@ -258,6 +277,8 @@ class Node:
         if flushed:
             log.info("demoted %d dirty blocks to NVMe before exit", flushed)
         self.manager.close()
+        if self.owners is not None:
+            self.owners.close()
         with contextlib.suppress(FileNotFoundError):
             self.cfg.socket_path().unlink()
         if self._lock_fd is not None:
@@ -271,15 +292,17 @@ async def serve(config: NodeConfig, *, out: Any = sys.stdout) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, node.request_stop)
+    tls = {"on": " (TLS)", "mutual": " (TLS, client certificates required)"}.get(ep["tls"], "")
+    remote_kw = ", tls_ca_file=CA" if ep["tls"] == "on" else ", tls_ca_file=CA, tls_cert_file=CERT, tls_key_file=KEY" if ep["tls"] == "mutual" else ""
     print(
         f"kvstore node {ep['node_id']} serving\n"
-        f"  grpc (tcp)   {ep['grpc']}\n"
+        f"  grpc (tcp)   {ep['grpc']}{tls}\n"
         f"  grpc (unix)  {ep['unix']}\n"
-        f"  data channel {ep['data']}\n"
+        f"  data channel {ep['data']}{tls}\n"
         f"  DRAM arena   {ep['arena']} ({human(ep['dram_bytes'])})\n"
         f"  NVMe tier    {ep['data_dir']}/nvme ({human(ep['nvme_bytes'])})\n"
         + (f"  metrics      {ep['metrics']}\n" if ep.get("metrics") else "")
-        + f"  SDK: KVClient({ep['unix']!r}) locally, KVClient({ep['grpc']!r}) remotely\n"
+        + f"  SDK: KVClient({ep['unix']!r}) locally, KVClient({ep['grpc']!r}{remote_kw}) remotely\n"
         + (f"  cluster      {ep['cluster']} via etcd {ep['etcd']} (registered: {ep['registered']}); "
            f"SDK: KVClient('etcd://{ep['etcd']}/{ep['cluster']}')\n" if ep.get("cluster") else "")
         + f"READY {json.dumps(ep)}",

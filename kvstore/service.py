@@ -3,13 +3,20 @@
 Owner: nothing of its own beyond the transfer table; runs on the node's event loop
 (``grpc.aio``) next to the tier manager, so it calls the manager directly.
 Limits (keys per batch, block size) are enforced here, before any state changes.
+
+Tenants (``kvstore/tenants.py``): every call learns its :class:`~kvstore.tenants.Caller`
+from its token once, in ``_rpc``.  A tenant's reads see only blocks of namespaces it owns
+or nobody owns (the rest are misses); its writes must be to namespaces it owns or now
+claims (else ``PERMISSION_DENIED``); its deletes, pins and unpins skip keys of blocks it
+does not own, and its commits, aborts and releases skip other callers' ids, as if unknown:
+a refusal there would tell it that another tenant holds the key.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -25,6 +32,7 @@ from kvstore.datachannel import OP_GET, OP_PUT, Transfer, TransferTable
 from kvstore.keys import ChunkKey, check_key
 from kvstore.manager import Status, TierManager
 from kvstore.metrics import NodeMetrics
+from kvstore.tenants import ADMIN, Caller, Callers, Ownership
 from kvstore.wire import ERROR_METADATA_KEY, extents_to_pb, meta_from_pb, meta_to_pb, status_for, tier_to_pb
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -33,6 +41,11 @@ from tiers.base import TierKind
 log = logging.getLogger(__name__)
 
 STREAM_CHUNK = 1 << 20
+
+# The caller of the unary or client-streaming call being served, set by ``_rpc`` for the
+# call's duration (``GetStream`` identifies its caller itself).  Unset means "not
+# identified": ``KVStoreService._caller`` refuses then, it never defaults to the admin.
+_CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("kvstore_caller", default=None)
 
 
 class Malformed:
@@ -80,12 +93,16 @@ def _rpc(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     async def wrapper(self: "KVStoreService", request: Any, context: grpc.aio.ServicerContext) -> Any:
         start = time.perf_counter()
         error: str | None = None
+        identified = None
         try:
             if isinstance(request, Malformed):
                 raise request.invalid()
+            identified = _CALLER.set(self._identify(context))
             return await fn(self, request, context)
         except errors.KVStoreError as e:
             error = type(e).__name__
+            if isinstance(e, errors.PermissionDenied):
+                self._denied("refused")
             context.set_trailing_metadata(((ERROR_METADATA_KEY, error),))
             await context.abort(status_for(e), str(e))
         except ValueError as e:  # malformed protobuf contents that slipped past validation
@@ -93,6 +110,8 @@ def _rpc(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
             context.set_trailing_metadata(((ERROR_METADATA_KEY, error),))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finally:
+            if identified is not None:
+                _CALLER.reset(identified)
             if self.metrics is not None:
                 self.metrics.observe_rpc(method, time.perf_counter() - start, error)
 
@@ -100,16 +119,17 @@ def _rpc(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls without ``authorization: Bearer <token>``; health checks stay open for probes."""
+    """Rejects calls without ``authorization: Bearer <token>`` of the admin or a tenant;
+    health checks stay open for probes."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, token: str | Callers) -> None:
+        self._callers = token if isinstance(token, Callers) else Callers(token)
 
     async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
         if details.method.startswith("/grpc.health.v1.Health/"):
             return await continuation(details)
         got = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(str(got).encode(), self._expected):
+        if self._callers.identify(str(got)) is not None:
             return await continuation(details)
         return _deny
 
@@ -124,10 +144,14 @@ _deny = grpc.unary_unary_rpc_method_handler(_deny_unary)
 
 class KVStoreService(pb_grpc.KVStoreServicer):
     def __init__(self, manager: TierManager, config: NodeConfig, *, arena_path: str, arena_size: int, data_port: int,
-                 metrics: NodeMetrics | None = None) -> None:
+                 metrics: NodeMetrics | None = None, callers: Callers | None = None, owners: Ownership | None = None) -> None:
         self.m = manager
         self.cfg = config
         self.metrics = metrics
+        # both or neither: a node with tenants knows who calls and who owns what
+        assert (owners is None) or (callers is not None), "tenants need their tokens"
+        self.callers = callers
+        self.owners = owners
         self.transfers = TransferTable(manager.clock)
         self._transfer_started: dict[int, float] = {}  # id(transfer) -> perf_counter at take
         self._hello = pb.HelloResponse(
@@ -141,6 +165,78 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             lease_ttl_s=config.lease_ttl_s,
             reservation_ttl_s=config.reservation_ttl_s,
         )
+
+    # -- tenants --------------------------------------------------------------------
+    def _identify(self, context: Any) -> Caller:
+        """Who makes this call.  Without tenants everyone is the admin (the interceptor,
+        if any, has checked the one token already)."""
+        if self.owners is None:
+            return ADMIN
+        assert self.callers is not None
+        header = ""
+        for k, v in context.invocation_metadata() or ():
+            if k == "authorization":
+                header = v
+        caller = self.callers.identify(header)
+        if caller is None:  # the interceptor lets no such call through; never serve one
+            raise errors.Unauthenticated("missing or wrong bearer token")
+        if caller.tenant is not None and self.metrics is not None:
+            self.metrics.tenant_requests.labels(caller.tenant).inc()
+        return caller
+
+    @staticmethod
+    def _caller() -> Caller:
+        caller = _CALLER.get()
+        if caller is None:
+            raise errors.Unauthenticated("the call was not identified")
+        return caller
+
+    def _denied(self, kind: str, n: int = 1, caller: Caller | None = None) -> None:
+        """Count a tenant's denials: ``refused`` calls, ``hidden`` blocks, ``skipped`` keys and ids."""
+        caller = caller or _CALLER.get()
+        if n and caller is not None and caller.tenant is not None and self.metrics is not None:
+            self.metrics.tenant_denied.labels(caller.tenant, kind).inc(n)
+
+    def _visible(self, caller: Caller) -> Callable[[bytes], bool] | None:
+        """Reads: a tenant sees namespaces it owns and those nobody owns; None: sees all."""
+        if caller.tenant is None or self.owners is None:
+            return None
+        owners, tenant = self.owners.table(), caller.tenant
+
+        def visible(ns: bytes) -> bool:
+            if owners.get(ns, tenant) == tenant:
+                return True
+            self._denied("hidden", caller=caller)
+            return False
+
+        return visible
+
+    def _may(self, caller: Caller) -> Callable[[bytes], bool] | None:
+        """Deletes, pins: a tenant changes only blocks of namespaces it owns; None: all."""
+        if caller.tenant is None or self.owners is None:
+            return None
+        owners, tenant = self.owners.table(), caller.tenant
+
+        def may(ns: bytes) -> bool:
+            if owners.get(ns) == tenant:
+                return True
+            self._denied("skipped", caller=caller)
+            return False
+
+        return may
+
+    async def _claim(self, caller: Caller, metas: Sequence[BlockMeta]) -> None:
+        if caller.tenant is not None and self.owners is not None:
+            await self.owners.claim(caller, {m.namespace for m in metas})
+
+    def _own_ids(self, caller: Caller, ids: list[int], tenant_of: Callable[[int], str | None]) -> list[int]:
+        """``ids`` with every reservation or lease another caller made replaced by 0, which
+        names none (ids start far above it): it gets the answer an unknown id gets."""
+        if caller.tenant is None:
+            return ids
+        out = [i if tenant_of(i) == caller.tenant else 0 for i in ids]
+        self._denied("skipped", sum(1 for i in ids if tenant_of(i) not in (None, caller.tenant)), caller)
+        return out
 
     # -- validation -----------------------------------------------------------------
     def _keys(self, raw: Sequence[bytes]) -> list[ChunkKey]:
@@ -175,16 +271,19 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Lookup(self, request: pb.KeysRequest, context: Any) -> pb.LookupResponse:
-        return pb.LookupResponse(tiers=[tier_to_pb(t) for t in self.m.exists(self._keys(request.keys))])
+        found = self.m.exists(self._keys(request.keys), visible=self._visible(self._caller()))
+        return pb.LookupResponse(tiers=[tier_to_pb(t) for t in found])
 
     @_rpc
     async def MatchPrefix(self, request: pb.KeysRequest, context: Any) -> pb.MatchPrefixResponse:
-        n, tiers = self.m.match_prefix(self._keys(request.keys))
+        n, tiers = self.m.match_prefix(self._keys(request.keys), visible=self._visible(self._caller()))
         return pb.MatchPrefixResponse(matched=n, tiers=[int(t) for t in tiers])
 
     @_rpc
     async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:
-        res = await self.m.reserve(self._metas(request.blocks))
+        metas, caller = self._metas(request.blocks), self._caller()
+        await self._claim(caller, metas)
+        res = await self.m.reserve(metas, tenant=caller.tenant, visible=self._visible(caller))
         return pb.ReserveResponse(
             reservations=[pb.Reservation(status=int(r.status), reservation_id=r.reservation_id, extents=extents_to_pb(r.extents)) for r in res],
             ttl_s=self.m.reservation_ttl,
@@ -196,6 +295,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         sums = list(request.payload_checksums) or None
         if len(ids) > self.cfg.max_batch:
             raise errors.InvalidArgument(f"{len(ids)} ids in one request; the limit is {self.cfg.max_batch}")
+        ids = self._own_ids(self._caller(), ids, self.m.reservation_tenant)
         sizes = [r[0].payload_len if (r := self.m.reservation(rid)) else 0 for rid in ids]
         statuses = await self.m.commit(ids, sums)
         self.m.counters["local_bytes_in"] += sum(n for n, st in zip(sizes, statuses) if st == Status.OK)
@@ -203,30 +303,36 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.Empty:
-        self.m.abort(list(request.reservation_ids))
+        self.m.abort(self._own_ids(self._caller(), list(request.reservation_ids), self.m.reservation_tenant))
         return pb.Empty()
 
     @_rpc
     async def Acquire(self, request: pb.KeysRequest, context: Any) -> pb.AcquireResponse:
-        leased = await self.m.acquire(self._keys(request.keys))
+        caller = self._caller()
+        leased = await self.m.acquire(self._keys(request.keys), tenant=caller.tenant, visible=self._visible(caller))
         self.m.counters["local_bytes_out"] += sum(x.meta.payload_len for x in leased if x.status == Status.OK)
         return pb.AcquireResponse(leases=[self._lease_pb(x) for x in leased], ttl_s=self.m.lease_ttl)
 
     @_rpc
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
-        return pb.ReleaseResponse(valid=self.m.release(list(request.lease_ids)))
+        return pb.ReleaseResponse(valid=self.m.release(self._own_ids(self._caller(), list(request.lease_ids), self.m.lease_tenant)))
 
+    # The data channel needs no tenant checks of its own: a transfer id is a 16-byte secret
+    # that only StartGet/StartPut hand out, after the checks below, to the caller they
+    # checked; it moves exactly the leased or reserved blocks, once.
     @_rpc
     async def StartGet(self, request: pb.KeysRequest, context: Any) -> pb.StartGetResponse:
-        leased = await self.m.acquire(self._keys(request.keys))
+        caller = self._caller()
+        leased = await self.m.acquire(self._keys(request.keys), tenant=caller.tenant, visible=self._visible(caller))
         items = [(x.lease_id, x.meta, list(x.extents)) for x in leased if x.status == Status.OK]
         tid = self.transfers.add(Transfer(OP_GET, self.m.clock() + self.m.lease_ttl, items)) if items else b""
         return pb.StartGetResponse(transfer_id=tid, leases=[self._lease_pb(x) for x in leased], ttl_s=self.m.lease_ttl)
 
     @_rpc
     async def StartPut(self, request: pb.ReserveRequest, context: Any) -> pb.StartPutResponse:
-        metas = self._metas(request.blocks)
-        res = await self.m.reserve(metas)
+        metas, caller = self._metas(request.blocks), self._caller()
+        await self._claim(caller, metas)
+        res = await self.m.reserve(metas, tenant=caller.tenant, visible=self._visible(caller))
         items = []
         for meta, r in zip(metas, res):
             if r.status == Status.OK:
@@ -288,6 +394,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def PutStream(self, request_iterator: Any, context: Any) -> pb.StatusesResponse:
         statuses: list[int] = []
         current: tuple[BlockMeta, int, list[Any], bytearray | None] | None = None  # meta, rid, extents, buf
+        caller = self._caller()
+        visible = self._visible(caller)
 
         async def finish(cur: tuple[BlockMeta, int, list[Any], Any]) -> None:
             meta, rid, extents, filled = cur
@@ -313,7 +421,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     if len(statuses) >= self.cfg.max_batch:
                         raise errors.InvalidArgument(f"more than max_batch={self.cfg.max_batch} blocks in one stream")
                     (meta,) = self._metas([chunk.block])
-                    (r,) = await self.m.reserve([meta])
+                    await self._claim(caller, [meta])
+                    (r,) = await self.m.reserve([meta], tenant=caller.tenant, visible=visible)
                     statuses.append(int(r.status))
                     current = (meta, r.reservation_id if r.status == Status.OK else 0, list(r.extents), 0)
                 if current is None:
@@ -361,12 +470,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             if isinstance(request, Malformed):
                 raise request.invalid()
             keys = self._keys(request.keys)
+            caller = self._identify(context)
         except errors.KVStoreError as e:
             context.set_trailing_metadata(((ERROR_METADATA_KEY, type(e).__name__),))
             await context.abort(status_for(e), str(e))
             return
+        visible = self._visible(caller)
         for i, key in enumerate(keys):
-            (x,) = await self.m.acquire([key], request=i == 0)  # one request, however many keys
+            # one request, however many keys
+            (x,) = await self.m.acquire([key], request=i == 0, tenant=caller.tenant, visible=visible)
             if x.status != Status.OK:
                 yield pb.BlockChunk(block=pb.BlockInfo(key=key), status=int(x.status))
                 continue
@@ -391,21 +503,31 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     # -- management ------------------------------------------------------------------
     @_rpc
     async def Delete(self, request: pb.KeysRequest, context: Any) -> pb.DeleteResponse:
-        return pb.DeleteResponse(count=await self.m.delete(self._keys(request.keys)))
+        return pb.DeleteResponse(count=await self.m.delete(self._keys(request.keys), may=self._may(self._caller())))
 
     @_rpc
     async def Invalidate(self, request: pb.InvalidateRequest, context: Any) -> pb.DeleteResponse:
         if len(request.namespace) != 8:
             raise errors.InvalidArgument(f"a namespace fingerprint is 8 bytes, got {len(request.namespace)}")
-        return pb.DeleteResponse(count=await self.m.invalidate(bytes(request.namespace)))
+        ns, caller = bytes(request.namespace), self._caller()
+        if self.owners is not None and not self.owners.may_modify(caller, ns):
+            raise errors.PermissionDenied(f"tenant {caller.tenant!r} does not own namespace {ns.hex()}: only its owner or the admin may invalidate it")
+        return pb.DeleteResponse(count=await self.m.invalidate(ns))
+
+    def _changeable(self, keys: list[ChunkKey]) -> list[ChunkKey]:
+        """Pins: the keys whose stored block the caller may change (absent keys stay: no-ops)."""
+        may = self._may(self._caller())
+        if may is None:
+            return keys
+        return [k for k in keys if (ns := self.m.namespace_of(k)) is None or may(ns)]
 
     @_rpc
     async def Pin(self, request: pb.PinRequest, context: Any) -> pb.DeleteResponse:
-        return pb.DeleteResponse(count=self.m.pin(self._keys(request.keys), request.ttl_s))
+        return pb.DeleteResponse(count=self.m.pin(self._changeable(self._keys(request.keys)), request.ttl_s))
 
     @_rpc
     async def Unpin(self, request: pb.KeysRequest, context: Any) -> pb.DeleteResponse:
-        return pb.DeleteResponse(count=self.m.unpin(self._keys(request.keys)))
+        return pb.DeleteResponse(count=self.m.unpin(self._changeable(self._keys(request.keys))))
 
     @_rpc
     async def ReportHits(self, request: pb.ReportHitsRequest, context: Any) -> pb.Empty:
@@ -423,6 +545,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise errors.InvalidArgument(f"implausible report: {request.blocks} blocks, {request.tokens} tokens")
         if request.namespace and len(request.namespace) != 8:
             raise errors.InvalidArgument(f"a namespace fingerprint is 8 bytes, got {len(request.namespace)}")
+        caller = self._caller()
+        if request.namespace and caller.tenant is not None and self.owners is not None \
+                and self.owners.owner(bytes(request.namespace)) not in (None, caller.tenant):
+            raise errors.PermissionDenied(f"tenant {caller.tenant!r} may not report hits for another tenant's namespace")
         self.m.ledger.report(request.op, tier, request.blocks, request.tokens, bytes(request.namespace) or None)
         return pb.Empty()
 

@@ -21,6 +21,7 @@ ERROR_METADATA_KEY = "kvstore-error"
 
 _CODES: list[tuple[type[errors.KVStoreError], grpc.StatusCode]] = [
     (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (errors.DataDirLocked, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.Incompatible, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
@@ -35,7 +36,7 @@ _BY_NAME: dict[str, type[errors.KVStoreError]] = {
 }
 _BY_CODE: dict[grpc.StatusCode, type[errors.KVStoreError]] = {
     grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
-    grpc.StatusCode.PERMISSION_DENIED: errors.Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
     grpc.StatusCode.OUT_OF_RANGE: errors.InvalidArgument,
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.CapacityExceeded,

@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 
 need_apt=()
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
+command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)                 # network namespaces in the partition tests
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)   # a reference in `kvstore bench`
 command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)           # the dashboard's browser test
 if [ ${#need_apt[@]} -gt 0 ]; then

@@ -68,10 +68,13 @@ class Cluster:
         # truncate the arena file this run's clients have mapped (that is a SIGBUS)
         return f"/dev/shm/kvstore-test-{self.name}-{node_id}.arena"
 
+    def process(self, node_id: str, extra: tuple[str, ...]) -> NodeProcess:
+        """The node's process, not yet started (a subclass may run it elsewhere: tests/fault/test_partition_netns.py)."""
+        return NodeProcess(self.tmp / node_id, *self.node_args("--arena-path", self.arena(node_id), *extra), node_id=node_id)
+
     def start(self, *node_ids: str, extra: tuple[str, ...] = ()) -> list[NodeProcess]:
         """Start nodes in parallel (each with its own data dir; a node id reuses its dir)."""
-        procs = [NodeProcess(self.tmp / nid, *self.node_args("--arena-path", self.arena(nid), *extra), node_id=nid)
-                 for nid in node_ids]
+        procs = [self.process(nid, extra) for nid in node_ids]
         errors: list[BaseException] = []
 
         def run(p: NodeProcess) -> None:

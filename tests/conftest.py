@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +19,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class NodeProcess:
-    """A ``kvstore serve`` child process.  ``endpoints`` is its READY line."""
+    """A ``kvstore serve`` child process.  ``endpoints`` is its READY line.
 
-    def __init__(self, data_dir: Path, *args: str, env: dict[str, str] | None = None, node_id: str | None = None) -> None:
+    ``prefix`` goes before the command line (``ip netns exec NS``: it execs, so the PID
+    stays the node's); ``listen`` is the gRPC listener."""
+
+    def __init__(self, data_dir: Path, *args: str, env: dict[str, str] | None = None, node_id: str | None = None,
+                 prefix: Sequence[str] = (), listen: str = "127.0.0.1:0") -> None:
         self.data_dir = data_dir
+        self.prefix = list(prefix)
+        self.listen = listen
         self.node_id = node_id or f"t{uuid.uuid4().hex[:8]}"
         self.arena_path = f"/dev/shm/kvstore-test-{self.node_id}-{uuid.uuid4().hex[:6]}.arena"
         self.args = list(args)
@@ -33,9 +39,9 @@ class NodeProcess:
 
     def start(self, timeout: float = 60.0) -> "NodeProcess":
         cmd = [
-            sys.executable, "-m", "kvstore", "serve",
+            *self.prefix, sys.executable, "-m", "kvstore", "serve",
             "--data-dir", str(self.data_dir),
-            "--listen", "127.0.0.1:0",
+            "--listen", self.listen,
             "--node-id", self.node_id,
             "--arena-path", self.arena_path,
             *self.args,

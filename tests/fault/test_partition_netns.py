@@ -1,0 +1,327 @@
+"""Real network partitions: each node runs in its own network namespace (tests/netns.py)
+and a partition silently drops its packets, which a killed process (refused
+connections) or a stopped one (accepted, never answered) does not reproduce.
+
+etcd, the test and its clients stay in the root namespace.  Nodes listen on 0.0.0.0
+inside their namespace and advertise their namespace address (``advertise_host``), which
+is what clients dial.  Clients are built with ``prefer_local=False``: the nodes share this
+machine's hostname and /dev/shm, and the local Unix-socket path would bypass the network.
+
+The invariants (DESIGN §4): a partitioned node's lease expires and clients route around
+it; blocks with a surviving replica stay readable; a node cut off from etcd keeps serving
+and re-registers when etcd is back; a peer that does not answer is a miss at its
+deadline, never a hang or an exception.  Timings are printed, and asserted only against
+generous bounds (a deadline plus a margin), never tightly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+from cluster_fixtures import FAST, LEASE_TTL, Cluster, wait_until
+from conftest import NodeProcess
+from netns import Network, probe, unavailable_reason
+
+from client import AsyncKVClient, KVClient, Timeouts
+from kvstore.cluster.local_etcd import LocalEtcd, find_etcd
+from kvstore.errors import KVStoreError
+
+T = TypeVar("T")
+SIZE = 2048
+BOUND = FAST["rpc"] + FAST["data"] + 2.0  # one call: the deadlines it may wait on, plus a margin
+DROP_BOUND = LEASE_TTL + 4.0  # a cut node leaves the membership within its lease TTL, plus a margin
+REJOIN_BOUND = 15.0  # a healed node registers again within this
+HEALED_BOUND = 10.0  # clients reach a healed node again within this
+
+
+# -- fixtures --------------------------------------------------------------------------------
+@pytest.fixture
+def net() -> Iterator[Network]:
+    why = unavailable_reason()
+    if why is not None:
+        if os.geteuid() != 0:
+            pytest.skip(why)
+        pytest.fail(why)  # root without iproute2: a broken setup, not a reason to skip
+    n = Network()
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+@pytest.fixture
+def etcd(net: Network, tmp_path: Path) -> Iterator[LocalEtcd]:
+    if find_etcd() is None:
+        pytest.skip("etcd is not installed (Debian: apt-get install etcd-server)")
+    server = LocalEtcd(tmp_path / "etcd", host=net.etcd_host).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class NetCluster(Cluster):
+    """A cluster whose nodes each run in a namespace of ``net``, named after the node."""
+
+    def __init__(self, etcd: LocalEtcd, tmp: Path, net: Network) -> None:
+        super().__init__(etcd, tmp)
+        self.net = net
+
+    def process(self, node_id: str, extra: tuple[str, ...]) -> NodeProcess:
+        host = self.net.hosts.get(node_id) or self.net.add_host(node_id)
+        return NodeProcess(self.tmp / node_id, *self.node_args("--arena-path", self.arena(node_id), *extra), node_id=node_id,
+                           prefix=host.exec_prefix, listen="0.0.0.0:0", env={"KVSTORE_ADVERTISE_HOST": host.ip})
+
+    def client(self, **kw: Any) -> Any:
+        kw.setdefault("prefer_local", False)
+        return super().client(**kw)
+
+    def direct(self, node_id: str) -> KVClient:
+        """A single-node client of ``node_id`` over TCP, through the network."""
+        c = KVClient(self.nodes[node_id].tcp, timeouts=Timeouts(**FAST))
+        self.clients.append(c)
+        return c
+
+
+@pytest.fixture
+def cluster(etcd: LocalEtcd, net: Network, tmp_path: Path) -> Iterator[NetCluster]:
+    c = NetCluster(etcd, tmp_path, net)
+    try:
+        yield c
+    finally:
+        net.heal_all()  # so nodes deregister and stop at once
+        c.close()
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def blocks(n: int, seed: int) -> tuple[list[bytes], list[bytes]]:
+    rng = np.random.default_rng(seed)
+    keys = [rng.bytes(16) for _ in range(n)]
+    return keys, [rng.integers(0, 255, SIZE, dtype=np.uint8).tobytes() for _ in range(n)]
+
+
+def timed(fn: Callable[[], T]) -> tuple[T, float]:
+    t = time.monotonic()
+    v = fn()
+    return v, time.monotonic() - t
+
+
+def port(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+def reads_back(kv: KVClient, keys: list[bytes], data: list[bytes]) -> bool:
+    """Whether a single-node client reads ``keys`` back (its errors, e.g. a deadline, are False)."""
+    try:
+        return kv.get_many(keys) == data
+    except KVStoreError:
+        return False
+
+
+def check_advertised(cluster: NetCluster, kv: Any) -> None:
+    """Each node advertises its namespace address (not 0.0.0.0, not its hostname)."""
+    for nid, info in kv.snapshot().nodes.items():
+        ip = cluster.net.hosts[nid].ip
+        assert info.grpc.rsplit(":", 1)[0] == ip and info.data.rsplit(":", 1)[0] == ip, info
+        assert cluster.nodes[nid].tcp == info.grpc
+
+
+def start(cluster: NetCluster, *ids: str) -> Any:
+    cluster.set("replication", 2)
+    cluster.start(*ids)
+    kv = cluster.client()
+    assert kv.wait_for_nodes(len(ids), 10)
+    check_advertised(cluster, kv)
+    return kv
+
+
+# -- scenarios -------------------------------------------------------------------------------
+def test_partitioned_node_is_routed_around_dropped_and_rejoins_after_heal(cluster: NetCluster) -> None:
+    """A node cut off from everything (clients and etcd) at R = 2."""
+    kv = start(cluster, "p1", "p2", "p3")
+    writer = cluster.client()  # its own back-off list: its first write meets the partition too
+    keys, data = blocks(60, seed=10)
+    assert all(kv.put_many(keys, data))
+    assert writer.get_many(keys[:5]) == data[:5]  # it has connections to every node
+    victim = "p2"
+    owned = [i for i, k in enumerate(keys) if victim in kv.owners(k)]
+    first = [i for i in owned if kv.owners(keys[i])[0] == victim]  # reads that go to it first
+    assert first
+    node = cluster.nodes[victim]
+    cluster.net.cut(victim)
+    t_cut = time.monotonic()
+    assert probe(cluster.net.hosts[victim].ip, port(node.tcp)) == "timeout"  # dropped, not refused
+
+    reads: list[float] = []
+    writes: list[float] = []
+    written: list[tuple[list[bytes], list[bytes]]] = []
+    dropped_at = None
+    while dropped_at is None or time.monotonic() - t_cut < dropped_at + 1.0:
+        assert time.monotonic() - t_cut < DROP_BOUND + 5, "the partitioned node never left the membership"
+        got, dt = timed(lambda: kv.get_many(keys))  # never raises
+        reads.append(dt)
+        assert got == data, f"wrong data {time.monotonic() - t_cut:.2f} s after the cut"
+        assert dt < BOUND, (dt, reads)
+        more = blocks(5, seed=100 + len(writes))
+        stored, dt = timed(lambda: writer.put_many(*more))
+        writes.append(dt)
+        assert stored == [True] * 5 and dt < BOUND, (stored, dt)
+        written.append(more)
+        if dropped_at is None and victim not in kv.nodes():
+            dropped_at = time.monotonic() - t_cut
+    assert dropped_at <= DROP_BOUND, dropped_at
+    assert node.proc is not None and node.proc.poll() is None  # cut off, not dead
+    assert sum(kv.miss_counts().values()) == 0  # every owner that failed was covered by the replica
+    assert all(len(kv.owners(k)) == 2 and victim not in kv.owners(k) for k in keys)
+
+    cluster.net.heal(victim)
+    t_heal = time.monotonic()
+    wait_until(lambda: sorted(kv.nodes()) == ["p1", "p2", "p3"], REJOIN_BOUND, f"{victim} to register again")
+    rejoined = time.monotonic() - t_heal
+    assert any("registering again" in line for line in node.output), "".join(node.output)
+    check_advertised(cluster, kv)
+    # its blocks are still there, readable through it: directly (a connection that lost packets
+    # may take a few seconds to be replaced: see the regression test below), and routed to it
+    direct = cluster.direct(victim)
+    wait_until(lambda: reads_back(direct, [keys[i] for i in owned], [data[i] for i in owned]), HEALED_BOUND,
+               f"reads through {victim}")
+    readable = time.monotonic() - t_heal
+    fresh = cluster.client()
+    locs = fresh.lookup_locations([keys[i] for i in first])
+    assert all(loc is not None and loc[0] == victim for loc in locs), locs
+    assert fresh.get_many(keys) == data
+    # so is everything written during the partition, by every client
+    for k, d in written:
+        assert kv.get_many(k) == d and fresh.get_many(k) == d
+    print(f"\npartition of 1/3 nodes, R=2: first read {reads[0] * 1000:.0f} ms, then median "
+          f"{sorted(reads)[len(reads) // 2] * 1000:.1f} ms ({len(reads)} reads of {len(keys)} keys); first write "
+          f"{writes[0] * 1000:.0f} ms; dropped from membership {dropped_at:.2f} s after the cut (lease {LEASE_TTL} s); "
+          f"registered again {rejoined:.2f} s and read through {readable:.2f} s after the heal")
+
+
+def test_node_cut_off_from_etcd_keeps_serving_and_reregisters(cluster: NetCluster) -> None:
+    """Only node ↔ etcd is cut: clients still reach the node."""
+    kv = start(cluster, "e1", "e2", "e3")
+    keys, data = blocks(40, seed=20)
+    assert all(kv.put_many(keys, data))
+    victim = "e3"
+    node = cluster.nodes[victim]
+    direct = cluster.direct(victim)
+    mine = [i for i, k in enumerate(keys) if victim in kv.owners(k)]
+    assert mine
+    cluster.net.cut(victim, clients=False, etcd=True)
+    t_cut = time.monotonic()
+    wait_until(lambda: victim not in kv.nodes(), DROP_BOUND, f"{victim}'s lease to expire")
+    dropped_at = time.monotonic() - t_cut
+    assert any("etcd unreachable" in line and "keeps serving" in line for line in node.output), "".join(node.output)
+    # well past its lease, it serves reads and writes to whoever reaches it
+    served = 0
+    while time.monotonic() - t_cut < 2 * LEASE_TTL + 1:
+        assert direct.get_many([keys[i] for i in mine]) == [data[i] for i in mine]
+        k, d = blocks(4, seed=200 + served)
+        assert direct.put_many(k, d) == [True] * 4 and direct.get_many(k) == d
+        assert kv.get_many(keys) == data  # the cluster routes around it: the other replicas
+        served += 1
+    assert node.proc is not None and node.proc.poll() is None
+
+    cluster.net.heal(victim)
+    t_heal = time.monotonic()
+    wait_until(lambda: sorted(kv.nodes()) == ["e1", "e2", "e3"], REJOIN_BOUND, f"{victim} to register again")
+    rejoined = time.monotonic() - t_heal
+    assert any("registering again" in line for line in node.output), "".join(node.output)
+    fresh = cluster.client()
+    first = [i for i in mine if fresh.owners(keys[i])[0] == victim]
+    locs = fresh.lookup_locations([keys[i] for i in first])
+    assert all(loc is not None and loc[0] == victim for loc in locs), locs
+    assert fresh.get_many(keys) == data and kv.get_many(keys) == data
+    print(f"\nnode cut from etcd: left the membership {dropped_at:.2f} s after the cut, served {served} rounds of "
+          f"direct reads and writes meanwhile; registered again {rejoined:.2f} s after the heal")
+
+
+def test_client_side_partition_reads_end_at_deadline_and_fall_back(cluster: NetCluster) -> None:
+    """Only clients ↔ node is cut: the node stays registered, clients cannot reach it."""
+    kv = start(cluster, "c1", "c2", "c3")
+    r1 = cluster.client(replication=1)  # one copy per key: its reads have no replica to fall back on
+    keys, data = blocks(40, seed=30)
+    assert all(kv.put_many(keys, data))
+    only, only_data = blocks(40, seed=31)
+    assert all(r1.put_many(only, only_data))
+    victim = "c1"
+    on_victim = [i for i, k in enumerate(only) if r1.owners(k) == [victim]]
+    assert on_victim and any(kv.owners(k)[0] == victim for k in keys)
+    cluster.net.cut(victim, clients=True, etcd=False)
+    assert probe(cluster.net.hosts[victim].ip, port(cluster.nodes[victim].tcp)) == "timeout"
+
+    got, first = timed(lambda: kv.get_many(keys))
+    assert got == data and first < BOUND, first  # the owner's call ends at its deadline; the replica answers
+    assert victim in kv.suspects
+    got, second = timed(lambda: kv.get_many(keys))
+    assert got == data and second < FAST["rpc"], second  # routed around: no second wait
+    # a key whose only copy is unreachable: a miss, not an exception, batched or single
+    got, miss_batch = timed(lambda: r1.get_many([only[i] for i in on_victim]))
+    assert got == [None] * len(on_victim) and miss_batch < BOUND, miss_batch
+    assert r1.get(only[on_victim[0]]) is None and r1.match_prefix([only[on_victim[0]]]) == 0
+    assert sum(r1.miss_counts().values()) >= len(on_victim)
+    # a client that never reached the node: its first connection hangs (SYN dropped) until the deadline
+    fresh = cluster.client()
+    got, fresh_first = timed(lambda: fresh.get_many(keys))
+    assert got == data and fresh_first < BOUND, fresh_first
+
+    async def async_read() -> tuple[list[bytes | None], list[bytes | None]]:
+        async with AsyncKVClient(cluster.target, timeouts=Timeouts(**FAST), prefer_local=False) as akv:
+            return await akv.get_many(keys), await akv.get_many([only[i] for i in on_victim])
+
+    (agot, amiss), async_first = timed(lambda: asyncio.run(async_read()))
+    assert agot == data and amiss == [None] * len(on_victim) and async_first < 2 * BOUND, async_first
+    # writes land on the reachable owners; the node stays a member throughout (its etcd link is fine)
+    more, more_data = blocks(10, seed=32)
+    assert kv.put_many(more, more_data) == [True] * 10 and kv.get_many(more) == more_data
+    time.sleep(LEASE_TTL * 1.5)
+    assert victim in kv.nodes() and victim in fresh.nodes()
+
+    cluster.net.heal(victim)
+    direct = cluster.direct(victim)
+    wait_until(lambda: reads_back(direct, [only[i] for i in on_victim], [only_data[i] for i in on_victim]), HEALED_BOUND,
+               f"reads through {victim}")
+    healed = cluster.client(replication=1)
+    assert healed.get_many([only[i] for i in on_victim]) == [only_data[i] for i in on_victim]
+    print(f"\nclient-side partition: first read {first * 1000:.0f} ms (rpc deadline {FAST['rpc']} s), then "
+          f"{second * 1000:.0f} ms; {len(on_victim)} single-copy keys missed in {miss_batch * 1000:.0f} ms; a new client's "
+          f"first read {fresh_first * 1000:.0f} ms; an async client's two reads {async_first * 1000:.0f} ms")
+
+
+def test_regression_client_connection_stuck_for_as_long_again_after_a_partition_heals(net: Network, tmp_path: Path) -> None:
+    """Bug: after a partition healed, a client kept its gRPC connection to the node, whose
+    unacknowledged packets TCP retransmits with exponential back-off (0.2, 0.6, 1.4, ...,
+    12.6, 25.4 s after the first loss).  Every call, from every client in the process (gRPC
+    shares the connection), ended at its deadline until the next retransmission: about
+    10 s after a 15 s partition, minutes after a long one.  Now the SDK's channels set
+    TCP_USER_TIMEOUT (through a keepalive time), so the connection is replaced."""
+    host = net.add_host("solo")
+    node = NodeProcess(tmp_path / "solo", "--dram", "64MiB", "--nvme", "0", prefix=host.exec_prefix, listen="0.0.0.0:0",
+                       env={"KVSTORE_ADVERTISE_HOST": host.ip}).start()
+    try:
+        assert node.tcp.startswith(host.ip + ":")
+        kv = KVClient(node.tcp, timeouts=Timeouts(**FAST))
+        key, payload = blocks(1, seed=40)
+        assert kv.put_many(key, payload) == [True]
+        net.cut("solo")
+        t_cut = time.monotonic()
+        with pytest.raises(KVStoreError):  # a call in flight: its packets are lost, not refused
+            kv.get_many(key)
+        time.sleep(max(0.0, 15.0 - (time.monotonic() - t_cut)))  # just past TCP's retransmission at 12.6 s
+        net.heal("solo")
+        t_heal = time.monotonic()
+        wait_until(lambda: reads_back(kv, key, payload), 5.0, "the old client to reach the healed node")
+        print(f"\nafter a 15 s partition: the client read again {time.monotonic() - t_heal:.2f} s after the heal")
+        kv.close()
+    finally:
+        node.stop(timeout=30)
+        Path(node.arena_path).unlink(missing_ok=True)
