@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 
 from client._core import IDEMPOTENT, ClientCore, Op, T, Timeouts, as_key_list, fingerprint, report_request
-from client._sync import CHANNEL_OPTIONS, RETRIES, resolve_token, rpc_error
+from client._sync import CHANNEL_OPTIONS, RETRIES, resolve_token, rpc_error, stream_metadata
 from kvstore.errors import Unavailable
 from kvstore.keys import Namespace, check_key
 from kvstore.tls import ClientTLS, secure_channel
@@ -107,7 +107,8 @@ class AsyncKVClient:
                     elif kind == "put_stream":
                         chunks = instr[1]
                         try:
-                            result = await self._stub.PutStream(chunks(), timeout=self._core.timeouts.data, metadata=self._metadata)
+                            result = await self._stub.PutStream(chunks(), timeout=self._core.timeouts.data,
+                                                                metadata=stream_metadata(self._metadata, instr))
                         except grpc.RpcError as e:
                             raise rpc_error(e, self._tls, self._core.target.grpc_target) from None
                     elif kind == "get_stream":

@@ -28,6 +28,13 @@ Routing rules:
   ``node_down`` / ``deadline``: nodes cannot count what never reached them) and is marked *suspect*: calls skip it for
   ``suspect_s`` (doubling while it keeps failing, up to 30 s), so only the first call
   pays the deadline.  Contract errors (``InvalidArgument``, ``Unauthenticated``) raise.
+  A node that registers in etcd again (its record comes back after its lease expired, or
+  is rewritten under a new lease: a restart, a new address) is cleared at once: the back-off
+  is for a node that stays registered but does not answer (hung, or cut off from clients
+  only).  A failure of a call made to a node's earlier registration does not suspect the
+  new one.  While an owner is suspect, writes to its keys go to the other owners only
+  (fewer than R copies; placement does not change): counted in
+  :meth:`ClusterClient.under_replicated`.
 * **Namespaces**: keys from :meth:`chunk_keys` and the namespace recorded with each block
   use the namespace's *effective* fingerprint at its current epoch
   (:func:`kvstore.cluster.state.effective_fingerprint`); ``invalidate`` bumps the epoch in
@@ -114,6 +121,8 @@ class _Suspects:
         self._lock = threading.Lock()
 
     def mark(self, node: str) -> None:
+        # a span that ran out stays as ``last``: a node that fails again on its first call is
+        # backed off twice as long; a success (``clear``) or a new registration resets it
         with self._lock:
             _, last = self._until.get(node, (0.0, 0.0))
             span = min(self.cap, last * 2) if last else self.base
@@ -205,6 +214,7 @@ class ClusterCore:
         self.hostname = socket.gethostname()
         self._epoch_floor: dict[bytes, int] = {}  # epochs this client bumped, before its view shows them
         self._registered: set[bytes] = set()
+        self._registrations: Mapping[str, tuple[int, int]] = {}  # the latest view's, for ``_seen`` and ``failed``
         self._plan: tuple[int, float, Plan] | None = None
         self._history: list[tuple[float, frozenset[str]]] = []  # (when, node set before a join)
         self._last_nodes: frozenset[str] = frozenset()
@@ -214,11 +224,20 @@ class ClusterCore:
         self.closed = False
         self.handoffs = 0  # blocks this client copied to a new owner (hand-off reads)
         self.misses: dict[str, int] = {NODE_DOWN: 0, DEADLINE: 0}  # keys missed because an owner failed
+        self.short_copies: dict[str, int] = {"suspect": 0, "failed": 0}  # block copies puts did not write
         self._misses_lock = threading.Lock()
 
     # -- membership and placement ----------------------------------------------------------
     def _seen(self, snap: ClusterSnapshot) -> None:
-        """Remember the membership before each join (for hand-off reads); runs on the view's thread."""
+        """Clear nodes that registered again from the suspect list, and remember the membership
+        before each join (for hand-off reads); runs on the view's thread, before the view swaps."""
+        if snap.loaded:
+            last, self._registrations = self._registrations, snap.registrations
+            for node, reg in snap.registrations.items():
+                if last.get(node) != reg:  # a new registration: it was absent, or has a new lease
+                    if node in self.suspects:
+                        log.info("node %s registered again; routing to it again", node)
+                    self.suspects.clear(node)
         if not snap.nodes:
             return
         nodes = frozenset(snap.nodes)
@@ -242,6 +261,12 @@ class ClusterCore:
         plan = Plan(snap, nodes, Ring(nodes), r, previous)
         self._plan = (id(snap), now, plan)
         return plan
+
+    def node_info(self, plan: Plan, node: str) -> NodeInfo:
+        """The record to dial ``node`` by: the newest view's, so that a call routed by an older
+        plan (a later round of the same read) reaches a node that registered again at its new
+        address, and the drivers never swap a node's connection back to an older registration."""
+        return self.membership.routing_nodes().get(node) or plan.nodes[node]
 
     def node_target(self, info: NodeInfo) -> str:
         if self.prefer_local and info.unix and info.host == self.hostname and os.path.exists(info.unix.removeprefix("unix://")):
@@ -274,17 +299,28 @@ class ClusterCore:
         return chunk_keys(tokens, _Seeded(self.effective(namespace), namespace.chunk_tokens))  # type: ignore[arg-type]
 
     # -- outcome of one node call ------------------------------------------------------------
-    def failed(self, node: str, result: object) -> bool:
-        """True if ``result`` is an error (the node is then suspect); raises contract errors."""
+    def failed(self, node: str, result: object, plan: Plan) -> bool:
+        """True if ``result`` is an error (the node is then suspect); raises contract errors.
+
+        ``plan`` is the one the call was routed by: if the node has registered again since,
+        the failure was its earlier registration's and does not make the new one suspect.
+        """
         if not isinstance(result, BaseException):
             self.suspects.clear(node)
             return False
         if isinstance(result, FATAL):
             raise result
-        if not isinstance(result, CapacityExceeded):
+        if self._superseded(plan, node):
+            log.info("node %s failed (%s) but has registered again since; not routing around it", node, type(result).__name__)
+        elif not isinstance(result, CapacityExceeded):
             log.info("node %s failed (%s: %s); routing around it", node, type(result).__name__, result)
             self.suspects.mark(node)
         return True
+
+    def _superseded(self, plan: Plan, node: str) -> bool:
+        """Whether ``node`` has registered again since ``plan``'s view (and is registered now)."""
+        then, now = plan.snapshot.registrations.get(node), self._registrations.get(node)
+        return then is not None and now is not None and then != now
 
     # -- operations ----------------------------------------------------------------------------
     def put_many(self, keys: Sequence[bytes], datas: Sequence[object], *, namespace: object, parents: Sequence[bytes | None] | None,
@@ -298,10 +334,13 @@ class ClusterCore:
         eff = self.effective(namespace) if namespace is not None else None
         plan = self.plan()
         groups: dict[str, list[int]] = {}
+        skipped = 0
         for i, k in enumerate(ks):
             for n in plan.owners(k):
                 if n not in self.suspects:
                     groups.setdefault(n, []).append(i)
+                else:  # no substitute owner: the block has one copy fewer until it is written again
+                    skipped += 1
         stored = [False] * len(ks)
         calls = []
         for n, idx in groups.items():
@@ -311,10 +350,17 @@ class ClusterCore:
                                      token_counts=[token_counts[i] for i in idx] if token_counts is not None else None)
             calls.append((n, op))
         results = yield ("fanout", plan, calls)
+        lost = 0
         for (n, _), res in zip(calls, results):
-            if not self.failed(n, res):
+            if not self.failed(n, res, plan):
                 for i, ok in zip(groups[n], res):
                     stored[i] = stored[i] or ok
+            else:
+                lost += len(groups[n])
+        if skipped or lost:
+            with self._misses_lock:
+                self.short_copies["suspect"] += skipped
+                self.short_copies["failed"] += lost
         return stored
 
     def _rounds(self, plan: Plan, keys: list[ChunkKey], cands: list[list[str]], call: Callable[[list[int]], NodeOp], *,
@@ -356,7 +402,7 @@ class ClusterCore:
             calls = [(node, call(idx)) for node, idx in groups.items()]
             results = yield ("fanout", plan, calls)
             for (node, _), res in zip(calls, results):
-                failed = self.failed(node, res)
+                failed = self.failed(node, res, plan)
                 down = DEADLINE if isinstance(res, DeadlineExceeded) else NODE_DOWN if isinstance(res, Unavailable) else None
                 for j, i in enumerate(groups[node]):
                     if not failed and hit(res[j]):
@@ -417,7 +463,7 @@ class ClusterCore:
             calls = [(n, _put_blocks([m for m, _ in items], [p for _, p in items])) for n, items in copies.items()]
             results = yield ("fanout", plan, calls)
             for (n, _), res in zip(calls, results):
-                if not self.failed(n, res):
+                if not self.failed(n, res, plan):
                     self.handoffs += sum(bool(x) for x in res)
         self._count_misses(result, why)
         return result
@@ -453,7 +499,7 @@ class ClusterCore:
                     groups.setdefault(n, []).append(k)
         calls = [(n, lambda core, sub=sub: core.simple(method, make(sub))) for n, sub in groups.items()]
         results = yield ("fanout", plan, calls)
-        return sum(r for (n, _), r in zip(calls, results) if not self.failed(n, r))
+        return sum(r for (n, _), r in zip(calls, results) if not self.failed(n, r, plan))
 
     def to_all(self, method: str, request: Any, field: str = "count") -> ClusterOp[dict[str, Any]]:
         """The same call on every live node (delete, invalidate, stats): node -> result or error."""
@@ -462,7 +508,7 @@ class ClusterCore:
         results = yield ("fanout", plan, calls)
         out: dict[str, Any] = {}
         for (n, _), r in zip(calls, results):
-            self.failed(n, r)  # raises contract errors, marks failed nodes
+            self.failed(n, r, plan)  # raises contract errors, marks failed nodes
             out[n] = r
         return out
 
@@ -489,7 +535,7 @@ class ClusterCore:
         nodes = {}
         for (n, _), r in zip(calls, results):
             nodes[n] = {"error": f"{type(r).__name__}: {r}"} if isinstance(r, BaseException) else r
-            if isinstance(r, BaseException) and not isinstance(r, FATAL):
+            if isinstance(r, BaseException) and not isinstance(r, FATAL) and not self._superseded(plan, n):
                 self.suspects.mark(n)
         return {
             "target": self.target,
@@ -497,8 +543,13 @@ class ClusterCore:
             "replication": plan.r,
             "membership": plan.snapshot.to_dict(),
             "suspects": self.suspects.snapshot(),
+            "under_replicated": self.under_replicated(),
             "nodes": nodes,
         }
+
+    def under_replicated(self) -> dict[str, int]:
+        with self._misses_lock:
+            return dict(self.short_copies)
 
     def close(self) -> None:
         self.closed = True

@@ -84,6 +84,13 @@ class _ClusterBase:
         with self._core._misses_lock:
             return dict(self._core.misses)
 
+    def under_replicated(self) -> dict[str, int]:
+        """Block copies this client's puts did not write, short of R per block: ``suspect``
+        (the owner was being routed around, so the put skipped it; no other node stands in)
+        and ``failed`` (the owner's call failed).  A put still returns True when another owner
+        stored the block; with R = 1 a skipped copy is a block not stored at all."""
+        return self._core.under_replicated()
+
     @staticmethod
     def _no_views() -> InvalidArgument:
         return InvalidArgument("zero-copy views need one node: use KVClient('unix:///path/to/kvstore.sock') of the local node")
@@ -147,7 +154,7 @@ class ClusterClient(_ClusterBase):
             while True:
                 if instr[0] == "fanout":
                     plan, calls = instr[1], instr[2]
-                    infos = [plan.nodes[n] for n, _ in calls]
+                    infos = [self._core.node_info(plan, n) for n, _ in calls]
                     if len(calls) == 1:
                         result: Any = [self._call(infos[0], calls[0][1])]
                     else:
@@ -298,7 +305,7 @@ class AsyncClusterClient(_ClusterBase):
             while True:
                 if instr[0] == "fanout":
                     plan, calls = instr[1], instr[2]
-                    result: Any = await asyncio.gather(*(self._call(plan.nodes[n], make) for n, make in calls))
+                    result: Any = await asyncio.gather(*(self._call(self._core.node_info(plan, n), make) for n, make in calls))
                 elif instr[0] == "etcd":
                     result = await asyncio.wait_for(self._core.membership.run_async(instr[1]), self._core.membership.timeout * 3 + 1)
                 else:

@@ -8,12 +8,16 @@ their results sent back (a sans-I/O core):
   (releases whose outcome is already known);
 * ``("io", fn)``                → the driver runs a blocking function (copies, the data
   channel): inline in the sync client, in a worker thread in the async one;
-* ``("put_stream", chunks)`` / ``("get_stream", request)`` → the streaming fallback.
+* ``("put_stream", chunks[, n])`` / ``("get_stream", request)`` → the streaming fallback
+  (``n``: the stream's block count, declared to the node in metadata).
 
 So the sync and async clients differ only in their ~40-line drivers, and tests can
 drive the core with any transport.  Errors raised by a driver are thrown back into
 the generator, which cleans up (aborts reservations, releases leases) before they
 propagate.
+
+No request exceeds the node's ``max_batch`` (learnt from ``Hello``): batch operations go
+in batches that fit, so a caller never meets the limit, whatever it passes.
 
 Paths, chosen per target:
 * ``unix://`` target: **shared memory**.  gRPC carries only extents and leases; the
@@ -45,6 +49,9 @@ Op = Generator[tuple[Any, ...], Any, T]
 
 IDEMPOTENT = {"Hello", "Lookup", "MatchPrefix", "Stats", "Delete", "Pin", "Unpin", "Invalidate", "Release", "Abort"}
 STREAM_CHUNK = 1 << 20
+# A put stream's blocks are all reserved until the stream ends (the node commits them
+# together): this many bytes per stream keep it far inside the reservation deadline.
+STREAM_BATCH_BYTES = 256 << 20
 _RETRY = object()  # a key the node could not bring into DRAM for this batch
 TRANSPORTS = ("auto", "shm", "data-channel", "grpc-stream")
 
@@ -206,11 +213,12 @@ class ClientCore:
             raise Unavailable("the node restarted (its arena file was replaced); the next call reconnects")
         return arena
 
-    def _batches(self, n: int, sizes: Sequence[int] | None = None, *, limit: int | None = None) -> list[range]:
-        """Split ``n`` items by the node's max batch and (for shm) a byte budget of 1/4 of the arena."""
+    def _batches(self, n: int, sizes: Sequence[int] | None = None, *, limit: int | None = None,
+                 budget: int | None = None) -> list[range]:
+        """Split ``n`` items by the node's max batch and a byte budget (default 1/4 of the arena)."""
         assert self.hello is not None
         limit = max(1, min(self.hello.max_batch, limit or self.hello.max_batch))
-        budget = max(1, self.hello.arena_size // 4)
+        budget = max(1, min(self.hello.arena_size // 4, budget or self.hello.arena_size))
         out, start, acc = [], 0, 0
         for i in range(n):
             size = sizes[i] if sizes is not None else 0
@@ -221,6 +229,20 @@ class ClientCore:
         if start < n:
             out.append(range(start, n))
         return out
+
+    def _limit(self, n: int) -> Op[int]:
+        """How many keys or ids one request may carry, for a call of ``n``: the node's
+        ``max_batch``, from its ``Hello`` (asked for now if this client has not yet)."""
+        if n <= 1:
+            return 1
+        yield from self.ensure_hello()
+        assert self.hello is not None
+        return max(1, self.hello.max_batch)
+
+    @staticmethod
+    def _spans(n: int, limit: int) -> list[slice]:
+        """``n`` items in slices of ``limit``; an empty call is still one (empty) request."""
+        return [slice(i, i + limit) for i in range(0, n, limit)] or [slice(0, 0)]
 
     # -- writes -------------------------------------------------------------------------
     @_relearn_node_on_unavailable
@@ -251,7 +273,8 @@ class ClientCore:
             if m.payload_len > self.hello.max_block_bytes:
                 raise InvalidArgument(f"block of {m.payload_len} bytes exceeds the node's max_block_bytes={self.hello.max_block_bytes}")
         stored = [False] * len(keys)
-        for batch in self._batches(len(keys), [m.payload_len for m in metas]):
+        budget = STREAM_BATCH_BYTES if self.path == "grpc-stream" else None
+        for batch in self._batches(len(keys), [m.payload_len for m in metas], budget=budget):
             bm = [metas[i] for i in batch]
             bv = [views[i] for i in batch]
             if self.path == "shm":
@@ -330,7 +353,7 @@ class ClientCore:
                     yield pb.BlockChunk(block=meta_to_pb(m), data=data) if first else pb.BlockChunk(data=data)
                     first = False
 
-        resp = yield ("put_stream", chunks)
+        resp = yield ("put_stream", chunks, len(metas))
         return [s in (pb.KEY_STATUS_OK, pb.KEY_STATUS_EXISTS) for s in resp.statuses]
 
     # -- reads --------------------------------------------------------------------------
@@ -489,21 +512,78 @@ class ClientCore:
         return result
 
     # -- small calls --------------------------------------------------------------------
+    @_relearn_node_on_unavailable
     def lookup(self, keys: Sequence[bytes]) -> Op[list[str | None]]:
-        resp = yield ("rpc", "Lookup", pb.KeysRequest(keys=[check_key(k) for k in keys]))
-        return [TIER_NAMES.get(t) for t in resp.tiers]
+        ks = [check_key(k) for k in keys]
+        limit = yield from self._limit(len(ks))
+        out: list[str | None] = []
+        for span in self._spans(len(ks), limit):
+            resp = yield ("rpc", "Lookup", pb.KeysRequest(keys=ks[span]))
+            out += [TIER_NAMES.get(t) for t in resp.tiers]
+        return out
 
+    @_relearn_node_on_unavailable
     def match_prefix(self, keys: Sequence[bytes]) -> Op[tuple[int, list[str]]]:
-        resp = yield ("rpc", "MatchPrefix", pb.KeysRequest(keys=[check_key(k) for k in keys]))
-        return resp.matched, [TIER_NAMES.get(t, "?") for t in resp.tiers]
+        ks = [check_key(k) for k in keys]
+        limit = yield from self._limit(len(ks))
+        matched, tiers = 0, []
+        for span in self._spans(len(ks), limit):
+            part = ks[span]
+            resp = yield ("rpc", "MatchPrefix", pb.KeysRequest(keys=part))
+            matched += resp.matched
+            tiers += [TIER_NAMES.get(t, "?") for t in resp.tiers]
+            if resp.matched < len(part):  # a gap: the prefix ends in this batch
+                break
+        return matched, tiers
 
     def call(self, method: str, request: Any) -> Op[Any]:
         """One unary call; the response as is."""
         return (yield ("rpc", method, request))
 
+    @_relearn_node_on_unavailable
     def simple(self, method: str, request: Any, field: str = "count") -> Op[Any]:
-        resp = yield ("rpc", method, request)
-        return getattr(resp, field)
+        """One call's ``field``.  A request of keys (``Delete``, ``Pin``, ``Unpin``) over the
+        node's ``max_batch`` goes as several, their counts summed."""
+        n = len(request.keys) if field == "count" and hasattr(request, "keys") else 0
+        limit = yield from self._limit(n)
+        if n <= limit:
+            resp = yield ("rpc", method, request)
+            return getattr(resp, field)
+        total = 0
+        for span in self._spans(n, limit):
+            part = type(request)()
+            part.CopyFrom(request)
+            del part.keys[:]
+            part.keys.extend(request.keys[span])
+            total += getattr((yield ("rpc", method, part)), field)
+        return total
+
+    def release_ids(self, ids: Sequence[int]) -> Op[list[bool]]:
+        """Release leases (in batches the node accepts); whether each was still valid."""
+        limit = yield from self._limit(len(ids))
+        valid: list[bool] = []
+        for span in self._spans(len(ids), limit):
+            valid += (yield ("rpc", "Release", pb.ReleaseRequest(lease_ids=ids[span]))).valid
+        return valid
+
+    def commit_ids(self, ids: Sequence[int], checksums: Sequence[int] | None) -> Op[list[bool]]:
+        """Commit reservations (in batches the node accepts); whether each was stored."""
+        limit = yield from self._limit(len(ids))
+        stored: list[bool] = []
+        for span in self._spans(len(ids), limit):
+            req = pb.CommitRequest(reservation_ids=ids[span], payload_checksums=checksums[span] if checksums else [])
+            stored += [st == pb.KEY_STATUS_OK for st in (yield ("rpc", "Commit", req)).statuses]
+        return stored
+
+    def abort_ids(self, ids: Sequence[int], *, quietly: bool = False) -> Op[None]:
+        """Abort reservations (in batches the node accepts); ``quietly``: best effort."""
+        limit = yield from self._limit(len(ids))
+        for span in self._spans(len(ids), limit):
+            req = pb.AbortRequest(reservation_ids=ids[span])
+            if quietly:
+                yield from self._quietly("Abort", req)
+            else:
+                yield ("rpc", "Abort", req)
 
     def stats(self) -> Op[dict[str, Any]]:
         r = yield ("rpc", "Stats", pb.Empty())
@@ -524,19 +604,30 @@ class ClientCore:
             raise InvalidArgument("zero-copy views need a unix:// target whose arena this process can map")
         from client._zerocopy import views_of
 
-        resp = yield ("rpc", "Acquire", pb.KeysRequest(keys=[check_key(k) for k in keys]))
-        granted = [x.lease_id for x in resp.leases if x.status == pb.KEY_STATUS_OK]
-        arena = yield from self._live_arena(granted, "Release", pb.ReleaseRequest(lease_ids=granted))
-        ids, metas, views = [], [], []
-        for x in resp.leases:
-            if x.status == pb.KEY_STATUS_OK:
-                meta = meta_from_pb(x.block)
-                ids.append(x.lease_id)
-                metas.append(meta)
-                views.append(views_of(arena, extents_from_pb(x.extents), meta.payload_len, writable=False))
-            else:
-                metas.append(None)
-                views.append(None)
+        ks = [check_key(k) for k in keys]
+        limit = yield from self._limit(len(ks))
+        ids: list[int] = []
+        metas: list[Any] = []
+        views: list[Any] = []
+        try:
+            for span in self._spans(len(ks), limit):
+                resp = yield ("rpc", "Acquire", pb.KeysRequest(keys=ks[span]))
+                granted = [x.lease_id for x in resp.leases if x.status == pb.KEY_STATUS_OK]
+                arena = yield from self._live_arena(granted, "Release", pb.ReleaseRequest(lease_ids=granted))
+                for x in resp.leases:
+                    if x.status == pb.KEY_STATUS_OK:
+                        meta = meta_from_pb(x.block)
+                        ids.append(x.lease_id)
+                        metas.append(meta)
+                        views.append(views_of(arena, extents_from_pb(x.extents), meta.payload_len, writable=False))
+                    else:
+                        metas.append(None)
+                        views.append(None)
+        except BaseException:
+            if ids:  # the earlier batches' leases go back
+                for span in self._spans(len(ids), limit):
+                    yield from self._quietly("Release", pb.ReleaseRequest(lease_ids=ids[span]))
+            raise
         return ids, metas, views
 
     def reserve_views(self, metas: Sequence[BlockMeta]) -> Op[tuple[list[int], list[Any], list[bool]]]:
@@ -546,17 +637,27 @@ class ClientCore:
             raise InvalidArgument("zero-copy views need a unix:// target whose arena this process can map")
         from client._zerocopy import views_of
 
-        resp = yield ("rpc", "Reserve", pb.ReserveRequest(blocks=[meta_to_pb(m) for m in metas]))
-        granted = [r.reservation_id for r in resp.reservations if r.status == pb.KEY_STATUS_OK]
-        arena = yield from self._live_arena(granted, "Abort", pb.AbortRequest(reservation_ids=granted))
-        ids, views, existed = [], [], []
-        for m, r in zip(metas, resp.reservations):
-            existed.append(r.status == pb.KEY_STATUS_EXISTS)
-            if r.status == pb.KEY_STATUS_OK:
-                ids.append(r.reservation_id)
-                views.append(views_of(arena, extents_from_pb(r.extents), m.payload_len, writable=True))
-            else:
-                views.append(None)
+        limit = yield from self._limit(len(metas))
+        ids: list[int] = []
+        views: list[Any] = []
+        existed: list[bool] = []
+        try:
+            for span in self._spans(len(metas), limit):
+                part = list(metas[span])
+                resp = yield ("rpc", "Reserve", pb.ReserveRequest(blocks=[meta_to_pb(m) for m in part]))
+                granted = [r.reservation_id for r in resp.reservations if r.status == pb.KEY_STATUS_OK]
+                arena = yield from self._live_arena(granted, "Abort", pb.AbortRequest(reservation_ids=granted))
+                for m, r in zip(part, resp.reservations):
+                    existed.append(r.status == pb.KEY_STATUS_EXISTS)
+                    if r.status == pb.KEY_STATUS_OK:
+                        ids.append(r.reservation_id)
+                        views.append(views_of(arena, extents_from_pb(r.extents), m.payload_len, writable=True))
+                    else:
+                        views.append(None)
+        except BaseException:
+            if ids:  # the earlier batches' reservations go back
+                yield from self.abort_ids(ids, quietly=True)
+            raise
         return ids, views, existed
 
     def _quietly(self, method: str, request: Any) -> Op[None]:

@@ -14,7 +14,7 @@ from client._core import IDEMPOTENT, ClientCore, Op, T, Timeouts, as_key_list, f
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.keys import Namespace, check_key
 from kvstore.tls import ClientTLS, explain, secure_channel
-from kvstore.wire import error_from_rpc
+from kvstore.wire import BLOCKS_METADATA_KEY, error_from_rpc
 
 if False:  # typing only
     from client._zerocopy import LeasedBlocks, ReservedBlocks
@@ -52,6 +52,11 @@ def resolve_token(token: str | None, token_file: str | None) -> str:
         except OSError as e:
             raise InvalidArgument(f"cannot read token file {path}: {e}") from e
     return os.environ.get("KVSTORE_TOKEN", "")
+
+
+def stream_metadata(metadata: tuple[tuple[str, str], ...], instr: tuple[Any, ...]) -> tuple[tuple[str, str], ...]:
+    """A put stream's metadata: the call's, and its block count when the op declared one."""
+    return (*metadata, (BLOCKS_METADATA_KEY, str(instr[2]))) if len(instr) > 2 else metadata
 
 
 def rpc_error(e: grpc.RpcError, tls: ClientTLS | None, target: str) -> KVStoreError:
@@ -159,7 +164,7 @@ class KVClient:
                         result = instr[1]()
                     elif kind == "put_stream":
                         try:
-                            result = self._stub.PutStream(instr[1](), timeout=self._core.timeouts.data, metadata=self._metadata)
+                            result = self._stub.PutStream(instr[1](), timeout=self._core.timeouts.data, metadata=stream_metadata(self._metadata, instr))
                         except grpc.RpcError as e:
                             raise rpc_error(e, self._tls, self._core.target.grpc_target) from None
                     elif kind == "get_stream":
@@ -258,7 +263,7 @@ class KVClient:
         def release() -> list[bool]:
             if not ids:
                 return []
-            return list(self._rpc("Release", pb.ReleaseRequest(lease_ids=ids)).valid)
+            return self._run(self._core.release_ids(ids))
 
         return LeasedBlocks(ks, metas, views, release)
 
@@ -273,13 +278,12 @@ class KVClient:
         def commit(checksums: list[int] | None) -> list[bool]:
             if not ids:
                 return []
-            req = pb.CommitRequest(reservation_ids=ids, payload_checksums=checksums or [])
-            return [s == pb.KEY_STATUS_OK for s in self._rpc("Commit", req).statuses]
+            return self._run(self._core.commit_ids(ids, checksums))
 
         def abort() -> None:
             if ids:
                 try:
-                    self._rpc("Abort", pb.AbortRequest(reservation_ids=ids))
+                    self._run(self._core.abort_ids(ids))
                 except KVStoreError:
                     pass  # the node reclaims it at the deadline anyway
 

@@ -14,6 +14,10 @@ JSON object on stdout (the table then goes to stderr):
   Without ``--target`` it runs its own node process and stops it at the end.
   ``--paths ...,tls`` adds a private TLS node's data channel against a raw TLS socket (benchtls.py).
 
+Modules: this one runs the two benchmarks and reports them; the references live in
+``kvstore/benchrefs.py``, the measurement method (buffers, best-of timing, rates) in
+``kvstore/benchkit.py``, the TLS path in ``kvstore/benchtls.py``.
+
 Method: every buffer is allocated page-aligned and pre-faulted before timing (first
 touch runs at ~1 GB/s here); each rep runs every case once, interleaved, so machine
 drift hits all of them alike; the best rep counts.  Puts use new keys each rep (the
@@ -28,18 +32,16 @@ import argparse
 import contextlib
 import itertools
 import json
-import mmap
 import os
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -47,11 +49,11 @@ import numpy as np
 import xxhash
 
 from kvstore import benchtls
+from kvstore.benchkit import KiB, MiB, PAGE, Best, batched, blocks, buffer, label, log, ratio, timed
+from kvstore.benchrefs import DirectIOFile, Redis, SocketPeer, drop_caches, memcpy
 from kvstore.config import default_data_dir, parse_size
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 
-KiB, MiB = 1 << 10, 1 << 20
-PAGE = 4096
 REF_SIZE = 4 * MiB  # ratios and targets are stated at 4 MiB (DESIGN §10)
 TARGETS = {  # DESIGN §10, as ratios against references measured in the same run
     "dram_get_vs_memcpy": 0.8,
@@ -61,75 +63,6 @@ TARGETS = {  # DESIGN §10, as ratios against references measured in the same ru
     "tcp_get_vs_socket": 0.5,
     "tcp_get_vs_redis": 2.0,
 }
-
-
-# -- shared helpers ------------------------------------------------------------------------
-def label(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", KiB)):
-        if n >= size and n % size == 0:
-            return f"{n // size}{unit}"
-    return f"{n}B"
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    return round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 3) if a and b else None
-
-
-def buffer(nbytes: int, *, pattern: bool = False) -> np.ndarray:
-    """A page-aligned, pre-faulted private buffer (O_DIRECT-capable; never first-touched in a timed loop)."""
-    mm = mmap.mmap(-1, max(nbytes, PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    arr = np.frombuffer(mm, dtype=np.uint8)[:nbytes]
-    if not pattern:
-        arr.fill(1)
-        return arr
-    tile = np.random.default_rng(0).integers(0, 256, size=min(nbytes, MiB), dtype=np.uint8)
-    for off in range(0, nbytes, tile.size):
-        n = min(tile.size, nbytes - off)
-        arr[off : off + n] = tile[:n]
-    stamps = np.arange(0, nbytes // 8, 4096, dtype=np.uint64)  # distinct blocks of any size >= 32 KiB
-    arr[: nbytes // 8 * 8].view(np.uint64)[stamps] = stamps
-    return arr
-
-
-def blocks(arr: np.ndarray, size: int) -> list[np.ndarray]:
-    return [arr[i * size : (i + 1) * size] for i in range(arr.size // size)]
-
-
-def batched(items: Sequence[Any], n: int) -> Iterator[Sequence[Any]]:
-    for i in range(0, len(items), n):
-        yield items[i : i + n]
-
-
-class Best:
-    """Best (shortest) time of repeated runs of one case."""
-
-    def __init__(self) -> None:
-        self.seconds = float("inf")
-
-    def add(self, seconds: float) -> None:
-        self.seconds = min(self.seconds, seconds)
-
-    def gbps(self, nbytes: int) -> float | None:
-        return gbps(nbytes, self.seconds) if self.seconds != float("inf") else None
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
-def memcpy(src: Sequence[np.ndarray], dst: Sequence[np.ndarray]) -> None:
-    for s, d in zip(src, dst):
-        np.copyto(d, s)
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # -- engine benchmark ----------------------------------------------------------------------
@@ -157,31 +90,6 @@ def engine_base_dir() -> Path:
         return tmp
     cache = Path.home() / ".cache"
     return cache if fs_type(cache) not in ("tmpfs", "ramfs") else Path.cwd()
-
-
-def drop_caches() -> bool:
-    """Drop the page cache so reads come from the disk (needs root); False if not allowed."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def _pwrite_all(fd: int, view: memoryview, off: int) -> None:
-    while view.nbytes:
-        n = os.pwrite(fd, view, off)
-        view, off = view[n:], off + n
-
-
-def _pread_all(fd: int, view: memoryview, off: int) -> None:
-    while view.nbytes:
-        n = os.preadv(fd, [view], off)
-        if n <= 0:
-            raise OSError(f"short read at {off}")
-        view, off = view[n:], off + n
 
 
 def run_engine(a: argparse.Namespace) -> dict[str, Any]:
@@ -233,21 +141,12 @@ def run_engine(a: argparse.Namespace) -> dict[str, Any]:
         tier = NVMeTier(work / "nvme", int(record_bytes(bsize) * n * 1.25) + 16 * MiB,
                         segment_bytes=max(256 * MiB, record_bytes(bsize) + PAGE))
         direct = tier.direct_io
-        ref_path = work / "direct-io.dat"
-        fd = os.open(ref_path, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0), 0o600)
+        ref = DirectIOFile(work / "direct-io.dat", ws, direct=direct)
         try:
-            os.posix_fallocate(fd, 0, ws)
             rw, rr, tw, tr = Best(), Best(), Best(), Best()
             cold = True
-
-            def ref_write() -> None:
-                for group in batched(range(n), batch):  # the tier's group commits: one sync per batch
-                    for j in group:
-                        _pwrite_all(fd, memoryview(src[j]), j * bsize)
-                    os.fdatasync(fd)
-
             for rep in range(reps):
-                rw.add(timed(ref_write))
+                rw.add(timed(lambda: ref.write(src, bsize, batch)))
                 if rep:
                     for k in keys:
                         tier.delete(k)
@@ -256,7 +155,7 @@ def run_engine(a: argparse.Namespace) -> dict[str, Any]:
                                       for g in batched(range(n), batch)]))
             for rep in range(reps):
                 cold &= drop_caches()
-                rr.add(timed(lambda: [_pread_all(fd, memoryview(d), j * bsize) for j, d in enumerate(dst)]))
+                rr.add(timed(lambda: ref.read_into(dst, bsize)))
                 cold &= drop_caches()
                 if rep == 0:
                     dst_all.fill(0)
@@ -265,7 +164,7 @@ def run_engine(a: argparse.Namespace) -> dict[str, Any]:
                 if not all(r.hit for r in res) or (rep == 0 and [xxhash.xxh3_64_intdigest(d) for d in dst] != sums):
                     raise KVStoreError("NVMe tier returned wrong bytes or missed")
         finally:
-            os.close(fd)
+            ref.close()
             with contextlib.suppress(Exception):
                 tier.close()
     finally:
@@ -346,173 +245,6 @@ def _print_targets(r: dict[str, Any], f: TextIO) -> None:
         verdict = "n/a" if v is None else ("met" if r["targets_met"][k] else "MISSED")
         op = "<=" if k.endswith("_us") else ">="  # latencies are upper bounds
         print(f"target {k:<24} {op} {t:<4} got {'-' if v is None else f'{v:.2f}':>5}  {verdict}", file=f)
-
-
-# -- SDK benchmark: references -----------------------------------------------------------
-_PEER_REQ = struct.Struct("<cQQ")  # op (G: peer sends, P: peer receives, Q: quit), block size, count
-
-
-def _recv_exact(s: socket.socket, view: memoryview) -> None:
-    pos, n = 0, view.nbytes
-    while pos < n:
-        got = s.recv_into(view[pos:], n - pos)
-        if not got:
-            raise Unavailable("socket closed mid-transfer")
-        pos += got
-
-
-def socket_peer_main(wrap: Callable[[socket.socket], socket.socket] | None = None) -> None:
-    """The raw-socket reference's far end, in its own process (like the node); ``wrap``: TLS (benchtls.py)."""
-    cap = int(sys.argv[1])
-    buf = buffer(cap, pattern=True)
-    ls = socket.create_server(("127.0.0.1", 0))
-    print(ls.getsockname()[1], flush=True)
-    s, _ = ls.accept()
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    s = wrap(s) if wrap else s
-    head = bytearray(_PEER_REQ.size)
-    while True:
-        _recv_exact(s, memoryview(head))
-        op, size, count = _PEER_REQ.unpack(head)
-        if op not in (b"G", b"P") or not 0 < size <= cap:
-            return
-        views = blocks(buf, size)
-        if op == b"G":
-            for i in range(count):
-                s.sendall(views[i % len(views)])
-        elif op == b"P":
-            for i in range(count):
-                _recv_exact(s, memoryview(views[i % len(views)]))
-            s.sendall(b"K")
-
-
-class SocketPeer:
-    _MAIN = "from kvstore.bench import socket_peer_main as m; m()"
-
-    def __init__(self, capacity: int, *, main: str = _MAIN, args: Sequence[str] = (), wrap: Callable[[Any], Any] = lambda s: s) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", main, str(capacity), *args], stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        port = int(self.proc.stdout.readline())
-        self.s = socket.create_connection(("127.0.0.1", port))
-        self.s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.s = wrap(self.s)
-
-    def get(self, dst: Sequence[np.ndarray]) -> None:
-        self.s.sendall(_PEER_REQ.pack(b"G", dst[0].size, len(dst)))
-        for d in dst:
-            _recv_exact(self.s, memoryview(d))
-
-    def put(self, src: Sequence[np.ndarray]) -> None:
-        self.s.sendall(_PEER_REQ.pack(b"P", src[0].size, len(src)))
-        for v in src:
-            self.s.sendall(v)
-        _recv_exact(self.s, memoryview(bytearray(1)))
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.s.sendall(_PEER_REQ.pack(b"Q", 0, 0))
-            self.s.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=5)
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Redis:
-    """A private ``redis-server`` and a minimal RESP client that reads values with ``recv_into``."""
-
-    def __init__(self, binary: str, workdir: Path) -> None:
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--protected-mode", "no", "--dir", str(workdir), "--proto-max-bulk-len", "1gb"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                self.s = socket.create_connection(("127.0.0.1", self.port), timeout=1)
-                break
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.close()
-                    raise Unavailable(f"redis-server did not start on port {self.port}") from None
-                time.sleep(0.05)
-        self.s.settimeout(60)
-        self.s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._pending = bytearray()
-        self.command(b"PING")
-        self.version = self.command(b"INFO", b"server").split(b"redis_version:")[1].split(b"\r\n")[0].decode()
-
-    @staticmethod
-    def _head(*args: bytes, tail: int | None = None) -> bytes:
-        parts = [b"*%d\r\n" % (len(args) + (tail is not None))]
-        parts += [b"$%d\r\n%s\r\n" % (len(a), a) for a in args]
-        if tail is not None:
-            parts.append(b"$%d\r\n" % tail)
-        return b"".join(parts)
-
-    def _line(self) -> bytes:
-        while (i := self._pending.find(b"\r\n")) < 0:
-            chunk = self.s.recv(65536)
-            if not chunk:
-                raise Unavailable("redis closed the connection")
-            self._pending += chunk
-        line = bytes(self._pending[:i])
-        del self._pending[: i + 2]
-        if line.startswith(b"-"):
-            raise Unavailable(f"redis: {line[1:].decode(errors='replace')}")
-        return line
-
-    def _read_into(self, view: memoryview) -> None:
-        n = min(len(self._pending), view.nbytes)
-        view[:n] = self._pending[:n]
-        del self._pending[:n]
-        _recv_exact(self.s, view[n:])
-
-    def command(self, *args: bytes) -> bytes:
-        self.s.sendall(self._head(*args))
-        line = self._line()
-        if line.startswith(b"$"):
-            buf = memoryview(bytearray(int(line[1:]) + 2))
-            self._read_into(buf)
-            return bytes(buf[:-2])
-        return line
-
-    def set_many(self, keys: Sequence[bytes], values: Sequence[np.ndarray]) -> None:
-        for k, v in zip(keys, values):  # pipelined: all commands, then all replies
-            self.s.sendall(self._head(b"SET", k, tail=v.nbytes))
-            self.s.sendall(v)
-            self.s.sendall(b"\r\n")
-        for _ in keys:
-            if self._line() != b"+OK":
-                raise Unavailable("redis SET failed")
-
-    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[np.ndarray]) -> None:
-        self.s.sendall(b"".join(self._head(b"GET", k) for k in keys))
-        for out in outs:
-            if int(self._line()[1:]) != out.nbytes:
-                raise Unavailable("redis GET returned a missing or wrong-sized value")
-            self._read_into(memoryview(out))
-            self._line()  # the CRLF after the bulk string
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.s.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 # -- SDK benchmark: the node and the paths --------------------------------------------------

@@ -1,8 +1,8 @@
 """The ``tls`` path of ``kvstore bench``: the TLS data channel against a raw TLS socket.
 
 ``kvstore bench --paths local,tcp,tls`` measures batched puts and gets through a private
-node that serves TLS (a throwaway CA and certificate, made here with the ``cryptography``
-package, from the ``test`` extra), next to a raw TLS socket reference: the same
+node that serves TLS (a throwaway CA and certificate from :func:`kvstore.localca.make`, which needs the
+``cryptography`` package: the ``tls`` extra), next to a raw TLS socket reference: the same
 ``sendall`` → ``recv_into`` loop as the plaintext socket reference, its far end in another
 process, wrapped with the very contexts the node's data channel and the SDK build
 (:mod:`kvstore.tls`), so both negotiate the same protocol version and cipher; both are
@@ -16,54 +16,25 @@ benchmark's temporary directory and go with it (``TLSBench.close``).
 
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvstore.errors import InvalidArgument
 
 
 def throwaway_certificates(directory: Path) -> tuple[str, str, str]:
     """A CA and a server certificate for 127.0.0.1 / localhost it signed: (ca, cert, key) PEM paths."""
-    try:
-        import ipaddress
+    from kvstore.localca import make
 
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, serialization
-        from cryptography.hazmat.primitives.asymmetric import ec
-        from cryptography.x509.oid import NameOID
-    except ImportError:
-        raise InvalidArgument("the bench's tls path makes throwaway certificates with the 'cryptography' package: "
-                              "pip install cryptography (it is in the test extra), or drop tls from --paths") from None
-    now = datetime.datetime.now(datetime.timezone.utc)
-    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1)
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvstore bench CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(ca_key, hashes.SHA256()))
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvstore bench node")]))
-            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(start).not_valid_after(end)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = (directory / "ca.pem", directory / "node.pem", directory / "node.key")
-    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    paths[2].chmod(0o600)
-    return str(paths[0]), str(paths[1]), str(paths[2])
+    c = make(directory, ["127.0.0.1", "localhost"], name="kvstore bench", days=1, overwrite=True)
+    return c.ca, c.cert, c.key
 
 
 class TLSBench:
     """A private TLS node, the SDK options that reach it, and the raw TLS socket reference."""
 
     def __init__(self, workdir: Path, dram: int, capacity: int) -> None:
-        from kvstore.bench import PrivateNode, SocketPeer
+        from kvstore.bench import PrivateNode
+        from kvstore.benchrefs import SocketPeer
         from kvstore.tls import ClientTLS
 
         self.ca, cert, key = throwaway_certificates(workdir / "tls")
@@ -103,7 +74,7 @@ class TLSBench:
 
 def ratios(at: Any, ref: dict[str, Any]) -> dict[str, float | None]:
     """TLS ratios at the reference size; ``at(path, key)`` reads a path's figure."""
-    from kvstore.bench import ratio
+    from kvstore.benchkit import ratio
 
     return {
         "tls_get_vs_tls_socket": ratio(at("tls", "get_gbps"), ref["tls_socket_gbps"]),
@@ -126,7 +97,7 @@ def peer_main() -> None:
     data-channel context (``argv``: capacity, certificate, key)."""
     import sys
 
-    from kvstore.bench import socket_peer_main
+    from kvstore.benchrefs import socket_peer_main
     from kvstore.tls import ServerTLS
 
     ctx = ServerTLS.load(sys.argv[2], sys.argv[3]).context

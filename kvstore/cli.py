@@ -39,6 +39,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease-ttl", dest="etcd_lease_ttl_s", type=float, metavar="S",
                    help="TTL of this node's etcd membership lease in seconds (default 10; kept alive every TTL/3)")
     p.add_argument("--reservation-ttl", dest="reservation_ttl_s", type=float, metavar="S", help="unfinished writes are reclaimed after S seconds")
+    p.add_argument("--max-batch", type=int, metavar="N", help="most keys or blocks in one request (default 4096); larger requests are refused, the SDK splits its batches to fit")
+    p.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, metavar="S",
+                   help="on SIGTERM, running calls and transfers get S seconds to finish before they are cancelled (default 10)")
     p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics on this port")
     p.add_argument("--tls-cert-file", metavar="FILE", help="PEM certificate: serve TLS on the TCP listeners (gRPC and data channel); needs --tls-key-file")
     p.add_argument("--tls-key-file", metavar="FILE", help="PEM private key of --tls-cert-file")
@@ -54,7 +57,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {
         k: getattr(a, k)
         for k in ("listen", "data_listen", "socket", "data_dir", "dram", "nvme", "node_id", "arena_path", "eviction_policy",
-                  "write_through", "token_file", "tenants", "lease_ttl_s", "reservation_ttl_s", "metrics_port",
+                  "write_through", "token_file", "tenants", "lease_ttl_s", "reservation_ttl_s", "max_batch", "drain_timeout_s", "metrics_port",
                   "etcd", "cluster", "zone", "etcd_lease_ttl_s", "tls_cert_file", "tls_key_file", "tls_client_ca_file")
     }
     cfg = load_config(a.config, overrides=overrides)
@@ -115,6 +118,7 @@ _PLUGINS: list[tuple[str, str, str]] = [
     ("cluster", "kvstore.cluster.cli", "cluster configuration and namespaces in etcd: set, show, invalidate"),
     ("dashboard", "kvstore.dashboard.cli", "live cache-hit dashboard (web page) for one node or a whole cluster"),
     ("health", "kvstore.health", "one gRPC health check of a node (exit 0: SERVING), for container probes"),
+    ("certs", "kvstore.localca", "a throwaway CA and node certificate for trying TLS (needs the 'tls' extra)"),
 ]
 
 

@@ -136,7 +136,8 @@ class NodeConfig(BaseModel):
     token: str = Field("", description="Bearer token required on every RPC and data-channel transfer; empty: no auth.")
     token_file: str = Field("", description="File holding the bearer token (overrides `token`).")
     tenants: dict[str, TenantConfig] = Field(default_factory=dict, description="Tenant name -> its bearer token(s) (TOML: [tenants.NAME] token/token_file; env and flags: NAME=TOKEN_FILE[,...]). A tenant owns the namespaces it writes first; `token` stays the admin's, allowed everything.")
-    flush_on_shutdown_s: float = Field(30.0, ge=0, description="On SIGTERM, spend up to this long demoting dirty DRAM blocks to NVMe.")
+    drain_timeout_s: float = Field(10.0, gt=0, description="On SIGTERM, calls and data-channel transfers already running get this long to finish (new ones are refused at once); whatever still runs then is cancelled, its reservations aborted (nothing half-written becomes visible) and its leases dropped.")
+    flush_on_shutdown_s: float = Field(30.0, ge=0, description="On SIGTERM, after the drain, spend up to this long demoting dirty DRAM blocks to NVMe.")
     prefault: bool = Field(True, description="Touch every arena page at start-up so copies never pay first-touch costs.")
     metrics_port: int | None = Field(None, description="Port of the Prometheus /metrics endpoint; unset: none.")
     advertise_host: str = Field("", description="Host that clients and peers should dial (published in etcd and the READY line); empty: the listen host, or this machine's name when listening on a wildcard address.")
@@ -228,9 +229,12 @@ class NodeConfig(BaseModel):
     def auth_token(self) -> str:
         if self.token_file:
             try:
-                return Path(self.token_file).read_text().strip()
+                text = Path(self.token_file).read_text().strip()
             except OSError as e:
                 raise InvalidArgument(f"cannot read token_file {self.token_file}: {e}") from e
+            if not text:  # "" means "no auth": an empty file must not switch authentication off
+                raise InvalidArgument(f"token_file {self.token_file} is empty: write the bearer token into it, or drop token_file to run without auth")
+            return text
         return self.token
 
 

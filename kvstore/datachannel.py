@@ -125,7 +125,8 @@ class DataChannelServer:
         self.address = self._sock.getsockname()[:2]
         self._closing = threading.Event()
         self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()  # guards _conns only
+        self._busy = 0  # transfers between their request frame and their reply: what a drain waits for
+        self._lock = threading.Lock()  # guards _conns and _busy
         self._thread = threading.Thread(target=self._accept_loop, name="kvstore-data-accept", daemon=True)
 
     def start(self) -> None:
@@ -148,6 +149,11 @@ class DataChannelServer:
                     pass
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+
+    @property
+    def busy(self) -> int:
+        """Transfers under way (from the request frame to the last byte of the reply)."""
+        return self._busy
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -192,16 +198,21 @@ class DataChannelServer:
                 magic, op, tid = REQUEST.unpack(REQUEST_MAGIC + rest)
                 if magic != REQUEST_MAGIC or op not in (OP_GET, OP_PUT):
                     return
-                transfer = self._call(self._take(tid, op))
-                if transfer is None:
-                    return  # unknown, expired or replayed id: close at once
-                conn.settimeout(FIRST_FRAME_TIMEOUT_S * 6)
-                idle_timeout = 300.0  # idle pooled connections may wait a while between transfers
-                if op == OP_GET:
-                    self._serve_get(conn, transfer)
-                else:
-                    if not self._serve_put(conn, transfer):
+                with self._lock:  # counted before the take: a draining node sees it pending or busy, never neither
+                    self._busy += 1
+                try:
+                    transfer = self._call(self._take(tid, op))
+                    if transfer is None:
+                        return  # unknown, expired or replayed id: close at once
+                    conn.settimeout(FIRST_FRAME_TIMEOUT_S * 6)
+                    idle_timeout = 300.0  # idle pooled connections may wait a while between transfers
+                    if op == OP_GET:
+                        self._serve_get(conn, transfer)
+                    elif not self._serve_put(conn, transfer):
                         return
+                finally:
+                    with self._lock:
+                        self._busy -= 1
         except (OSError, ConnectionError) as e:
             log.debug("data channel connection ended: %r", e)
         except RuntimeError:  # loop closed during shutdown

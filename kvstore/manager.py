@@ -383,6 +383,16 @@ class TierManager:
                 lease.deadline = math.inf
         return live
 
+    def held(self, some_id: int) -> bool:
+        """Whether a transfer holds this reservation or lease (see ``hold``): its bytes are
+        moving right now, so only that transfer may resolve it, never a Commit, Abort or
+        Release call (which would free extents the transfer still reads or writes)."""
+        r = self._reservations.get(some_id)
+        if r is not None:
+            return r.deadline == math.inf
+        lease = self._leases.get(some_id)
+        return lease is not None and lease.deadline == math.inf
+
     # -- leased reads ---------------------------------------------------------------
     async def acquire(self, keys: Sequence[ChunkKey], *, request: bool = True, tenant: str | None = None,
                       visible: Visible | None = None) -> list[Leased]:
@@ -751,7 +761,9 @@ class TierManager:
             nv = await self._io(lambda: [k for k in self.nvme.keys() if (m := self.nvme.meta(k)) is not None and m.namespace == namespace])
             seen = set(keys)  # once: a set per key made this quadratic (minutes for a big namespace)
             keys.extend(k for k in nv if k not in seen)
-        n = await self.delete(keys)
+        # checked again at each key's turn: while the NVMe scan ran (or between slices of the
+        # delete) a key may have come to hold another namespace's block, which must stay
+        n = await self.delete(keys, may=lambda ns: ns == namespace)
         self.counters["invalidated_blocks"] += n
         return n
 

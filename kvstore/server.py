@@ -7,6 +7,14 @@ the tier manager, the metrics registry, the gRPC service (Unix socket, plaintext
 with TLS when configured), the data channel (TLS-wrapped likewise), the reaper and (with ``metrics_port``) the ``/metrics`` endpoint; tears them down in reverse on SIGTERM/SIGINT: stop accepting, drain in-flight
 calls, demote dirty DRAM blocks to NVMe (bounded by ``flush_on_shutdown_s``), flush
 and close the index, exit 0.
+
+The drain (``drain_timeout_s``, one deadline for both): gRPC calls already running, and
+data-channel transfers already negotiated, may finish; new calls are refused at once.
+At the deadline gRPC cancels the calls still running (a cancelled put stream aborts its
+reservations, a cancelled get stream releases its lease), the data channel closes its
+connections (an unfinished put is aborted), and every reservation and lease left, such as
+a local writer's that never committed, is dropped.  Only committed blocks are ever demoted
+or indexed, so nothing half-written becomes visible, before or after a restart.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -152,6 +161,12 @@ class Node:
             from tiers.nvme import NVMeTier
 
             nvme = self._nvme = NVMeTier(data_dir / "nvme", cfg.nvme, policy=make_policy(cfg.eviction_policy), direct_io=cfg.direct_io)
+            if self.owners is not None and self.owners.created and len(nvme):
+                # blocks kept from before, but no record of who owns them (tenants just enabled,
+                # or owners.lmdb lost): every tenant can read them until one writes their namespace
+                log.warning("%s is new but the NVMe tier holds %d blocks: their namespaces have no recorded owner, so "
+                            "every tenant can read them (restore owners.lmdb if it was lost, or remove %s to drop them)",
+                            self.owners.path, len(nvme), data_dir / "nvme")
         self.manager = TierManager(
             dram, nvme, write_through=cfg.write_through,
             reservation_ttl=cfg.reservation_ttl_s, lease_ttl=cfg.lease_ttl_s,
@@ -270,9 +285,16 @@ class Node:
         await self.health.enter_graceful_shutdown()
         if self.metrics_server is not None:
             self.metrics_server.close()
-        await self.server.stop(grace=10.0)  # drains in-flight calls
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.drain_timeout_s
+        await self.server.stop(grace=self.cfg.drain_timeout_s)  # refuses new calls; cancels what still runs at the deadline
+        while (len(self.service.transfers) or self.data.busy) and loop.time() < deadline:
+            await asyncio.sleep(0.05)  # data-channel transfers negotiated before the stop: same deadline
         self.data.close()
         self._reaper.cancel()
+        left = self.manager.reap(now=math.inf)  # what the drain left: unfinished writes aborted, leases dropped
+        if left["reservations"] or left["leases"]:
+            log.info("drain over: aborted %d unfinished writes, dropped %d read leases", left["reservations"], left["leases"])
         flushed = await self.manager.flush(self.cfg.flush_on_shutdown_s)
         if flushed:
             log.info("demoted %d dirty blocks to NVMe before exit", flushed)

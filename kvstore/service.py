@@ -32,8 +32,8 @@ from kvstore.datachannel import OP_GET, OP_PUT, Transfer, TransferTable
 from kvstore.keys import ChunkKey, check_key
 from kvstore.manager import Status, TierManager
 from kvstore.metrics import NodeMetrics
-from kvstore.tenants import ADMIN, Caller, Callers, Ownership
-from kvstore.wire import ERROR_METADATA_KEY, extents_to_pb, meta_from_pb, meta_to_pb, status_for, tier_to_pb
+from kvstore.tenants import ADMIN, Caller, Callers, Ownership, authorization
+from kvstore.wire import BLOCKS_METADATA_KEY, ERROR_METADATA_KEY, extents_to_pb, meta_from_pb, meta_to_pb, status_for, tier_to_pb
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tiers.base import TierKind
@@ -128,8 +128,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
         if details.method.startswith("/grpc.health.v1.Health/"):
             return await continuation(details)
-        got = dict(details.invocation_metadata or ()).get("authorization", "")
-        if self._callers.identify(str(got)) is not None:
+        if self._callers.identify(authorization(details.invocation_metadata)) is not None:
             return await continuation(details)
         return _deny
 
@@ -173,11 +172,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if self.owners is None:
             return ADMIN
         assert self.callers is not None
-        header = ""
-        for k, v in context.invocation_metadata() or ():
-            if k == "authorization":
-                header = v
-        caller = self.callers.identify(header)
+        caller = self.callers.identify(authorization(context.invocation_metadata()))
         if caller is None:  # the interceptor lets no such call through; never serve one
             raise errors.Unauthenticated("missing or wrong bearer token")
         if caller.tenant is not None and self.metrics is not None:
@@ -231,10 +226,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     def _own_ids(self, caller: Caller, ids: list[int], tenant_of: Callable[[int], str | None]) -> list[int]:
         """``ids`` with every reservation or lease another caller made replaced by 0, which
-        names none (ids start far above it): it gets the answer an unknown id gets."""
+        names none (ids start far above it): it gets the answer an unknown id gets.
+
+        So are ids a transfer holds (the data channel or ``GetStream`` moves their bytes right
+        now and resolves them itself), whoever made them: releasing or aborting one would free
+        extents the transfer still sends from or receives into, and the next block there (any
+        tenant's) would leak to, or be overwritten by, that transfer's client."""
+        held = self.m.held
         if caller.tenant is None:
-            return ids
-        out = [i if tenant_of(i) == caller.tenant else 0 for i in ids]
+            return [0 if held(i) else i for i in ids]
+        out = [i if tenant_of(i) == caller.tenant and not held(i) else 0 for i in ids]
         self._denied("skipped", sum(1 for i in ids if tenant_of(i) not in (None, caller.tenant)), caller)
         return out
 
@@ -243,6 +244,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if len(raw) > self.cfg.max_batch:
             raise errors.InvalidArgument(f"{len(raw)} keys in one request; the limit is max_batch={self.cfg.max_batch}")
         return [check_key(k) for k in raw]
+
+    def _ids(self, raw: Sequence[int]) -> list[int]:
+        if len(raw) > self.cfg.max_batch:
+            raise errors.InvalidArgument(f"{len(raw)} ids in one request; the limit is max_batch={self.cfg.max_batch}")
+        return list(raw)
 
     def _metas(self, blocks: Sequence[pb.BlockInfo]) -> list[BlockMeta]:
         if len(blocks) > self.cfg.max_batch:
@@ -291,11 +297,18 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Commit(self, request: pb.CommitRequest, context: Any) -> pb.StatusesResponse:
-        ids = list(request.reservation_ids)
+        ids = self._ids(request.reservation_ids)
         sums = list(request.payload_checksums) or None
-        if len(ids) > self.cfg.max_batch:
-            raise errors.InvalidArgument(f"{len(ids)} ids in one request; the limit is {self.cfg.max_batch}")
-        ids = self._own_ids(self._caller(), ids, self.m.reservation_tenant)
+        caller = self._caller()
+        if caller.tenant is not None and not str(context.peer()).startswith("unix:"):
+            # Commit publishes, unchecked, whatever the arena holds under the reservation: only a
+            # local client can have written it.  Over TCP it would be the stale bytes of a block
+            # freed there before (another tenant's), readable by this tenant right after.
+            raise errors.PermissionDenied(
+                "Commit publishes bytes written into the shared-memory arena, which only a unix:// client maps; "
+                "over TCP put through StartPut and the data channel, or PutStream (what KVClient does)"
+            )
+        ids = self._own_ids(caller, ids, self.m.reservation_tenant)
         sizes = [r[0].payload_len if (r := self.m.reservation(rid)) else 0 for rid in ids]
         statuses = await self.m.commit(ids, sums)
         self.m.counters["local_bytes_in"] += sum(n for n, st in zip(sizes, statuses) if st == Status.OK)
@@ -303,7 +316,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.Empty:
-        self.m.abort(self._own_ids(self._caller(), list(request.reservation_ids), self.m.reservation_tenant))
+        self.m.abort(self._own_ids(self._caller(), self._ids(request.reservation_ids), self.m.reservation_tenant))
         return pb.Empty()
 
     @_rpc
@@ -315,7 +328,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
-        return pb.ReleaseResponse(valid=self.m.release(self._own_ids(self._caller(), list(request.lease_ids), self.m.lease_tenant)))
+        return pb.ReleaseResponse(valid=self.m.release(self._own_ids(self._caller(), self._ids(request.lease_ids), self.m.lease_tenant)))
 
     # The data channel needs no tenant checks of its own: a transfer id is a 16-byte secret
     # that only StartGet/StartPut hand out, after the checks below, to the caller they
@@ -392,24 +405,33 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     # -- streaming fallback ------------------------------------------------------------
     @_rpc
     async def PutStream(self, request_iterator: Any, context: Any) -> pb.StatusesResponse:
+        """One batch, like ``Reserve`` + ``Commit``: each block is reserved when its header
+        arrives and filled by the chunks that follow; all are committed together once the
+        stream has ended well.  A stream that breaks a rule (more than ``max_batch`` blocks,
+        a block with too few or too many bytes, data before a header) is refused with
+        ``INVALID_ARGUMENT`` and stores nothing: every reservation it made is aborted, as
+        when the client goes away or the call is cancelled.  A client that declares its
+        block count (``BLOCKS_METADATA_KEY``) is refused before anything is read if the
+        count is over the limit."""
+        limit = self.cfg.max_batch
+        declared = _declared_blocks(context)
+        if declared is not None and declared > limit:
+            raise errors.InvalidArgument(f"a put stream of {declared} blocks; the limit is max_batch={limit}")
         statuses: list[int] = []
-        current: tuple[BlockMeta, int, list[Any], bytearray | None] | None = None  # meta, rid, extents, buf
+        whole: list[tuple[int, int, BlockMeta]] = []  # (index, reservation id, meta) of filled blocks, committed at the end
+        current: tuple[BlockMeta, int, list[Any], int] | None = None  # meta, rid (0: not written), extents, bytes filled
         caller = self._caller()
         visible = self._visible(caller)
 
-        async def finish(cur: tuple[BlockMeta, int, list[Any], Any]) -> None:
-            meta, rid, extents, filled = cur
+        def close(cur: tuple[BlockMeta, int, list[Any], int]) -> None:
+            meta, rid, _extents, filled = cur
             if rid == 0:
                 return
             if filled != meta.payload_len:
-                self.m.abort([rid])
                 raise errors.InvalidArgument(
                     f"stream for key {meta.key.hex()} carried {filled} bytes; its header says {meta.payload_len}"
                 )
-            (st,) = await self.m.commit([rid], verify=True)
-            statuses[-1] = int(st)
-            if st == Status.OK:
-                self.m.counters["grpc_stream_bytes_in"] += meta.payload_len
+            whole.append((len(statuses) - 1, rid, meta))
 
         try:
             async for chunk in request_iterator:
@@ -417,9 +439,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     raise chunk.invalid()
                 if chunk.HasField("block"):
                     if current is not None:
-                        await finish(current)
-                    if len(statuses) >= self.cfg.max_batch:
-                        raise errors.InvalidArgument(f"more than max_batch={self.cfg.max_batch} blocks in one stream")
+                        close(current)
+                        current = None
+                    if len(statuses) >= limit:
+                        raise errors.InvalidArgument(f"more than max_batch={limit} blocks in one stream; none was stored")
+                    if declared is not None and len(statuses) >= declared:
+                        raise errors.InvalidArgument(
+                            f"more blocks than the {declared} the stream declared ({BLOCKS_METADATA_KEY}); none was stored")
                     (meta,) = self._metas([chunk.block])
                     await self._claim(caller, [meta])
                     (r,) = await self.m.reserve([meta], tenant=caller.tenant, visible=visible)
@@ -430,9 +456,6 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 meta, rid, extents, filled = current
                 data = chunk.data
                 if filled + len(data) > meta.payload_len:
-                    if rid:
-                        self.m.abort([rid])
-                    current = None
                     raise errors.InvalidArgument(f"stream for key {meta.key.hex()} carries more bytes than its header says")
                 if rid and self.m.reservation(rid) is None:
                     # reclaimed at its deadline while the client stalled: its space may be
@@ -444,11 +467,19 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     _write_at(views, filled, memoryview(data))
                 current = (meta, rid, extents, filled + len(data))
             if current is not None:
-                await finish(current)
+                close(current)
                 current = None
+            # a reservation reclaimed at its deadline meanwhile answers EXPIRED here
+            committed = await self.m.commit([rid for _, rid, _ in whole], verify=True) if whole else []
+            for (i, _rid, meta), st in zip(whole, committed):
+                statuses[i] = int(st)
+                if st == Status.OK:
+                    self.m.counters["grpc_stream_bytes_in"] += meta.payload_len
+            whole.clear()
         finally:
-            if current is not None and current[1]:
-                self.m.abort([current[1]])  # client went away mid-stream: nothing half-written is visible
+            # refused, cancelled, or the client went away: nothing of this stream becomes visible
+            # (ids already committed or reclaimed are no longer reservations: aborting them is a no-op)
+            self.m.abort([rid for _, rid, _ in whole] + ([current[1]] if current is not None and current[1] else []))
         return pb.StatusesResponse(statuses=statuses)
 
     async def GetStream(self, request: pb.KeysRequest, context: Any) -> Any:
@@ -548,7 +579,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         caller = self._caller()
         if request.namespace and caller.tenant is not None and self.owners is not None \
                 and self.owners.owner(bytes(request.namespace)) not in (None, caller.tenant):
-            raise errors.PermissionDenied(f"tenant {caller.tenant!r} may not report hits for another tenant's namespace")
+            # not counted, and silently: a refusal would tell, without claiming anything (as a
+            # write would), that another tenant owns the namespace
+            self._denied("skipped", caller=caller)
+            return pb.Empty()
         self.m.ledger.report(request.op, tier, request.blocks, request.tokens, bytes(request.namespace) or None)
         return pb.Empty()
 
@@ -567,6 +601,20 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             node_id=self.cfg.node_id, tiers=tiers, counters=counters,
             reservations=s["reservations"], leases=s["leases"], pins=s["pins"],
         )
+
+
+def _declared_blocks(context: Any) -> int | None:
+    """The block count a put stream declared in its metadata (an upper bound), if any."""
+    for k, v in context.invocation_metadata() or ():
+        if k == BLOCKS_METADATA_KEY:
+            try:
+                n = int(v)
+            except ValueError:
+                n = -1
+            if n < 0:
+                raise errors.InvalidArgument(f"{BLOCKS_METADATA_KEY} must be a block count, got {v!r:.40}")
+            return n
+    return None
 
 
 def _write_at(views: list[memoryview], offset: int, data: memoryview) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import lmdb
 
-from kvstore.errors import CapacityExceeded, PermissionDenied, Unavailable
+from kvstore.errors import CapacityExceeded, InvalidArgument, PermissionDenied, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,13 @@ ADMIN = Caller(None)
 
 def _digest(header: str | bytes) -> bytes:
     return hashlib.sha256(header.encode() if isinstance(header, str) else header).digest()
+
+
+def authorization(metadata: object) -> str:
+    """The ``authorization`` header of a call's metadata; "" when absent or given more than
+    once (which one a proxy in front checked is unknowable: neither is trusted)."""
+    values = [v for k, v in (metadata or ()) if k == "authorization"]  # type: ignore[attr-defined]
+    return str(values[0]) if len(values) == 1 else ""
 
 
 class Callers:
@@ -92,12 +99,21 @@ class Ownership:
         self.path = Path(path)
         self.max_per_tenant = max_per_tenant
         self.path.mkdir(parents=True, exist_ok=True)
-        self._env: lmdb.Environment | None = lmdb.open(str(self.path), map_size=_MAP_SIZE, max_dbs=1, readahead=False)
-        self._db = self._env.open_db(b"owners")
+        self.created = not (self.path / "data.mdb").exists()  # no claims recorded before: a new table
+        self._env: lmdb.Environment | None = None
         self._owners: dict[bytes, str] = {}
-        with self._env.begin(db=self._db) as txn:
-            for ns, tenant in txn.cursor():
-                self._owners[bytes(ns)] = bytes(tenant).decode()
+        try:  # fail closed: a node that cannot read who owns what must not serve tenants
+            self._env = lmdb.open(str(self.path), map_size=_MAP_SIZE, max_dbs=1, readahead=False)
+            self._db = self._env.open_db(b"owners")
+            with self._env.begin(db=self._db) as txn:
+                for ns, tenant in txn.cursor():
+                    self._owners[bytes(ns)] = bytes(tenant).decode()
+        except (lmdb.Error, UnicodeDecodeError) as e:
+            self.close()
+            raise InvalidArgument(
+                f"cannot read the namespace ownership table {self.path}: {e}; restore it from a backup "
+                "(removing it hands every namespace to whichever tenant writes it first)"
+            ) from None
         self._counts = collections.Counter(self._owners.values())
         self._pending: dict[bytes, asyncio.Task[None]] = {}  # claims not yet durable
         self._tasks: set[asyncio.Task[None]] = set()

@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import os
 import socket
 import ssl
 from typing import Any
 
 from kvstore.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
 
 MIN_VERSION = ssl.TLSVersion.TLSv1_2
 
@@ -74,6 +78,9 @@ class ServerTLS:
 
         cert = read_pem(cert_file, "tls_cert_file")
         key = read_pem(key_file, "tls_key_file")
+        mode = os.stat(key_file).st_mode & 0o777
+        if mode & 0o007:  # anyone on the machine can read the node's private key and impersonate it
+            log.warning("tls_key_file %s is readable by other users (mode %04o): chmod 600 it (or 640 for a group)", key_file, mode)
         ca = read_pem(client_ca_file, "tls_client_ca_file") if client_ca_file else None
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = MIN_VERSION

@@ -6,6 +6,14 @@ tiers), prints every endpoint, the SDK target ``etcd://HOST:PORT/CLUSTER`` and a
 ``READY {json}`` line, and waits.  Ctrl-C or SIGTERM stops everything it started: the
 nodes first (SIGTERM: they deregister, drain and flush), then etcd; exit status 0.
 
+With ``--tls`` the nodes serve TLS on their TCP listeners with a throwaway CA and node
+certificate made for this run (``kvstore/localca.py``, the ``tls`` extra) in
+``<data dir>/tls``, naming the host the nodes advertise; ``--tls-cert-file`` /
+``--tls-key-file`` (``--tls-ca-file``, ``--tls-client-ca-file``) pass the user's own
+instead.  Either way ``up`` first checks that a client trusting the printed CA can reach
+every node (not under mutual TLS: it holds no client certificate), then prints the CA and
+the client arguments.  The dashboard is unaffected: ``/metrics`` stays plain HTTP.
+
 Owns its child processes.  Each child runs in its own session (a Ctrl-C at the terminal
 reaches only ``up``, which stops them in order) and is asked by the kernel to exit if
 ``up`` itself dies (``PR_SET_PDEATHSIG``), so a killed ``up`` leaves no orphans.
@@ -17,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
 import json
 import os
 import shutil
@@ -50,6 +59,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="WARNING", help="log level of the nodes (default WARNING)")
     p.add_argument("--dashboard-port", type=int, default=0, metavar="PORT",
                    help="port of the cache-hit dashboard (default 0: any free port; -1: no dashboard)")
+    g = p.add_argument_group("TLS on the nodes' TCP listeners (gRPC and data channel; the Unix sockets and /metrics stay plaintext)")
+    g.add_argument("--tls", action="store_true",
+                   help="make a throwaway CA and node certificate for --host in <data-dir>/tls and serve TLS with them "
+                        "(needs the 'cryptography' package: pip install 'kvstore[tls]')")
+    g.add_argument("--tls-cert-file", metavar="FILE", help="your own PEM node certificate for every node (it must name --host)")
+    g.add_argument("--tls-key-file", metavar="FILE", help="PEM private key of --tls-cert-file")
+    g.add_argument("--tls-ca-file", metavar="FILE", help="PEM CA that signed --tls-cert-file, for clients (default: the system trust roots)")
+    g.add_argument("--tls-client-ca-file", metavar="FILE",
+                   help="PEM CA: the nodes require client certificates it signed (mutual TLS)")
 
 
 def _die_with_parent() -> None:
@@ -58,8 +76,73 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+@dataclasses.dataclass(frozen=True)
+class TLSFiles:
+    """The PEM files every node serves TLS with, and what clients need to trust them."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str | None  # None: the system trust roots
+    client_ca_file: str | None  # mutual TLS
+    generated: bool  # a throwaway CA made by `up --tls`
+
+    def node_args(self) -> list[str]:
+        args = ["--tls-cert-file", self.cert_file, "--tls-key-file", self.key_file]
+        return args + (["--tls-client-ca-file", self.client_ca_file] if self.client_ca_file else [])
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """The SDK keyword arguments that reach the nodes (client certificate as placeholders under mutual TLS)."""
+        kw: dict[str, Any] = {"tls_ca_file": self.ca_file} if self.ca_file else {"tls": True}
+        if self.client_ca_file:
+            kw |= {"tls_cert_file": "CLIENT.crt", "tls_key_file": "CLIENT.key"}
+        return kw
+
+    def describe(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "mutual": bool(self.client_ca_file), "client_kwargs": self.client_kwargs()}
+
+
+def tls_files(a: argparse.Namespace) -> TLSFiles | None:
+    """What the TLS flags ask for, checked before anything starts (None: plaintext).  Own
+    files are loaded as the node and a client would, so a bad one fails here, clearly;
+    ``--tls`` needs only the ``cryptography`` package now (the files are made in ``start``)."""
+    from kvstore.errors import InvalidArgument
+    from kvstore.tls import ClientTLS, ServerTLS
+
+    own = a.tls_cert_file or a.tls_key_file
+    if a.tls and (own or a.tls_ca_file):
+        raise InvalidArgument("--tls makes its own CA and certificate: pass either --tls or --tls-cert-file/--tls-key-file "
+                              "(with --tls-ca-file), not both")
+    if not (a.tls or own):
+        if a.tls_ca_file or a.tls_client_ca_file:
+            raise InvalidArgument("--tls-ca-file and --tls-client-ca-file need TLS: add --tls, or --tls-cert-file and --tls-key-file")
+        return None
+    client_ca = str(Path(a.tls_client_ca_file).absolute()) if a.tls_client_ca_file else None
+    if a.tls:
+        from kvstore.localca import require_cryptography
+
+        require_cryptography("kvstore up --tls")
+        if client_ca:
+            ClientTLS.from_options(ca_file=client_ca)  # readable, and a CA
+        return TLSFiles("", "", None, client_ca, generated=True)
+    if not (a.tls_cert_file and a.tls_key_file):
+        raise InvalidArgument("--tls-cert-file and --tls-key-file go together: a node certificate needs its private key")
+    cert, key = (str(Path(f).absolute()) for f in (a.tls_cert_file, a.tls_key_file))
+    ca = str(Path(a.tls_ca_file).absolute()) if a.tls_ca_file else None
+    ServerTLS.load(cert, key, client_ca or "")
+    if ca:
+        ClientTLS.from_options(ca_file=ca)
+    return TLSFiles(cert, key, ca, client_ca, generated=False)
+
+
+def client_snippet(target: str, tls: TLSFiles | None) -> str:
+    """``KVClient(...)`` for ``target``, ready to copy."""
+    kw = "".join(f", {k}={v!r}" for k, v in (tls.client_kwargs() if tls else {}).items())
+    return f"KVClient({target!r}{kw})"
+
+
 class NodeChild:
-    def __init__(self, index: int, cluster: str, etcd: str, data_dir: Path, a: argparse.Namespace) -> None:
+    def __init__(self, index: int, cluster: str, etcd: str, data_dir: Path, a: argparse.Namespace,
+                 tls: TLSFiles | None = None) -> None:
         self.node_id = f"{cluster}-n{index}"
         self.data_dir = data_dir
         self.cmd = [
@@ -68,6 +151,7 @@ class NodeChild:
             "--data-dir", str(data_dir), "--listen", f"{a.host}:0", "--data-listen", f"{a.host}:0",
             "--dram", a.dram, "--nvme", a.nvme, "--lease-ttl", str(a.lease_ttl), "--log-level", a.log_level,
             "--metrics-port", "0",
+            *(tls.node_args() if tls else []),
             *a.node_arg,
         ]
         self.proc: subprocess.Popen[str] | None = None
@@ -128,6 +212,7 @@ class LocalCluster:
 
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
+        self.tls: TLSFiles | None = tls_files(a)  # first: bad TLS flags leave nothing behind
         self.own_dir = a.data_dir is None
         self.dir = Path(a.data_dir) if a.data_dir else Path(tempfile.mkdtemp(prefix="kvstore-up-"))
         self.etcd: LocalEtcd | None = None
@@ -137,9 +222,14 @@ class LocalCluster:
     def start(self) -> dict[str, Any]:
         a = self.a
         self.dir.mkdir(parents=True, exist_ok=True)
+        if self.tls is not None and self.tls.generated:
+            from kvstore.localca import advertised_hosts, make
+
+            certs = make(self.dir / "tls", advertised_hosts(a.host), name=f"kvstore up {a.cluster}", overwrite=True)
+            self.tls = dataclasses.replace(self.tls, cert_file=certs.cert, key_file=certs.key, ca_file=certs.ca)
         self.etcd = LocalEtcd(self.dir / "etcd", host=a.host, binary=a.etcd_bin, name="kvstore-up").start()
         asyncio.run(self._configure())
-        self.nodes = [NodeChild(i, a.cluster, self.etcd.endpoint, self.dir / f"n{i}", a) for i in range(a.nodes)]
+        self.nodes = [NodeChild(i, a.cluster, self.etcd.endpoint, self.dir / f"n{i}", a, self.tls) for i in range(a.nodes)]
         for n in self.nodes:
             n.spawn()
         threads = [threading.Thread(target=n.wait_ready, args=(120.0,), daemon=True) for n in self.nodes]
@@ -150,11 +240,31 @@ class LocalCluster:
         failed = [n.error for n in self.nodes if n.error]
         if failed:
             raise KVStoreError("; ".join(failed))
+        if self.tls is not None and not self.tls.client_ca_file:
+            self._check_tls(self.tls)
         if a.dashboard_port >= 0:
             from kvstore.dashboard.server import Dashboard, EtcdNodes
 
             self.dashboard = Dashboard(EtcdNodes(self.etcd.endpoint, a.cluster), host=a.host, port=a.dashboard_port).start()
         return self.describe()
+
+    def _check_tls(self, files: TLSFiles) -> None:
+        """Every node answers a health check over TLS from a client that trusts what ``up``
+        prints: a certificate that does not name the advertised host fails here, not later."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        from kvstore.tls import ClientTLS, explain, secure_channel
+
+        client = ClientTLS.from_options(tls=True, ca_file=files.ca_file)
+        for n in self.nodes:
+            target = str(n.endpoints.get("grpc"))
+            try:
+                with secure_channel(target, client, []) as channel:
+                    health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10.0)
+            except grpc.RpcError as e:
+                raise KVStoreError(f"node {n.node_id} serves TLS at {target}, but a client trusting {client.describe} cannot "
+                                   f"reach it: {e.code().name}: {explain(str(e.details()), client, target)}") from None
 
     async def _configure(self) -> None:
         from kvstore.cluster.etcd import ClusterStore
@@ -176,6 +286,7 @@ class LocalCluster:
             "replication": self.a.replication,
             "data_dir": str(self.dir),
             "dashboard": self.dashboard.url if self.dashboard is not None else None,
+            "tls": self.tls.describe() if self.tls is not None else None,
             "nodes": [
                 {k: n.endpoints.get(k) for k in ("node_id", "grpc", "unix", "data", "pid", "data_dir")} for n in self.nodes
             ],
@@ -207,19 +318,34 @@ def main(a: argparse.Namespace) -> int:
     if find_etcd(a.etcd_bin) is None:
         print(f"kvstore up: {ETCD_HINT}", file=sys.stderr)
         return 2
+    try:
+        cluster = LocalCluster(a)  # checks the TLS flags and files before anything starts
+    except KVStoreError as e:
+        print(f"kvstore up: error: {e}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    cluster = LocalCluster(a)
     try:
         info = cluster.start()
         if stop.is_set():
             return 0
         print(f"kvstore up: cluster {info['cluster']!r}, {len(info['nodes'])} nodes, replication {info['replication']}")
         print(f"  etcd          {info['etcd']} (pid {info['etcd_pid']})")
+        tls = cluster.tls
+        on = " (TLS)" if tls else ""
         for n in info["nodes"]:
-            print(f"  node {n['node_id']:<10} grpc {n['grpc']}  data {n['data']}  {n['unix']}  (pid {n['pid']})")
+            print(f"  node {n['node_id']:<10} grpc {n['grpc']}{on}  data {n['data']}{on}  {n['unix']}  (pid {n['pid']})")
         print(f"  data          {info['data_dir']}{' (removed at exit)' if cluster.own_dir else ''}")
-        print(f"  SDK           KVClient({info['target']!r})")
+        if tls is not None:
+            made = " (a throwaway CA made for this run)" if tls.generated else ""
+            print(f"  TLS CA        {tls.ca_file or 'the system trust roots'}{made}")
+            if tls.client_ca_file:
+                print(f"  mutual TLS    client certificates signed by {tls.client_ca_file} are required")
+        print(f"  SDK           from client import KVClient; kv = {client_snippet(info['target'], tls)}")
+        if tls is not None:
+            cli = f" --tls-ca-file {tls.ca_file}" if tls.ca_file else " --tls"
+            cli += " --tls-cert-file CLIENT.crt --tls-key-file CLIENT.key" if tls.client_ca_file else ""
+            print(f"  CLI           kvstore stats --target {info['nodes'][0]['grpc']}{cli}")
         if info["dashboard"]:
             print(f"  dashboard     {info['dashboard']}")
         print(f"  manage        kvstore cluster show --etcd {info['etcd']} --cluster {info['cluster']}")

@@ -18,6 +18,8 @@ from tiers.allocator import Extent
 from tiers.base import TierKind
 
 ERROR_METADATA_KEY = "kvstore-error"
+# request metadata of PutStream: at most this many blocks follow (the node refuses a count over max_batch up front)
+BLOCKS_METADATA_KEY = "kvstore-blocks"
 
 _CODES: list[tuple[type[errors.KVStoreError], grpc.StatusCode]] = [
     (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),

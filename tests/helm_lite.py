@@ -11,7 +11,8 @@ Supported, with Go text/template semantics:
 * operands ``.Values.a.b``, ``.Release.Name|Namespace|Service``,
   ``.Chart.Name|Version|AppVersion``, ``$var``, ``"string"``, integers, true/false;
 * functions ``quote``, ``toJson``, ``toYaml``, ``indent N``, ``nindent N``,
-  ``add A B...``, ``default D``, in pipelines (``X | f a`` is ``f a X``).
+  ``add A B...``, ``default D``, in pipelines (``X | f a`` is ``f a X``), and
+  ``fail "message"`` (raises :class:`ChartFailed`, as ``helm`` refuses to render).
 
 Anything else — another function or keyword, ``include``/``define``, a value missing
 from the values, a number Helm would print in exponent form (values are float64 in
@@ -34,6 +35,10 @@ import yaml
 
 class TemplateError(Exception):
     pass
+
+
+class ChartFailed(TemplateError):
+    """The chart itself refused the values (``fail``): the message is the chart's."""
 
 
 _ACTION = re.compile(r"\{\{(-[ \t\r\n])?(.*?)([ \t\r\n]-)?\}\}", re.S)
@@ -302,8 +307,14 @@ def _fn_default(d: Any, v: Any = MISSING) -> Any:
     return v if _truthy(v) else d
 
 
+def _fn_fail(message: Any, *rest: Any) -> str:
+    if rest or not isinstance(message, str):
+        raise TemplateError("fail takes one string")
+    raise ChartFailed(message)
+
+
 FUNCS = {"quote": _fn_quote, "toJson": _fn_to_json, "toYaml": _fn_to_yaml, "indent": _fn_indent,
-         "nindent": _fn_nindent, "add": _fn_add, "default": _fn_default}
+         "nindent": _fn_nindent, "add": _fn_add, "default": _fn_default, "fail": _fn_fail}
 
 
 class Renderer:

@@ -265,7 +265,7 @@ class NVMeTier:
     def _open_segments(self) -> None:
         flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.direct_io else 0)
         for i, size in enumerate(self._seg_sizes):
-            fd = os.open(self._seg_path(i), flags, 0o644)
+            fd = os.open(self._seg_path(i), flags, 0o600)  # every tenant's KV bytes: the node's alone, like the arena
             self._fds.append(fd)
             st_size = os.fstat(fd).st_size
             if st_size > size:

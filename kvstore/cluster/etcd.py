@@ -121,10 +121,11 @@ class _Builder:
         self.nodes: dict[str, NodeInfo] = {}
         self.config_raw: dict[str, bytes] = {}
         self.namespaces: dict[bytes, NamespaceRecord] = {}
+        self.registrations: dict[str, tuple[int, int]] = {}
         self.revision = 0
 
-    def apply(self, key: bytes, value: bytes | None, revision: int) -> None:
-        """``value`` None: the key was deleted."""
+    def apply(self, key: bytes, value: bytes | None, revision: int, lease: int = 0) -> None:
+        """``value`` None: the key was deleted.  ``revision`` is the key's mod revision."""
         self.revision = max(self.revision, revision)
         rel = key[len(self.prefix) :].decode(errors="replace")
         kind, _, name = rel.partition("/")
@@ -132,8 +133,10 @@ class _Builder:
             if kind == "nodes" and name:
                 if value is None:
                     self.nodes.pop(name, None)
+                    self.registrations.pop(name, None)
                 else:
                     self.nodes[name] = NodeInfo.from_json(value)
+                    self.registrations[name] = (revision, lease)
             elif kind == "config" and name:
                 if value is None:
                     self.config_raw.pop(name, None)
@@ -155,6 +158,7 @@ class _Builder:
             nodes=dict(self.nodes),
             config=ClusterConfig.from_raw(self.config_raw),
             namespaces=dict(self.namespaces),
+            registrations=dict(self.registrations),
             connected=connected,
             loaded=True,
         )
@@ -164,7 +168,7 @@ async def _load(session: EtcdSession, cluster: str) -> tuple[_Builder, int]:
     b = _Builder(cluster)
     resp = await session.run(lambda c: c.get_prefix(b.prefix), "loading the cluster state")
     for kv in resp:
-        b.apply(kv.key, kv.value, kv.mod_revision)
+        b.apply(kv.key, kv.value, kv.mod_revision, kv.lease)
     b.revision = resp.header.revision
     return b, resp.header.revision
 
@@ -215,7 +219,7 @@ class ClusterWatcher:
 
         async def consume() -> None:
             async for ev in watch:
-                b.apply(ev.kv.key, ev.kv.value if ev.kind == "PUT" else None, ev.kv.mod_revision)
+                b.apply(ev.kv.key, ev.kv.value if ev.kind == "PUT" else None, ev.kv.mod_revision, ev.kv.lease)
                 self._publish(b.freeze(connected=True))
             raise Unavailable("the etcd watch ended")
 

@@ -182,6 +182,10 @@ class ClusterSnapshot:
     nodes: Mapping[str, NodeInfo] = dataclasses.field(default_factory=dict)
     config: ClusterConfig = ClusterConfig()
     namespaces: Mapping[bytes, NamespaceRecord] = dataclasses.field(default_factory=dict)
+    # node id -> (revision its record was written at, its lease): one value per registration.
+    # A node that registers again (a new lease after its old one expired, a restart under the
+    # same id) gets a new one even when its NodeInfo is unchanged; a lease keep-alive does not.
+    registrations: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     connected: bool = False  # False: etcd unreachable, this is the last view we had
     loaded: bool = False  # False: never reached etcd (the view is empty, not known-empty)
 

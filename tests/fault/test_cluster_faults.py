@@ -157,3 +157,80 @@ def test_hung_node_calls_end_at_their_deadline_as_misses(cluster: Cluster) -> No
     # once it answers again it serves: a client without the back-off reads its blocks
     fresh = cluster.client()
     assert fresh.get_many([only[i] for i in on_hung]) == [only_data[i] for i in on_hung]
+
+
+def _first_owned(kv: KVClient, keys: list[bytes], node: str) -> list[int]:
+    return [i for i, k in enumerate(keys) if kv.owners(k)[0] == node]
+
+
+def test_regression_node_back_from_sigstop_skipped_until_backoff_ends(cluster: Cluster) -> None:
+    """Bug: a node that hung past its lease, then resumed and registered again, stayed on a
+    client's suspect list for the rest of suspect_s (30 s here): reads skipped it and writes
+    to its keys reached one owner of two.  A new registration now clears it."""
+    cluster.set("replication", 2)
+    cluster.start("s1", "s2", "s3")
+    kv = cluster.client(suspect_s=30.0)
+    keys, data = blocks(60, seed=7)
+    assert all(kv.put_many(keys, data))
+    victim = "s2"
+    first = _first_owned(kv, keys, victim)
+    assert first
+    cluster.sigstop(victim)
+    assert kv.get_many(keys) == data  # its calls end at the deadline; the replica answers
+    assert victim in kv.suspects
+    wait_until(lambda: victim not in kv.nodes(), LEASE_TTL + 5, f"{victim}'s lease to expire")
+    cluster.sigcont(victim)
+    t = time.monotonic()
+    wait_until(lambda: victim in kv.nodes(), 10, f"{victim} to register again")
+    rejoined = time.monotonic() - t
+    assert victim not in kv.suspects, kv.suspects
+    # the same client reads its blocks there (they stayed in its DRAM) and writes to it
+    locs = kv.lookup_locations([keys[i] for i in first])
+    assert all(loc is not None and loc[0] == victim for loc in locs), locs
+    assert kv.get_many(keys) == data
+    more, more_data = blocks(30, seed=8)
+    mine = [i for i, k in enumerate(more) if victim in kv.owners(k)]
+    assert mine and kv.put_many(more, more_data) == [True] * len(more)
+    with KVClient(cluster.nodes[victim].tcp) as direct:
+        assert direct.get_many([more[i] for i in mine]) == [more_data[i] for i in mine]
+    assert victim not in kv.suspects
+    print(f"\nSIGSTOP past the lease: registered again {rejoined:.2f} s after SIGCONT, routed to at once (suspect_s 30 s)")
+
+
+def test_regression_node_restarted_under_its_id_skipped_until_backoff_ends(cluster: Cluster) -> None:
+    """A node killed and restarted before its (long) lease ran out: its record never leaves
+    the membership but is rewritten under a new lease, with a new address.  The client that
+    had suspected the dead process routes to the new one at once, reads and writes."""
+    cluster.set("replication", 2)
+    cluster.start("n1", "n2", "n3", extra=("--lease-ttl", "60"))
+    kv = cluster.client(suspect_s=30.0)
+    keys, data = blocks(60, seed=9)
+    assert all(kv.put_many(keys, data))
+    victim = "n3"
+    old = kv.snapshot().nodes[victim]
+    cluster.nodes[victim].kill9()
+    assert kv.get_many(keys) == data  # refused: the replica answers
+    assert victim in kv.suspects
+    # still registered: writes skip it (no other node stands in) and the client counts the copies
+    during, during_data = blocks(20, seed=11)
+    assert kv.put_many(during, during_data) == [True] * len(during)
+    assert kv.under_replicated() == {"suspect": sum(victim in kv.owners(k) for k in during), "failed": 0}
+    short = kv.under_replicated()
+    (node,) = cluster.start(victim, extra=("--lease-ttl", "60"))  # same id, same data directory, a new port
+    t = time.monotonic()
+    wait_until(lambda: kv.snapshot().nodes[victim].pid == node.proc.pid, 10, f"{victim} to register again")
+    rejoined = time.monotonic() - t
+    assert victim in kv.nodes() and kv.snapshot().nodes[victim].grpc != old.grpc
+    assert victim not in kv.suspects, kv.suspects
+    more, more_data = blocks(40, seed=10)
+    mine = [i for i, k in enumerate(more) if victim in kv.owners(k)]
+    first = _first_owned(kv, more, victim)
+    assert first and kv.put_many(more, more_data) == [True] * len(more)
+    assert kv.under_replicated() == short  # every copy written
+    with KVClient(node.tcp) as direct:
+        assert direct.get_many([more[i] for i in mine]) == [more_data[i] for i in mine]
+    locs = kv.lookup_locations([more[i] for i in first])
+    assert all(loc is not None and loc[0] == victim for loc in locs), locs
+    assert kv.get_many(keys) == data  # its old blocks (DRAM, lost) come from the replica
+    print(f"\nkill -9 and restart inside the lease: the view showed the new registration {rejoined:.2f} s after "
+          f"the restart; routed to at once (suspect_s 30 s)")

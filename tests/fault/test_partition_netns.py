@@ -325,3 +325,53 @@ def test_regression_client_connection_stuck_for_as_long_again_after_a_partition_
     finally:
         node.stop(timeout=30)
         Path(node.arena_path).unlink(missing_ok=True)
+
+
+def test_regression_healed_node_skipped_until_its_backoff_ends_after_it_registers_again(cluster: NetCluster) -> None:
+    """Bug: a client that had put a partitioned node on its suspect list (suspect_s = 30 s
+    here) kept skipping it after the partition healed and the node registered again: reads
+    went to the other replica, and writes to its keys reached one owner of two, for up to
+    suspect_s.  Now a new registration (the record is back, under a new lease) clears the
+    node from every client's suspect list; the same client reads from it and writes to it
+    as soon as its view shows the registration."""
+    cluster.set("replication", 2)
+    cluster.start("h1", "h2", "h3")
+    kv = cluster.client(suspect_s=30.0)
+    assert kv.wait_for_nodes(3, 10)
+    keys, data = blocks(60, seed=50)
+    assert all(kv.put_many(keys, data))
+    victim = "h2"
+    first = [keys[i] for i, k in enumerate(keys) if kv.owners(k)[0] == victim]
+    assert first
+    direct = cluster.direct(victim)
+    assert direct.stats()["counters"].get("puts", 0) > 0
+
+    cluster.net.cut(victim)
+    t_cut = time.monotonic()
+    assert kv.get_many(keys) == data  # the owner's call ends at its deadline; the replica answers
+    assert victim in kv.suspects and kv.suspects[victim] > 25
+    wait_until(lambda: victim not in kv.nodes(), DROP_BOUND, f"{victim}'s lease to expire")
+    dropped_at = time.monotonic() - t_cut
+
+    cluster.net.heal(victim)
+    t_heal = time.monotonic()
+    wait_until(lambda: victim in kv.nodes(), REJOIN_BOUND, f"{victim} to register again")
+    rejoined = time.monotonic() - t_heal
+    assert victim not in kv.suspects, kv.suspects  # cleared with the registration, 25+ s early
+    # reads: its keys are looked up and served there again (its blocks survived the partition)
+    wait_until(lambda: all(loc is not None and loc[0] == victim for loc in kv.lookup_locations(first)), HEALED_BOUND,
+               f"the client to read through {victim} again")
+    routed = time.monotonic() - t_heal
+    hits = direct.stats()["counters"].get("get_hits_dram", 0)
+    assert kv.get_many(first) == [data[keys.index(k)] for k in first]
+    assert direct.stats()["counters"].get("get_hits_dram", 0) - hits == len(first)
+    # writes: every block reaches both of its owners, the healed node among them
+    short = kv.under_replicated()
+    more, more_data = blocks(40, seed=51)
+    mine = [i for i, k in enumerate(more) if victim in kv.owners(k)]
+    assert mine and kv.put_many(more, more_data) == [True] * len(more)
+    assert kv.under_replicated() == short
+    assert direct.get_many([more[i] for i in mine]) == [more_data[i] for i in mine]
+    assert victim not in kv.suspects
+    print(f"\nhealed node with suspect_s = 30 s: dropped {dropped_at:.2f} s after the cut, registered again "
+          f"{rejoined:.2f} s and routed to by the same client {routed:.2f} s after the heal")

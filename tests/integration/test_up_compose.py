@@ -3,7 +3,9 @@ the compose file's nodes (same count, cluster, tier sizes and lease TTL) and the
 dashboard.  End to end: put/get through the printed SDK target, every node registered
 in etcd and healthy by ``kvstore health`` (the image's health check), up's dashboard and
 compose's dashboard command both list and scrape every node, and one SIGTERM stops
-everything.
+everything.  ``kvstore up --tls``: the nodes serve TLS with a throwaway CA, the client
+line it prints round-trips bytes over TLS, a plaintext client is refused, and the
+dashboard still scrapes every node (``/metrics`` stays plain HTTP).
 """
 
 from __future__ import annotations
@@ -174,3 +176,81 @@ def test_up_runs_the_compose_topology_end_to_end(tmp_path: Path) -> None:
 
     for n in info["nodes"]:  # the nodes removed their arenas from /dev/shm
         assert not NodeConfig(node_id=n["node_id"], data_dir=n["data_dir"]).arena_file().exists()
+
+
+def test_up_tls_serves_tls_with_the_ca_it_prints(tmp_path: Path) -> None:
+    import ssl
+
+    from client import KVClient, Namespace, Timeouts, Unavailable
+
+    up = Proc("up", "--tls", "--nodes", "2", "--dram", "64MiB", "--nvme", "0", "--data-dir", str(tmp_path / "up"))
+    info: dict[str, Any] = {}
+    try:
+        info = up.ready(timeout=120)
+        tls, nodes = info["tls"], info["nodes"]
+        assert tls["generated"] and not tls["mutual"] and Path(tls["ca_file"]).is_file()
+        assert Path(tls["ca_file"]).parent == tmp_path / "up" / "tls"
+        out = "".join(up.lines)
+        assert f"TLS CA        {tls['ca_file']}" in out and out.count("(TLS)") == 2 * len(nodes)
+
+        # the printed client line, copied as is: a cluster client over TLS
+        (sdk,) = [ln.split("SDK", 1)[1].strip() for ln in up.lines if ln.lstrip().startswith("SDK")]
+        assert f"tls_ca_file={tls['ca_file']!r}" in sdk
+        scope: dict[str, Any] = {}
+        exec(sdk, scope)  # noqa: S102 - the line `kvstore up` prints for users to paste
+        with scope["kv"] as kv:
+            assert kv.wait_for_nodes(len(nodes), 15)
+            ns = Namespace("up-tls")
+            keys = kv.chunk_keys(np.arange(256 * 8), ns)
+            rng = np.random.default_rng(9)
+            data = [rng.integers(0, 255, (1 << 20) + 7, dtype=np.uint8) for _ in keys]
+            assert kv.put_many(keys, data, namespace=ns) == [True] * len(keys)
+            assert [bytes(g) for g in kv.get_many(keys)] == [d.tobytes() for d in data]
+
+        # one node by host:port: bytes over the TLS data channel
+        fast = Timeouts(rpc=10.0, data=10.0, connect=10.0)
+        with KVClient(nodes[0]["grpc"], tls_ca_file=tls["ca_file"], timeouts=fast) as kv:
+            k, payload = os.urandom(16), os.urandom((3 << 20) + 5)
+            assert kv.put(k, payload) and kv.get(k) == payload
+            assert kv._core.path == "data-channel" and kv._core.pool is not None and kv._core.pool._idle
+            assert all(isinstance(s, ssl.SSLSocket) for s in kv._core.pool._idle)
+
+        # a plaintext client is refused, at once, with the setting to change
+        t0 = time.monotonic()
+        with KVClient(nodes[0]["grpc"], timeouts=Timeouts(rpc=20.0, data=20.0, connect=20.0)) as kv:
+            with pytest.raises(Unavailable, match="tls_ca_file"):
+                kv.get(os.urandom(16))
+        assert time.monotonic() - t0 < 5.0
+        # the Unix socket stays plaintext: the container health check works as before
+        assert all(health(n["unix"]) == 0 for n in nodes) and health(nodes[0]["grpc"]) == 1
+
+        # the dashboard lists and scrapes both nodes: /metrics is plain HTTP
+        url = str(info["dashboard"]).rstrip("/") + "/"
+        deadline = time.monotonic() + 20
+        while True:
+            seen = {n["name"]: n["status"] for n in get_json(url + "api/cluster")["nodes"]}
+            if seen == {n["node_id"]: "up" for n in nodes} or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert seen == {n["node_id"]: "up" for n in nodes}
+    finally:
+        rc = up.stop(timeout=120)
+    assert rc == 0, "".join(up.lines)
+    for pid in [info["etcd_pid"], *(n["pid"] for n in info["nodes"])]:
+        deadline = time.monotonic() + 10
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(pid), f"pid {pid} outlived `kvstore up`"
+
+
+def test_up_refuses_a_certificate_that_does_not_name_the_host(tmp_path: Path) -> None:
+    """Own certificates are checked with the CA `up` would print before it reports READY:
+    one that names another host stops everything with the setting to change."""
+    from kvstore.localca import make
+
+    c = make(tmp_path / "pki", ["node1.example"])
+    r = subprocess.run([sys.executable, "-m", "kvstore", "up", "--nodes", "1", "--dram", "64MiB", "--nvme", "0",
+                        "--data-dir", str(tmp_path / "up"), "--tls-cert-file", c.cert, "--tls-key-file", c.key,
+                        "--tls-ca-file", c.ca], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "READY" not in r.stdout, r.stdout + r.stderr
+    assert "does not name the host dialled" in r.stderr and "kvstore up: stopped" in r.stdout

@@ -5,6 +5,7 @@ deletes leave alone what the caller may not change; reservations and leases carr
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -141,5 +142,36 @@ def test_leases_carry_their_tenant(mgr: TierManager) -> None:
         (x,) = await mgr.acquire([key(1)], tenant="alice")
         assert mgr.lease_tenant(x.lease_id) == "alice" and mgr.lease_tenant(12345) is None
         assert mgr.release([x.lease_id]) == [True]
+
+    asyncio.run(main())
+
+
+# -- from the tenants security review ---------------------------------------------------------
+# ``invalidate(ns)`` collected its keys, then awaited the NVMe scan and deleted those keys
+# without looking again: a key that came to hold another namespace's block meanwhile (deleted
+# by its first owner, then written by another tenant) lost that block too.
+def test_invalidate_deleted_a_block_another_namespace_wrote_during_its_scan(mgr: TierManager) -> None:
+    scanning, resume = threading.Event(), threading.Event()
+    nvme_keys = mgr.nvme.keys
+
+    def slow_keys() -> object:  # the NVMe scan, held open while the loop runs other calls
+        scanning.set()
+        resume.wait(10)
+        return nvme_keys()
+
+    async def main() -> None:
+        assert await put(mgr, 1, NS_B, 1) == Status.OK
+        assert await put(mgr, 2, NS_B, 2) == Status.OK
+        mgr.nvme.keys = slow_keys  # type: ignore[method-assign]
+        task = asyncio.create_task(mgr.invalidate(NS_B))  # collects key(1) and key(2) from DRAM, then scans NVMe
+        while not scanning.is_set():
+            await asyncio.sleep(0.001)
+        assert await mgr.delete([key(1)]) == 1  # B's block goes ...
+        assert await put(mgr, 1, NS_A, 7) == Status.OK  # ... and A writes that key
+        resume.set()
+        assert await task == 1  # B's other block only
+        meta = mgr.dram.meta(key(1))
+        assert meta is not None and meta.namespace == NS_A  # A's block stayed
+        assert mgr.dram.meta(key(2)) is None
 
     asyncio.run(main())

@@ -63,6 +63,7 @@ def test_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = load_config(environ={})
     assert cfg.dram == GiB and cfg.nvme == 4 * GiB
     assert cfg.listen == "127.0.0.1:50151" and cfg.max_batch == 4096
+    assert cfg.drain_timeout_s == 10.0
     assert Path(cfg.data_dir) == tmp_path / "xdg" / "kvstore" == default_data_dir()
     assert cfg.socket_path() == tmp_path / "xdg" / "kvstore" / "kvstore.sock"
     assert cfg.arena_file().parent == Path("/dev/shm") and cfg.node_id in cfg.arena_file().name
@@ -87,9 +88,10 @@ def test_file_may_be_flat(tmp_path: Path) -> None:
 
 def test_env_values_are_parsed(tmp_path: Path) -> None:
     env = {"KVSTORE_DRAM": "64MiB", "KVSTORE_WRITE_THROUGH": "true", "KVSTORE_DIRECT_IO": "0", "KVSTORE_LEASE_TTL_S": "2.5",
-           "KVSTORE_DATA_DIR": str(tmp_path), "KVSTORE_TARGET": "ignored: it is the SDK's"}
+           "KVSTORE_DRAIN_TIMEOUT_S": "0.5", "KVSTORE_DATA_DIR": str(tmp_path), "KVSTORE_TARGET": "ignored: it is the SDK's"}
     cfg = load_config(environ=env)
     assert cfg.dram == 64 * MiB and cfg.write_through is True and cfg.direct_io is False and cfg.lease_ttl_s == 2.5
+    assert cfg.drain_timeout_s == 0.5
     assert Path(cfg.data_dir) == tmp_path
 
 
@@ -143,6 +145,8 @@ def test_unknown_override_is_named() -> None:
         ({"max_block_bytes": "0"}, "max_block_bytes: Input should be greater than 0"),
         ({"lease_ttl_s": 0}, "lease_ttl_s: Input should be greater than 0 (got 0)"),
         ({"reservation_ttl_s": -1}, "reservation_ttl_s"),
+        ({"drain_timeout_s": 0}, "drain_timeout_s: Input should be greater than 0 (got 0)"),
+        ({"drain_timeout_s": "soon"}, "drain_timeout_s: Input should be a valid number"),
         ({"max_batch": "many"}, "max_batch: Input should be a valid integer"),
         ({"listen": "localhost"}, "listen: expected HOST:PORT, got 'localhost'"),
         ({"data_listen": "host:port"}, "data_listen: expected HOST:PORT"),

@@ -9,6 +9,14 @@ with the file, the ``KVSTORE_*`` environment and the flags it would get; ports a
 between the config, container ports, Services and probes; the arena and the socket lie
 on volumes both containers mount at the same path; memory covers the arena; commands
 are ones the package installs and its parsers accept.
+
+The optional pieces are checked the same way, combined with the base files as their tools
+would (tests/deploy_variants.py): TLS and tenants in the chart's values, the strategic-merge
+patches in deploy/k8s/patches/ and the compose override files.  Every file they hand the
+node comes from a read-only Secret (or a compose secret) that only the sidecar mounts, and
+with the files such a Secret would hold (throwaway certificates from ``kvstore.localca``)
+the node's own start-up checks accept them; with TLS the probes check the node over its
+Unix socket, since the kubelet's gRPC probes cannot speak TLS.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from typing import Any
 
 import pytest
 import yaml
+from deploy_variants import compose_merge, health_target, materialize, patch_documents, private_files
 
 from kvstore.cli import build_parser
 from kvstore.config import NodeConfig, load_config
@@ -37,7 +46,6 @@ VERSION = PYPROJECT["project"]["version"]
 UID = 10001  # the image's user; the arena file is mode 0600, so its clients share it
 K8S_VERSION = "1.30"  # oldest Kubernetes the manifests claim (native sidecars, gRPC probes)
 MiB = 1 << 20
-DRAIN_S = 10.0  # kvstore.server.Node.stop: server.stop(grace=10.0)
 CLIENT_ENV = {"KVSTORE_TARGET", "KVSTORE_TOKEN", "KVSTORE_TOKEN_FILE"}  # what the SDK reads
 
 
@@ -264,7 +272,7 @@ def test_compose_nodes_configs_are_valid_and_agree(tmp_path: Path) -> None:
         assert svc["depends_on"]["etcd"]["condition"] == "service_healthy"
         assert docker_bytes(svc["shm_size"]) >= cfg.dram + 64 * MiB, "/dev/shm must hold the arena"
         assert under(cfg.arena_file(), "/dev/shm")
-        assert duration_s(svc["stop_grace_period"]) >= cfg.flush_on_shutdown_s + DRAIN_S
+        assert duration_s(svc["stop_grace_period"]) >= cfg.flush_on_shutdown_s + cfg.drain_timeout_s  # SIGTERM: drain, then flush
         mounts = {v.split(":")[1]: v.split(":")[0] for v in svc["volumes"]}
         for path in (cfg.data_dir, cfg.socket_path().parent):
             vol = next((src for dst, src in mounts.items() if under(path, dst)), None)
@@ -289,6 +297,62 @@ def test_compose_dashboard_scrapes_the_nodes(tmp_path: Path) -> None:
     assert f"{port}/healthz" in " ".join(svc["healthcheck"]["test"])
 
 
+# -- TLS and tenants: the files the node is handed ----------------------------------------
+@pytest.fixture(scope="module")
+def secret_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, bytes]]:
+    """The Secrets the variants name, as a cluster would hold them: {name: {key: bytes}}.
+    The certificates are throwaway ones from the product's own generator."""
+    from kvstore.localca import make
+
+    c = make(tmp_path_factory.mktemp("pki"), ["10.1.2.3", "kvstore.default.svc"])
+    tls = {"tls.crt": Path(c.cert).read_bytes(), "tls.key": Path(c.key).read_bytes(), "ca.crt": Path(c.ca).read_bytes()}
+    alice, bob = b"alice-s3cret\n", b"bob-s3cret\n"
+    return {"kvstore-tls": tls, "node-certs": tls, "kvstore-token": {"token": b"admin-s3cret\n"},
+            "kvstore-tenants": {"alice.token": alice, "bob.token": bob, "bob-token": bob}}
+
+
+COMPOSE_OVERRIDES = {"tls": "compose.tls.yaml", "tenants": "compose.tenants.yaml"}
+GITIGNORE = (ROOT / ".gitignore").read_text().split()
+
+
+@pytest.mark.parametrize("overrides", [("tls",), ("tenants",), ("tls", "tenants")], ids="+".join)
+def test_compose_overrides_wire_tls_and_tenants(overrides: tuple[str, ...], secret_data: dict[str, dict[str, bytes]],
+                                                tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    merged = COMPOSE
+    for name in overrides:  # docker compose -f compose.yaml -f compose.<name>.yaml ...
+        merged = compose_merge(merged, yaml.safe_load((DEPLOY / COMPOSE_OVERRIDES[name]).read_text()))
+    assert set(merged["services"]) == set(COMPOSE["services"]), "the overrides add no service"
+    on_disk = {f"tls/{k}": v for k, v in secret_data["kvstore-tls"].items()}
+    on_disk |= {"secrets/admin.token": b"admin\n", "secrets/alice.token": b"alice\n", "secrets/bob.token": b"bob\n"}
+    check = DOCKERFILE.exec_form("HEALTHCHECK")
+    for name in compose_nodes():
+        svc = merged["services"][name]
+        env = {k: str(v) for k, v in svc["environment"].items()}
+        cfg = serve_config(svc["command"], env, DOCKERFILE.image_files(), tmp_path)
+        assert bool(cfg.tls_cert_file) == ("tls" in overrides) and bool(cfg.tenants) == ("tenants" in overrides)
+        secrets = {s["target"]: s["source"] for s in svc.get("secrets", [])}
+
+        def content(path: str) -> bytes:
+            assert path in secrets, f"{name}: {path} is no secret's target"
+            src = PurePosixPath(merged["secrets"][secrets[path]]["file"])
+            assert not src.is_absolute() and f"/deploy/{src.parts[0]}/" in GITIGNORE, f"{src}: keys and tokens are never committed"
+            return on_disk[str(src)]
+
+        materialize(cfg, content, tmp_path / name)
+        # the image's health check runs with this environment, over the Unix socket
+        config_text = DOCKERFILE.image_files()[build_parser("health").parse_args(check[1:]).config]
+        assert health_target(check, config_text, {**DOCKERFILE.env(), **env}, tmp_path, monkeypatch) == f"unix://{cfg.socket_path()}"
+    dash = merged["services"]["dashboard"]
+    args = build_parser("dashboard").parse_args(dash["command"])
+    assert (args.metrics_port, args.etcd) == (cfg.metrics_port, cfg.etcd), "/metrics stays plain HTTP, TLS or not"
+    if "tenants" in overrides:
+        (ds,) = dash["secrets"]
+        assert args.token_file == ds["target"] == cfg.token_file and ds["source"] == secrets[cfg.token_file]
+        assert "/healthz" not in " ".join(dash["healthcheck"]["test"]), "/healthz wants the token"
+    else:
+        assert not args.token_file and dash == COMPOSE["services"]["dashboard"]
+
+
 # -- Kubernetes: the plain manifests and the rendered chart -------------------------------
 def load_docs(texts: list[str]) -> list[dict[str, Any]]:
     return [d for t in texts for d in yaml.safe_load_all(t) if d]
@@ -310,6 +374,18 @@ CHART_VARIANTS: dict[str, dict[str, Any]] = {
         "dashboard": {"port": 9000},
     },
     "no-dashboard": {"dashboard": {"enabled": False}},
+    "tls": {"tls": {"enabled": True, "secretName": "kvstore-tls"}},
+    "mtls-auth-tenants": {
+        "tls": {"enabled": True, "secretName": "node-certs", "clientCA": True},
+        "auth": {"existingSecret": "kvstore-token"},
+        "tenants": {"existingSecret": "kvstore-tenants", "tokens": {"alice": "alice.token", "bob": "bob-token"}},
+    },
+}
+# the plain manifests with the patches of deploy/k8s/patches/ applied in order (kubectl patch)
+MANIFEST_VARIANTS: dict[str, list[str]] = {
+    "manifests": [],
+    "manifests+tls": ["tls.yaml"],
+    "manifests+mtls-auth-tenants": ["tls.yaml", "mtls.yaml", "auth.yaml", "auth-dashboard.yaml", "tenants.yaml"],
 }
 
 
@@ -324,11 +400,20 @@ def chart_docs(values: dict[str, Any], renderer: str = "lite", release: str = "k
     return load_docs(list(helm_lite.render_chart(CHART, values, release=release).values()))
 
 
-SOURCES = ["manifests", *[f"chart:{v}" for v in CHART_VARIANTS]]
+SOURCES = [*MANIFEST_VARIANTS, *[f"chart:{v}" for v in CHART_VARIANTS]]
+
+
+def patched_manifests(patches: list[str]) -> list[dict[str, Any]]:
+    docs = manifests()
+    for name in patches:
+        docs = patch_documents(docs, yaml.safe_load((DEPLOY / "k8s" / "patches" / name).read_text()))
+    return docs
 
 
 def docs_of(source: str) -> list[dict[str, Any]]:
-    return manifests() if source == "manifests" else chart_docs(CHART_VARIANTS[source.split(":", 1)[1]])
+    if source in MANIFEST_VARIANTS:
+        return patched_manifests(MANIFEST_VARIANTS[source])
+    return chart_docs(CHART_VARIANTS[source.split(":", 1)[1]])
 
 
 class Pod:
@@ -397,6 +482,10 @@ class Cluster:
         return Pod(w)
 
     def config(self, pod: Pod, tmp: Path) -> NodeConfig:
+        return serve_config(pod.sidecar["args"], pod.env(pod.sidecar), self.config_files(pod), tmp)
+
+    def config_files(self, pod: Pod) -> dict[str, str]:
+        """The config file ``serve --config`` names, from the ConfigMap mounted there."""
         args = build_parser("serve").parse_args(pod.sidecar["args"])
         files = {}
         if args.config:
@@ -406,7 +495,7 @@ class Cluster:
             assert cm is not None, f"no ConfigMap {vol['configMap']['name']}"
             files[args.config] = cm["data"][str(PurePosixPath(args.config).relative_to(m["mountPath"]))]
             assert m.get("readOnly")
-        return serve_config(pod.sidecar["args"], pod.env(pod.sidecar), files, tmp)
+        return files
 
     def services_for(self, labels: dict[str, str]) -> list[dict[str, Any]]:
         return [s for s in self.kind("Service") if s["spec"]["selector"].items() <= labels.items()]
@@ -461,7 +550,7 @@ def test_sidecar_runs_the_image_entrypoint_with_a_valid_config(cluster: Cluster,
     assert hostport(cfg.listen)[0] == pod_ip and hostport(cfg.data_listen)[0] == pod_ip
     assert cfg.etcd, "a cluster node"
     assert pod.uid(side) == UID == pod.uid(pod.engine), "the arena (mode 0600) needs one uid in both containers"
-    assert pod.spec["terminationGracePeriodSeconds"] >= cfg.flush_on_shutdown_s + DRAIN_S
+    assert pod.spec["terminationGracePeriodSeconds"] >= cfg.flush_on_shutdown_s + cfg.drain_timeout_s
 
 
 def test_ports_agree_between_config_containers_probes_and_services(cluster: Cluster, tmp_path: Path) -> None:
@@ -554,6 +643,45 @@ def test_dashboard_follows_the_cluster(cluster: Cluster, tmp_path: Path) -> None
         assert "tcpSocket" in probe  # /healthz wants the token
 
 
+def test_tls_and_tenant_files_come_from_secrets_the_node_accepts(cluster: Cluster, secret_data: dict[str, dict[str, bytes]],
+                                                                 tmp_path: Path) -> None:
+    pod = cluster.pod()
+    cfg = cluster.config(pod, tmp_path)
+
+    def content(path: str) -> bytes:
+        m, vol = pod.mount(pod.sidecar, path)
+        assert "secret" in vol and m.get("readOnly") and "items" not in vol["secret"], f"{path}: not a read-only Secret: {vol}"
+        name, key = vol["secret"]["secretName"], str(PurePosixPath(path).relative_to(m["mountPath"]))
+        assert key in secret_data.get(name, {}), f"{path}: Secret {name} has no key {key}"
+        return secret_data[name][key]
+
+    for path in private_files(cfg):  # the node's key and the tenants' tokens: not even the engine beside it reads them
+        m, _ = pod.mount(pod.sidecar, path)
+        assert all(x["name"] != m["name"] for x in pod.engine.get("volumeMounts", [])), f"{path} is mounted in the engine"
+    materialize(cfg, content, tmp_path)
+
+
+def test_probes_reach_the_node_under_tls(cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kubelet's gRPC probes speak no TLS: with TLS on, every sidecar probe runs
+    ``kvstore health`` on the Unix socket, in the sidecar's own environment."""
+    pod = cluster.pod()
+    cfg = cluster.config(pod, tmp_path)
+    serve = build_parser("serve").parse_args(pod.sidecar["args"])
+    for name in ("startupProbe", "readinessProbe", "livenessProbe"):
+        p = pod.sidecar[name]
+        handlers = set(p) & {"grpc", "httpGet", "tcpSocket", "exec"}
+        if not cfg.tls_cert_file:
+            assert handlers == {"grpc"}, name
+            continue
+        assert handlers == {"exec"}, name
+        check = p["exec"]["command"]
+        assert build_parser("health").parse_args(check[1:]).config == serve.config
+        # the check's own deadline (--timeout, 3 s) plus a Python start-up; the kubelet's default is 1 s
+        assert p.get("timeoutSeconds", 1) >= build_parser("health").parse_args(check[1:]).timeout + 1, name
+        text = cluster.config_files(pod)[serve.config]
+        assert health_target(check, text, pod.env(pod.sidecar), tmp_path, monkeypatch) == f"unix://{cfg.socket_path()}"
+
+
 # -- the chart itself ---------------------------------------------------------------------
 def test_chart_metadata_and_values_keys() -> None:
     meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
@@ -588,6 +716,20 @@ def test_chart_config_passthrough_goes_through_the_real_loader(config: dict[str,
         c.config(c.pod(), tmp_path)
 
 
+@pytest.mark.parametrize("values,error", [
+    ({"tls": {"enabled": True}}, "tls.enabled needs tls.secretName"),
+    ({"tls": {"clientCA": True, "secretName": "kvstore-tls"}}, "tls.clientCA (mutual TLS) needs tls.enabled"),
+    ({"tenants": {"tokens": {"alice": "alice.token"}}, "auth": {"existingSecret": "t"}}, "tenants.tokens needs tenants.existingSecret"),
+    ({"tenants": {"existingSecret": "kvstore-tenants", "tokens": {"alice": "alice.token"}}}, "tenants need auth.existingSecret"),
+])
+@pytest.mark.parametrize("renderer", ["lite", "helm"])
+def test_chart_refuses_tls_and_tenants_it_cannot_wire(values: dict[str, Any], error: str, renderer: str) -> None:
+    import helm_lite
+
+    with pytest.raises(helm_lite.ChartFailed if renderer == "lite" else Exception, match=re.escape(error)):
+        chart_docs(values, renderer)
+
+
 @pytest.mark.parametrize("template,error", [
     ('{{ include "x" . }}', "include"),
     ("{{ .Values.nope }}", "missing"),
@@ -617,7 +759,9 @@ def test_helm_lite_semantics() -> None:
 
 def iter_yaml_files() -> Iterator[Path]:
     yield DEPLOY / "compose.yaml"
+    yield from (DEPLOY / f for f in COMPOSE_OVERRIDES.values())
     yield from sorted((DEPLOY / "k8s").glob("*.yaml"))
+    yield from sorted((DEPLOY / "k8s" / "patches").glob("*.yaml"))
     yield CHART / "Chart.yaml"
     yield CHART / "values.yaml"
 

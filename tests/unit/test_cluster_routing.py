@@ -1,0 +1,187 @@
+"""The cluster SDK's routing core on membership changes, without etcd or nodes.
+
+A :class:`client._cluster.ClusterCore` whose etcd never answers publishes nothing by
+itself; each test publishes membership views through the view's own ``_publish`` (what
+the watcher calls) and drives the core's sans-I/O operations by hand, feeding node results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from client._cluster import ClusterCore
+from kvstore.cluster.state import ClusterConfig, ClusterSnapshot, NodeInfo
+from kvstore.errors import DeadlineExceeded, Unavailable
+
+CLUSTER = "routing"
+KEYS = [bytes([i]) * 16 for i in range(1, 65)]
+
+
+def view(revision: int, regs: dict[str, tuple[int, int]], replication: int = 2, port: int = 7000) -> ClusterSnapshot:
+    """A loaded view with nodes ``regs`` (node -> (record revision, lease))."""
+    nodes = {n: NodeInfo(n, f"10.0.0.{i + 1}:{port}") for i, n in enumerate(sorted(regs))}
+    return ClusterSnapshot(CLUSTER, revision, nodes, ClusterConfig(replication=replication), {}, dict(regs),
+                           connected=True, loaded=True)
+
+
+@pytest.fixture
+def core() -> Iterator[ClusterCore]:
+    c = ClusterCore(f"etcd://127.0.0.1:1/{CLUSTER}", timeouts=None, transport="tcp", verify=True, replication=None,
+                    suspect_s=30.0, prefer_local=False, wait_s=0)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def publish(core: ClusterCore, snap: ClusterSnapshot) -> None:
+    core.membership._publish(snap)
+
+
+def fail(core: ClusterCore, node: str, err: BaseException | None = None) -> None:
+    """A call to ``node``, routed by the current plan, fails."""
+    core.failed(node, err or DeadlineExceeded("no answer"), core.plan())
+
+
+def drive(op: Any, answer: Any) -> Any:
+    """Run a sans-I/O operation, answering each fan-out call with ``answer(node, n_keys)``."""
+    instr = next(op)
+    try:
+        while True:
+            assert instr[0] == "fanout"
+            results = []
+            for node, make in instr[2]:
+                results.append(answer(node, make))
+            instr = op.send(results)
+    except StopIteration as stop:
+        return stop.value
+
+
+def test_regression_reregistered_node_stays_suspect_for_the_whole_backoff(core: ClusterCore) -> None:
+    """Bug: a node that came back and registered again stayed on the suspect list for up to
+    suspect_s (30 s), so reads skipped it and writes went to fewer than R owners."""
+    publish(core, view(10, {"a": (3, 101), "b": (4, 102), "c": (5, 103)}))
+    fail(core, "b")
+    assert "b" in core.suspects
+    # a reload after an etcd outage, a keep-alive, another node's change: the same registration
+    publish(core, view(11, {"a": (3, 101), "b": (4, 102), "c": (5, 103)}))
+    publish(core, view(12, {"a": (3, 101), "b": (4, 102), "c": (12, 104)}))
+    assert "b" in core.suspects  # still registered, still failing: the back-off protects the client
+    # its lease expires, then it registers again
+    publish(core, view(13, {"a": (3, 101), "c": (12, 104)}))
+    publish(core, view(14, {"a": (3, 101), "b": (14, 105), "c": (12, 104)}))
+    assert "b" not in core.suspects
+    assert "b" in core.plan().nodes
+
+
+def test_regression_node_reregistered_under_a_new_lease_is_cleared_without_leaving(core: ClusterCore) -> None:
+    """A restart under the same id (or a new address) rewrites the record in place: the
+    node never leaves the view, yet it is a new registration."""
+    publish(core, view(10, {"a": (3, 101), "b": (4, 102)}))
+    fail(core, "a", Unavailable("connection refused"))
+    assert "a" in core.suspects
+    publish(core, view(11, {"a": (11, 106), "b": (4, 102)}, port=7001))
+    assert "a" not in core.suspects
+    assert core.plan().nodes["a"].grpc == "10.0.0.1:7001"
+
+
+def test_failure_of_an_earlier_registration_does_not_suspect_the_new_one(core: ClusterCore) -> None:
+    publish(core, view(10, {"a": (3, 101), "b": (4, 102)}))
+    old = core.plan()  # a call is routed to a's first registration ...
+    publish(core, view(12, {"a": (12, 107), "b": (4, 102)}))  # ... a registers again meanwhile ...
+    assert core.failed("a", DeadlineExceeded("no answer"), old)  # ... and the old call fails
+    assert "a" not in core.suspects
+    assert core.failed("a", DeadlineExceeded("no answer"), core.plan())  # the new registration failing does count
+    assert "a" in core.suspects
+
+
+def test_writes_to_a_suspect_owner_are_counted_as_under_replicated(core: ClusterCore) -> None:
+    """While an owner is suspect, a put skips it (no other node stands in): the block has
+    fewer than R copies, and the client counts each missing copy."""
+    publish(core, view(10, {"a": (3, 101), "b": (4, 102), "c": (5, 103)}))
+    plan = core.plan()
+    owners = [set(plan.owners(k)) for k in KEYS]
+    on = {n: sum(n in o for o in owners) for n in "abc"}
+    assert all(0 < v < len(KEYS) for v in on.values())
+    fail(core, "b")
+    written: dict[str, int] = {}
+
+    def answer(down: str = "") -> Any:
+        def call(node: str, make: Any) -> Any:
+            if node == down:
+                return Unavailable("down")
+            keys = make(_Node())
+            written[node] = written.get(node, 0) + len(keys)
+            return [True] * len(keys)
+        return call
+
+    stored = drive(core.put_many(KEYS, [b"x"] * len(KEYS), namespace=None, parents=None, token_counts=None), answer())
+    assert stored == [True] * len(KEYS)  # every block still has its other owner: the put succeeds
+    assert "b" not in written and written == {"a": on["a"], "c": on["c"]}
+    assert core.under_replicated() == {"suspect": on["b"], "failed": 0}
+    # an owner whose call fails: its copies count too (a block owned by b and c is not stored)
+    stored = drive(core.put_many(KEYS, [b"x"] * len(KEYS), namespace=None, parents=None, token_counts=None), answer("c"))
+    assert stored == [o != {"b", "c"} for o in owners]
+    assert core.under_replicated() == {"suspect": 2 * on["b"], "failed": on["c"]}
+    assert "c" in core.suspects
+    # b registers again: its writes go to it at once; c (still registered) keeps its back-off
+    publish(core, view(11, {"a": (3, 101), "b": (11, 108), "c": (5, 103)}))
+    written.clear()
+    drive(core.put_many(KEYS, [b"x"] * len(KEYS), namespace=None, parents=None, token_counts=None), answer())
+    assert written == {"a": on["a"], "b": on["b"]}
+    assert core.under_replicated() == {"suspect": 2 * on["b"] + on["c"], "failed": on["c"]}
+
+
+class _Node:
+    """Stands in for a node's client core: a put operation returns the keys it carries."""
+
+    def put_many(self, keys: list[bytes], datas: list[object], **kw: object) -> list[bytes]:
+        return keys
+
+
+class _FakeNodeClient:
+    """Stands in for a per-node ``KVClient``: records what it was built for and whether it was closed."""
+
+    made: list["_FakeNodeClient"] = []
+
+    def __init__(self, target: str, **kw: object) -> None:
+        self.target, self.closed, self._core = target, False, None
+        _FakeNodeClient.made.append(self)
+
+    def _run(self, op: Any) -> Any:
+        assert not self.closed, f"a call on the closed client of {self.target}"
+        return self.target
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_call_routed_by_an_older_plan_dials_the_nodes_current_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node restarted at a new address while an operation runs: a later round of that
+    operation (routed by the plan it started with) must reach the new address, and must not
+    swap the node's connection back to the old one (closing the client other threads use)."""
+    import client._sync
+    from client._cluster_clients import ClusterClient
+
+    monkeypatch.setattr(client._sync, "KVClient", _FakeNodeClient)
+    _FakeNodeClient.made = []
+    kv = ClusterClient(f"etcd://127.0.0.1:1/{CLUSTER}", transport="tcp", prefer_local=False, wait_s=0)
+    try:
+        def call(plan: Any) -> Any:
+            def op() -> Any:
+                (res,) = yield ("fanout", plan, [("a", lambda core: None)])
+                return res
+            return kv._run(op())
+
+        publish(kv._core, view(10, {"a": (3, 101), "b": (4, 102)}))
+        old = kv._core.plan()
+        assert call(old) == "10.0.0.1:7000"
+        publish(kv._core, view(11, {"a": (11, 109), "b": (4, 102)}, port=7001))
+        new = kv._core.plan()
+        assert [call(p) for p in (old, new, old)] == ["10.0.0.1:7001"] * 3
+        assert [(c.target, c.closed) for c in _FakeNodeClient.made] == [("10.0.0.1:7000", True), ("10.0.0.1:7001", False)]
+    finally:
+        kv.close()
