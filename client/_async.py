@@ -10,6 +10,7 @@ import grpc
 
 from client._core import IDEMPOTENT, ClientCore, Op, T, Timeouts, as_key_list, fingerprint, report_request
 from client._sync import CHANNEL_OPTIONS, RETRIES, resolve_token, rpc_error, stream_metadata
+from kvstore.aio import await_to_the_end
 from kvstore.errors import Unavailable
 from kvstore.keys import Namespace, check_key
 from kvstore.tls import ClientTLS, secure_channel
@@ -197,18 +198,7 @@ async def _uncancellable_thread(fn: Any) -> Any:
     """``fn()`` in a worker thread.  If we are cancelled meanwhile, wait for the thread before
     re-raising: it copies into or out of arena extents, which the op gives back to the node
     as it unwinds (and the node may hand to another block at once)."""
-    fut = asyncio.ensure_future(asyncio.to_thread(fn))
-    try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        while not fut.done():
-            try:
-                await asyncio.wait([fut])
-            except asyncio.CancelledError:
-                pass
-        if not fut.cancelled():
-            fut.exception()
-        raise
+    return await await_to_the_end(asyncio.ensure_future(asyncio.to_thread(fn)))
 
 
 def _forget(pending: set[Any]) -> Any:

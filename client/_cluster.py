@@ -56,13 +56,16 @@ import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, TypeVar
 
-from client._core import ClientCore, Op, Timeouts, as_key_list, fingerprint
+from client._core import (
+    STREAM_BATCH_BYTES, ClientCore, Op, Timeouts, _relearn_node_on_unavailable, as_key_list, fingerprint,
+)
 from kvstore.block import BlockMeta, verify_payload
 from kvstore.cluster.membership import Membership
 from kvstore.cluster.placement import Ring
 from kvstore.cluster.state import ClusterSnapshot, NodeInfo, effective_fingerprint, parse_target
 from kvstore.errors import (
-    BlockFormatError, CapacityExceeded, DeadlineExceeded, InvalidArgument, PermissionDenied, Unauthenticated, Unavailable,
+    BlockFormatError, CapacityExceeded, DeadlineExceeded, InvalidArgument, OwnershipUnavailable, PermissionDenied, Unauthenticated,
+    Unavailable,
 )
 from kvstore.keys import ChunkKey, Namespace, check_key, chunk_keys
 from kvstore.misses import DEADLINE, NODE_DOWN
@@ -143,51 +146,77 @@ class _Suspects:
 
 
 # -- per-node operations only the cluster needs (built from the core's instructions) ---------------
+# Like the core's own operations, these send no request over the node's ``max_batch`` (from
+# its ``Hello``): a node refuses such a request whole.
+
+
 def _fetch_with_meta(keys: list[ChunkKey], verify: bool) -> NodeOp:
     """A batched read that also returns each block's metadata (for a hand-off copy): the
     streaming path, whose chunks carry the header.  Rare, so its speed does not matter."""
 
+    @_relearn_node_on_unavailable
     def op(core: ClientCore) -> Op[list[tuple[BlockMeta, bytes] | None]]:
-        chunks = yield ("get_stream", pb.KeysRequest(keys=keys))
-        out: list[tuple[BlockMeta, bytes] | None] = [None] * len(keys)
-        idx, meta, buf = -1, None, bytearray()
-
-        def done() -> None:
-            if meta is not None and len(buf) == meta.payload_len:
-                try:
-                    if verify:
-                        verify_payload(meta, buf)
-                    out[idx] = (meta, bytes(buf))
-                except BlockFormatError:
-                    pass
-
-        for c in chunks:
-            if c.HasField("block"):
-                done()
-                idx, meta, buf = idx + 1, None, bytearray()
-                if c.status == pb.KEY_STATUS_OK:
-                    meta = meta_from_pb(c.block)
-            if meta is not None and c.data:
-                buf += c.data
-        done()
+        limit = yield from core._limit(len(keys))
+        out: list[tuple[BlockMeta, bytes] | None] = []
+        for span in core._spans(len(keys), limit):
+            part = keys[span]
+            chunks = yield ("get_stream", pb.KeysRequest(keys=part))
+            out += _read_stream(chunks, len(part), verify)
         return out
 
     return op
 
 
+def _read_stream(chunks: Sequence[Any], n: int, verify: bool) -> list[tuple[BlockMeta, bytes] | None]:
+    """The (metadata, payload) of each of the ``n`` keys one ``GetStream`` answered, or None."""
+    out: list[tuple[BlockMeta, bytes] | None] = [None] * n
+    idx, meta, buf = -1, None, bytearray()
+
+    def done() -> None:
+        if meta is not None and len(buf) == meta.payload_len:
+            try:
+                if verify:
+                    verify_payload(meta, buf)
+                out[idx] = (meta, bytes(buf))
+            except BlockFormatError:
+                pass
+
+    for c in chunks:
+        if c.HasField("block"):
+            done()
+            idx, meta, buf = idx + 1, None, bytearray()
+            if c.status == pb.KEY_STATUS_OK:
+                meta = meta_from_pb(c.block)
+        if meta is not None and c.data:
+            buf += c.data
+    done()
+    return out
+
+
 def _put_blocks(metas: list[BlockMeta], payloads: list[bytes]) -> NodeOp:
-    """Store blocks with their exact metadata (a hand-off copy keeps namespace, parent, shape)."""
+    """Store blocks with their exact metadata (a hand-off copy keeps namespace, parent, shape).
 
+    One ``PutStream`` per batch the node accepts: at most ``max_batch`` blocks, and (as the
+    core's streaming puts) at most ``STREAM_BATCH_BYTES``, since a stream's blocks hold DRAM
+    until it ends.  Each stream declares its block count, so the node refuses one over its
+    limit before reading it."""
+
+    @_relearn_node_on_unavailable
     def op(core: ClientCore) -> Op[list[bool]]:
-        def chunks() -> Any:
-            for m, p in zip(metas, payloads):
-                mv = memoryview(p)
-                for off in range(0, max(len(p), 1), STREAM_CHUNK):
-                    part = bytes(mv[off : off + STREAM_CHUNK])
-                    yield pb.BlockChunk(block=meta_to_pb(m), data=part) if off == 0 else pb.BlockChunk(data=part)
+        yield from core.ensure_hello()
+        stored: list[bool] = []
+        for batch in core._batches(len(metas), [m.payload_len for m in metas], budget=STREAM_BATCH_BYTES):
 
-        resp = yield ("put_stream", chunks)
-        return [s in (pb.KEY_STATUS_OK, pb.KEY_STATUS_EXISTS) for s in resp.statuses]
+            def chunks(batch: range = batch) -> Any:
+                for i in batch:
+                    mv = memoryview(payloads[i])
+                    for off in range(0, max(len(mv), 1), STREAM_CHUNK):
+                        part = bytes(mv[off : off + STREAM_CHUNK])
+                        yield pb.BlockChunk(block=meta_to_pb(metas[i]), data=part) if off == 0 else pb.BlockChunk(data=part)
+
+            resp = yield ("put_stream", chunks, len(batch))
+            stored += [s in (pb.KEY_STATUS_OK, pb.KEY_STATUS_EXISTS) for s in resp.statuses]
+        return stored
 
     return op
 
@@ -312,7 +341,7 @@ class ClusterCore:
             raise result
         if self._superseded(plan, node):
             log.info("node %s failed (%s) but has registered again since; not routing around it", node, type(result).__name__)
-        elif not isinstance(result, CapacityExceeded):
+        elif not isinstance(result, (CapacityExceeded, OwnershipUnavailable)):  # the node is up; etcd or space is not
             log.info("node %s failed (%s: %s); routing around it", node, type(result).__name__, result)
             self.suspects.mark(node)
         return True

@@ -43,6 +43,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, metavar="S",
                    help="on SIGTERM, running calls and transfers get S seconds to finish before they are cancelled (default 10)")
     p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics-tls", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve /metrics over HTTPS with --tls-cert-file (default: whenever the node serves TLS); "
+                        "--no-metrics-tls: plain HTTP even then")
     p.add_argument("--tls-cert-file", metavar="FILE", help="PEM certificate: serve TLS on the TCP listeners (gRPC and data channel); needs --tls-key-file")
     p.add_argument("--tls-key-file", metavar="FILE", help="PEM private key of --tls-cert-file")
     p.add_argument("--tls-client-ca-file", metavar="FILE", help="PEM CA: require TCP clients to present a certificate it signed (mutual TLS)")
@@ -58,7 +61,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         k: getattr(a, k)
         for k in ("listen", "data_listen", "socket", "data_dir", "dram", "nvme", "node_id", "arena_path", "eviction_policy",
                   "write_through", "token_file", "tenants", "lease_ttl_s", "reservation_ttl_s", "max_batch", "drain_timeout_s", "metrics_port",
-                  "etcd", "cluster", "zone", "etcd_lease_ttl_s", "tls_cert_file", "tls_key_file", "tls_client_ca_file")
+                  "metrics_tls", "etcd", "cluster", "zone", "etcd_lease_ttl_s", "tls_cert_file", "tls_key_file", "tls_client_ca_file")
     }
     cfg = load_config(a.config, overrides=overrides)
     return asyncio.run(serve(cfg))
@@ -115,7 +118,7 @@ _PLUGINS: list[tuple[str, str, str]] = [
     ("plan", "kvstore.plan", "capacity planner: DRAM and NVMe sizes that reach a target hit ratio on a trace"),
     ("demo", "gpu_agent.demo", "end-to-end demos with a real transformer (e.g. `kvstore demo pd`: prefill -> decode handoff)"),
     ("up", "kvstore.up", "a whole local cluster in the foreground: a private etcd and N nodes (Ctrl-C stops it all)"),
-    ("cluster", "kvstore.cluster.cli", "cluster configuration and namespaces in etcd: set, show, invalidate"),
+    ("cluster", "kvstore.cluster.cli", "cluster configuration and namespaces in etcd: set, show, invalidate, owners, release"),
     ("dashboard", "kvstore.dashboard.cli", "live cache-hit dashboard (web page) for one node or a whole cluster"),
     ("health", "kvstore.health", "one gRPC health check of a node (exit 0: SERVING), for container probes"),
     ("certs", "kvstore.localca", "a throwaway CA and node certificate for trying TLS (needs the 'tls' extra)"),

@@ -27,8 +27,10 @@ _UNITS = {
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 ENV_PREFIX = "KVSTORE_"
-# KVSTORE_* variables that belong to the SDK and CLI, not to the node's schema.
-CLIENT_ENV = {"KVSTORE_TARGET"}
+# KVSTORE_* variables that belong to the SDK and CLI, not to the node's schema (the
+# KVSTORE_TLS_* ones: what `kvstore dashboard` trusts and presents when it scrapes https /metrics).
+CLIENT_ENV = {"KVSTORE_TARGET", "KVSTORE_TLS_CA_FILE", "KVSTORE_TLS_SERVER_NAME", "KVSTORE_TLS_CLIENT_CERT_FILE",
+              "KVSTORE_TLS_CLIENT_KEY_FILE"}
 
 
 def parse_size(value: object) -> int:
@@ -140,6 +142,7 @@ class NodeConfig(BaseModel):
     flush_on_shutdown_s: float = Field(30.0, ge=0, description="On SIGTERM, after the drain, spend up to this long demoting dirty DRAM blocks to NVMe.")
     prefault: bool = Field(True, description="Touch every arena page at start-up so copies never pay first-touch costs.")
     metrics_port: int | None = Field(None, description="Port of the Prometheus /metrics endpoint; unset: none.")
+    metrics_tls: bool | None = Field(None, description="Serve /metrics over HTTPS with the TCP listeners' certificate (tls_cert_file; client certificates required under tls_client_ca_file). Unset: whenever the node serves TLS; false: plain HTTP even then (the admin token, if any, then crosses the network in clear); true: TLS is required.")
     advertise_host: str = Field("", description="Host that clients and peers should dial (published in etcd and the READY line); empty: the listen host, or this machine's name when listening on a wildcard address.")
     arena_mode: str = Field("0600", description="Permission bits of the arena file and Unix socket, octal: 0660 lets an engine container of the same group (another uid) use them.")
 
@@ -164,7 +167,13 @@ class NodeConfig(BaseModel):
             raise ValueError(f"{given} is set but {missing} is not: TLS needs both the certificate and its private key (or neither)")
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file: the node must serve TLS to verify clients")
+        if self.metrics_tls and not self.tls_cert_file:
+            raise ValueError("metrics_tls = true needs tls_cert_file and tls_key_file: /metrics serves the TCP listeners' certificate")
         return self
+
+    def serves_metrics_tls(self) -> bool:
+        """Whether /metrics is HTTPS: ``metrics_tls``, or by default whenever the node serves TLS."""
+        return bool(self.tls_cert_file) and self.metrics_tls is not False
 
     @field_validator("dram", "nvme", "max_block_bytes", mode="before")
     @classmethod

@@ -30,6 +30,12 @@ class Unavailable(KVStoreError):
     """The node (or etcd) cannot be reached, or is shutting down."""
 
 
+class OwnershipUnavailable(Unavailable):
+    """A tenant's write to a namespace the node does not know yet, refused because etcd,
+    where a cluster agrees on namespace owners, did not answer.  The node itself is up:
+    calls in namespaces it already knows keep working."""
+
+
 class DeadlineExceeded(KVStoreError):
     """The call did not finish within its deadline."""
 

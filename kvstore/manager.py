@@ -1,11 +1,20 @@
-"""The tier manager: one event loop's view of every block on this node.
+"""The tier manager: one event loop's view of every block on this node, and its public API.
 
 Owner: the node's asyncio loop.  Every method that touches the index, the DRAM tier,
 reservations, leases or pins runs on that loop, so none of it needs a lock.  Disk I/O
 (NVMe reads and writes, checksums over big payloads) runs in ``executor`` threads
 and reports back by ``await``; the NVMe tier is thread-safe for exactly that.
 
-What it adds on top of the tiers:
+This module is the facade: it decides what each call does and keeps the accounting.  The
+state it delegates lives in two parts, each with its own invariants:
+
+* ``kvstore/holds.py`` (``self.holds``): the reservation, lease and pin tables with their
+  deadlines, and the reference counts that keep leased DRAM allocations in place;
+* ``kvstore/movers.py`` (``self.movers``): moving blocks between tiers (DRAM space by
+  eviction, demotion DRAM → NVMe, promotion NVMe → DRAM) and the blocks in flight.
+
+The per-key answers (``Status``, ``Reserved``, ``Leased``) are in ``kvstore/outcomes.py``
+and re-exported here.  What the manager adds on top of the tiers:
 
 * **Two-phase writes.** ``reserve`` hands out arena extents under a reservation with a
   deadline; the writer copies in; ``commit`` makes the block visible, ``abort`` drops it.
@@ -26,7 +35,8 @@ What it adds on top of the tiers:
   would replace another namespace's block is dropped (and reported ``OK``, as if stored).
 * **Cache-hit accounting** (``kvstore/misses.py``): every lookup key is counted as a hit
   (per tier, with its tokens) or a miss with its reason; ``history`` remembers, in
-  bounded memory, why keys left (evicted, invalidated, corrupt).
+  bounded memory, why keys left (evicted, invalidated, corrupt).  Executor threads report
+  departures through ``_departed``, which the loop drains before it reads ``history``.
 
 Invariants: a block's DRAM allocation is freed only when no lease refers to it; a
 reserved extent belongs to exactly one reservation until commit, abort or reap; tier
@@ -38,11 +48,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import enum
-import itertools
-import secrets
-import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -50,62 +55,19 @@ from typing import Any
 
 from kvstore.block import BlockMeta, checksum
 from kvstore.errors import CapacityExceeded, InvalidArgument
+from kvstore.holds import Holds, allocation
 from kvstore.keys import ChunkKey
-from kvstore.misses import CORRUPT, EVICTED, INVALIDATED, NEVER_STORED, TIER_LABEL, KeyHistory, Ledger
+from kvstore.misses import CORRUPT, INVALIDATED, NEVER_STORED, TIER_LABEL, KeyHistory, Ledger
+from kvstore.movers import TierMovers
+from kvstore.outcomes import Leased, Reserved, Status
 from tiers.allocator import Extent
-from tiers.base import MissReason, TierKind
+from tiers.base import TierKind
 from tiers.dram import DRAMTier
 
-log = logging.getLogger(__name__)
-
-_EXPIRED_MEMORY = 65536  # how many expired lease ids we remember, to answer release() honestly
+__all__ = ["Leased", "Reserved", "Status", "TierManager", "Visible"]
 
 Visible = Callable[[bytes], bool]
 """Whether the caller may see (or change) blocks of a namespace fingerprint."""
-
-
-class Status(enum.IntEnum):
-    """Per-key outcome.  Values match the protobuf ``KeyStatus`` enum."""
-
-    OK = 1
-    MISS = 2
-    EXISTS = 3
-    CORRUPT = 4
-    EXPIRED = 5
-    NO_SPACE = 6
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Reserved:
-    status: Status
-    reservation_id: int = 0
-    extents: tuple[Extent, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Leased:
-    key: ChunkKey
-    status: Status
-    lease_id: int = 0
-    extents: tuple[Extent, ...] = ()
-    meta: BlockMeta | None = None
-    tier: TierKind | None = None  # where the block was found (NVME means it was promoted)
-
-
-@dataclasses.dataclass(slots=True)
-class _Reservation:
-    meta: BlockMeta
-    extents: list[Extent]
-    deadline: float
-    tenant: str | None = None  # who made it (None: the admin, or a node without tenants)
-
-
-@dataclasses.dataclass(slots=True)
-class _Lease:
-    key: ChunkKey
-    alloc: int  # first extent offset: identifies the allocation
-    deadline: float
-    tenant: str | None = None
 
 
 class TierManager:
@@ -127,69 +89,37 @@ class TierManager:
         self.write_through = write_through
         self.reservation_ttl = reservation_ttl
         self.lease_ttl = lease_ttl
-        self.verify_demotions = verify_demotions
         self._executor = executor or ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstore-io")
         self._own_executor = executor is None
-        # ids start at a random point so a late Release/Abort meant for an earlier node
-        # process on the same socket cannot hit another client's lease or reservation
-        self._ids = itertools.count(secrets.randbits(48) + 1)
-        self._reservations: dict[int, _Reservation] = {}
-        self._leases: dict[int, _Lease] = {}
-        self._expired: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._refs: collections.Counter[int] = collections.Counter()  # allocation -> live leases
-        self._detached: dict[int, list[Extent]] = {}  # deleted while leased; freed on last release
-        self._pins: dict[ChunkKey, float] = {}  # key -> pinned until (clock)
-        self._busy: set[ChunkKey] = set()  # being demoted
-        self._promoting: dict[ChunkKey, asyncio.Future[Status | None]] = {}
-        self._persisting: collections.Counter[ChunkKey] = collections.Counter()  # being written to NVMe
-        self._doomed: set[ChunkKey] = set()  # deleted while being written to NVMe: that copy goes when the write ends
-        self._background: set[asyncio.Task[Any]] = set()
         self.counters: collections.Counter[str] = collections.Counter()
         # cache-hit accounting (kvstore/misses.py): why keys left, what lookups found
         self.history = KeyHistory()
         self.ledger = Ledger()
         self._departed: collections.deque[tuple[ChunkKey, str, bytes | None]] = collections.deque()  # from executor threads
-        self._corrupt_demoted: set[ChunkKey] = set()  # from executor threads: dirty blocks that failed their checksum
+        self.holds = Holds(clock, dram.free)
+        self.movers = TierMovers(dram, nvme, self.holds, executor=self._executor, counters=self.counters,
+                                 forget=self._forget, departed=self._departed, verify_demotions=verify_demotions)
 
-    # -- helpers ------------------------------------------------------------------
-    async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn`` in the executor.  A cancelled caller still waits for it to end before
-        unwinding: the thread cannot be stopped, and it may be reading or writing arena
-        extents that the caller frees (and another block gets) as it unwinds."""
-        fut = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            while not fut.done():
-                try:
-                    await asyncio.wait([fut])
-                except asyncio.CancelledError:
-                    pass
-            if not fut.cancelled():
-                fut.exception()  # the caller's cancellation is what propagates
-            raise
+    @property
+    def verify_demotions(self) -> bool:
+        """Whether dirty blocks are checksummed before they are demoted (a bad one is dropped)."""
+        return self.movers.verify_demotions
 
-    def _alloc_id(self, key: ChunkKey) -> int | None:
-        ext = self.dram.extents(key)
-        return ext[0].offset if ext else None
+    @verify_demotions.setter
+    def verify_demotions(self, value: bool) -> None:
+        self.movers.verify_demotions = value
 
+    # -- where blocks are -----------------------------------------------------------
     def pinned(self, key: ChunkKey) -> bool:
-        until = self._pins.get(key)
-        return until is not None and until > self.clock()
+        return self.holds.pinned(key)
 
     def can_evict(self, key: ChunkKey) -> bool:
-        if key in self._busy or self.pinned(key):
-            return False
-        alloc = self._alloc_id(key)
-        return alloc is None or self._refs[alloc] == 0
-
-    def _on_nvme(self, key: ChunkKey) -> bool:
-        return self.nvme is not None and key not in self._doomed and self.nvme.contains(key)
+        return self.movers.can_evict(key)
 
     def where(self, key: ChunkKey) -> TierKind | None:
         if self.dram.contains(key):
             return TierKind.DRAM
-        if self._on_nvme(key):
+        if self.movers.on_nvme(key):
             return TierKind.NVME
         return None
 
@@ -197,10 +127,9 @@ class TierManager:
         meta = self.dram.meta(key)
         if meta is not None:
             return TierKind.DRAM, meta
-        if self.nvme is not None and key not in self._doomed:
-            meta = self.nvme.meta(key)
-            if meta is not None:
-                return TierKind.NVME, meta
+        meta = self.movers.nvme_meta(key)
+        if meta is not None:
+            return TierKind.NVME, meta
         return None, None
 
     def _find(self, key: ChunkKey, visible: Visible | None) -> tuple[TierKind | None, BlockMeta | None]:
@@ -216,12 +145,10 @@ class TierManager:
         return meta.namespace if meta is not None else None
 
     def reservation_tenant(self, rid: int) -> str | None:
-        r = self._reservations.get(rid)
-        return r.tenant if r is not None else None
+        return self.holds.reservation_tenant(rid)
 
     def lease_tenant(self, lid: int) -> str | None:
-        lease = self._leases.get(lid)
-        return lease.tenant if lease is not None else None
+        return self.holds.lease_tenant(lid)
 
     # -- why keys left (kvstore/misses.py) ------------------------------------------------
     def _forget(self, key: ChunkKey, reason: str, meta: BlockMeta | None) -> None:
@@ -286,15 +213,14 @@ class TierManager:
                     out.append(Reserved(Status.EXISTS))
                     continue
                 try:
-                    extents = await self._allocate(meta.payload_len)
+                    extents = await self.movers.allocate(meta.payload_len)
                 except CapacityExceeded:
                     if self.dram.allocator.rounded(meta.payload_len) > self.dram.capacity_bytes:
                         raise
                     self.counters["reserve_no_space"] += 1
                     out.append(Reserved(Status.NO_SPACE))
                     continue
-                rid = next(self._ids)
-                self._reservations[rid] = _Reservation(meta, extents, deadline, tenant)
+                rid = self.holds.reserve(meta, extents, deadline, tenant)
                 out.append(Reserved(Status.OK, rid, tuple(extents)))
         except BaseException:
             self.abort([r.reservation_id for r in out if r.status == Status.OK])  # nobody will learn their ids
@@ -309,14 +235,14 @@ class TierManager:
             raise InvalidArgument(f"{len(ids)} reservation ids but {len(checksums)} checksums")
         out: list[Status] = []
         for i, rid in enumerate(ids):
-            r = self._reservations.pop(rid, None)
+            r = self.holds.take_reservation(rid)
             if r is None:
                 out.append(Status.EXPIRED)
                 continue
             meta = r.meta if checksums is None else dataclasses.replace(r.meta, payload_checksum=checksums[i])
             if verify:
                 try:
-                    actual = await self._io(self._checksum_extents, r.extents, meta.payload_len)
+                    actual = await self.movers.io(self._checksum_extents, r.extents, meta.payload_len)
                 except BaseException:
                     # popped above, so neither the reaper nor the caller would ever free it; the
                     # rest of the batch may be held (a data-channel transfer): they go too
@@ -339,25 +265,25 @@ class TierManager:
                 self.counters["puts_shadowed"] += 1
                 out.append(Status.OK)
                 continue
-            old = self._alloc_id(meta.key)
-            if old is not None and self._refs[old]:
-                self._detached[old] = self.dram.detach(meta.key) or []
+            old = allocation(self.dram.extents(meta.key))
+            if old is not None and self.holds.leased(old):
+                self.holds.detach(old, self.dram.detach(meta.key) or [])
             self.dram.commit(meta, r.extents)
             self.counters["puts"] += 1
             self.counters["put_bytes"] += meta.payload_len
             out.append(Status.OK)
             if self.write_through and self.nvme is not None:
-                self._spawn(self._persist([meta.key]))
+                self.movers.spawn(self.movers.persist([meta.key]))
         return out
 
     def abort(self, ids: Sequence[int]) -> None:
         for rid in ids:
-            r = self._reservations.pop(rid, None)
+            r = self.holds.take_reservation(rid)
             if r is not None:
                 self.dram.abort(r.extents)
 
     def reservation(self, rid: int) -> tuple[BlockMeta, list[Extent]] | None:
-        r = self._reservations.get(rid)
+        r = self.holds.reservations.get(rid)
         return (r.meta, r.extents) if r else None
 
     def hold(self, *, reservation_ids: Sequence[int] = (), lease_ids: Sequence[int] = ()) -> bool:
@@ -368,30 +294,13 @@ class TierManager:
         writes into it or sends from it, after it went to another block.  False if any of
         them had already expired (the caller must then not touch their extents).
         """
-        live = True
-        for rid in reservation_ids:
-            r = self._reservations.get(rid)
-            if r is None:
-                live = False
-            else:
-                r.deadline = math.inf
-        for lid in lease_ids:
-            lease = self._leases.get(lid)
-            if lease is None:
-                live = False
-            else:
-                lease.deadline = math.inf
-        return live
+        return self.holds.hold(reservation_ids=reservation_ids, lease_ids=lease_ids)
 
     def held(self, some_id: int) -> bool:
         """Whether a transfer holds this reservation or lease (see ``hold``): its bytes are
         moving right now, so only that transfer may resolve it, never a Commit, Abort or
         Release call (which would free extents the transfer still reads or writes)."""
-        r = self._reservations.get(some_id)
-        if r is not None:
-            return r.deadline == math.inf
-        lease = self._leases.get(some_id)
-        return lease is not None and lease.deadline == math.inf
+        return self.holds.held(some_id)
 
     # -- leased reads ---------------------------------------------------------------
     async def acquire(self, keys: Sequence[ChunkKey], *, request: bool = True, tenant: str | None = None,
@@ -417,7 +326,7 @@ class TierManager:
         for i, k in enumerate(keys):
             if self.dram.contains(k) and i not in hidden:
                 out[i] = self._lease(k, TierKind.DRAM, deadline, tenant)
-        todo = [i for i, x in enumerate(out) if x is None and i not in hidden and self._on_nvme(keys[i])]
+        todo = [i for i, x in enumerate(out) if x is None and i not in hidden and self.movers.on_nvme(keys[i])]
         if todo:
             gate = asyncio.Semaphore(4)
 
@@ -428,7 +337,7 @@ class TierManager:
                         out[i] = self._leased_if_visible(k, TierKind.DRAM, deadline, tenant, visible)
                         return
                     try:
-                        st = await self._promote(k)
+                        st = await self.movers.promote(k)
                     except CapacityExceeded:
                         out[i] = Leased(k, Status.NO_SPACE)
                         self.counters["get_no_space"] += 1
@@ -479,94 +388,14 @@ class TierManager:
         ext = self.dram.extents(key)
         meta = self.dram.meta(key)
         assert ext is not None and meta is not None
-        lid = next(self._ids)
-        self._leases[lid] = _Lease(key, ext[0].offset, deadline, tenant)
-        self._refs[ext[0].offset] += 1
+        lid = self.holds.lease(key, ext[0].offset, deadline, tenant)
         self.dram.touch(key)
         self.counters["get_hits_nvme" if tier == TierKind.NVME else "get_hits_dram"] += 1
         self.counters["get_bytes"] += meta.payload_len
         return Leased(key, Status.OK, lid, tuple(ext), meta, tier)
 
     def release(self, ids: Sequence[int]) -> list[bool]:
-        out: list[bool] = []
-        for lid in ids:
-            lease = self._leases.pop(lid, None)
-            if lease is None:
-                out.append(False)
-                continue
-            self._drop_ref(lease.alloc)
-            out.append(True)
-        return out
-
-    def _drop_ref(self, alloc: int) -> None:
-        self._refs[alloc] -= 1
-        if self._refs[alloc] <= 0:
-            del self._refs[alloc]
-            extents = self._detached.pop(alloc, None)
-            if extents is not None:
-                self.dram.free(extents)
-
-    async def _promote(self, key: ChunkKey) -> Status:
-        """Bring ``key`` from NVMe into DRAM (once, however many calls ask): ``OK`` if it is
-        in DRAM now, ``CORRUPT``, or ``MISS`` (gone meanwhile)."""
-        while (fut := self._promoting.get(key)) is not None:
-            st = await asyncio.shield(fut)
-            if st is not None:
-                return st
-        fut = asyncio.get_running_loop().create_future()
-        self._promoting[key] = fut
-        try:
-            st = await self._promote_once(key)
-        except asyncio.CancelledError:
-            fut.set_result(None)  # the leader's call was cancelled, not the waiters': they try again
-            raise
-        except BaseException as e:
-            fut.set_exception(e)
-            fut.exception()  # mark retrieved: concurrent waiters get it via shield
-            raise
-        finally:
-            del self._promoting[key]
-        fut.set_result(st)
-        return st
-
-    async def _promote_once(self, key: ChunkKey) -> Status:
-        assert self.nvme is not None
-        meta = self.nvme.meta(key) if key not in self._doomed else None
-        if meta is None:
-            return Status.MISS
-        extents = await self._allocate(meta.payload_len)
-        try:
-            res = await self._io(self._nvme_read_to_arena, key, extents)
-        except BaseException:
-            self.dram.abort(extents)
-            raise
-        # deleted while we read it (deletes leave NVMe at once): it must not come back
-        gone = not self._on_nvme(key)
-        if not res.hit or gone or self.dram.contains(key):
-            self.dram.abort(extents)
-            if res.miss == MissReason.CORRUPT:
-                self.counters["corrupt_blocks"] += 1
-                if self.where(key) is None:
-                    self._forget(key, CORRUPT, meta)
-                return Status.CORRUPT
-            return Status.OK if self.dram.contains(key) else Status.MISS
-        self.dram.commit(res.meta, extents)
-        self.counters["promotions"] += 1
-        self.counters["promoted_bytes"] += res.meta.payload_len
-        return Status.OK
-
-    def _nvme_read_to_arena(self, key: ChunkKey, extents: list[Extent]) -> Any:
-        """Executor thread: read an NVMe block straight into its new arena extents."""
-        assert self.nvme is not None
-        meta = self.nvme.meta(key)
-        n = meta.payload_len if meta else 0
-        if len(extents) == 1:
-            return self.nvme.read_into(key, self.dram.arena.buf[extents[0].offset : extents[0].offset + max(n, 1)])
-        tmp = bytearray(n)
-        res = self.nvme.read_into(key, tmp)
-        if res.hit:
-            self.dram.arena.write(extents, memoryview(tmp)[: res.meta.payload_len])
-        return res
+        return [self.holds.release(lid) for lid in ids]
 
     def _checksum_extents(self, extents: Sequence[Extent], nbytes: int) -> int:
         views = self.dram.arena.views(extents, nbytes)
@@ -578,148 +407,6 @@ class TierManager:
         for v in views:
             h.update(v)
         return h.intdigest()
-
-    # -- space ----------------------------------------------------------------------
-    async def _allocate(self, nbytes: int) -> list[Extent]:
-        extents = self.dram.reserve(nbytes)  # raises CapacityExceeded if it can never fit
-        while extents is None:
-            await self._evict_dram(nbytes)
-            extents = self.dram.reserve(nbytes)
-        return extents
-
-    async def _evict_dram(self, nbytes: int) -> None:
-        need = self.dram.allocator.rounded(nbytes) - self.dram.allocator.free_bytes
-        batch: list[ChunkKey] = []
-        freed = 0
-        for key in self.dram.victims(self.can_evict):
-            batch.append(key)
-            ext = self.dram.extents(key) or []
-            freed += sum(e.length for e in ext)
-            if freed >= need:
-                break
-        if not batch:
-            # another round is demoting, or write-through persists hold blocks for a moment:
-            # let them finish, then retry (those blocks are not pinned or leased)
-            if self._busy or self._background:
-                await asyncio.sleep(0.001)
-                return
-            raise CapacityExceeded(
-                f"DRAM tier is full of pinned, leased or reserved blocks ({self.dram.used_bytes} of "
-                f"{self.dram.capacity_bytes} bytes); release leases, unpin, or raise --dram"
-            )
-        self._busy.update(batch)
-        try:
-            if self.nvme is not None:
-                await self._persist(batch)
-        finally:
-            self._busy.difference_update(batch)
-        for key in batch:
-            if self.dram.contains(key) and self.can_evict(key):
-                meta = self.dram.meta(key)
-                self.dram.delete(key)
-                self.counters["dram_evictions"] += 1
-                if self.nvme is None or not self.nvme.contains(key):  # it left the node
-                    self._forget(key, CORRUPT if key in self._corrupt_demoted else EVICTED, meta)
-                self._corrupt_demoted.discard(key)
-
-    async def _persist(self, keys: Sequence[ChunkKey]) -> None:
-        """Write DRAM blocks that NVMe lacks to NVMe (one group commit)."""
-        assert self.nvme is not None
-        items: list[tuple[BlockMeta, memoryview]] = []
-        for k in keys:
-            meta = self.dram.meta(k)
-            if meta is None or self.nvme.contains(k):
-                continue
-            if not self.nvme.admit(k, meta.payload_len):
-                self.counters["nvme_rejected"] += 1
-                continue
-            ext = self.dram.extents(k) or []
-            views = self.dram.arena.views(ext, meta.payload_len)
-            items.append((meta, views[0] if len(views) == 1 else memoryview(b"".join(views))))
-        if not items:
-            return
-        allocs = [self._alloc_id(m.key) for m, _ in items]
-        for a in allocs:  # internal leases: the bytes must stay put while the executor reads them
-            if a is not None:
-                self._refs[a] += 1
-        for m, _ in items:
-            self._persisting[m.key] += 1
-        try:
-            written = await self._io(self._write_nvme, items)
-        finally:
-            for a in allocs:
-                if a is not None:
-                    self._drop_ref(a)
-            for m, _ in items:
-                k = m.key
-                self._persisting[k] -= 1
-                if k in self._doomed:  # deleted while we wrote it: the copy must not outlive the delete
-                    self.nvme.delete(k)
-                if self._persisting[k] <= 0:
-                    del self._persisting[k]
-                    self._doomed.discard(k)
-        self.counters["demotions"] += written
-        self.counters["demoted_bytes"] += sum(m.payload_len for m, _ in items[:written])
-
-    def _write_nvme(self, items: list[tuple[BlockMeta, memoryview]]) -> int:
-        """Executor thread: verify, make room on NVMe, group-commit.  Returns blocks written."""
-        assert self.nvme is not None
-        good = []
-        for meta, view in items:
-            if self.verify_demotions and checksum(view) != meta.payload_checksum:
-                self.counters["corrupt_demotions"] += 1
-                if len(self._corrupt_demoted) < 4096:
-                    self._corrupt_demoted.add(meta.key)
-                log.warning("not demoting %s: payload does not match its checksum", meta.key.hex())
-                continue
-            good.append((meta, view))
-        protect = {m.key for m, _ in good}
-        written = 0
-        for i in range(0, len(good), 16):
-            part = good[i : i + 16]
-            if self._nvme_room(part, protect):
-                try:
-                    self.nvme.write_many(part)
-                    written += len(part)
-                    continue
-                except (CapacityExceeded, OSError):
-                    pass  # fragmented (or a failing disk): fall back to one block at a time
-            for item in part:
-                try:
-                    if self._nvme_room([item], protect):
-                        self.nvme.write_many([item])
-                        written += 1
-                        continue
-                except (CapacityExceeded, OSError) as e:
-                    # a cache fails open: the block is not demoted (counted), and the put or
-                    # get that needed its DRAM space does not fail with the disk's error
-                    log.warning("NVMe tier refused %s: %s", item[0].key.hex(), e)
-                self.counters["nvme_write_failures"] += 1
-        return written
-
-    def _nvme_room(self, part: list[tuple[BlockMeta, memoryview]], protect: set[ChunkKey]) -> bool:
-        """Evict NVMe victims until ``part`` should fit; False if nothing more can go."""
-        assert self.nvme is not None
-        from tiers.nvme import record_bytes
-
-        need = sum(record_bytes(m.payload_len) for m, _ in part)
-        biggest = max(m.payload_len for m, _ in part)
-        while self.nvme.capacity_bytes - self.nvme.used_bytes < need or not self.nvme.fits(biggest):
-            # never the block being promoted (it would vanish while we make room for it)
-            victim = next(self.nvme.victims(lambda k: k not in protect and k not in self._promoting and not self.pinned(k)), None)
-            if victim is None:
-                return False
-            vmeta = self.nvme.meta(victim)
-            self.nvme.delete(victim)
-            self.counters["nvme_evictions"] += 1
-            if not self.dram.contains(victim):  # read racily from this thread: at worst a stale reason
-                self._departed.append((victim, EVICTED, vmeta.namespace if vmeta is not None else None))
-        return True
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     # -- deletes, pins, invalidation --------------------------------------------------
     async def delete(self, keys: Sequence[ChunkKey], *, may: Visible | None = None) -> int:
@@ -736,19 +423,16 @@ class TierManager:
             _, meta = self._locate(k)
             if may is not None and meta is not None and not may(meta.namespace):
                 continue
-            alloc = self._alloc_id(k)
+            alloc = allocation(self.dram.extents(k))
             if alloc is not None:
-                if self._refs[alloc]:
-                    self._detached[alloc] = self.dram.detach(k) or []
+                if self.holds.leased(alloc):
+                    self.holds.detach(alloc, self.dram.detach(k) or [])
                 else:
                     self.dram.delete(k)
                 hit = True
-            if self.nvme is not None:
-                if self.nvme.delete(k) and k not in self._doomed:  # a doomed key was deleted already
-                    hit = True
-                if self._persisting[k]:
-                    self._doomed.add(k)
-            self._pins.pop(k, None)
+            if self.nvme is not None and self.movers.delete_nvme(k):
+                hit = True
+            self.holds.unpin(k)
             n += hit
             if hit:
                 self._forget(k, INVALIDATED, meta)
@@ -758,7 +442,7 @@ class TierManager:
     async def invalidate(self, namespace: bytes) -> int:
         keys = [k for k in self.dram.keys() if (m := self.dram.meta(k)) is not None and m.namespace == namespace]
         if self.nvme is not None:
-            nv = await self._io(lambda: [k for k in self.nvme.keys() if (m := self.nvme.meta(k)) is not None and m.namespace == namespace])
+            nv = await self.movers.io(lambda: [k for k in self.nvme.keys() if (m := self.nvme.meta(k)) is not None and m.namespace == namespace])
             seen = set(keys)  # once: a set per key made this quadratic (minutes for a big namespace)
             keys.extend(k for k in nv if k not in seen)
         # checked again at each key's turn: while the NVMe scan ran (or between slices of the
@@ -774,31 +458,23 @@ class TierManager:
         n = 0
         for k in keys:
             if self.where(k) is not None:
-                self._pins[k] = max(until, self._pins.get(k, 0.0))
+                self.holds.pin(k, until)
                 n += 1
         return n
 
     def unpin(self, keys: Sequence[ChunkKey]) -> int:
-        return sum(self._pins.pop(k, None) is not None for k in keys)
+        return sum(self.holds.unpin(k) for k in keys)
 
     # -- deadlines --------------------------------------------------------------------
     def reap(self, now: float | None = None) -> dict[str, int]:
         """Reclaim expired reservations and leases and forget expired pins."""
         now = self.clock() if now is None else now
-        expired_r = [rid for rid, r in self._reservations.items() if r.deadline <= now]
+        expired_r = self.holds.overdue_reservations(now)
         self.abort(expired_r)
-        expired_l = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
-        for lid in expired_l:
-            lease = self._leases.pop(lid)
-            self._drop_ref(lease.alloc)
-            self._expired[lid] = None
-        while len(self._expired) > _EXPIRED_MEMORY:
-            self._expired.popitem(last=False)
-        for k in [k for k, until in self._pins.items() if until <= now]:
-            del self._pins[k]
+        expired_l = self.holds.expire(now)
         self.counters["reservations_reclaimed"] += len(expired_r)
-        self.counters["leases_expired"] += len(expired_l)
-        return {"reservations": len(expired_r), "leases": len(expired_l)}
+        self.counters["leases_expired"] += expired_l
+        return {"reservations": len(expired_r), "leases": expired_l}
 
     async def run_reaper(self, interval: float = 1.0) -> None:
         while True:
@@ -808,17 +484,7 @@ class TierManager:
     # -- lifecycle --------------------------------------------------------------------
     async def flush(self, deadline_s: float = 30.0) -> int:
         """Demote every dirty DRAM block to NVMe (graceful shutdown), within a time budget."""
-        if self.nvme is None:
-            return 0
-        if self._background:
-            await asyncio.wait(self._background, timeout=deadline_s)
-        dirty = [k for k in self.dram.keys() if not self.nvme.contains(k)]
-        before = self.counters["demotions"]
-        try:
-            await asyncio.wait_for(self._persist(dirty), timeout=deadline_s)
-        except asyncio.TimeoutError:
-            log.warning("flush did not finish within %.0f s", deadline_s)
-        return self.counters["demotions"] - before
+        return await self.movers.flush(deadline_s)
 
     def stats(self) -> dict[str, Any]:
         tiers = {
@@ -837,9 +503,9 @@ class TierManager:
             }
         return {
             "tiers": tiers,
-            "reservations": len(self._reservations),
-            "leases": len(self._leases),
-            "pins": len(self._pins),
+            "reservations": len(self.holds.reservations),
+            "leases": len(self.holds.leases),
+            "pins": len(self.holds.pins),
             "counters": dict(self.counters),
         }
 

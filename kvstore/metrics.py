@@ -15,7 +15,11 @@ Every metric is prefixed ``kvstore_``; the names and labels below are a contract
 ``deploy/grafana/kvstore.json`` and the dashboard (a test checks the Grafana side).
 
 The endpoint (:class:`MetricsServer`) is read-only (GET and HEAD of ``/metrics``) and,
-when the node has a token, answers only ``Authorization: Bearer <token>``.
+when the node has a token, answers only ``Authorization: Bearer <token>``.  On a node that
+serves TLS it is HTTPS with the TCP listeners' context (``metrics_tls``; client certificates
+required under mutual TLS), so the token never crosses the network in clear: each
+connection's handshake runs on its own request thread, never on the accepting one, and a
+plain-HTTP request is answered ``400`` (saying the port serves HTTPS) and never served.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import hmac
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -213,20 +218,66 @@ def families(snap: dict[str, Any], *, node_id: str, version: str, started: float
 
 
 # -- the HTTP endpoint ---------------------------------------------------------------------
-def http_server(host: str, port: int, handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
-    """A threaded HTTP server on ``host`` (IPv4 or IPv6 literal, or a name); raises OSError."""
+TLS_HANDSHAKE_TIMEOUT_S = 10.0
+TLS_RECORD_HANDSHAKE = 0x16  # the first byte of every TLS ClientHello
+
+
+def http_server(host: str, port: int, handler: type[BaseHTTPRequestHandler], *,
+                ssl_context: ssl.SSLContext | None = None) -> ThreadingHTTPServer:
+    """A threaded HTTP server on ``host`` (IPv4 or IPv6 literal, or a name); raises OSError.
+
+    With ``ssl_context`` (a server context) every connection is HTTPS: the handshake runs
+    on the connection's own thread, under ``TLS_HANDSHAKE_TIMEOUT_S``, so a slow or silent
+    client never stalls the accept loop."""
 
     class Server(ThreadingHTTPServer):
         address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         daemon_threads = True  # a stuck client never holds up shutdown
 
+        def finish_request(self, request: Any, client_address: Any) -> None:
+            if ssl_context is None:
+                super().finish_request(request, client_address)
+                return
+            request.settimeout(TLS_HANDSHAKE_TIMEOUT_S)
+            try:
+                first = request.recv(1, socket.MSG_PEEK)
+                if first and first[0] != TLS_RECORD_HANDSHAKE:
+                    _refuse_plaintext(request)
+                    return
+                conn = ssl_context.wrap_socket(request, server_side=True)  # closes the socket if it fails
+            except (OSError, ValueError) as e:  # ssl.SSLError is an OSError: untrusted, no certificate, reset
+                log.debug("TLS handshake with %s failed: %s", client_address[0], e)
+                return
+            try:
+                super().finish_request(conn, client_address)
+            finally:  # the plain socket was detached into ``conn``: shutdown_request cannot close it
+                try:
+                    conn.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+                conn.close()
+
     return Server((host, port), handler)
 
 
-class MetricsServer:
-    """``GET /metrics`` on a thread of its own; ``close`` stops it."""
+def _refuse_plaintext(sock: socket.socket) -> None:
+    """Answer a plain-HTTP request on an HTTPS port with a 400 that says so (as nginx does).
+    What already arrived of the request (a token included) is discarded unparsed."""
+    body = b"this port serves HTTPS: scrape https:// (with the CA that signed the node's certificate)\n"
+    try:
+        sock.recv(65536)  # what already arrived: closing with unread bytes would reset the connection
+        sock.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                     + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
 
-    def __init__(self, host: str, port: int, metrics: NodeMetrics, *, token: str = "") -> None:
+
+class MetricsServer:
+    """``GET /metrics`` on a thread of its own; ``close`` stops it.  HTTPS with ``ssl_context``."""
+
+    def __init__(self, host: str, port: int, metrics: NodeMetrics, *, token: str = "",
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         expected = f"Bearer {token}".encode() if token else None
 
         class Handler(BaseHTTPRequestHandler):
@@ -275,7 +326,8 @@ class MetricsServer:
 
             do_POST = do_PUT = do_DELETE = do_PATCH = _read_only
 
-        self.httpd = http_server(host, port, Handler)
+        self.tls = ssl_context is not None
+        self.httpd = http_server(host, port, Handler, ssl_context=ssl_context)
         self.address: tuple[str, int] = self.httpd.server_address[:2]  # type: ignore[assignment]
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="kvstore-metrics", daemon=True)

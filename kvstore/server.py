@@ -4,7 +4,8 @@ Builds, in order: the data-directory lock, the TLS material (``tls_cert_file``: 
 and checked before anything else is built), the tenants' tokens and namespace
 ownership table (with ``tenants``), the DRAM arena and tier, the NVMe tier,
 the tier manager, the metrics registry, the gRPC service (Unix socket, plaintext; TCP,
-with TLS when configured), the data channel (TLS-wrapped likewise), the reaper and (with ``metrics_port``) the ``/metrics`` endpoint; tears them down in reverse on SIGTERM/SIGINT: stop accepting, drain in-flight
+with TLS when configured), the data channel (TLS-wrapped likewise), the reaper and (with ``metrics_port``) the ``/metrics`` endpoint
+(HTTPS with the same context on a TLS node, unless ``metrics_tls = false``); tears them down in reverse on SIGTERM/SIGINT: stop accepting, drain in-flight
 calls, demote dirty DRAM blocks to NVMe (bounded by ``flush_on_shutdown_s``), flush
 and close the index, exit 0.
 
@@ -153,7 +154,12 @@ class Node:
         tenant_tokens = cfg.tenant_tokens()  # token files read (and checked) before anything is built
         callers = Callers(token, tenant_tokens) if token or tenant_tokens else None
         if tenant_tokens:  # beside the NVMe tier: it lives as long as the blocks it guards
-            self.owners = Ownership(data_dir / "owners.lmdb")
+            authority = None
+            if cfg.etcd:  # in a cluster, etcd decides who owns a namespace; owners.lmdb caches it
+                from kvstore.cluster.etcd import OwnerRegistry
+
+                authority = OwnerRegistry(cfg.etcd, cfg.cluster, cfg.node_id)
+            self.owners = Ownership(data_dir / "owners.lmdb", authority=authority)
         self.arena = Arena.create(cfg.arena_file(), cfg.dram, prefault=cfg.prefault, mode=int(cfg.arena_mode, 8))
         dram = DRAMTier(self.arena, policy=make_policy(cfg.eviction_policy))
         nvme = None
@@ -222,8 +228,13 @@ class Node:
         if cfg.metrics_port is not None:
             if not 0 <= cfg.metrics_port <= 65535:
                 raise InvalidArgument(f"metrics_port={cfg.metrics_port} is not a TCP port (0: any free port)")
+            metrics_tls = self.tls.context if self.tls is not None and cfg.serves_metrics_tls() else None
+            if self.tls is not None and metrics_tls is None and token:
+                log.warning("metrics_tls = false on a TLS node: /metrics is plain HTTP and every scrape sends the "
+                            "admin token in clear; drop metrics_tls to serve it over HTTPS")
             try:
-                self.metrics_server = MetricsServer(host.strip("[]"), cfg.metrics_port, self.metrics, token=token)
+                self.metrics_server = MetricsServer(host.strip("[]"), cfg.metrics_port, self.metrics, token=token,
+                                                    ssl_context=metrics_tls)
             except OSError as e:
                 raise InvalidArgument(f"cannot serve metrics on {host}:{cfg.metrics_port}: {e}; pick another --metrics-port") from e
         await self.server.start()
@@ -240,7 +251,9 @@ class Node:
             "unix": f"unix://{sock}",
             "data": f"{public}:{self.data.address[1]}",
             "tls": "mutual" if self.tls is not None and self.tls.mutual else "on" if self.tls is not None else "off",
-            "metrics": f"http://{public}:{self.metrics_server.address[1]}/metrics" if self.metrics_server else None,
+            # the scheme tells the dashboard (via the membership record) to scrape over TLS
+            "metrics": (f"{'https' if self.metrics_server.tls else 'http'}://{public}:{self.metrics_server.address[1]}/metrics"
+                        if self.metrics_server else None),
             "arena": str(self.arena.path),
             "dram_bytes": cfg.dram,
             "nvme_bytes": cfg.nvme,
@@ -250,7 +263,7 @@ class Node:
         if cfg.etcd:  # join the cluster only once we serve: a registered node must answer
             from kvstore.cluster.node import NodeAgent
 
-            self.cluster = NodeAgent(cfg, self.endpoints, self.manager)
+            self.cluster = NodeAgent(cfg, self.endpoints, self.manager, owners=self.owners)
             self.endpoints.update(await self.cluster.start())
         return self.endpoints
 

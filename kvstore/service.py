@@ -358,19 +358,20 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         t = self.transfers.take(tid, op)
         if t is None:
             return None
-        self._transfer_started[id(t)] = time.perf_counter()
+        started = time.perf_counter()
         # The data channel now owns these until finish_get/finish_put: the reaper must not
         # free extents that a stalled transfer still sends from or receives into.
         ids = [i for i, _, _ in t.items]
-        if op == OP_GET:
-            if self.m.hold(lease_ids=ids):
-                return t
-            self.m.release(ids)
-        else:
-            if self.m.hold(reservation_ids=ids):
-                return t
-            self.m.abort(ids)
-        return None  # some expired before the client came: refuse the whole transfer
+        held = self.m.hold(lease_ids=ids) if op == OP_GET else self.m.hold(reservation_ids=ids)
+        if not held:  # some expired (or were released) before the client came: refuse the whole transfer
+            if op == OP_GET:
+                self.m.release(ids)
+            else:
+                self.m.abort(ids)
+            return None
+        # recorded only now: a refused transfer never reaches finish_get/finish_put, which pop it
+        self._transfer_started[id(t)] = started
+        return t
 
     def _transfer_done(self, t: Transfer, op: str) -> None:
         start = self._transfer_started.pop(id(t), None)
@@ -597,6 +598,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if "nvme" in s["tiers"]:
             counters["nvme_corrupt_blocks"] = int(s["tiers"]["nvme"].get("corrupt_blocks", 0))
         counters["pending_transfers"] = len(self.transfers)
+        counters["active_transfers"] = len(self._transfer_started)  # taken by a connection, not yet finished
         return pb.StatsResponse(
             node_id=self.cfg.node_id, tiers=tiers, counters=counters,
             reservations=s["reservations"], leases=s["leases"], pins=s["pins"],

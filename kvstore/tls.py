@@ -33,6 +33,11 @@ from kvstore.errors import InvalidArgument
 log = logging.getLogger(__name__)
 
 MIN_VERSION = ssl.TLSVersion.TLSv1_2
+# TLS 1.2 suites for the data channel, both sides: forward-secret (ECDHE) and AEAD only
+# (AES-GCM, ChaCha20-Poly1305), as gRPC's own default list is.  OpenSSL's default also
+# offers CBC suites (ECDHE-*-AES*-SHA256/384: MAC-then-encrypt, the Lucky13 family) and
+# DHE.  TLS 1.3 suites are all AEAD and are not affected by ``set_ciphers``.
+TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20:!aNULL:!eNULL"
 
 
 def read_pem(path: str, setting: str) -> bytes:
@@ -84,6 +89,7 @@ class ServerTLS:
         ca = read_pem(client_ca_file, "tls_client_ca_file") if client_ca_file else None
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = MIN_VERSION
+        ctx.set_ciphers(TLS12_CIPHERS)
         _load_chain(ctx, cert_file, key_file, "tls_cert_file", "tls_key_file")
         if ca is not None:
             _load_roots(ctx, client_ca_file, "tls_client_ca_file")
@@ -122,6 +128,7 @@ class ClientTLS:
         key = read_pem(key_file, "tls_key_file") if key_file else None
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the certificate and the host name
         ctx.minimum_version = MIN_VERSION
+        ctx.set_ciphers(TLS12_CIPHERS)
         if ca_file:
             _load_roots(ctx, ca_file, "tls_ca_file")
         else:

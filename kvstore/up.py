@@ -12,7 +12,10 @@ certificate made for this run (``kvstore/localca.py``, the ``tls`` extra) in
 ``--tls-key-file`` (``--tls-ca-file``, ``--tls-client-ca-file``) pass the user's own
 instead.  Either way ``up`` first checks that a client trusting the printed CA can reach
 every node (not under mutual TLS: it holds no client certificate), then prints the CA and
-the client arguments.  The dashboard is unaffected: ``/metrics`` stays plain HTTP.
+the client arguments.  The nodes serve ``/metrics`` over HTTPS too, and ``up``'s dashboard
+scrapes it trusting that CA; under mutual TLS, where ``up`` holds no client certificate for
+its dashboard, the nodes keep ``/metrics`` on plain HTTP (``--no-metrics-tls``; pass
+``--node-arg=--metrics-tls`` to keep it on HTTPS and scrape it with your own client certificate).
 
 Owns its child processes.  Each child runs in its own session (a Ctrl-C at the terminal
 reaches only ``up``, which stops them in order) and is asked by the kernel to exit if
@@ -59,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="WARNING", help="log level of the nodes (default WARNING)")
     p.add_argument("--dashboard-port", type=int, default=0, metavar="PORT",
                    help="port of the cache-hit dashboard (default 0: any free port; -1: no dashboard)")
-    g = p.add_argument_group("TLS on the nodes' TCP listeners (gRPC and data channel; the Unix sockets and /metrics stay plaintext)")
+    g = p.add_argument_group("TLS on the nodes' TCP listeners (gRPC, data channel and /metrics; the Unix sockets stay plaintext)")
     g.add_argument("--tls", action="store_true",
                    help="make a throwaway CA and node certificate for --host in <data-dir>/tls and serve TLS with them "
                         "(needs the 'cryptography' package: pip install 'kvstore[tls]')")
@@ -88,7 +91,14 @@ class TLSFiles:
 
     def node_args(self) -> list[str]:
         args = ["--tls-cert-file", self.cert_file, "--tls-key-file", self.key_file]
-        return args + (["--tls-client-ca-file", self.client_ca_file] if self.client_ca_file else [])
+        # under mutual TLS up's dashboard has no client certificate: /metrics stays plain HTTP
+        return args + (["--tls-client-ca-file", self.client_ca_file, "--no-metrics-tls"] if self.client_ca_file else [])
+
+    def dashboard_tls(self) -> Any:
+        """What up's dashboard trusts when it scrapes the nodes' https ``/metrics`` (no client certificate)."""
+        from kvstore.tls import ClientTLS
+
+        return ClientTLS.from_options(tls=True, ca_file=self.ca_file)
 
     def client_kwargs(self) -> dict[str, Any]:
         """The SDK keyword arguments that reach the nodes (client certificate as placeholders under mutual TLS)."""
@@ -245,7 +255,8 @@ class LocalCluster:
         if a.dashboard_port >= 0:
             from kvstore.dashboard.server import Dashboard, EtcdNodes
 
-            self.dashboard = Dashboard(EtcdNodes(self.etcd.endpoint, a.cluster), host=a.host, port=a.dashboard_port).start()
+            self.dashboard = Dashboard(EtcdNodes(self.etcd.endpoint, a.cluster), host=a.host, port=a.dashboard_port,
+                                       tls=self.tls.dashboard_tls() if self.tls is not None else None).start()
         return self.describe()
 
     def _check_tls(self, files: TLSFiles) -> None:
@@ -340,7 +351,10 @@ def main(a: argparse.Namespace) -> int:
             made = " (a throwaway CA made for this run)" if tls.generated else ""
             print(f"  TLS CA        {tls.ca_file or 'the system trust roots'}{made}")
             if tls.client_ca_file:
-                print(f"  mutual TLS    client certificates signed by {tls.client_ca_file} are required")
+                print(f"  mutual TLS    client certificates signed by {tls.client_ca_file} are required "
+                      "(/metrics stays plain HTTP for up's dashboard)")
+            else:
+                print("  metrics       HTTPS with the same certificate (the dashboard trusts the CA above)")
         print(f"  SDK           from client import KVClient; kv = {client_snippet(info['target'], tls)}")
         if tls is not None:
             cli = f" --tls-ca-file {tls.ca_file}" if tls.ca_file else " --tls"

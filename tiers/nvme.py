@@ -231,9 +231,14 @@ class NVMeTier:
             )
         self.direct_io = can_direct if direct_io is None else direct_io
         max_blocks = cap // (2 * PAGE)
+        # the index names every stored key and namespace: the node's alone, like the segments.
+        # lmdb's ``mode`` is also what it would mkdir the directory with (0600: not searchable
+        # by a non-root owner), so the directory is made here first
+        index_dir = self.directory / "index.lmdb"
+        index_dir.mkdir(mode=0o700, exist_ok=True)
         self._env = lmdb.open(
-            str(self.directory / "index.lmdb"), map_size=min(max(32 << 20, max_blocks * 256), 1 << 40),
-            max_dbs=2, sync=self.sync, metasync=self.sync, readahead=False,
+            str(index_dir), map_size=min(max(32 << 20, max_blocks * 256), 1 << 40),
+            max_dbs=2, sync=self.sync, metasync=self.sync, readahead=False, mode=0o600,
         )
         self._db = self._env.open_db(b"blocks")
         config = self._env.open_db(b"config")

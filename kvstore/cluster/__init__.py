@@ -1,4 +1,4 @@
-"""Cluster mode: etcd-managed membership, configuration and namespace epochs;
+"""Cluster mode: etcd-managed membership, configuration, namespace epochs and owners;
 rendezvous placement; the node's registration agent; ``kvstore up`` and ``kvstore cluster``.
 
 Modules:
@@ -8,8 +8,9 @@ Modules:
 * :mod:`kvstore.cluster.etcd` — every etcd call (the only importer of ``aetcd``);
 * :mod:`kvstore.cluster.membership` — a watched view for synchronous code (its own thread);
 * :mod:`kvstore.cluster.node` — a node's registration and epoch reclaim (the node's loop);
+* :mod:`kvstore.cluster.owners` — a node's namespace owners followed from etcd (with tenants);
 * :mod:`kvstore.cluster.local_etcd` — a private etcd process for ``kvstore up`` and tests;
-* :mod:`kvstore.cluster.cli` — ``kvstore cluster set|show|invalidate``.
+* :mod:`kvstore.cluster.cli` — ``kvstore cluster set|show|invalidate|owners|release``.
 
 Importing this package imports nothing heavy; the SDK side lives in ``client/_cluster.py``.
 """

@@ -11,7 +11,10 @@ the configured endpoints after a failure):
   :class:`~kvstore.cluster.state.ClusterSnapshot` after each change.  A ping beside the
   watch notices a dead or hung etcd; the last snapshot stays published (marked
   ``connected=False``) until a full reload succeeds.
-* :class:`ClusterStore` (CLI and SDK): configuration and namespace epochs.
+* :class:`ClusterStore` (CLI and SDK): configuration, namespace epochs and owners.
+* :class:`OwnerRegistry` (a node with tenants): claims namespaces for tenants with a
+  create-if-absent transaction on ``owners/<fingerprint hex>``; the node's
+  :class:`ClusterWatcher` follows that prefix into its ownership cache (``on_owners``).
 
 Everything here runs on the caller's asyncio loop and owns no thread.  etcd failures
 surface as :class:`kvstore.errors.Unavailable`.
@@ -34,7 +37,7 @@ import aetcd
 import aetcd.exceptions
 
 from kvstore.cluster import state
-from kvstore.cluster.state import ClusterConfig, ClusterSnapshot, NamespaceRecord, NodeInfo
+from kvstore.cluster.state import ClusterConfig, ClusterSnapshot, NamespaceRecord, NodeInfo, OwnerRecord
 from kvstore.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger("kvstore.cluster.etcd")
@@ -50,6 +53,8 @@ CHANNEL_OPTIONS = {
     "grpc.keepalive_timeout_ms": 5_000,
 }
 ETCD_ERRORS = (aetcd.exceptions.ClientError, asyncio.TimeoutError, OSError)
+UNKNOWN_OWNER = ""
+"""The owner of a namespace whose etcd record cannot be read: never a tenant's name."""
 
 
 class EtcdSession:
@@ -122,10 +127,16 @@ class _Builder:
         self.config_raw: dict[str, bytes] = {}
         self.namespaces: dict[bytes, NamespaceRecord] = {}
         self.registrations: dict[str, tuple[int, int]] = {}
+        self.owners: dict[bytes, OwnerRecord] = {}  # filled by a full load only (see apply)
         self.revision = 0
+        self.etcd_cluster_id = 0  # etcd's own cluster id: a new etcd (data lost) has a new one
 
-    def apply(self, key: bytes, value: bytes | None, revision: int, lease: int = 0) -> None:
-        """``value`` None: the key was deleted.  ``revision`` is the key's mod revision."""
+    def apply(self, key: bytes, value: bytes | None, revision: int, lease: int = 0) -> tuple[bytes, OwnerRecord | None] | None:
+        """``value`` None: the key was deleted.  ``revision`` is the key's mod revision.
+
+        Namespace owners are not part of the snapshot (a cluster may hold many of them and
+        only nodes with tenants follow them): an ``owners/`` key is returned as
+        ``(fingerprint, record or None)`` for the caller to pass on; other keys return None."""
         self.revision = max(self.revision, revision)
         rel = key[len(self.prefix) :].decode(errors="replace")
         kind, _, name = rel.partition("/")
@@ -148,8 +159,21 @@ class _Builder:
                     self.namespaces.pop(fp, None)
                 else:
                     self.namespaces[fp] = NamespaceRecord.from_json(fp, value)
+            elif kind == "owners" and name:
+                fp = bytes.fromhex(name)
+                if len(fp) != 8:
+                    raise ValueError("not an 8-byte fingerprint")
+                if value is None:
+                    return fp, None
+                try:
+                    return fp, OwnerRecord.from_json(fp, value, revision)
+                except (ValueError, TypeError) as e:  # fail closed: owned, by nobody a tenant can be
+                    log.warning("malformed owner record %s (%s): no tenant may use the namespace until an operator "
+                                "releases it (kvstore cluster release)", key.decode(errors="replace"), e)
+                    return fp, OwnerRecord(fp, UNKNOWN_OWNER, revision=revision)
         except (ValueError, TypeError, KeyError) as e:
             log.warning("ignoring malformed etcd record %s: %s", key.decode(errors="replace"), e)
+        return None
 
     def freeze(self, *, connected: bool) -> ClusterSnapshot:
         return ClusterSnapshot(
@@ -168,24 +192,50 @@ async def _load(session: EtcdSession, cluster: str) -> tuple[_Builder, int]:
     b = _Builder(cluster)
     resp = await session.run(lambda c: c.get_prefix(b.prefix), "loading the cluster state")
     for kv in resp:
-        b.apply(kv.key, kv.value, kv.mod_revision, kv.lease)
+        owner = b.apply(kv.key, kv.value, kv.mod_revision, kv.lease)
+        if owner is not None and owner[1] is not None:
+            b.owners[owner[0]] = owner[1]
     b.revision = resp.header.revision
+    b.etcd_cluster_id = resp.header.cluster_id
     return b, resp.header.revision
 
 
-class ClusterWatcher:
-    """Publishes a :class:`ClusterSnapshot` to ``on_snapshot`` after every change.
+@dataclasses.dataclass(frozen=True, slots=True)
+class OwnersUpdate:
+    """Namespace owners seen by a watcher: every record after a (re)load (``full``), else
+    the records one watch event changed (None: deleted, i.e. released)."""
 
-    ``run()`` never returns until cancelled; etcd outages are retried with backoff.
+    records: dict[bytes, OwnerRecord | None]
+    full: bool
+    revision: int  # full: the load's etcd revision; else the event's
+    etcd_cluster_id: int = 0  # full loads only
+
+
+class ClusterWatcher:
+    """Publishes a :class:`ClusterSnapshot` to ``on_snapshot`` after every change, and (with
+    ``on_owners``) namespace owners as :class:`OwnersUpdate` values.
+
+    ``run()`` never returns until cancelled; etcd outages are retried with backoff.  A
+    reload after an outage passes every owner again (``full``): releases made meanwhile
+    are the records missing from it.
     """
 
     def __init__(self, endpoints: str, cluster: str, on_snapshot: Callable[[ClusterSnapshot], None], *,
-                 timeout: float = 2.0, ping_s: float = 5.0) -> None:
+                 timeout: float = 2.0, ping_s: float = 5.0, on_owners: Callable[[OwnersUpdate], None] | None = None) -> None:
         self.cluster = state.check_cluster_name(cluster)
         self.session = EtcdSession(endpoints, timeout=timeout)
         self.on_snapshot = on_snapshot
+        self.on_owners = on_owners
         self.ping_s = ping_s
         self.last: ClusterSnapshot = ClusterSnapshot(cluster)
+
+    def _owners(self, update: OwnersUpdate) -> None:
+        if self.on_owners is None:
+            return
+        try:
+            self.on_owners(update)
+        except Exception:
+            log.exception("namespace owners callback failed")
 
     def _publish(self, snap: ClusterSnapshot) -> None:
         self.last = snap
@@ -199,6 +249,8 @@ class ClusterWatcher:
         while True:
             try:
                 b, rev = await _load(self.session, self.cluster)
+                self._owners(OwnersUpdate(dict(b.owners), True, rev, b.etcd_cluster_id))
+                b.owners.clear()  # the callback keeps its own table; events carry changes from here
                 self._publish(b.freeze(connected=True))
                 backoff = 0.1
                 await self._follow(b, rev)
@@ -219,8 +271,11 @@ class ClusterWatcher:
 
         async def consume() -> None:
             async for ev in watch:
-                b.apply(ev.kv.key, ev.kv.value if ev.kind == "PUT" else None, ev.kv.mod_revision, ev.kv.lease)
-                self._publish(b.freeze(connected=True))
+                owner = b.apply(ev.kv.key, ev.kv.value if ev.kind == "PUT" else None, ev.kv.mod_revision, ev.kv.lease)
+                if owner is None:
+                    self._publish(b.freeze(connected=True))
+                else:  # not in the snapshot: no new snapshot either
+                    self._owners(OwnersUpdate({owner[0]: owner[1]}, False, ev.kv.mod_revision))
             raise Unavailable("the etcd watch ended")
 
         async def ping() -> None:
@@ -413,6 +468,111 @@ class ClusterStore:
             if rec is not None:
                 return rec
         raise Unavailable("could not bump the namespace epoch: too much contention")
+
+    async def owners(self) -> tuple[dict[bytes, OwnerRecord], int]:
+        """Every namespace owner (``kvstore cluster owners``) and the revision read at."""
+        return await list_owners(self.session, self.cluster)
+
+    async def release_owner(self, fingerprint: bytes, *, to: str | None = None) -> OwnerRecord | None:
+        """Delete a namespace's owner record (``to``: hand it to that tenant instead); the
+        previous record, None if the namespace had no owner.  Every node with tenants drops
+        the namespace's blocks as it sees the change: blocks never pass from one tenant to
+        another."""
+        key = state.owner_key(self.cluster, fingerprint)
+        fp = bytes(fingerprint)
+
+        async def change(c: aetcd.Client) -> OwnerRecord | None:
+            tx = c.transactions
+            ops = [tx.put(key, OwnerRecord(fp, to, "", time.time()).to_json())] if to is not None else [tx.delete(key)]
+            _, responses = await c.transaction(compare=[], success=[tx.get(key), *ops], failure=[])
+            return _owner_from_range(fp, responses[0])
+
+        return await self.session.run(change, "releasing a namespace owner")
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+# -- namespace owners (tenants) -----------------------------------------------------------------
+def _owner_from_range(fp: bytes, rng: list[Any]) -> OwnerRecord | None:
+    """The record in a transaction's range response (a list of ``(value, meta)``), if any."""
+    if not rng:
+        return None
+    value, meta = rng[0]
+    try:
+        return OwnerRecord.from_json(fp, value, meta.mod_revision)
+    except (ValueError, TypeError):
+        return OwnerRecord(fp, UNKNOWN_OWNER, revision=meta.mod_revision)  # unreadable: nobody's (fail closed)
+
+
+async def _claim(c: aetcd.Client, cluster: str, namespaces: list[bytes], tenant: str, node: str) -> dict[bytes, OwnerRecord]:
+    """One transaction: every namespace of the batch is created for ``tenant`` if none of them
+    has an owner yet; otherwise nothing is written and the existing records are read back.
+    All or nothing, so a batch that touches another tenant's namespace claims nothing."""
+    tx = c.transactions
+    keys = [state.owner_key(cluster, ns) for ns in namespaces]
+    now = time.time()
+    records = [OwnerRecord(ns, tenant, node, now) for ns in namespaces]
+    ok, responses = await c.transaction(
+        compare=[tx.version(k) == 0 for k in keys],
+        success=[tx.put(k, r.to_json()) for k, r in zip(keys, records)],
+        failure=[tx.get(k) for k in keys],
+    )
+    if ok:
+        revision = responses[0].response_put.header.revision if responses else 0
+        return {r.fingerprint: dataclasses.replace(r, revision=revision) for r in records}
+    return {ns: rec for ns, rng in zip(namespaces, responses) if (rec := _owner_from_range(ns, rng)) is not None}
+
+
+async def claim_owners(session: EtcdSession, cluster: str, namespaces: list[bytes], tenant: str, node: str = "") -> dict[bytes, OwnerRecord]:
+    """Claim ``namespaces`` for ``tenant`` (create-if-absent): the owner etcd holds for each.
+
+    Whoever etcd applied first wins, across every node.  Namespaces already owned by
+    ``tenant`` (another node claimed them for it meanwhile) are fine: the rest are claimed
+    again.  If another tenant owns one of them, the answer holds the owners found and the
+    rest of the batch stays unclaimed (the caller refuses the write)."""
+    todo, out = list(dict.fromkeys(bytes(ns) for ns in namespaces)), {}
+    for _ in range(16):
+        if not todo:
+            return out
+        got = await session.run(lambda c: _claim(c, cluster, todo, tenant, node), "claiming a namespace")
+        out.update(got)
+        if any(r.tenant != tenant for r in got.values()):
+            return out
+        todo = [ns for ns in todo if ns not in got]  # owned by this tenant already, or deleted meanwhile: again
+    raise Unavailable("could not claim the namespace in etcd: too much contention")
+
+
+async def list_owners(session: EtcdSession, cluster: str) -> tuple[dict[bytes, OwnerRecord], int]:
+    """Every namespace owner, and the etcd revision they were read at."""
+    pfx = state.owners_prefix(cluster)
+    resp = await session.run(lambda c: c.get_prefix(pfx), "listing namespace owners")
+    out: dict[bytes, OwnerRecord] = {}
+    for kv in resp:
+        try:
+            fp = bytes.fromhex(kv.key[len(pfx):].decode())
+        except ValueError:
+            continue
+        if len(fp) == 8:
+            out[fp] = _owner_from_range(fp, [(kv.value, kv)]) or OwnerRecord(fp, UNKNOWN_OWNER)
+    return out, resp.header.revision
+
+
+class OwnerRegistry:
+    """A node's claims of namespaces for its tenants (``kvstore.tenants.Ownership`` calls
+    :meth:`claim` for namespaces its cache does not know).  One etcd session of its own, so
+    a claim never queues behind the watch or the lease keep-alive."""
+
+    def __init__(self, endpoints: str, cluster: str, node_id: str, *, timeout: float = 2.0) -> None:
+        self.cluster = state.check_cluster_name(cluster)
+        self.node_id = node_id
+        self.session = EtcdSession(endpoints, timeout=timeout)
+        self.where = f"etcd at {endpoints}"
+
+    async def claim(self, namespaces: list[bytes], tenant: str) -> dict[bytes, tuple[str, int]]:
+        """namespace → (owning tenant, revision) for each namespace etcd resolved."""
+        got = await claim_owners(self.session, self.cluster, namespaces, tenant, self.node_id)
+        return {ns: (r.tenant, r.revision) for ns, r in got.items()}
 
     async def close(self) -> None:
         await self.session.close()

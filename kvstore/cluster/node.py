@@ -1,4 +1,5 @@
-"""A node's part in a cluster: membership registration and namespace-epoch reclaim.
+"""A node's part in a cluster: membership registration, namespace-epoch reclaim and (with
+tenants) namespace owners followed from etcd (:mod:`kvstore.cluster.owners`).
 
 Owned by :class:`kvstore.server.Node` and run on the node's event loop (the same loop
 that owns the tier manager, so reclaiming calls the manager directly).  Nothing here
@@ -22,17 +23,21 @@ import time
 from typing import Any
 
 from kvstore import __version__
-from kvstore.cluster.etcd import ClusterWatcher, Registration
+from kvstore.cluster.etcd import ClusterWatcher, OwnerRegistry, Registration
+from kvstore.cluster.owners import OwnersFollower
 from kvstore.cluster.state import ClusterSnapshot, NodeInfo, effective_fingerprint
 from kvstore.config import NodeConfig
 from kvstore.errors import Unavailable
 from kvstore.manager import TierManager
+from kvstore.tenants import Ownership
 
 log = logging.getLogger("kvstore.cluster.node")
 
+MAX_HEIR_EPOCHS = 16  # how many earlier epochs a namespace's new epoch looks back for its owner
+
 
 class NodeAgent:
-    def __init__(self, cfg: NodeConfig, endpoints: dict[str, Any], manager: TierManager) -> None:
+    def __init__(self, cfg: NodeConfig, endpoints: dict[str, Any], manager: TierManager, owners: Ownership | None = None) -> None:
         self.cfg = cfg
         self.manager = manager
         self.info = NodeInfo(
@@ -51,7 +56,14 @@ class NodeAgent:
             metrics=str(endpoints.get("metrics") or ""),
         )
         self.registration = Registration(cfg.etcd, cfg.cluster, self.info, ttl_s=cfg.etcd_lease_ttl_s)
-        self.watcher = ClusterWatcher(cfg.etcd, cfg.cluster, self._on_snapshot)
+        # with tenants: the ownership table caches etcd's owners/ records (claims go to the registry)
+        self.owners: OwnersFollower | None = None
+        if owners is not None and isinstance(owners.authority, OwnerRegistry):
+            self.owners = OwnersFollower(owners, owners.authority, cfg.cluster, manager)
+            owners.heir = self._heir
+        self._earlier: dict[bytes, list[bytes]] = {}  # effective fingerprint at epoch e > 0 -> those of e-1 .. 0
+        self.watcher = ClusterWatcher(cfg.etcd, cfg.cluster, self._on_snapshot,
+                                      on_owners=self.owners.on_owners if self.owners is not None else None)
         self.snapshot = ClusterSnapshot(cfg.cluster)
         self._applied: dict[bytes, int] = {}  # namespace fingerprint -> epoch whose stale blocks are gone
         self._first = True
@@ -70,8 +82,15 @@ class NodeAgent:
             log.warning("cannot register with etcd at %s yet (%s); serving anyway, retrying in the background", self.cfg.etcd, e)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self.registration.run()), loop.create_task(self.watcher.run())]
-        return {"cluster": self.cfg.cluster, "etcd": self.cfg.etcd, "registered": registered,
-                "lease_ttl_s": self.registration.ttl, "zone": self.cfg.zone}
+        out = {"cluster": self.cfg.cluster, "etcd": self.cfg.etcd, "registered": registered,
+               "lease_ttl_s": self.registration.ttl, "zone": self.cfg.zone}
+        if self.owners is not None:
+            # serve etcd's owners from the start when etcd answers (the cached ones meanwhile)
+            if registered:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.owners.synced.wait(), first_timeout)
+            out["owners_synced"] = self.owners.synced.is_set()
+        return out
 
     async def stop(self) -> None:
         """Deregister first (clients stop routing here), then stop watching."""
@@ -82,6 +101,8 @@ class NodeAgent:
             log.warning("could not deregister from etcd; the record expires with its lease")
         await self.registration.close()
         await self.watcher.close()
+        if self.owners is not None:
+            await self.owners.stop()
         for t in list(self._pending):
             t.cancel()
         await asyncio.gather(*self._pending, return_exceptions=True)
@@ -91,6 +112,9 @@ class NodeAgent:
         self.snapshot = snap
         if not snap.connected:
             return
+        if self.owners is not None:
+            self._earlier = {rec.effective: [effective_fingerprint(fp, e) for e in range(rec.epoch - 1, max(-1, rec.epoch - 1 - MAX_HEIR_EPOCHS), -1)]
+                             for fp, rec in snap.namespaces.items() if rec.epoch > 0}
         stale: set[bytes] = set()
         for fp, rec in snap.namespaces.items():
             applied = self._applied.get(fp, None if self._first else 0)
@@ -102,6 +126,14 @@ class NodeAgent:
             task = asyncio.get_running_loop().create_task(self._reclaim(stale))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
+
+    def _heir(self, namespace: bytes) -> str | None:
+        """The owner of an earlier epoch of ``namespace``, if it is a later epoch of one."""
+        assert self.owners is not None
+        for fp in self._earlier.get(namespace, ()):
+            if (tenant := self.owners.owners.owner(fp)) is not None:
+                return tenant
+        return None
 
     async def _reclaim(self, stale: set[bytes]) -> int:
         """Delete every block recorded under one of the ``stale`` effective fingerprints."""

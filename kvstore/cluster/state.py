@@ -1,5 +1,6 @@
 """What a cluster agrees on, as plain immutable values: node records, cluster
-configuration, namespace epochs, and one consistent snapshot of all three.
+configuration, namespace epochs and owners, and one consistent snapshot of the first three
+(namespace owners are followed by nodes with tenants only: see ``ClusterWatcher``).
 
 Pure: no I/O (``kvstore.cluster.etcd`` reads and writes these; ``membership`` and the
 SDK read snapshots).  The etcd key schema, under ``/kvstore/<cluster>/``:
@@ -9,6 +10,8 @@ SDK read snapshots).  The etcd key schema, under ``/kvstore/<cluster>/``:
 ``config/<name>``                     JSON value of one :data:`CONFIG` setting
 ``namespaces/<fingerprint hex>``      JSON ``{"epoch": int, "namespace": {...} | null,
                                       "updated_at": unix seconds}``
+``owners/<fingerprint hex>``          JSON :class:`OwnerRecord`: the tenant that owns the
+                                      namespace (nodes with tenants; created only if absent)
 ====================================  ==============================================
 
 **Epochs.** Bumping a namespace's epoch invalidates its KV everywhere.  The epoch is
@@ -58,6 +61,17 @@ def config_key(cluster: str, name: str) -> bytes:
 
 def namespace_key(cluster: str, fingerprint: bytes) -> bytes:
     return f"{prefix(cluster)}namespaces/{bytes(fingerprint).hex()}".encode()
+
+
+def owners_prefix(cluster: str) -> bytes:
+    return f"{prefix(cluster)}owners/".encode()
+
+
+def owner_key(cluster: str, fingerprint: bytes) -> bytes:
+    fp = bytes(fingerprint)
+    if len(fp) != 8:
+        raise InvalidArgument(f"a namespace fingerprint is 8 bytes, got {len(fp)}")
+    return owners_prefix(cluster) + fp.hex().encode()
 
 
 # -- epochs ---------------------------------------------------------------------------
@@ -171,6 +185,36 @@ class NamespaceRecord:
     def from_json(cls, fingerprint: bytes, raw: bytes) -> "NamespaceRecord":
         d = json.loads(raw)
         return cls(bytes(fingerprint), int(d.get("epoch", 0)), d.get("namespace"), float(d.get("updated_at", 0.0)))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OwnerRecord:
+    """Which tenant owns a namespace, cluster-wide (``owners/<fingerprint hex>``).
+
+    Written once by the node through which the tenant first wrote the namespace (a
+    create-if-absent transaction: the first claim etcd applies wins), changed only by an
+    operator (``kvstore cluster release``).  ``revision`` is the record's etcd mod revision
+    (not stored in the value)."""
+
+    fingerprint: bytes
+    tenant: str
+    node: str = ""  # the node that made the claim
+    claimed_at: float = 0.0
+    revision: int = 0
+
+    def to_json(self) -> bytes:
+        return json.dumps({"tenant": self.tenant, "node": self.node, "claimed_at": self.claimed_at}, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, fingerprint: bytes, raw: bytes, revision: int = 0) -> "OwnerRecord":
+        d = json.loads(raw)
+        tenant = d.get("tenant") if isinstance(d, dict) else None
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError(f"owner record without a tenant: {raw[:80]!r}")
+        return cls(bytes(fingerprint), tenant, str(d.get("node", "")), float(d.get("claimed_at", 0.0)), revision)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tenant": self.tenant, "node": self.node, "claimed_at": self.claimed_at, "revision": self.revision}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

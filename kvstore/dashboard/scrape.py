@@ -1,7 +1,9 @@
 """Reading one node's ``/metrics`` into plain numbers (the dashboard's only input).
 
-Pure except :func:`fetch` (one HTTP GET).  The dashboard reads exactly what Prometheus
-reads, so the page and ``/metrics`` can never disagree.  Bounded against a misbehaving
+Pure except :func:`fetch` (one HTTP or HTTPS GET; for ``https://`` endpoints with the
+dashboard's :class:`~kvstore.tls.ClientTLS`: its CA, its client certificate under mutual TLS,
+its ``server_name``).  The dashboard reads exactly what Prometheus reads, so the page and
+``/metrics`` can never disagree.  Bounded against a misbehaving
 endpoint: at most ``MAX_BODY`` bytes and ``MAX_SAMPLES`` samples per scrape, and at most
 ``MAX_NAMESPACES`` namespace label values per node.
 """
@@ -10,26 +12,83 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import http.client
 import math
 import time
 import urllib.error
 import urllib.request
+from typing import TYPE_CHECKING, Any
+
 from prometheus_client.parser import text_string_to_metric_families
+
+if TYPE_CHECKING:
+    from kvstore.tls import ClientTLS
 
 MAX_BODY = 8 << 20
 MAX_SAMPLES = 50_000
 MAX_NAMESPACES = 64
 
 
-def metrics_url(spec: str) -> str:
-    """``HOST:PORT`` (or a full ``http://...`` URL) → the node's metrics URL."""
+def metrics_url(spec: str, scheme: str = "http") -> str:
+    """``HOST:PORT`` (or a full ``http(s)://...`` URL, whose scheme wins) → the node's metrics URL."""
     spec = spec.strip()
     if spec.startswith(("http://", "https://")):
         return spec if spec.rstrip("/").count("/") > 2 else spec.rstrip("/") + "/metrics"
     host, sep, port = spec.rpartition(":")
     if not sep or not host or not port.isdigit():
-        raise ValueError(f"a node's metrics endpoint is HOST:PORT or http://HOST:PORT/metrics, got {spec!r}")
-    return f"http://{spec}/metrics"
+        raise ValueError(f"a node's metrics endpoint is HOST:PORT or http(s)://HOST:PORT/metrics, got {spec!r}")
+    return f"{scheme}://{spec}/metrics"
+
+
+class _NodeHTTPS(http.client.HTTPSConnection):
+    """HTTPS with a :class:`ClientTLS`: its context, and its ``server_name`` checked instead
+    of the host dialled (nodes publish pod IPs that a shared certificate cannot list)."""
+
+    def __init__(self, host: str, *, tls: "ClientTLS", **kw: Any) -> None:
+        kw.pop("check_hostname", None)
+        super().__init__(host, **{**kw, "context": tls.context})
+        self._tls = tls
+
+    def connect(self) -> None:
+        http.client.HTTPConnection.connect(self)  # TCP (and a proxy tunnel, if any)
+        self.sock = self._tls.wrap(self.sock, self._tunnel_host or self.host)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, tls: "ClientTLS") -> None:
+        super().__init__(context=tls.context)
+        self._tls = tls
+
+    def https_open(self, req: urllib.request.Request) -> Any:
+        return self.do_open(lambda host, **kw: _NodeHTTPS(host, tls=self._tls, **kw), req)
+
+
+def _hint(url: str, error: str, tls: "ClientTLS | None") -> str:
+    """What to change when a scrape failed for a TLS reason (flags of ``kvstore dashboard``)."""
+    low = error.lower()
+    if url.startswith("http://"):
+        if "serves https" in low:  # the node's own answer to plain HTTP
+            return " (the node serves /metrics over HTTPS: give https:// endpoints, or any --tls-* flag)"
+        if "remote end closed" in low or "connection reset" in low:
+            return " (if the node serves /metrics over HTTPS: give https:// endpoints, or any --tls-* flag)"
+        return ""
+    if not url.startswith("https://"):
+        return ""
+    if "certificate_verify_failed" in low or "certificate verify failed" in low:
+        if "hostname" in low or "ip address mismatch" in low:
+            if tls is not None and tls.server_name:
+                return f" (the node's certificate does not name {tls.server_name!r}, the --tls-server-name given)"
+            return " (the node's certificate does not name the host dialled: pass --tls-server-name with a name it lists)"
+        trusted = f"--tls-ca-file ({tls.describe} does not)" if tls is not None else "--tls-ca-file"
+        return f" (the node's certificate is not trusted: pass the CA that signed it as {trusted})"
+    fix = "pass --tls-cert-file and --tls-key-file, a client certificate signed by the CA in the node's tls_client_ca_file"
+    if any(a in low for a in ("certificate required", "certificate_required", "alert bad certificate", "alert unknown ca")):
+        return f" (the node refused this client's certificate or its absence: {fix})"
+    if any(a in low for a in ("reset", "closed", "eof")):
+        if tls is None or tls.cert is None:
+            return f" (if the node requires client certificates (mutual TLS): {fix})"
+        return " (the node may not accept this client certificate: it must be signed by the CA in the node's tls_client_ca_file)"
+    return ""
 
 
 @dataclasses.dataclass
@@ -47,22 +106,32 @@ class Scrape:
     latency: dict[str, tuple[list[float], list[float]]] = dataclasses.field(default_factory=dict)
 
 
-def fetch(url: str, *, token: str = "", timeout: float = 1.5) -> Scrape:
-    """GET ``url`` and parse it; never raises (an unreachable node is a result)."""
+def fetch(url: str, *, token: str = "", timeout: float = 1.5, tls: "ClientTLS | None" = None) -> Scrape:
+    """GET ``url`` and parse it; never raises (an unreachable node is a result).
+
+    ``https://`` URLs use ``tls`` when given (else the system's trust roots); ``http://``
+    URLs ignore it."""
     start = time.monotonic()
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    open_url = urllib.request.build_opener(_HTTPSHandler(tls)).open if tls is not None else urllib.request.urlopen
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - operator-given URL
+        with open_url(req, timeout=timeout) as resp:  # noqa: S310 - operator-given URL
             body = resp.read(MAX_BODY + 1)
         if len(body) > MAX_BODY:
             raise ValueError(f"metrics larger than {MAX_BODY >> 20} MiB")
         s = parse(body.decode("utf-8", "replace"))
     except urllib.error.HTTPError as e:
-        hint = " (wrong or missing token: pass --token-file)" if e.code == 401 else ""
+        detail = ""
+        if e.code == 400:
+            try:
+                detail = e.read(512).decode("utf-8", "replace")
+            except OSError:
+                pass
+        hint = " (wrong or missing token: pass --token-file)" if e.code == 401 else _hint(url, detail, tls)
         s = Scrape(at=time.time(), ok=False, error=f"HTTP {e.code} {e.reason}{hint}")
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        reason = getattr(e, "reason", e)
-        s = Scrape(at=time.time(), ok=False, error=f"unreachable: {reason}")
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
+        reason = str(getattr(e, "reason", e))
+        s = Scrape(at=time.time(), ok=False, error=f"unreachable: {reason}{_hint(url, reason, tls)}")
     s.scrape_ms = (time.monotonic() - start) * 1000
     return s
 

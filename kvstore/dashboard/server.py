@@ -9,8 +9,9 @@ token (the nodes' token, ``--token-file``) every request must carry it, as
 prompts for); the same token is sent to the nodes.
 
 Node sources: a fixed list of metrics endpoints (``--nodes``), or a cluster's membership
-in etcd (``--etcd``): each record's ``metrics`` URL when it has one, else the node's gRPC
-host with ``--metrics-port``.
+in etcd (``--etcd``): each record's ``metrics`` URL when it has one (its scheme says whether
+the node serves ``/metrics`` over HTTPS), else the node's gRPC host with ``--metrics-port``.
+HTTPS endpoints are scraped with the dashboard's :class:`~kvstore.tls.ClientTLS` (``tls``).
 """
 
 from __future__ import annotations
@@ -25,12 +26,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from http.server import BaseHTTPRequestHandler
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 from kvstore.dashboard.model import ClusterModel
 from kvstore.dashboard.scrape import Scrape, fetch, metrics_url
 from kvstore.metrics import http_server
+
+if TYPE_CHECKING:
+    from kvstore.tls import ClientTLS
 
 log = logging.getLogger("kvstore.dashboard")
 
@@ -52,12 +56,12 @@ class NodeSource(Protocol):
 
 
 class StaticNodes:
-    """``--nodes HOST:PORT,...``: the nodes' metrics endpoints."""
+    """``--nodes HOST:PORT,...``: the nodes' metrics endpoints (``scheme`` for bare HOST:PORT)."""
 
-    def __init__(self, specs: list[str]) -> None:
+    def __init__(self, specs: list[str], *, scheme: str = "http") -> None:
         if not specs:
             raise ValueError("no nodes given")
-        self._targets = {s.strip(): (metrics_url(s), "") for s in specs if s.strip()}
+        self._targets = {s.strip(): (metrics_url(s, scheme), "") for s in specs if s.strip()}
         self.description = f"{len(self._targets)} node{'s' if len(self._targets) != 1 else ''}"
 
     def targets(self) -> dict[str, tuple[str | None, str]]:
@@ -76,11 +80,12 @@ class StaticNodes:
 class EtcdNodes:
     """``--etcd``: the nodes registered in a cluster's membership (watched)."""
 
-    def __init__(self, endpoints: str, cluster: str, *, metrics_port: int | None = None) -> None:
+    def __init__(self, endpoints: str, cluster: str, *, metrics_port: int | None = None, scheme: str = "http") -> None:
         from kvstore.cluster.membership import Membership
 
         self.membership = Membership(endpoints, cluster).start(wait=0)
         self.metrics_port = metrics_port
+        self.scheme = scheme  # of the --metrics-port fallback; a record's URL carries its own
         self.description = f"cluster {cluster!r} via etcd {endpoints}"
 
     def targets(self) -> dict[str, tuple[str | None, str]]:
@@ -89,7 +94,7 @@ class EtcdNodes:
             url = getattr(info, "metrics", "") or None
             if url is None and self.metrics_port is not None:
                 host = info.grpc.rpartition(":")[0] or "127.0.0.1"
-                url = f"http://{host}:{self.metrics_port}/metrics"
+                url = f"{self.scheme}://{host}:{self.metrics_port}/metrics"
             out[node_id] = (metrics_url(url) if url else None,
                             "" if url else "its membership record has no metrics endpoint; pass --metrics-port")
         return out
@@ -122,11 +127,12 @@ class Dashboard:
     """The poller and the HTTP server.  ``start`` then ``close``."""
 
     def __init__(self, source: NodeSource, *, host: str = "127.0.0.1", port: int = 8600, token: str = "",
-                 interval: float = 1.0, title: str = "") -> None:
+                 interval: float = 1.0, title: str = "", tls: "ClientTLS | None" = None) -> None:
         if not 0.1 <= interval <= 2.0:
             raise ValueError(f"interval must be between 0.1 and 2 s, got {interval}")
         self.source = source
         self.token = token
+        self.tls = tls  # for https:// endpoints; None: the system's trust roots
         self.interval = interval
         self.title = title or f"kvstore — {source.description}"
         self.model = ClusterModel()
@@ -165,7 +171,7 @@ class Dashboard:
     def poll_once(self) -> None:
         targets = self.source.targets()
         timeout = max(0.5, min(1.5, self.interval * 1.5))  # a hung node must not stall the page
-        futures = {name: self._pool.submit(fetch, url, token=self.token, timeout=timeout)
+        futures = {name: self._pool.submit(fetch, url, token=self.token, timeout=timeout, tls=self.tls)
                    for name, (url, _) in targets.items() if url}
         results: dict[str, tuple[str | None, Scrape | None, str]] = {}
         for name, (url, why) in targets.items():

@@ -10,7 +10,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -20,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from cluster_fixtures import etcd  # noqa: F401 - fixture
-from conftest import ROOT, NodeProcess
+from conftest import ROOT, NodeProcess, wait_for
 
 from client import KVClient
 from kvstore.cluster.local_etcd import LocalEtcd, free_port
@@ -34,14 +33,6 @@ def k(i: int) -> bytes:
     return i.to_bytes(16, "big")
 
 
-def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def get(url: str, headers: dict[str, str] | None = None, method: str = "GET", data: bytes | None = None) -> tuple[int, bytes, Any]:

@@ -10,14 +10,13 @@ Needs ``pip install playwright`` (its driver only: never ``playwright install``)
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import ROOT, NodeProcess
+from conftest import ROOT, NodeProcess, wait_for
 
 from client import KVClient, Namespace, chunk_keys
 from kvstore.dashboard.scrape import fetch
@@ -34,15 +33,6 @@ REASONS = ("never_stored", "evicted", "invalidated", "corrupt", "node_down", "de
 BLOCK = 256 << 10
 
 
-def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = pred()
-        if last:
-            return last
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
 
 
 def expected(node: NodeProcess) -> dict[str, float]:

@@ -8,6 +8,9 @@ processes; each is named after its bug.
 * An ``AsyncKVClient`` call cancelled mid-way (an engine aborting a request) abandoned its
   operation: leases and reservations stayed pinned on the node until their TTL (30 s),
   and the abandoned generator raised "generator ignored GeneratorExit" when collected.
+* A data-channel transfer refused because its leases or reservations were gone by the time
+  a connection presented its id left its start time in the node's in-flight table for good
+  (recorded before the check, removed only when a transfer finishes).
 """
 
 from __future__ import annotations
@@ -144,3 +147,67 @@ def test_slow_local_writer_does_not_write_past_its_reservation_deadline_regressi
     finally:
         node.stop(timeout=30)
         Path(node.arena_path).unlink(missing_ok=True)
+
+
+def test_refused_transfer_stayed_in_flight_regression(restartable: NodeProcess) -> None:
+    import socket
+    import time
+
+    import grpc
+
+    from kvstore.block import BlockMeta
+    from kvstore.datachannel import COUNT, OP_GET, OP_PUT, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC, STATUS_OK
+    from kvstore.wire import meta_to_pb
+    from protos.kvstore.v1 import kvstore_pb2 as pb
+    from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+    node = restartable.start()
+    host, port = node.endpoints["data"].rsplit(":", 1)
+
+    def present(op: int, tid: bytes) -> bytes:
+        """Present a transfer id on a fresh data-channel connection; what the node answers first."""
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            conn.sendall(REQUEST.pack(REQUEST_MAGIC, op, tid))
+            try:
+                return conn.recv(REPLY.size)
+            except ConnectionResetError:
+                return b""
+
+    def in_flight(stub: pb_grpc.KVStoreStub) -> tuple[int, int, int, int]:
+        st = stub.Stats(pb.Empty(), timeout=10)
+        return st.counters["active_transfers"], st.counters["pending_transfers"], st.leases, st.reservations
+
+    k, p = rkey(), os.urandom(100_000)
+    with KVClient(node.tcp) as kv, grpc.insecure_channel(node.tcp) as ch:
+        stub = pb_grpc.KVStoreStub(ch)
+        assert kv.put(k, p)
+        # GET: the lease is released before any connection presents the transfer id
+        r = stub.StartGet(pb.KeysRequest(keys=[k]), timeout=10)
+        (lease,) = r.leases
+        assert list(stub.Release(pb.ReleaseRequest(lease_ids=[lease.lease_id]), timeout=10).valid) == [True]
+        assert present(OP_GET, r.transfer_id) == b""  # refused: closed without a reply
+        assert in_flight(stub) == (0, 0, 0, 0)
+        # PUT: the reservation (its id guessed: ids are sequential) is aborted first
+        (probe,) = stub.Acquire(pb.KeysRequest(keys=[k]), timeout=10).leases
+        stub.Release(pb.ReleaseRequest(lease_ids=[probe.lease_id]), timeout=10)
+        k2, p2 = rkey(), os.urandom(50_000)
+        meta = meta_to_pb(BlockMeta.for_payload(k2, p2))
+        r2 = stub.StartPut(pb.ReserveRequest(blocks=[meta]), timeout=10)
+        stub.Abort(pb.AbortRequest(reservation_ids=[probe.lease_id + 1]), timeout=10)
+        assert present(OP_PUT, r2.transfer_id) == b""  # refused: closed before any byte is read
+        assert in_flight(stub) == (0, 0, 0, 0), "a refused transfer is still counted in flight"
+        # a transfer that is taken is counted while it runs, and no longer once it ends
+        r3 = stub.StartPut(pb.ReserveRequest(blocks=[meta]), timeout=10)
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            conn.sendall(REQUEST.pack(REQUEST_MAGIC, OP_PUT, r3.transfer_id) + p2[:1000])
+            deadline = time.monotonic() + 10
+            while in_flight(stub)[0] != 1:
+                assert time.monotonic() < deadline, in_flight(stub)
+                time.sleep(0.02)
+            conn.sendall(p2[1000:])
+            reply = b""
+            while len(reply) < REPLY.size + COUNT.size + 1 and (chunk := conn.recv(64)):
+                reply += chunk
+        assert reply == REPLY.pack(REPLY_MAGIC, STATUS_OK) + COUNT.pack(1) + bytes([pb.KEY_STATUS_OK])
+        assert in_flight(stub) == (0, 0, 0, 0)
+        assert kv.get(k2) == p2

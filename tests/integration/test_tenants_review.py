@@ -14,8 +14,8 @@ sockets, as a client that ignores the SDK's rules would:
 * an empty admin ``token_file`` silently switched authentication off;
 * a missing ``owners.lmdb`` beside kept NVMe blocks made them readable to every tenant without
   a word, and an unreadable one stopped the node with a raw lmdb traceback;
-* NVMe segment files (every tenant's KV bytes) were created world-readable, and a
-  world-readable TLS private key went unremarked.
+* NVMe segment files (every tenant's KV bytes), the NVMe index and the ownership table were
+  created world-readable, and a world-readable TLS private key went unremarked.
 """
 
 from __future__ import annotations
@@ -339,6 +339,28 @@ def test_nvme_segments_were_world_readable(tmp_path: Path) -> None:
     assert segments
     for seg in segments:
         assert stat.S_IMODE(seg.stat().st_mode) & 0o077 == 0, f"{seg} is mode {stat.S_IMODE(seg.stat().st_mode):04o}"
+
+
+def test_index_and_ownership_tables_were_world_readable(tmp_path: Path) -> None:
+    """``nvme/index.lmdb`` (every stored key and namespace) and ``owners.lmdb`` (which tenant
+    owns which namespace) were created 0644 under the usual umask; now 0600, like the segments."""
+    nb = namespace("bob")
+    old = os.umask(0o022)  # the node inherits it: what a default shell gives
+    try:
+        n = start(tmp_path, "--dram", "16MiB", "--nvme", "32MiB", "--write-through")
+    finally:
+        os.umask(old)
+    try:
+        with KVClient(n.tcp, token=BOB) as bob:
+            assert bob.put(key(nb), b"private" * 1000, namespace=nb)
+    finally:
+        stop(n)
+    for table in (n.data_dir / "nvme" / "index.lmdb", n.data_dir / "owners.lmdb"):
+        files = sorted(table.glob("*.mdb"))
+        assert [f.name for f in files] == ["data.mdb", "lock.mdb"], table
+        for f in files:
+            assert stat.S_IMODE(f.stat().st_mode) == 0o600, f"{f} is mode {stat.S_IMODE(f.stat().st_mode):04o}"
+        assert stat.S_IMODE(table.stat().st_mode) & 0o700 == 0o700  # still searchable by the node's user
 
 
 def test_world_readable_tls_key_went_unremarked(tmp_path: Path, pki: PKI) -> None:

@@ -183,6 +183,34 @@ def test_data_port_speaks_only_tls(tls_node: NodeProcess, pki: PKI) -> None:
     assert not got.startswith(b"KVDS") and time.monotonic() - t0 < FAST_S
 
 
+def test_data_port_accepted_tls12_cbc_suites_regression(tls_node: NodeProcess, pki: PKI) -> None:
+    """Under TLS 1.2 the data channel agreed to CBC suites (OpenSSL's default list); now only
+    ECDHE with AES-GCM or ChaCha20-Poly1305, like gRPC's listener (checked here too)."""
+    host, port = data_port(tls_node)
+    grpc_host, grpc_port = tls_node.tcp.rsplit(":", 1)
+
+    def tls12(suite: str, alpn: list[str] | None = None) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=pki.ca)
+        ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+        ctx.set_ciphers(suite)
+        if alpn:
+            ctx.set_alpn_protocols(alpn)
+        return ctx
+
+    for h, p, alpn in ((host, port, None), (grpc_host, int(grpc_port), ["h2"])):
+        with socket.create_connection((h, p), timeout=FAST_S) as raw:
+            with pytest.raises((ssl.SSLError, ConnectionError)):
+                tls12("ECDHE-ECDSA-AES128-SHA256", alpn).wrap_socket(raw, server_hostname=h)
+        with socket.create_connection((h, p), timeout=FAST_S) as raw, \
+                tls12("ECDHE-ECDSA-AES128-GCM-SHA256", alpn).wrap_socket(raw, server_hostname=h) as s:
+            assert (s.version(), s.cipher()[0]) == ("TLSv1.2", "ECDHE-ECDSA-AES128-GCM-SHA256")
+    # the data channel works over such a connection
+    with socket.create_connection((host, port), timeout=FAST_S) as raw, \
+            tls12("ECDHE-ECDSA-AES128-GCM-SHA256").wrap_socket(raw, server_hostname=host) as s:
+        s.sendall(REQUEST.pack(REQUEST_MAGIC, OP_GET, os.urandom(16)))  # an unknown id: closed at once
+        assert s.recv(8) == b""
+
+
 def test_plaintext_client_against_tls_node_fails_fast(tls_node: NodeProcess) -> None:
     t0 = time.monotonic()
     with KVClient(tls_node.tcp, token=TOKEN, timeouts=PATIENT) as kv:

@@ -5,7 +5,7 @@ in etcd and healthy by ``kvstore health`` (the image's health check), up's dashb
 compose's dashboard command both list and scrape every node, and one SIGTERM stops
 everything.  ``kvstore up --tls``: the nodes serve TLS with a throwaway CA, the client
 line it prints round-trips bytes over TLS, a plaintext client is refused, and the
-dashboard still scrapes every node (``/metrics`` stays plain HTTP).
+dashboard scrapes every node's ``/metrics``, now HTTPS with the same CA.
 """
 
 from __future__ import annotations
@@ -224,15 +224,21 @@ def test_up_tls_serves_tls_with_the_ca_it_prints(tmp_path: Path) -> None:
         # the Unix socket stays plaintext: the container health check works as before
         assert all(health(n["unix"]) == 0 for n in nodes) and health(nodes[0]["grpc"]) == 1
 
-        # the dashboard lists and scrapes both nodes: /metrics is plain HTTP
+        # the dashboard lists and scrapes both nodes: /metrics is HTTPS, trusted through the printed CA
         url = str(info["dashboard"]).rstrip("/") + "/"
         deadline = time.monotonic() + 20
         while True:
-            seen = {n["name"]: n["status"] for n in get_json(url + "api/cluster")["nodes"]}
+            listed = get_json(url + "api/cluster")["nodes"]
+            seen = {n["name"]: n["status"] for n in listed}
             if seen == {n["node_id"]: "up" for n in nodes} or time.monotonic() > deadline:
                 break
             time.sleep(0.3)
-        assert seen == {n["node_id"]: "up" for n in nodes}
+        assert seen == {n["node_id"]: "up" for n in nodes}, listed
+        assert all(n["url"].startswith("https://") for n in listed) and "metrics       HTTPS" in out
+        import urllib.error
+
+        with pytest.raises(urllib.error.HTTPError, match="400"):  # plain HTTP to the metrics port is refused
+            urllib.request.urlopen(listed[0]["url"].replace("https://", "http://", 1), timeout=5)
     finally:
         rc = up.stop(timeout=120)
     assert rc == 0, "".join(up.lines)

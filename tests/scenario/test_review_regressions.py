@@ -111,7 +111,7 @@ async def demoted(m: TierManager, i: int) -> None:
 def test_cancelled_promotion_does_not_free_extents_under_its_reader_regression(mgr: TierManager) -> None:
     async def go() -> None:
         await demoted(mgr, 1)
-        gate = mgr._nvme_read_to_arena = Gate(mgr._nvme_read_to_arena)  # type: ignore[method-assign]
+        gate = mgr.movers._nvme_read_to_arena = Gate(mgr.movers._nvme_read_to_arena)  # type: ignore[method-assign]
         task = asyncio.ensure_future(mgr.acquire([key(1)]))
         await gate.wait_entered()
         task.cancel()  # the client's deadline passed while the NVMe read is under way
@@ -128,7 +128,7 @@ def test_cancelled_promotion_does_not_free_extents_under_its_reader_regression(m
         (x,) = await mgr.acquire([key(50)])
         assert read(mgr, x) == mine.tobytes()
         mgr.release([x.lease_id])
-        assert not mgr._leases and not mgr._refs
+        assert not mgr.holds.leases and not mgr.holds.refs
 
     asyncio.run(go())
 
@@ -136,7 +136,7 @@ def test_cancelled_promotion_does_not_free_extents_under_its_reader_regression(m
 def test_cancelled_promotion_leader_does_not_cancel_other_readers_regression(mgr: TierManager) -> None:
     async def go() -> None:
         await demoted(mgr, 1)
-        gate = mgr._nvme_read_to_arena = Gate(mgr._nvme_read_to_arena)  # type: ignore[method-assign]
+        gate = mgr.movers._nvme_read_to_arena = Gate(mgr.movers._nvme_read_to_arena)  # type: ignore[method-assign]
         leader = asyncio.ensure_future(mgr.acquire([key(1)]))
         await gate.wait_entered()
         other = asyncio.ensure_future(mgr.acquire([key(1)]))  # waits on the same promotion
@@ -167,7 +167,7 @@ def test_cancelled_verified_commit_frees_its_extents_regression(mgr: TierManager
         await asyncio.sleep(0.01)
         assert mgr.where(key(1)) is None
         assert mgr.dram.used_bytes == 0, "the reservation's extents leaked"
-        assert not mgr._reservations
+        assert not mgr.holds.reservations
 
     asyncio.run(go())
 
@@ -197,7 +197,7 @@ def test_delete_during_demotion_does_not_leave_the_block_on_nvme_regression(mgr:
         (r,) = await mgr.reserve([BlockMeta.for_payload(key(1), data, namespace=ns)])
         mgr.dram.arena.write(list(r.extents), memoryview(data))
         await mgr.commit([r.reservation_id])
-        gate = mgr._write_nvme = Gate(mgr._write_nvme)  # type: ignore[method-assign]
+        gate = mgr.movers._write_nvme = Gate(mgr.movers._write_nvme)  # type: ignore[method-assign]
         flushing = asyncio.ensure_future(mgr.flush())
         await gate.wait_entered()
         n = await (mgr.invalidate(ns) if how == "invalidate" else mgr.delete([key(1)]))
@@ -207,7 +207,7 @@ def test_delete_during_demotion_does_not_leave_the_block_on_nvme_regression(mgr:
         assert mgr.where(key(1)) is None and not mgr.nvme.contains(key(1)), "a deleted block was persisted"
         (x,) = await mgr.acquire([key(1)])
         assert x.status == Status.MISS
-        assert mgr.dram.used_bytes == 0 and not mgr._refs
+        assert mgr.dram.used_bytes == 0 and not mgr.holds.refs
 
     asyncio.run(go())
 
@@ -216,12 +216,12 @@ def test_delete_during_write_through_persist_regression(tmp_path: Path) -> None:
     m = build(tmp_path, write_through=True)
 
     async def go() -> None:
-        gate = m._write_nvme = Gate(m._write_nvme)  # type: ignore[method-assign]
+        gate = m.movers._write_nvme = Gate(m.movers._write_nvme)  # type: ignore[method-assign]
         assert await put(m, 1) == Status.OK
         await gate.wait_entered()
         assert await m.delete([key(1)]) == 1
         gate.open()
-        await asyncio.wait(m._background, timeout=10)
+        await asyncio.wait(m.movers.background, timeout=10)
         assert m.where(key(1)) is None and not m.nvme.contains(key(1))
 
     try:
@@ -276,10 +276,10 @@ def test_failed_acquire_leaves_no_lease_behind_regression(mgr: TierManager) -> N
         def broken(*_: Any) -> Any:
             raise OSError(5, "I/O error reading NVMe")
 
-        mgr._nvme_read_to_arena = broken  # type: ignore[method-assign]
+        mgr.movers._nvme_read_to_arena = broken  # type: ignore[method-assign]
         with pytest.raises(OSError):
             await mgr.acquire([key(2), key(1)])
-        assert not mgr._leases and not mgr._refs, "the DRAM hit's lease leaked"
+        assert not mgr.holds.leases and not mgr.holds.refs, "the DRAM hit's lease leaked"
 
     asyncio.run(go())
 
@@ -290,7 +290,7 @@ def test_failed_reserve_leaves_no_reservation_behind_regression(mgr: TierManager
         huge = BlockMeta.for_payload(key(2), np.zeros(5 * MiB, np.uint8))  # bigger than the whole DRAM tier
         with pytest.raises(CapacityExceeded):
             await mgr.reserve([small, huge])
-        assert not mgr._reservations and mgr.dram.used_bytes == 0, "the first block's reservation leaked"
+        assert not mgr.holds.reservations and mgr.dram.used_bytes == 0, "the first block's reservation leaked"
 
     asyncio.run(go())
 

@@ -14,7 +14,7 @@ import pytest
 
 from client._cluster import ClusterCore
 from kvstore.cluster.state import ClusterConfig, ClusterSnapshot, NodeInfo
-from kvstore.errors import DeadlineExceeded, Unavailable
+from kvstore.errors import DeadlineExceeded, OwnershipUnavailable, Unavailable
 
 CLUSTER = "routing"
 KEYS = [bytes([i]) * 16 for i in range(1, 65)]
@@ -96,6 +96,16 @@ def test_failure_of_an_earlier_registration_does_not_suspect_the_new_one(core: C
     assert "a" not in core.suspects
     assert core.failed("a", DeadlineExceeded("no answer"), core.plan())  # the new registration failing does count
     assert "a" in core.suspects
+
+
+def test_a_node_refusing_a_claim_while_etcd_is_down_is_not_suspected(core: ClusterCore) -> None:
+    """``OwnershipUnavailable``: the node is up, etcd is not; routing around it would only
+    take replicas away from namespaces it can still serve."""
+    publish(core, view(5, {"a": (3, 11), "b": (4, 12)}))
+    assert core.failed("a", OwnershipUnavailable("cannot claim namespace: etcd is unreachable"), core.plan())
+    assert "a" not in core.suspects
+    fail(core, "b", Unavailable("connection refused"))
+    assert "b" in core.suspects
 
 
 def test_writes_to_a_suspect_owner_are_counted_as_under_replicated(core: ClusterCore) -> None:
@@ -185,3 +195,55 @@ def test_a_call_routed_by_an_older_plan_dials_the_nodes_current_address(monkeypa
         assert [(c.target, c.closed) for c in _FakeNodeClient.made] == [("10.0.0.1:7000", True), ("10.0.0.1:7001", False)]
     finally:
         kv.close()
+
+
+def test_regression_handoff_calls_fit_the_nodes_max_batch() -> None:
+    """The hand-off read's own per-node calls (one ``GetStream`` from a previous owner, one
+    ``PutStream`` to the new owner) carried every key of the batch: a node refuses a request
+    over its ``max_batch`` whole.  They go in batches of the node's ``Hello`` now."""
+    from client._cluster import _fetch_with_meta, _put_blocks
+    from client._core import ClientCore
+    from kvstore.block import BlockMeta
+    from kvstore.wire import meta_from_pb, meta_to_pb
+    from protos.kvstore.v1 import kvstore_pb2 as pb
+
+    limit = 4
+    node = ClientCore("10.0.0.1:7000", transport="grpc-stream")
+    node.hello = pb.HelloResponse(max_batch=limit, arena_size=64 << 20, max_block_bytes=1 << 20)
+    payloads = {k: bytes([i]) * (100 + i) for i, k in enumerate(KEYS[:3 * limit + 1])}
+    metas = {k: BlockMeta.for_payload(k, p) for k, p in payloads.items()}
+    keys = list(payloads)
+    stored: dict[bytes, bytes] = {}
+    sizes: list[int] = []
+
+    def run(op: Any) -> Any:
+        instr = next(op)
+        try:
+            while True:
+                if instr[0] == "get_stream":
+                    ks = list(instr[1].keys)
+                    sizes.append(len(ks))
+                    assert len(ks) <= limit, f"GetStream of {len(ks)} keys"
+                    result = [pb.BlockChunk(block=meta_to_pb(metas[k]), data=payloads[k], status=pb.KEY_STATUS_OK) for k in ks]
+                else:
+                    assert instr[0] == "put_stream"
+                    blocks, meta = [], None
+                    for c in instr[1]():
+                        if c.HasField("block"):
+                            meta = meta_from_pb(c.block)
+                            blocks.append([meta.key, b""])
+                        blocks[-1][1] += c.data
+                    sizes.append(len(blocks))
+                    assert len(blocks) <= limit and instr[2] == len(blocks), f"PutStream of {len(blocks)} blocks, {instr[2]} declared"
+                    stored.update((k, v) for k, v in blocks)
+                    result = pb.StatusesResponse(statuses=[pb.KEY_STATUS_OK] * len(blocks))
+                instr = op.send(result)
+        except StopIteration as stop:
+            return stop.value
+
+    got = run(_fetch_with_meta(keys, True)(node))
+    assert [(m.key, p) for m, p in got] == [(k, payloads[k]) for k in keys]
+    assert sizes == [4, 4, 4, 1]
+    sizes.clear()
+    assert run(_put_blocks([m for m, _ in got], [p for _, p in got])(node)) == [True] * len(keys)
+    assert stored == payloads and sizes == [4, 4, 4, 1]

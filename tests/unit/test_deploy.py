@@ -16,7 +16,11 @@ patches in deploy/k8s/patches/ and the compose override files.  Every file they 
 node comes from a read-only Secret (or a compose secret) that only the sidecar mounts, and
 with the files such a Secret would hold (throwaway certificates from ``kvstore.localca``)
 the node's own start-up checks accept them; with TLS the probes check the node over its
-Unix socket, since the kubelet's gRPC probes cannot speak TLS.
+Unix socket, since the kubelet's gRPC probes cannot speak TLS.  With TLS the nodes serve
+``/metrics`` over HTTPS, and the dashboard of every form completes a real TLS handshake with
+a node, using only what it mounts (the CA alone, never the node's key; its own client
+certificate under mutual TLS).  Every form gives the node time to drain and flush on
+SIGTERM: its grace period exceeds the configured drain and flush with a margin.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import socket
+import ssl
+import threading
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -47,6 +54,10 @@ UID = 10001  # the image's user; the arena file is mode 0600, so its clients sha
 K8S_VERSION = "1.30"  # oldest Kubernetes the manifests claim (native sidecars, gRPC probes)
 MiB = 1 << 20
 CLIENT_ENV = {"KVSTORE_TARGET", "KVSTORE_TOKEN", "KVSTORE_TOKEN_FILE"}  # what the SDK reads
+# SIGTERM: after the drain and the flush, the node deregisters, closes its index and exits;
+# in a pod the engine stops first, within the same grace period
+SHUTDOWN_MARGIN_S = 5
+ENGINE_STOP_S = 20  # what the manifests and the chart's default allow the engine
 
 
 # -- small parsers ------------------------------------------------------------------------
@@ -298,59 +309,158 @@ def test_compose_dashboard_scrapes_the_nodes(tmp_path: Path) -> None:
 
 
 # -- TLS and tenants: the files the node is handed ----------------------------------------
-@pytest.fixture(scope="module")
-def secret_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, bytes]]:
-    """The Secrets the variants name, as a cluster would hold them: {name: {key: bytes}}.
-    The certificates are throwaway ones from the product's own generator."""
+def pki_files(directory: Path, hosts: list[str]) -> dict[str, bytes]:
+    """A throwaway CA (the product's own generator), a node certificate for ``hosts`` and a
+    client certificate: {file name: bytes}, as ``kvstore certs --client`` writes them."""
     from kvstore.localca import make
 
-    c = make(tmp_path_factory.mktemp("pki"), ["10.1.2.3", "kvstore.default.svc"])
-    tls = {"tls.crt": Path(c.cert).read_bytes(), "tls.key": Path(c.key).read_bytes(), "ca.crt": Path(c.ca).read_bytes()}
+    c = make(directory, hosts, client=True)
+    return {Path(f).name: Path(f).read_bytes() for f in (c.ca, c.cert, c.key, c.client_cert, c.client_key)}
+
+
+@pytest.fixture(scope="module")
+def secret_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, bytes]]:
+    """The Secrets the variants name, as a cluster would hold them: {name: {key: bytes}}."""
+    f = pki_files(tmp_path_factory.mktemp("pki"), ["10.1.2.3", "kvstore.default.svc"])
+    tls = {"tls.crt": f["tls.crt"], "tls.key": f["tls.key"], "ca.crt": f["ca.crt"]}
     alice, bob = b"alice-s3cret\n", b"bob-s3cret\n"
     return {"kvstore-tls": tls, "node-certs": tls, "kvstore-token": {"token": b"admin-s3cret\n"},
-            "kvstore-tenants": {"alice.token": alice, "bob.token": bob, "bob-token": bob}}
+            "kvstore-tenants": {"alice.token": alice, "bob.token": bob, "bob-token": bob},
+            # the dashboard's client certificate, signed by the nodes' CA (kubernetes.io/tls keys)
+            "kvstore-dashboard-tls": {"tls.crt": f["client.crt"], "tls.key": f["client.key"]}}
+
+
+def tls_handshake(server: ssl.SSLContext, client: Any, host: str) -> None:
+    """A real TLS handshake between a node's context and the dashboard's ``ClientTLS``,
+    the dashboard dialling ``host``, and one byte each way (with TLS 1.3 the node checks a
+    client certificate only after the client's side of the handshake is done)."""
+    a, b = socket.socketpair()
+    a.settimeout(10)
+    b.settimeout(10)
+    failed: list[BaseException] = []
+
+    def node() -> None:
+        try:
+            with server.wrap_socket(a, server_side=True) as s:
+                assert s.recv(1) == b"?"
+                s.sendall(b"!")
+        except BaseException as e:  # noqa: BLE001 - reported below
+            failed.append(e)
+
+    t = threading.Thread(target=node, daemon=True)
+    t.start()
+    try:
+        with client.wrap(b, host) as c:
+            c.sendall(b"?")
+            assert c.recv(1) == b"!"
+    except (OSError, AssertionError) as e:
+        t.join(10)
+        raise AssertionError(f"the dashboard cannot scrape {host} over TLS: {e}; the node saw: {failed}") from None
+    t.join(10)
+    assert not failed, f"the node refused the dashboard: {failed}"
+
+
+def check_dashboard_tls(cfg: NodeConfig, node_files: NodeConfig, options: dict[str, Any],
+                        content: Any, tmp: Path) -> None:
+    """The dashboard (TLS ``options``: flags and ``KVSTORE_TLS_*``, files read through
+    ``content``) scrapes ``cfg``'s node: over HTTPS with what it mounts when the node serves
+    TLS there, else plain HTTP with no TLS settings at all."""
+    from kvstore.tls import ClientTLS, ServerTLS
+
+    if not cfg.serves_metrics_tls():
+        assert not any(options.values()), f"/metrics is plain HTTP, yet the dashboard has TLS settings: {options}"
+        return
+    assert options["ca_file"], "the nodes serve /metrics over HTTPS: the dashboard needs the CA"
+    files = {}
+    for k in ("ca_file", "cert_file", "key_file"):
+        if options[k]:
+            local = tmp / "dashboard" / options[k].lstrip("/")
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_bytes(content(options[k]))
+            files[k] = str(local)
+    client = ClientTLS.from_options(tls=options["tls"], server_name=options["server_name"], **files)
+    server = ServerTLS.load(node_files.tls_cert_file, node_files.tls_key_file, node_files.tls_client_ca_file)
+    assert server.mutual == bool(cfg.tls_client_ca_file)
+    # the dashboard dials the host in the node's membership record: what it advertises
+    tls_handshake(server.context, client, cfg.advertise_host or hostport(cfg.listen)[0])
+
+
+def dashboard_tls_options(argv: list[str], environ: dict[str, str]) -> dict[str, Any]:
+    from kvstore.dashboard.cli import tls_options
+
+    return tls_options(build_parser("dashboard").parse_args(argv), environ)
 
 
 COMPOSE_OVERRIDES = {"tls": "compose.tls.yaml", "tenants": "compose.tenants.yaml"}
+COMPOSE_VARIANTS = [(), ("tls",), ("tenants",), ("tls", "tenants")]
 GITIGNORE = (ROOT / ".gitignore").read_text().split()
 
 
-@pytest.mark.parametrize("overrides", [("tls",), ("tenants",), ("tls", "tenants")], ids="+".join)
-def test_compose_overrides_wire_tls_and_tenants(overrides: tuple[str, ...], secret_data: dict[str, dict[str, bytes]],
-                                                tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def compose_merged(overrides: tuple[str, ...]) -> dict[str, Any]:
     merged = COMPOSE
     for name in overrides:  # docker compose -f compose.yaml -f compose.<name>.yaml ...
         merged = compose_merge(merged, yaml.safe_load((DEPLOY / COMPOSE_OVERRIDES[name]).read_text()))
+    return merged
+
+
+@pytest.mark.parametrize("overrides", COMPOSE_VARIANTS[1:], ids="+".join)
+def test_compose_overrides_wire_tls_and_tenants(overrides: tuple[str, ...], tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    merged = compose_merged(overrides)
     assert set(merged["services"]) == set(COMPOSE["services"]), "the overrides add no service"
-    on_disk = {f"tls/{k}": v for k, v in secret_data["kvstore-tls"].items()}
+    # what deploy/compose.tls.yaml's comment makes: `kvstore certs --out deploy/tls node1 node2 node3 localhost 127.0.0.1`
+    on_disk = {f"tls/{k}": v for k, v in pki_files(tmp_path / "pki", [*compose_nodes(), "localhost", "127.0.0.1"]).items()}
     on_disk |= {"secrets/admin.token": b"admin\n", "secrets/alice.token": b"alice\n", "secrets/bob.token": b"bob\n"}
     check = DOCKERFILE.exec_form("HEALTHCHECK")
+
+    def reader(svc: dict[str, Any]) -> Any:
+        secrets = {s["target"]: s["source"] for s in svc.get("secrets", [])}
+
+        def content(path: str) -> bytes:
+            assert path in secrets, f"{path} is no secret's target"
+            src = PurePosixPath(merged["secrets"][secrets[path]]["file"])
+            assert not src.is_absolute() and f"/deploy/{src.parts[0]}/" in GITIGNORE, f"{src}: keys and tokens are never committed"
+            return on_disk[str(src)]
+
+        return content
+
+    dash = merged["services"]["dashboard"]
+    dash_env = {k: str(v) for k, v in dash.get("environment", {}).items()}
+    args = build_parser("dashboard").parse_args(dash["command"])
     for name in compose_nodes():
         svc = merged["services"][name]
         env = {k: str(v) for k, v in svc["environment"].items()}
         cfg = serve_config(svc["command"], env, DOCKERFILE.image_files(), tmp_path)
         assert bool(cfg.tls_cert_file) == ("tls" in overrides) and bool(cfg.tenants) == ("tenants" in overrides)
-        secrets = {s["target"]: s["source"] for s in svc.get("secrets", [])}
-
-        def content(path: str) -> bytes:
-            assert path in secrets, f"{name}: {path} is no secret's target"
-            src = PurePosixPath(merged["secrets"][secrets[path]]["file"])
-            assert not src.is_absolute() and f"/deploy/{src.parts[0]}/" in GITIGNORE, f"{src}: keys and tokens are never committed"
-            return on_disk[str(src)]
-
-        materialize(cfg, content, tmp_path / name)
+        node_files = materialize(cfg, reader(svc), tmp_path / name)
         # the image's health check runs with this environment, over the Unix socket
         config_text = DOCKERFILE.image_files()[build_parser("health").parse_args(check[1:]).config]
         assert health_target(check, config_text, {**DOCKERFILE.env(), **env}, tmp_path, monkeypatch) == f"unix://{cfg.socket_path()}"
-    dash = merged["services"]["dashboard"]
-    args = build_parser("dashboard").parse_args(dash["command"])
-    assert (args.metrics_port, args.etcd) == (cfg.metrics_port, cfg.etcd), "/metrics stays plain HTTP, TLS or not"
+        # with TLS the node serves /metrics over HTTPS, and the dashboard reaches it with its secrets alone
+        assert cfg.serves_metrics_tls() == ("tls" in overrides)
+        check_dashboard_tls(cfg, node_files, dashboard_tls_options(dash["command"], dash_env), reader(dash), tmp_path / name)
+        if cfg.tls_cert_file:
+            assert not {cfg.tls_key_file} & {s["target"] for s in dash.get("secrets", [])}, "the node's key is the node's"
+    assert (args.metrics_port, args.etcd) == (cfg.metrics_port, cfg.etcd)
     if "tenants" in overrides:
-        (ds,) = dash["secrets"]
-        assert args.token_file == ds["target"] == cfg.token_file and ds["source"] == secrets[cfg.token_file]
+        (ds,) = [s for s in dash["secrets"] if s["target"] == args.token_file]
+        assert args.token_file == cfg.token_file and ds["source"] == {s["target"]: s["source"] for s in svc["secrets"]}[cfg.token_file]
         assert "/healthz" not in " ".join(dash["healthcheck"]["test"]), "/healthz wants the token"
     else:
-        assert not args.token_file and dash == COMPOSE["services"]["dashboard"]
+        assert not args.token_file and dash["command"] == COMPOSE["services"]["dashboard"]["command"]
+        assert dash["healthcheck"] == COMPOSE["services"]["dashboard"]["healthcheck"]
+
+
+@pytest.mark.parametrize("overrides", COMPOSE_VARIANTS, ids=lambda o: "+".join(o) or "base")
+def test_compose_stop_grace_period_outlasts_the_drain(overrides: tuple[str, ...], tmp_path: Path) -> None:
+    """``docker compose stop`` sends SIGKILL after ``stop_grace_period``: it must cover the
+    drain (``drain_timeout_s``, set explicitly), the flush and the exit, in every variant."""
+    merged = compose_merged(overrides)
+    for name in compose_nodes():
+        svc = merged["services"][name]
+        cfg = serve_config(svc["command"], {k: str(v) for k, v in svc["environment"].items()}, DOCKERFILE.image_files(), tmp_path)
+        assert "KVSTORE_DRAIN_TIMEOUT_S" in svc["environment"], "the drain is part of the deployment, not a hidden default"
+        assert duration_s(svc["stop_grace_period"]) >= cfg.drain_timeout_s + cfg.flush_on_shutdown_s + SHUTDOWN_MARGIN_S, name
 
 
 # -- Kubernetes: the plain manifests and the rendered chart -------------------------------
@@ -375,17 +485,22 @@ CHART_VARIANTS: dict[str, dict[str, Any]] = {
     },
     "no-dashboard": {"dashboard": {"enabled": False}},
     "tls": {"tls": {"enabled": True, "secretName": "kvstore-tls"}},
+    "tls-plain-metrics": {"tls": {"enabled": True, "secretName": "kvstore-tls", "metrics": False}},
     "mtls-auth-tenants": {
-        "tls": {"enabled": True, "secretName": "node-certs", "clientCA": True},
+        "tls": {"enabled": True, "secretName": "node-certs", "clientCA": True, "serverName": "kvstore.default.svc",
+                "dashboardSecretName": "kvstore-dashboard-tls"},
         "auth": {"existingSecret": "kvstore-token"},
         "tenants": {"existingSecret": "kvstore-tenants", "tokens": {"alice": "alice.token", "bob": "bob-token"}},
     },
+    "mtls-no-dashboard": {"tls": {"enabled": True, "secretName": "kvstore-tls", "clientCA": True}, "dashboard": {"enabled": False}},
+    "long-drain": {"kvstore": {"drainTimeoutS": 45, "flushOnShutdownS": 30}, "engine": {"shutdownS": 40}},
 }
 # the plain manifests with the patches of deploy/k8s/patches/ applied in order (kubectl patch)
 MANIFEST_VARIANTS: dict[str, list[str]] = {
     "manifests": [],
-    "manifests+tls": ["tls.yaml"],
-    "manifests+mtls-auth-tenants": ["tls.yaml", "mtls.yaml", "auth.yaml", "auth-dashboard.yaml", "tenants.yaml"],
+    "manifests+tls": ["tls.yaml", "tls-dashboard.yaml"],
+    "manifests+mtls-auth-tenants": ["tls.yaml", "tls-dashboard.yaml", "mtls.yaml", "mtls-dashboard.yaml", "auth.yaml",
+                                    "auth-dashboard.yaml", "tenants.yaml"],
 }
 
 
@@ -550,7 +665,28 @@ def test_sidecar_runs_the_image_entrypoint_with_a_valid_config(cluster: Cluster,
     assert hostport(cfg.listen)[0] == pod_ip and hostport(cfg.data_listen)[0] == pod_ip
     assert cfg.etcd, "a cluster node"
     assert pod.uid(side) == UID == pod.uid(pod.engine), "the arena (mode 0600) needs one uid in both containers"
-    assert pod.spec["terminationGracePeriodSeconds"] >= cfg.flush_on_shutdown_s + cfg.drain_timeout_s
+
+
+def test_grace_period_outlasts_the_drain(cluster: Cluster, tmp_path: Path) -> None:
+    """The kubelet kills the pod ``terminationGracePeriodSeconds`` after SIGTERM; the engine
+    stops first, then the sidecar drains (``drain_timeout_s``, set in its config), flushes
+    and exits: the grace period covers all of it, in every variant."""
+    pod = cluster.pod()
+    cfg = cluster.config(pod, tmp_path)
+    text = cluster.config_files(pod)[build_parser("serve").parse_args(pod.sidecar["args"]).config]
+    assert "drain_timeout_s" in tomllib.loads(text)["node"], "the drain is part of the deployment, not a hidden default"
+    need = ENGINE_STOP_S + cfg.drain_timeout_s + cfg.flush_on_shutdown_s + SHUTDOWN_MARGIN_S
+    assert pod.spec["terminationGracePeriodSeconds"] >= need
+
+
+def test_chart_passes_the_drain_to_the_node_and_the_grace_period_follows(tmp_path: Path) -> None:
+    values = CHART_VARIANTS["long-drain"]
+    c = Cluster(chart_docs(values))
+    cfg = c.config(c.pod(), tmp_path)
+    assert (cfg.drain_timeout_s, cfg.flush_on_shutdown_s) == (45, 30)
+    assert c.pod().spec["terminationGracePeriodSeconds"] == 40 + 45 + 30 + 10  # engine + drain + flush + 10
+    default = Cluster(chart_docs({}))
+    assert default.pod().spec["terminationGracePeriodSeconds"] == 60 == Cluster(manifests()).pod().spec["terminationGracePeriodSeconds"]
 
 
 def test_ports_agree_between_config_containers_probes_and_services(cluster: Cluster, tmp_path: Path) -> None:
@@ -643,6 +779,43 @@ def test_dashboard_follows_the_cluster(cluster: Cluster, tmp_path: Path) -> None
         assert "tcpSocket" in probe  # /healthz wants the token
 
 
+def test_dashboard_scrapes_https_metrics_with_what_it_mounts(cluster: Cluster, secret_data: dict[str, dict[str, bytes]],
+                                                           tmp_path: Path) -> None:
+    """With TLS the nodes serve /metrics over HTTPS: the dashboard completes a handshake
+    with a node (dialling its pod IP, or the server name it is given) using only its own
+    mounts: the CA alone from the node's Secret, and its own certificate under mutual TLS."""
+    pod = cluster.pod()
+    cfg = cluster.config(pod, tmp_path)
+    dash = [w for w in cluster.kind("Deployment") if w["spec"]["template"]["spec"]["containers"][0].get("args", [None])[0] == "dashboard"]
+    if not dash:
+        return
+    (w,) = dash
+    spec = w["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    vols = {v["name"]: v for v in spec.get("volumes", [])}
+    node_secrets = {pod.mount(pod.sidecar, f)[1]["secret"]["secretName"] for f in private_files(cfg)}
+    for m in c.get("volumeMounts", []):  # never the node's key, nor the tenants' tokens
+        sec = vols[m["name"]].get("secret", {})
+        if sec.get("secretName") in node_secrets and sec["secretName"] != vols.get("token", {}).get("secret", {}).get("secretName"):
+            assert [i["key"] for i in sec.get("items", [])] == ["ca.crt"], f"the dashboard mounts more than the CA of {sec}"
+        assert m.get("readOnly")
+
+    def content(path: str) -> bytes:
+        m = max((m for m in c.get("volumeMounts", []) if under(path, m["mountPath"])), key=lambda m: len(m["mountPath"]))
+        sec = vols[m["name"]]["secret"]
+        rel = str(PurePosixPath(path).relative_to(m["mountPath"]))
+        key = next((i["key"] for i in sec["items"] if i["path"] == rel), None) if "items" in sec else rel
+        assert key in secret_data.get(sec["secretName"], {}), f"{path}: Secret {sec['secretName']} has no key {key}"
+        return secret_data[sec["secretName"]][key]
+
+    def node_content(path: str) -> bytes:
+        m, vol = pod.mount(pod.sidecar, path)
+        return secret_data[vol["secret"]["secretName"]][str(PurePosixPath(path).relative_to(m["mountPath"]))]
+
+    node_files = materialize(cfg, node_content, tmp_path / "node")
+    check_dashboard_tls(cfg, node_files, dashboard_tls_options(c["args"], pod.env(c)), content, tmp_path)
+
+
 def test_tls_and_tenant_files_come_from_secrets_the_node_accepts(cluster: Cluster, secret_data: dict[str, dict[str, bytes]],
                                                                  tmp_path: Path) -> None:
     pod = cluster.pod()
@@ -721,6 +894,8 @@ def test_chart_config_passthrough_goes_through_the_real_loader(config: dict[str,
     ({"tls": {"clientCA": True, "secretName": "kvstore-tls"}}, "tls.clientCA (mutual TLS) needs tls.enabled"),
     ({"tenants": {"tokens": {"alice": "alice.token"}}, "auth": {"existingSecret": "t"}}, "tenants.tokens needs tenants.existingSecret"),
     ({"tenants": {"existingSecret": "kvstore-tenants", "tokens": {"alice": "alice.token"}}}, "tenants need auth.existingSecret"),
+    ({"tls": {"enabled": True, "secretName": "kvstore-tls", "clientCA": True}}, "the dashboard needs tls.dashboardSecretName"),
+    ({"kvstore": {"terminationGracePeriodSeconds": 30}}, "kvstore.terminationGracePeriodSeconds is computed now"),
 ])
 @pytest.mark.parametrize("renderer", ["lite", "helm"])
 def test_chart_refuses_tls_and_tenants_it_cannot_wire(values: dict[str, Any], error: str, renderer: str) -> None:
@@ -769,3 +944,20 @@ def iter_yaml_files() -> Iterator[Path]:
 @pytest.mark.parametrize("path", list(iter_yaml_files()), ids=lambda p: str(p.relative_to(DEPLOY)))
 def test_yaml_files_parse(path: Path) -> None:
     assert list(yaml.safe_load_all(path.read_text()))
+
+
+def test_prometheus_example_has_a_commented_https_variant() -> None:
+    """Uncommented, the https job of deploy/prometheus/prometheus.yml is a scrape config
+    like the plain one, with the CA (and, commented again, the client certificate)."""
+    text = (DEPLOY / "prometheus" / "prometheus.yml").read_text()
+    (plain,) = yaml.safe_load(text)["scrape_configs"]
+    start = text.index("  # - job_name: kvstore-tls")
+    block = text[start:].split("\n\n", 1)[0].splitlines()
+    assert all(ln.startswith("  # ") for ln in block)
+    (job,) = yaml.safe_load("\n".join(ln[4:] for ln in block))
+    assert job["scheme"] == "https" and job["metrics_path"] == plain["metrics_path"]
+    assert set(job["tls_config"]) == {"ca_file"} and job["static_configs"] == plain["static_configs"]
+    again = "\n".join(re.sub(r"^(\s*)# ", r"\1", ln[4:]) for ln in block)  # the optional lines too
+    (full,) = yaml.safe_load(again)
+    assert set(full["tls_config"]) == {"ca_file", "server_name", "cert_file", "key_file"}
+    assert full["authorization"]["type"] == "Bearer"

@@ -168,7 +168,7 @@ def test_up_passes_own_certificates_and_prints_what_clients_need(tmp_path: Path,
     assert own.node_args() == ["--tls-cert-file", c.cert, "--tls-key-file", c.key]
     assert client_snippet("etcd://h:1/c", own) == f"KVClient('etcd://h:1/c', tls_ca_file={c.ca!r})"
     mutual = tls_files(up_args("--tls-cert-file", c.cert, "--tls-key-file", c.key, "--tls-client-ca-file", c.ca))  # type: ignore[arg-type]
-    assert mutual is not None and mutual.node_args()[-2:] == ["--tls-client-ca-file", c.ca]
+    assert mutual is not None and mutual.node_args()[-3:] == ["--tls-client-ca-file", c.ca, "--no-metrics-tls"]  # no dashboard cert
     assert mutual.describe()["mutual"] and mutual.client_kwargs() == {"tls": True, "tls_cert_file": "CLIENT.crt", "tls_key_file": "CLIENT.key"}
     generated = tls_files(up_args("--tls"))  # type: ignore[arg-type]
     assert generated is not None and generated.generated and generated.cert_file == ""  # made when the cluster starts

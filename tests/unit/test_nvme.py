@@ -6,6 +6,7 @@ import errno
 import mmap
 import os
 import random
+import stat
 import threading
 from pathlib import Path
 
@@ -530,3 +531,20 @@ def test_segments_take_disk_space_only_when_used_regression(tmp_path: Path) -> N
     t = NVMeTier(tmp_path / "big", 1 << 30, segment_bytes=64 * MiB, sync=False)  # reopen keeps it
     assert read(t, key("first")) == payload("first", 5000)
     t.close()
+
+
+def test_index_was_world_readable(tmp_path: Path) -> None:
+    """``index.lmdb`` (every stored key and namespace) was created 0644; now 0600 like the segments,
+    in a directory its owner can still search (lmdb would mkdir it with the file mode)."""
+    old = os.umask(0o022)
+    try:
+        t = NVMeTier(tmp_path / "nvme", 16 * MiB, segment_bytes=4 * MiB, direct_io=False, sync=False)
+    finally:
+        os.umask(old)
+    try:
+        index = tmp_path / "nvme" / "index.lmdb"
+        assert stat.S_IMODE(index.stat().st_mode) == 0o700
+        for name in ("data.mdb", "lock.mdb"):
+            assert stat.S_IMODE((index / name).stat().st_mode) == 0o600, name
+    finally:
+        t.close()

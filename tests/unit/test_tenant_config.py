@@ -4,6 +4,8 @@ resolution, and the durable namespace-ownership table."""
 from __future__ import annotations
 
 import asyncio
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -224,3 +226,17 @@ def test_concurrent_claims_one_winner(tmp_path: Path) -> None:
         o.close()
 
     asyncio.run(main())
+
+
+def test_ownership_table_was_world_readable(tmp_path: Path) -> None:
+    """``owners.lmdb`` was created 0644; now 0600, like the NVMe segments."""
+    old = os.umask(0o022)
+    try:
+        o = Ownership(tmp_path / "owners.lmdb")
+    finally:
+        os.umask(old)
+    try:
+        for name in ("data.mdb", "lock.mdb"):
+            assert stat.S_IMODE((tmp_path / "owners.lmdb" / name).stat().st_mode) == 0o600, name
+    finally:
+        o.close()

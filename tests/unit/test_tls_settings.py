@@ -4,7 +4,9 @@ connection errors.  The end-to-end behaviour is in tests/integration/test_tls.py
 
 from __future__ import annotations
 
+import socket
 import ssl
+import threading
 from pathlib import Path
 
 import pytest
@@ -147,3 +149,73 @@ def test_explain(pki: PKI) -> None:
     refused = "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:10.0.0.5:50151: Connection refused"
     assert explain(refused, None, t) == refused and explain(refused, tls, t) == refused
     assert explain(closed, None, "unix:///run/kvstore.sock") == closed
+
+
+# -- TLS 1.2 cipher suites -------------------------------------------------------------------
+CBC_SUITE = "ECDHE-ECDSA-AES128-SHA256"  # what OpenSSL's default list offered under TLS 1.2
+GCM_SUITE = "ECDHE-ECDSA-AES128-GCM-SHA256"
+
+
+def tls12_client(pki: PKI, suites: str) -> ssl.SSLContext:
+    """A plain client context that trusts ``pki``, speaks TLS 1.2 only and offers only ``suites``."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_verify_locations(cafile=pki.ca)
+    ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    ctx.set_ciphers(suites)
+    return ctx
+
+
+def handshake(server: ssl.SSLContext, client: ssl.SSLContext) -> tuple[str, str]:
+    """Run a handshake over a socket pair; the (version, suite) the client got, or ``ssl.SSLError``."""
+    a, b = socket.socketpair()
+    a.settimeout(10)
+    b.settimeout(10)
+    refused: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            with server.wrap_socket(a, server_side=True) as s:
+                s.recv(1)  # until the client closes
+        except (ssl.SSLError, OSError) as e:
+            refused.append(e)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        with client.wrap_socket(b, server_hostname="localhost") as c:
+            version, suite = c.version(), c.cipher()[0]
+    finally:
+        b.close()
+        t.join(10)
+        a.close()
+    assert version is not None and not refused, refused
+    return version, suite
+
+
+def test_tls12_suites_are_aead_only_on_both_sides(pki: PKI) -> None:
+    default_13 = {c["name"] for c in ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).get_ciphers() if c["protocol"] == "TLSv1.3"}
+    for ctx in (ServerTLS.load(pki.server_cert, pki.server_key).context, ClientTLS.from_options(ca_file=pki.ca).context):
+        suites = ctx.get_ciphers()
+        tls12 = [c for c in suites if c["protocol"] == "TLSv1.2"]
+        assert tls12 and all(c["aead"] and c["kea"] == "kx-ecdhe" for c in tls12), [c["name"] for c in tls12]
+        assert {c["name"] for c in tls12} >= {GCM_SUITE, "ECDHE-ECDSA-CHACHA20-POLY1305", "ECDHE-RSA-AES128-GCM-SHA256"}
+        assert {c["name"] for c in suites if c["protocol"] == "TLSv1.3"} == default_13  # TLS 1.3 defaults kept
+
+
+def test_data_channel_accepted_cbc_suites_under_tls12_regression(pki: PKI) -> None:
+    server = ServerTLS.load(pki.server_cert, pki.server_key).context
+    # the node's side: a TLS 1.2 client offering only a CBC suite is refused; AES-GCM works
+    with pytest.raises(ssl.SSLError):
+        handshake(server, tls12_client(pki, CBC_SUITE))
+    assert handshake(server, tls12_client(pki, GCM_SUITE)) == ("TLSv1.2", GCM_SUITE)
+    # the SDK's side: it will not agree to a CBC suite either
+    client = ClientTLS.from_options(ca_file=pki.ca)
+    assert client is not None
+    cbc_only = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    cbc_only.load_cert_chain(pki.server_cert, pki.server_key)
+    cbc_only.maximum_version = ssl.TLSVersion.TLSv1_2
+    cbc_only.set_ciphers(CBC_SUITE)
+    with pytest.raises(ssl.SSLError):
+        handshake(cbc_only, client.context)
+    # and between the two, TLS 1.3 is still what they speak
+    assert handshake(server, client.context)[0] == "TLSv1.3"

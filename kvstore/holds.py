@@ -1,0 +1,187 @@
+"""Reservations, leases and pins: every claim on DRAM space or on a block, with its deadline.
+
+Owner: the tier manager's event loop (``TierManager.holds``).  Plain data structures:
+no I/O, no awaits, no locks.  Deadlines are absolute times on the manager's clock; the
+manager decides when they have passed (``reap``), so a fake clock drives them in tests.
+The movers (``kvstore/movers.py``) take internal references here while an executor
+thread reads a block's bytes, and read ``pinned`` from that thread (a racy read of one
+dict entry: at worst a pin that just ended still protects its block from NVMe eviction).
+
+State:
+
+* ``reservations``: id → the block being written, its arena extents, deadline, tenant;
+* ``leases``: id → the leased key, its DRAM allocation, deadline, tenant;
+* ``refs``: DRAM allocation (its first extent's offset, see :func:`allocation`) → live
+  references: one per lease, plus one per demotion reading it;
+* ``detached``: allocations whose block was deleted or replaced while referenced; their
+  extents are freed (through ``free``) when the last reference goes;
+* ``pins``: key → pinned until.
+
+Invariants: ``refs[a]`` is the number of leases on ``a`` plus internal references, and
+never zero or negative (the entry goes at zero); a detached allocation is freed exactly
+once, when its last reference is dropped, never while one remains; an id names at most
+one reservation or lease, ids never repeat within a process, and they start at a random
+point so a late call meant for an earlier process hits nothing; a held reservation or
+lease (``hold``: a transfer is moving its bytes) has an infinite deadline and expires
+only at ``reap(now=inf)``, the shutdown sweep.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import math
+import secrets
+from collections.abc import Callable, Sequence
+
+from kvstore.block import BlockMeta
+from kvstore.keys import ChunkKey
+from tiers.allocator import Extent
+
+_EXPIRED_MEMORY = 65536  # how many expired lease ids we remember, to answer release() honestly
+
+
+def allocation(extents: Sequence[Extent] | None) -> int | None:
+    """The id of a DRAM allocation: its first extent's offset (None for no block)."""
+    return extents[0].offset if extents else None
+
+
+@dataclasses.dataclass(slots=True)
+class Reservation:
+    meta: BlockMeta
+    extents: list[Extent]
+    deadline: float
+    tenant: str | None = None  # who made it (None: the admin, or a node without tenants)
+
+
+@dataclasses.dataclass(slots=True)
+class Lease:
+    key: ChunkKey
+    alloc: int  # first extent offset: identifies the allocation
+    deadline: float
+    tenant: str | None = None
+
+
+class Holds:
+    def __init__(self, clock: Callable[[], float], free: Callable[[list[Extent]], None]) -> None:
+        self.clock = clock
+        self._free = free  # gives a detached allocation's extents back to the DRAM tier
+        # ids start at a random point so a late Release/Abort meant for an earlier node
+        # process on the same socket cannot hit another client's lease or reservation
+        self._ids = itertools.count(secrets.randbits(48) + 1)
+        self.reservations: dict[int, Reservation] = {}
+        self.leases: dict[int, Lease] = {}
+        self.expired: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.refs: collections.Counter[int] = collections.Counter()  # allocation -> live references
+        self.detached: dict[int, list[Extent]] = {}  # deleted while referenced; freed on the last drop
+        self.pins: dict[ChunkKey, float] = {}  # key -> pinned until (clock)
+
+    # -- reservations -----------------------------------------------------------------
+    def reserve(self, meta: BlockMeta, extents: list[Extent], deadline: float, tenant: str | None) -> int:
+        rid = next(self._ids)
+        self.reservations[rid] = Reservation(meta, extents, deadline, tenant)
+        return rid
+
+    def take_reservation(self, rid: int) -> Reservation | None:
+        """Remove and return a reservation (commit or abort); None if unknown or reclaimed."""
+        return self.reservations.pop(rid, None)
+
+    def reservation_tenant(self, rid: int) -> str | None:
+        r = self.reservations.get(rid)
+        return r.tenant if r is not None else None
+
+    def overdue_reservations(self, now: float) -> list[int]:
+        return [rid for rid, r in self.reservations.items() if r.deadline <= now]
+
+    # -- leases and references -----------------------------------------------------------
+    def lease(self, key: ChunkKey, alloc: int, deadline: float, tenant: str | None) -> int:
+        lid = next(self._ids)
+        self.leases[lid] = Lease(key, alloc, deadline, tenant)
+        self.refs[alloc] += 1
+        return lid
+
+    def release(self, lid: int) -> bool:
+        """End a lease; False if it is unknown (never given, released, or expired)."""
+        lease = self.leases.pop(lid, None)
+        if lease is None:
+            return False
+        self.drop_ref(lease.alloc)
+        return True
+
+    def lease_tenant(self, lid: int) -> str | None:
+        lease = self.leases.get(lid)
+        return lease.tenant if lease is not None else None
+
+    def leased(self, alloc: int) -> bool:
+        """Whether anything (a lease, a demotion) still refers to this allocation."""
+        return self.refs[alloc] != 0
+
+    def ref(self, alloc: int) -> None:
+        """An internal reference: the allocation's bytes must stay put (a demotion reads them)."""
+        self.refs[alloc] += 1
+
+    def drop_ref(self, alloc: int) -> None:
+        self.refs[alloc] -= 1
+        if self.refs[alloc] <= 0:
+            del self.refs[alloc]
+            extents = self.detached.pop(alloc, None)
+            if extents is not None:
+                self._free(extents)
+
+    def detach(self, alloc: int, extents: list[Extent]) -> None:
+        """The block of a referenced allocation left the index: free it on the last drop."""
+        self.detached[alloc] = extents
+
+    # -- transfers ----------------------------------------------------------------------
+    def hold(self, *, reservation_ids: Sequence[int] = (), lease_ids: Sequence[int] = ()) -> bool:
+        """Exempt live reservations and leases from their deadlines (see ``TierManager.hold``);
+        False if any of them is gone already."""
+        live = True
+        for rid in reservation_ids:
+            r = self.reservations.get(rid)
+            if r is None:
+                live = False
+            else:
+                r.deadline = math.inf
+        for lid in lease_ids:
+            lease = self.leases.get(lid)
+            if lease is None:
+                live = False
+            else:
+                lease.deadline = math.inf
+        return live
+
+    def held(self, some_id: int) -> bool:
+        r = self.reservations.get(some_id)
+        if r is not None:
+            return r.deadline == math.inf
+        lease = self.leases.get(some_id)
+        return lease is not None and lease.deadline == math.inf
+
+    # -- pins -------------------------------------------------------------------------
+    def pinned(self, key: ChunkKey) -> bool:
+        until = self.pins.get(key)
+        return until is not None and until > self.clock()
+
+    def pin(self, key: ChunkKey, until: float) -> None:
+        """Pin ``key`` until ``until``; an existing later deadline stays."""
+        self.pins[key] = max(until, self.pins.get(key, 0.0))
+
+    def unpin(self, key: ChunkKey) -> bool:
+        return self.pins.pop(key, None) is not None
+
+    # -- deadlines ----------------------------------------------------------------------
+    def expire(self, now: float) -> int:
+        """Drop the leases and pins whose deadline passed; returns how many leases went.
+        (Overdue reservations are the manager's to abort: their extents go back to DRAM.)"""
+        expired = [lid for lid, lease in self.leases.items() if lease.deadline <= now]
+        for lid in expired:
+            lease = self.leases.pop(lid)
+            self.drop_ref(lease.alloc)
+            self.expired[lid] = None
+        while len(self.expired) > _EXPIRED_MEMORY:
+            self.expired.popitem(last=False)
+        for k in [k for k, until in self.pins.items() if until <= now]:
+            del self.pins[k]
+        return len(expired)
