@@ -39,6 +39,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease-ttl", dest="etcd_lease_ttl_s", type=float, metavar="S",
                    help="TTL of this node's etcd membership lease in seconds (default 10; kept alive every TTL/3)")
     p.add_argument("--reservation-ttl", dest="reservation_ttl_s", type=float, metavar="S", help="unfinished writes are reclaimed after S seconds")
+    p.add_argument("--max-pin-ttl", dest="max_pin_ttl_s", type=float, metavar="S",
+                   help="longest pin in seconds (default 3600); pins asking for more, or forever, are cut to it")
     p.add_argument("--max-batch", type=int, metavar="N", help="most keys or blocks in one request (default 4096); larger requests are refused, the SDK splits its batches to fit")
     p.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, metavar="S",
                    help="on SIGTERM, running calls and transfers get S seconds to finish before they are cancelled (default 10)")
@@ -60,7 +62,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {
         k: getattr(a, k)
         for k in ("listen", "data_listen", "socket", "data_dir", "dram", "nvme", "node_id", "arena_path", "eviction_policy",
-                  "write_through", "token_file", "tenants", "lease_ttl_s", "reservation_ttl_s", "max_batch", "drain_timeout_s", "metrics_port",
+                  "write_through", "token_file", "tenants", "lease_ttl_s", "reservation_ttl_s", "max_pin_ttl_s", "max_batch", "drain_timeout_s", "metrics_port",
                   "metrics_tls", "etcd", "cluster", "zone", "etcd_lease_ttl_s", "tls_cert_file", "tls_key_file", "tls_client_ca_file")
     }
     cfg = load_config(a.config, overrides=overrides)

@@ -60,12 +60,25 @@ TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 class TenantConfig(BaseModel):
     """One tenant's credentials: each token (inline or in a file) authenticates as it.  Several
-    tokens let a tenant rotate one without downtime."""
+    tokens let a tenant rotate one without downtime.  And its limits on what eviction cannot
+    reclaim: its unfinished writes and its pins (TOML only; ``NAME=TOKEN_FILE`` has none)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     token: tuple[str, ...] = Field((), repr=False, description="Bearer token(s) of the tenant: a string or a list.")
     token_file: tuple[str, ...] = Field((), description="File(s) each holding one bearer token of the tenant: a path or a list.")
+    max_reserved_bytes: int | None = Field(None, description="Most payload bytes the tenant's unfinished writes (reservations) may hold at once (accepts 512MiB-style strings); unset: only the DRAM size limits it.")
+    max_pinned_bytes: int | None = Field(None, description="Most payload bytes of blocks the tenant may keep pinned at once (accepts 512MiB-style strings); unset: only the DRAM size limits it.")
+
+    @field_validator("max_reserved_bytes", "max_pinned_bytes", mode="before")
+    @classmethod
+    def _limit_size(cls, v: object) -> object:
+        if v is None:
+            return v
+        try:
+            return parse_size(v)
+        except InvalidArgument as e:
+            raise ValueError(str(e)) from None
 
     @field_validator("token", "token_file", mode="before")
     @classmethod
@@ -133,6 +146,7 @@ class NodeConfig(BaseModel):
     direct_io: bool | None = Field(None, description="O_DIRECT on NVMe segment files; unset: use it where the filesystem allows.")
     reservation_ttl_s: float = Field(30.0, gt=0, description="Unfinished writes are reclaimed after this many seconds.")
     lease_ttl_s: float = Field(30.0, gt=0, description="Read leases expire after this many seconds.")
+    max_pin_ttl_s: float = Field(3600.0, gt=0, allow_inf_nan=False, description="Longest a pin lasts, in seconds: a pin asking for more (or for ever, ttl inf) is cut to this, for tenants and the admin alike; re-pin to keep a block longer.")
     max_block_bytes: int = Field(256 << 20, gt=0, description="Largest block payload accepted.")
     max_batch: int = Field(4096, gt=0, description="Most keys in one request.")
     token: str = Field("", description="Bearer token required on every RPC and data-channel transfer; empty: no auth.")

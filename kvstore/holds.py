@@ -15,7 +15,10 @@ State:
   references: one per lease, plus one per demotion reading it;
 * ``detached``: allocations whose block was deleted or replaced while referenced; their
   extents are freed (through ``free``) when the last reference goes;
-* ``pins``: key → pinned until.
+* ``pins``: key → :class:`Pin` (pinned until, the tenant charged, the bytes charged);
+* ``reserved_bytes``, ``pinned_bytes``: tenant → the payload bytes its live reservations
+  and pins hold (admin holds, tenant None, are not counted); ``limits`` say how far each
+  tenant may go (``kvstore/manager.py`` checks them before it reserves or pins).
 
 Invariants: ``refs[a]`` is the number of leases on ``a`` plus internal references, and
 never zero or negative (the entry goes at zero); a detached allocation is freed exactly
@@ -23,7 +26,10 @@ once, when its last reference is dropped, never while one remains; an id names a
 one reservation or lease, ids never repeat within a process, and they start at a random
 point so a late call meant for an earlier process hits nothing; a held reservation or
 lease (``hold``: a transfer is moving its bytes) has an infinite deadline and expires
-only at ``reap(now=inf)``, the shutdown sweep.
+only at ``reap(now=inf)``, the shutdown sweep; ``reserved_bytes[t]`` is the sum of the
+``meta.payload_len`` of ``t``'s reservations and ``pinned_bytes[t]`` the sum of the ``nbytes``
+its pins were charged (an entry goes at zero).  Every reservation and pin enters and leaves
+through the methods here, so the sums move with them and nothing ever rescans.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import dataclasses
 import itertools
 import math
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvstore.block import BlockMeta
 from kvstore.keys import ChunkKey
@@ -56,6 +62,21 @@ class Reservation:
 
 
 @dataclasses.dataclass(slots=True)
+class Pin:
+    until: float
+    tenant: str | None  # charged with it: whoever last pinned the key (None: the admin, uncharged)
+    nbytes: int  # what it was charged: the block's payload length when it was pinned
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """How much DRAM one tenant may hold beyond eviction's reach (None: only the node's size)."""
+
+    max_reserved_bytes: int | None = None
+    max_pinned_bytes: int | None = None
+
+
+@dataclasses.dataclass(slots=True)
 class Lease:
     key: ChunkKey
     alloc: int  # first extent offset: identifies the allocation
@@ -64,8 +85,10 @@ class Lease:
 
 
 class Holds:
-    def __init__(self, clock: Callable[[], float], free: Callable[[list[Extent]], None]) -> None:
+    def __init__(self, clock: Callable[[], float], free: Callable[[list[Extent]], None],
+                 limits: Mapping[str, TenantLimits] | None = None) -> None:
         self.clock = clock
+        self.limits: dict[str, TenantLimits] = dict(limits or {})
         self._free = free  # gives a detached allocation's extents back to the DRAM tier
         # ids start at a random point so a late Release/Abort meant for an earlier node
         # process on the same socket cannot hit another client's lease or reservation
@@ -75,17 +98,31 @@ class Holds:
         self.expired: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.refs: collections.Counter[int] = collections.Counter()  # allocation -> live references
         self.detached: dict[int, list[Extent]] = {}  # deleted while referenced; freed on the last drop
-        self.pins: dict[ChunkKey, float] = {}  # key -> pinned until (clock)
+        self.pins: dict[ChunkKey, Pin] = {}
+        self.reserved_bytes: collections.Counter[str] = collections.Counter()  # tenant -> bytes of its reservations
+        self.pinned_bytes: collections.Counter[str] = collections.Counter()  # tenant -> bytes charged for its pins
 
     # -- reservations -----------------------------------------------------------------
     def reserve(self, meta: BlockMeta, extents: list[Extent], deadline: float, tenant: str | None) -> int:
         rid = next(self._ids)
         self.reservations[rid] = Reservation(meta, extents, deadline, tenant)
+        if tenant is not None:
+            self.reserved_bytes[tenant] += meta.payload_len
         return rid
 
     def take_reservation(self, rid: int) -> Reservation | None:
         """Remove and return a reservation (commit or abort); None if unknown or reclaimed."""
-        return self.reservations.pop(rid, None)
+        r = self.reservations.pop(rid, None)
+        if r is not None and r.tenant is not None:
+            _uncharge(self.reserved_bytes, r.tenant, r.meta.payload_len)
+        return r
+
+    def reserve_room(self, tenant: str | None) -> int | None:
+        """Bytes ``tenant`` may still reserve under ``max_reserved_bytes``; None: no limit."""
+        lim = self.limits.get(tenant) if tenant is not None else None
+        if lim is None or lim.max_reserved_bytes is None:
+            return None
+        return lim.max_reserved_bytes - self.reserved_bytes[tenant]  # type: ignore[index]
 
     def reservation_tenant(self, rid: int) -> str | None:
         r = self.reservations.get(rid)
@@ -161,15 +198,54 @@ class Holds:
 
     # -- pins -------------------------------------------------------------------------
     def pinned(self, key: ChunkKey) -> bool:
-        until = self.pins.get(key)
-        return until is not None and until > self.clock()
+        p = self.pins.get(key)
+        return p is not None and p.until > self.clock()
 
-    def pin(self, key: ChunkKey, until: float) -> None:
-        """Pin ``key`` until ``until``; an existing later deadline stays."""
-        self.pins[key] = max(until, self.pins.get(key, 0.0))
+    def pin_room(self, tenant: str | None) -> int | None:
+        """Bytes ``tenant`` may still pin under ``max_pinned_bytes``; None: no limit."""
+        lim = self.limits.get(tenant) if tenant is not None else None
+        if lim is None or lim.max_pinned_bytes is None:
+            return None
+        return lim.max_pinned_bytes - self.pinned_bytes[tenant]  # type: ignore[index]
+
+    def pin_charge(self, key: ChunkKey, tenant: str | None, nbytes: int) -> int:
+        """What pinning ``key`` would add to ``tenant``'s pinned bytes (0: its pin already)."""
+        p = self.pins.get(key)
+        if tenant is None or (p is not None and p.tenant == tenant and p.until > self.clock()):
+            return 0
+        return nbytes
+
+    def pin(self, key: ChunkKey, until: float, tenant: str | None = None, nbytes: int = 0) -> None:
+        """Pin ``key`` until ``until``, charged to ``tenant``; an existing later deadline
+        stays.  A pin set again by another caller becomes that caller's (and so does its charge)."""
+        p = self.pins.get(key)
+        if p is not None and p.until <= self.clock():
+            self.unpin(key)  # ended already, not yet reaped: this is a new pin
+            p = None
+        if p is not None and p.tenant == tenant:
+            p.until = max(until, p.until)
+            return
+        if p is not None:
+            until = max(until, p.until)
+            self.unpin(key)
+        self.pins[key] = Pin(until, tenant, nbytes)
+        if tenant is not None:
+            self.pinned_bytes[tenant] += nbytes
 
     def unpin(self, key: ChunkKey) -> bool:
-        return self.pins.pop(key, None) is not None
+        p = self.pins.pop(key, None)
+        if p is None:
+            return False
+        if p.tenant is not None:
+            _uncharge(self.pinned_bytes, p.tenant, p.nbytes)
+        return True
+
+    def expire_pins(self, now: float) -> int:
+        """Drop the pins whose deadline passed (a scan: the reaper's, and a refused pin's)."""
+        gone = [k for k, p in self.pins.items() if p.until <= now]
+        for k in gone:
+            self.unpin(k)
+        return len(gone)
 
     # -- deadlines ----------------------------------------------------------------------
     def expire(self, now: float) -> int:
@@ -182,6 +258,12 @@ class Holds:
             self.expired[lid] = None
         while len(self.expired) > _EXPIRED_MEMORY:
             self.expired.popitem(last=False)
-        for k in [k for k, until in self.pins.items() if until <= now]:
-            del self.pins[k]
+        self.expire_pins(now)
         return len(expired)
+
+
+def _uncharge(counts: collections.Counter[str], tenant: str, nbytes: int) -> None:
+    counts[tenant] -= nbytes
+    assert counts[tenant] >= 0, f"tenant {tenant!r} accounting went negative"
+    if counts[tenant] == 0:
+        del counts[tenant]

@@ -27,7 +27,15 @@ and re-exported here.  What the manager adds on top of the tiers:
 * **Eviction.** DRAM victims come from the DRAM tier's policy (prefix-aware by
   default); dirty victims are demoted to NVMe (write-back) in one group commit, clean
   ones are dropped.  ``write_through`` persists every commit at once instead.
-* **Pins** with a TTL keep blocks resident.
+* **Pins** with a TTL keep blocks resident; no pin outlives ``max_pin_ttl`` (a longer TTL,
+  ``inf`` included, is cut to it, for every caller).
+* **Tenant limits** (``tenant_limits``): reserved, leased and pinned blocks are what
+  eviction cannot reclaim, so one tenant holding them could deny DRAM to all others.  A
+  tenant's reservations may hold at most ``max_reserved_bytes`` of payload (a block over it
+  answers ``NO_SPACE``; a batch where that left nothing reserved raises ``CapacityExceeded``
+  naming the limit) and its pins at most ``max_pinned_bytes`` (a pin over it is refused
+  whole, ``CapacityExceeded``).  The sums are kept in ``self.holds`` as holds come and go;
+  leases are bounded by ``lease_ttl`` alone.  The admin (tenant None) has no such limits.
 * **Tenants** (``kvstore/tenants.py``; the service decides who sees what): lookups,
   ``acquire`` and ``reserve``'s deduplication take a ``visible(namespace)`` predicate, and a
   block the caller may not see is absent to it; reservations and leases carry the tenant
@@ -49,13 +57,13 @@ import asyncio
 import collections
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvstore.block import BlockMeta, checksum
 from kvstore.errors import CapacityExceeded, InvalidArgument
-from kvstore.holds import Holds, allocation
+from kvstore.holds import Holds, TenantLimits, allocation
 from kvstore.keys import ChunkKey
 from kvstore.misses import CORRUPT, INVALIDATED, NEVER_STORED, TIER_LABEL, KeyHistory, Ledger
 from kvstore.movers import TierMovers
@@ -82,6 +90,8 @@ class TierManager:
         lease_ttl: float = 30.0,
         executor: ThreadPoolExecutor | None = None,
         verify_demotions: bool = True,
+        tenant_limits: Mapping[str, TenantLimits] | None = None,
+        max_pin_ttl: float = 3600.0,
     ) -> None:
         self.dram = dram
         self.nvme = nvme
@@ -89,6 +99,7 @@ class TierManager:
         self.write_through = write_through
         self.reservation_ttl = reservation_ttl
         self.lease_ttl = lease_ttl
+        self.max_pin_ttl = max_pin_ttl
         self._executor = executor or ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstore-io")
         self._own_executor = executor is None
         self.counters: collections.Counter[str] = collections.Counter()
@@ -96,7 +107,7 @@ class TierManager:
         self.history = KeyHistory()
         self.ledger = Ledger()
         self._departed: collections.deque[tuple[ChunkKey, str, bytes | None]] = collections.deque()  # from executor threads
-        self.holds = Holds(clock, dram.free)
+        self.holds = Holds(clock, dram.free, tenant_limits)
         self.movers = TierMovers(dram, nvme, self.holds, executor=self._executor, counters=self.counters,
                                  forget=self._forget, departed=self._departed, verify_demotions=verify_demotions)
 
@@ -200,17 +211,28 @@ class TierManager:
 
     # -- two-phase writes -----------------------------------------------------------
     async def reserve(self, metas: Sequence[BlockMeta], *, tenant: str | None = None,
-                      visible: Visible | None = None) -> list[Reserved]:
+                      visible: Visible | None = None, refuse_over_limit: bool = True) -> list[Reserved]:
         """Reserve space for each block, or answer ``EXISTS`` for a key already stored.  A key
         stored in a namespace the caller may not see (``visible``) gets space like a new one:
-        its commit is dropped, so the answers never tell whether another tenant has it."""
+        its commit is dropped, so the answers never tell whether another tenant has it.
+
+        A block that would take ``tenant``'s reserved bytes over its ``max_reserved_bytes``
+        answers ``NO_SPACE``; if that left the batch without any reservation, the call raises
+        ``CapacityExceeded`` naming the limit instead (``refuse_over_limit``: a put stream,
+        which reserves block by block, takes the ``NO_SPACE`` answers)."""
         out: list[Reserved] = []
         deadline = self.clock() + self.reservation_ttl
+        over_limit: BlockMeta | None = None
         try:
             for meta in metas:
                 if self._find(meta.key, visible)[1] is not None:
                     self.counters["puts_deduplicated"] += 1
                     out.append(Reserved(Status.EXISTS))
+                    continue
+                if not self._reserve_room(tenant, meta.payload_len):
+                    over_limit = over_limit or meta
+                    self.counters["reserve_tenant_limit"] += 1
+                    out.append(Reserved(Status.NO_SPACE))
                     continue
                 try:
                     extents = await self.movers.allocate(meta.payload_len)
@@ -225,7 +247,28 @@ class TierManager:
         except BaseException:
             self.abort([r.reservation_id for r in out if r.status == Status.OK])  # nobody will learn their ids
             raise
+        if over_limit is not None and refuse_over_limit and not any(r.status == Status.OK for r in out):
+            assert tenant is not None
+            limit = self.holds.limits[tenant].max_reserved_bytes
+            held = self.holds.reserved_bytes[tenant]
+            why = (f"a block of {over_limit.payload_len} bytes is larger than tenant {tenant!r}'s max_reserved_bytes={limit}"
+                   if over_limit.payload_len > (limit or 0) else
+                   f"tenant {tenant!r} has {held} bytes reserved in unfinished writes and max_reserved_bytes={limit}; "
+                   f"a block of {over_limit.payload_len} bytes does not fit: commit or abort earlier writes first")
+            raise CapacityExceeded(f"{why} (the node's [tenants.{tenant}] max_reserved_bytes sets the limit)")
         return out
+
+    def _reserve_room(self, tenant: str | None, nbytes: int) -> bool:
+        """Whether ``tenant`` may reserve ``nbytes`` more.  Cheap when it may; when not,
+        overdue reservations (the reaper's next catch) are reclaimed first and it asks again."""
+        room = self.holds.reserve_room(tenant)
+        if room is None or nbytes <= room:
+            return True
+        overdue = self.holds.overdue_reservations(self.clock())
+        self.abort(overdue)
+        self.counters["reservations_reclaimed"] += len(overdue)
+        room = self.holds.reserve_room(tenant)
+        return room is None or nbytes <= room
 
     async def commit(self, ids: Sequence[int], checksums: Sequence[int] | None = None, *, verify: bool = False) -> list[Status]:
         """Publish reserved blocks.  ``checksums`` (if given) replace the reserved metas' ones;
@@ -451,16 +494,36 @@ class TierManager:
         self.counters["invalidated_blocks"] += n
         return n
 
-    def pin(self, keys: Sequence[ChunkKey], ttl: float) -> int:
+    def pin(self, keys: Sequence[ChunkKey], ttl: float, *, tenant: str | None = None) -> int:
+        """Pin the stored ``keys`` for ``ttl`` seconds (cut to ``max_pin_ttl``), charged to
+        ``tenant``.  All or nothing against its ``max_pinned_bytes``: a batch whose new pins
+        would take it over is refused whole (``CapacityExceeded``); pins it holds already
+        cost nothing more, and get the new deadline if later."""
         if not ttl > 0:  # NaN too: it would never expire, yet never pin
             raise InvalidArgument(f"pin ttl must be positive, got {ttl}")
-        until = self.clock() + ttl
-        n = 0
-        for k in keys:
-            if self.where(k) is not None:
-                self.holds.pin(k, until)
-                n += 1
-        return n
+        if ttl > self.max_pin_ttl:
+            self.counters["pins_ttl_capped"] += 1
+            ttl = self.max_pin_ttl
+        now = self.clock()
+        stored = {k: meta for k in keys if (meta := self._locate(k)[1]) is not None}
+        room = self.holds.pin_room(tenant)
+        if room is not None:
+            charge = sum(self.holds.pin_charge(k, tenant, m.payload_len) for k, m in stored.items())
+            if charge > room:
+                self.holds.expire_pins(now)  # ended pins not reaped yet still count until this
+                room = self.holds.pin_room(tenant)
+                assert room is not None
+                if charge > room:
+                    limit = self.holds.limits[tenant].max_pinned_bytes  # type: ignore[index]
+                    self.counters["pin_tenant_limit"] += 1
+                    raise CapacityExceeded(
+                        f"tenant {tenant!r} has {self.holds.pinned_bytes[tenant]} bytes pinned and max_pinned_bytes={limit}; "  # type: ignore[index]
+                        f"pinning {len(stored)} more block(s) ({charge} bytes) would exceed it, so none was pinned: unpin "
+                        f"some first (the node's [tenants.{tenant}] max_pinned_bytes sets the limit)")
+        until = now + ttl
+        for k, m in stored.items():
+            self.holds.pin(k, until, tenant, m.payload_len)
+        return sum(1 for k in keys if k in stored)
 
     def unpin(self, keys: Sequence[ChunkKey]) -> int:
         return sum(self.holds.unpin(k) for k in keys)
@@ -506,6 +569,9 @@ class TierManager:
             "reservations": len(self.holds.reservations),
             "leases": len(self.holds.leases),
             "pins": len(self.holds.pins),
+            # per tenant: what its reservations and pins hold now (what eviction cannot reclaim)
+            "tenant_holds": {t: {"reserved_bytes": self.holds.reserved_bytes[t], "pinned_bytes": self.holds.pinned_bytes[t]}
+                             for t in sorted(set(self.holds.limits) | set(self.holds.reserved_bytes) | set(self.holds.pinned_bytes))},
             "counters": dict(self.counters),
         }
 

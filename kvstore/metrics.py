@@ -212,6 +212,22 @@ def families(snap: dict[str, Any], *, node_id: str, version: str, started: float
         ("kvstore_key_history_capacity", "Entries the miss-reason history can hold.", snap.get("history", {}).get("capacity", 0)),
     ):
         yield GaugeMetricFamily(name, doc, value=value)
+    # per tenant (labels bounded by the config); the admin's holds are not counted
+    held = GaugeMetricFamily("kvstore_tenant_held_bytes", "Payload bytes each tenant holds beyond eviction's reach, by kind: "
+                             "reserved = its unfinished writes, pinned = its pins (see [tenants.NAME] max_reserved_bytes, "
+                             "max_pinned_bytes).", labels=["tenant", "kind"])
+    for tenant, h in snap.get("tenant_holds", {}).items():
+        held.add_metric([tenant, "reserved"], h["reserved_bytes"])
+        held.add_metric([tenant, "pinned"], h["pinned_bytes"])
+    yield held
+    f = _counter("kvstore_limit_refusals", "Refusals because a tenant was at its limit: reserve = blocks over "
+                 "max_reserved_bytes (answered NO_SPACE or RESOURCE_EXHAUSTED), pin = Pin calls over max_pinned_bytes.", ["kind"])
+    f.add_metric(["reserve"], c.get("reserve_tenant_limit", 0))
+    f.add_metric(["pin"], c.get("pin_tenant_limit", 0))
+    yield f
+    f = _counter("kvstore_pins_ttl_capped", "Pins whose TTL was cut to max_pin_ttl_s.", [])
+    f.add_metric([], c.get("pins_ttl_capped", 0))
+    yield f
     f = _counter("kvstore_key_history_records", "Departures (evictions, invalidations, corruption) recorded in the miss-reason history.", [])
     f.add_metric([], snap.get("history", {}).get("records", 0))
     yield f

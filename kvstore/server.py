@@ -41,6 +41,7 @@ from grpc_reflection.v1alpha import reflection
 from kvstore.config import NodeConfig
 from kvstore.datachannel import DataChannelServer
 from kvstore.errors import DataDirLocked, InvalidArgument
+from kvstore.holds import TenantLimits
 from kvstore.manager import TierManager
 from kvstore.metrics import MetricsServer, NodeMetrics, manager_snapshot
 from kvstore.policy import make_policy
@@ -175,7 +176,8 @@ class Node:
                             self.owners.path, len(nvme), data_dir / "nvme")
         self.manager = TierManager(
             dram, nvme, write_through=cfg.write_through,
-            reservation_ttl=cfg.reservation_ttl_s, lease_ttl=cfg.lease_ttl_s,
+            reservation_ttl=cfg.reservation_ttl_s, lease_ttl=cfg.lease_ttl_s, max_pin_ttl=cfg.max_pin_ttl_s,
+            tenant_limits={name: TenantLimits(t.max_reserved_bytes, t.max_pinned_bytes) for name, t in cfg.tenants.items()},
         )
         loop = self._loop = asyncio.get_running_loop()
         from kvstore import __version__

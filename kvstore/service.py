@@ -9,7 +9,11 @@ from its token once, in ``_rpc``.  A tenant's reads see only blocks of namespace
 or nobody owns (the rest are misses); its writes must be to namespaces it owns or now
 claims (else ``PERMISSION_DENIED``); its deletes, pins and unpins skip keys of blocks it
 does not own, and its commits, aborts and releases skip other callers' ids, as if unknown:
-a refusal there would tell it that another tenant holds the key.
+a refusal there would tell it that another tenant holds the key.  Its unfinished writes
+and pins are limited by ``[tenants.NAME] max_reserved_bytes`` and ``max_pinned_bytes``
+(the tier manager enforces them: over-limit answers are ``NO_SPACE`` per block, or
+``RESOURCE_EXHAUSTED`` when nothing of the call could be done); they count only blocks the
+tenant may see, so a refusal tells nothing about other tenants.
 """
 
 from __future__ import annotations
@@ -449,7 +453,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                             f"more blocks than the {declared} the stream declared ({BLOCKS_METADATA_KEY}); none was stored")
                     (meta,) = self._metas([chunk.block])
                     await self._claim(caller, [meta])
-                    (r,) = await self.m.reserve([meta], tenant=caller.tenant, visible=visible)
+                    # over the tenant's max_reserved_bytes: NO_SPACE for this block, the stream goes on
+                    (r,) = await self.m.reserve([meta], tenant=caller.tenant, visible=visible, refuse_over_limit=False)
                     statuses.append(int(r.status))
                     current = (meta, r.reservation_id if r.status == Status.OK else 0, list(r.extents), 0)
                 if current is None:
@@ -555,7 +560,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Pin(self, request: pb.PinRequest, context: Any) -> pb.DeleteResponse:
-        return pb.DeleteResponse(count=self.m.pin(self._changeable(self._keys(request.keys)), request.ttl_s))
+        caller = self._caller()
+        return pb.DeleteResponse(count=self.m.pin(self._changeable(self._keys(request.keys)), request.ttl_s, tenant=caller.tenant))
 
     @_rpc
     async def Unpin(self, request: pb.KeysRequest, context: Any) -> pb.DeleteResponse:

@@ -30,6 +30,19 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+class FakeClock:
+    """A monotonic clock the test moves by hand (``advance``), for TierManager scenarios."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
 class NodeProcess:
     """A ``kvstore serve`` child process.  ``endpoints`` is its READY line.
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import FakeClock
 
 from kvstore.block import BlockMeta
 from kvstore.errors import CapacityExceeded
@@ -22,17 +23,6 @@ from tiers.dram import DRAMTier
 from tiers.nvme import NVMeTier
 
 MiB = 1 << 20
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> None:
-        self.t += dt
 
 
 def key(i: int) -> ChunkKey:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -240,3 +241,39 @@ def test_ownership_table_was_world_readable(tmp_path: Path) -> None:
             assert stat.S_IMODE((tmp_path / "owners.lmdb" / name).stat().st_mode) == 0o600, name
     finally:
         o.close()
+
+
+# -- config: per-tenant limits on what eviction cannot reclaim ---------------------------------
+
+
+def test_tenant_limits_parse_sizes_and_default_to_none(tmp_path: Path) -> None:
+    cfg = load_config(toml(tmp_path, '[node]\nmax_pin_ttl_s = 600\n\n[tenants.alice]\ntoken = "a"\n\n'
+                                     '[tenants.bob]\ntoken = "b"\nmax_reserved_bytes = "512MiB"\nmax_pinned_bytes = 65536\n'),
+                      environ={})
+    assert cfg.max_pin_ttl_s == 600
+    assert (cfg.tenants["alice"].max_reserved_bytes, cfg.tenants["alice"].max_pinned_bytes) == (None, None)
+    assert (cfg.tenants["bob"].max_reserved_bytes, cfg.tenants["bob"].max_pinned_bytes) == (512 << 20, 65536)
+    assert load_config(environ={}).max_pin_ttl_s == 3600
+
+
+@pytest.mark.parametrize("line, message", [
+    ('max_pinned_bytes = "lots"', "tenants.bob.max_pinned_bytes: not a size: 'lots'"),
+    ('max_reserved_bytes = "1.5"', "tenants.bob.max_reserved_bytes: not a whole number of bytes"),
+    ("max_reserved_bytes = -1", "tenants.bob.max_reserved_bytes: size must be non-negative"),
+    ("max_reserved_bytes = true", "tenants.bob.max_reserved_bytes: not a size: True"),
+    ("max_pin_ttl_s = 60", "tenants.bob.max_pin_ttl_s: Extra inputs are not permitted"),  # node-wide, not per tenant
+])
+def test_bad_tenant_limits_are_clear_errors(tmp_path: Path, line: str, message: str) -> None:
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        load_config(toml(tmp_path, f'[tenants.bob]\ntoken = "b"\n{line}\n'), environ={})
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-5", "soon"])
+def test_max_pin_ttl_must_be_finite_and_positive(value: str) -> None:
+    with pytest.raises(InvalidArgument, match="max_pin_ttl_s"):
+        load_config(environ={"KVSTORE_MAX_PIN_TTL_S": value})
+
+
+def test_max_pin_ttl_flag() -> None:
+    a = build_parser().parse_args(["serve", "--max-pin-ttl", "90"])
+    assert a.max_pin_ttl_s == 90.0
