@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 
+from client._api import AsyncBlockCalls
 from client._core import IDEMPOTENT, ClientCore, Op, T, Timeouts, as_key_list, fingerprint, report_request
 from client._sync import CHANNEL_OPTIONS, RETRIES, resolve_token, rpc_error, stream_metadata
 from kvstore.aio import await_to_the_end
@@ -18,7 +19,7 @@ from protos.kvstore.v1 import kvstore_pb2 as pb
 from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 
-class AsyncKVClient:
+class AsyncKVClient(AsyncBlockCalls):
     """The asyncio twin of :class:`client.KVClient` (same methods, awaited).
 
     Copies and data-channel transfers run in worker threads so the event loop stays free.
@@ -131,27 +132,6 @@ class AsyncKVClient:
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
 
-    async def put(self, key: bytes, data: object, *, namespace: bytes | Namespace | None = None, parent: bytes | None = None, token_count: int = 0) -> bool:
-        return (await self._run(self._core.put_many([key], [data], namespace=namespace, parents=[parent], token_counts=[token_count])))[0]
-
-    async def put_many(self, keys: Sequence[bytes], datas: Sequence[object], *, namespace: bytes | Namespace | None = None,
-                       parents: Sequence[bytes | None] | None = None, token_counts: Sequence[int] | None = None) -> list[bool]:
-        return await self._run(self._core.put_many(list(keys), list(datas), namespace=namespace, parents=parents, token_counts=token_counts))
-
-    async def get(self, key: bytes) -> bytes | None:
-        return (await self._run(self._core.get_many_into([key], None)))[0]  # type: ignore[no-any-return]
-
-    async def get_into(self, key: bytes, out: object) -> int | None:
-        return (await self._run(self._core.get_many_into([key], [out])))[0]  # type: ignore[no-any-return]
-
-    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        return await self._run(self._core.get_many_into(list(keys), None))
-
-    async def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[int | None]:
-        return await self._run(self._core.get_many_into(list(keys), list(outs)))
-
-    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        return [t is not None for t in await self.lookup(keys)]
 
     async def lookup(self, keys: Sequence[bytes]) -> list[str | None]:
         return await self._run(self._core.lookup(as_key_list(keys)))

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from client._api import AsyncBlockCalls, BlockCalls
 from client._core import Timeouts, fingerprint
 from kvstore.block import BlockMeta
 from kvstore.cluster.membership import Membership
@@ -32,9 +33,25 @@ class _ClusterBase:
     _core: ClusterCore
 
     def _init_core(self, target: str, *, timeouts: Timeouts | None, transport: str, verify: bool, replication: int | None,
-                   suspect_s: float, prefer_local: bool, wait_s: float) -> None:
+                   suspect_s: float, prefer_local: bool, wait_s: float, token: str | None, token_file: str | None,
+                   tls: bool, tls_ca_file: str | None, tls_cert_file: str | None, tls_key_file: str | None,
+                   tls_server_name: str | None) -> None:
+        """The routing core, and the keyword arguments of every per-node client (``_node_kw``)."""
+        from client._sync import resolve_token
+
+        # TLS files are read now, so a bad one fails here rather than as every node being "down"
+        ClientTLS.from_options(tls=tls, ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file, server_name=tls_server_name)
         self._core = ClusterCore(target, timeouts=timeouts, transport=transport, verify=verify, replication=replication,
                                  suspect_s=suspect_s, prefer_local=prefer_local, wait_s=wait_s)
+        self._node_kw = {"token": resolve_token(token, token_file) or None, "timeouts": self._core.timeouts,
+                         "transport": transport, "verify": verify, "tls": tls, "tls_ca_file": tls_ca_file,
+                         "tls_cert_file": tls_cert_file, "tls_key_file": tls_key_file, "tls_server_name": tls_server_name}
+        self._clients: dict[str, tuple[tuple[Any, ...], Any]] = {}
+
+    @staticmethod
+    def _ident(info: NodeInfo) -> tuple[Any, ...]:
+        """What a per-node client is good for: a node restarted under its id is a new client."""
+        return (info.grpc, info.unix, info.pid, info.started_at)
 
     @property
     def membership(self) -> Membership:
@@ -96,7 +113,7 @@ class _ClusterBase:
         return InvalidArgument("zero-copy views need one node: use KVClient('unix:///path/to/kvstore.sock') of the local node")
 
 
-class ClusterClient(_ClusterBase):
+class ClusterClient(_ClusterBase, BlockCalls):
     """A blocking client of a whole cluster; ``KVClient("etcd://...")`` returns one.
 
     Same methods as :class:`client.KVClient` (plus :meth:`chunk_keys`,
@@ -112,23 +129,17 @@ class ClusterClient(_ClusterBase):
                  tls_key_file: str | None = None, tls_server_name: str | None = None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        from client._sync import resolve_token
-
-        # TLS files are read now, so a bad one fails here rather than as every node being "down"
-        ClientTLS.from_options(tls=tls, ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file, server_name=tls_server_name)
         self._init_core(target, timeouts=timeouts, transport=transport, verify=verify, replication=replication,
-                        suspect_s=suspect_s, prefer_local=prefer_local, wait_s=wait_s)
-        self._node_kw = {"token": resolve_token(token, token_file) or None, "timeouts": self._core.timeouts,
-                         "transport": transport, "verify": verify, "tls": tls, "tls_ca_file": tls_ca_file,
-                         "tls_cert_file": tls_cert_file, "tls_key_file": tls_key_file, "tls_server_name": tls_server_name}
-        self._clients: dict[str, tuple[tuple[Any, ...], Any]] = {}
+                        suspect_s=suspect_s, prefer_local=prefer_local, wait_s=wait_s, token=token, token_file=token_file,
+                        tls=tls, tls_ca_file=tls_ca_file, tls_cert_file=tls_cert_file, tls_key_file=tls_key_file,
+                        tls_server_name=tls_server_name)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvstore-cluster")
 
     def _client(self, info: NodeInfo) -> Any:
         from client._sync import KVClient
 
-        ident = (info.grpc, info.unix, info.pid, info.started_at)
+        ident = self._ident(info)
         with self._lock:
             entry = self._clients.get(info.node_id)
             if entry is not None and entry[0] == ident:
@@ -169,27 +180,6 @@ class ClusterClient(_ClusterBase):
             return stop.value  # type: ignore[no-any-return]
 
     # -- API (as KVClient) --------------------------------------------------------------------------
-    def put(self, key: bytes, data: object, *, namespace: bytes | Namespace | None = None, parent: bytes | None = None, token_count: int = 0) -> bool:
-        return self._run(self._core.put_many([key], [data], namespace=namespace, parents=[parent], token_counts=[token_count]))[0]
-
-    def put_many(self, keys: Sequence[bytes], datas: Sequence[object], *, namespace: bytes | Namespace | None = None,
-                 parents: Sequence[bytes | None] | None = None, token_counts: Sequence[int] | None = None) -> list[bool]:
-        return self._run(self._core.put_many(list(keys), list(datas), namespace=namespace, parents=parents, token_counts=token_counts))
-
-    def get(self, key: bytes) -> bytes | None:
-        return self._run(self._core.get_many_into([key], None))[0]  # type: ignore[no-any-return]
-
-    def get_into(self, key: bytes, out: object) -> int | None:
-        return self._run(self._core.get_many_into([key], [out]))[0]  # type: ignore[no-any-return]
-
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        return self._run(self._core.get_many_into(list(keys), None))
-
-    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[int | None]:
-        return self._run(self._core.get_many_into(list(keys), list(outs)))
-
-    def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        return [t is not None for t in self.lookup(keys)]
 
     def lookup(self, keys: Sequence[bytes]) -> list[str | None]:
         return self._run(self._core.lookup(keys))[0]
@@ -250,7 +240,7 @@ class ClusterClient(_ClusterBase):
         self.close()
 
 
-class AsyncClusterClient(_ClusterBase):
+class AsyncClusterClient(_ClusterBase, AsyncBlockCalls):
     """The asyncio twin of :class:`ClusterClient`; ``AsyncKVClient("etcd://...")`` returns one.
 
     Use it from one event loop.  The membership view runs on its own thread either way.
@@ -261,22 +251,16 @@ class AsyncClusterClient(_ClusterBase):
                  prefer_local: bool = True, wait_s: float = 10.0,
                  tls: bool = False, tls_ca_file: str | None = None, tls_cert_file: str | None = None,
                  tls_key_file: str | None = None, tls_server_name: str | None = None) -> None:
-        from client._sync import resolve_token
-
-        # TLS files are read now, so a bad one fails here rather than as every node being "down"
-        ClientTLS.from_options(tls=tls, ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file, server_name=tls_server_name)
         self._init_core(target, timeouts=timeouts, transport=transport, verify=verify, replication=replication,
-                        suspect_s=suspect_s, prefer_local=prefer_local, wait_s=wait_s)
-        self._node_kw = {"token": resolve_token(token, token_file) or None, "timeouts": self._core.timeouts,
-                         "transport": transport, "verify": verify, "tls": tls, "tls_ca_file": tls_ca_file,
-                         "tls_cert_file": tls_cert_file, "tls_key_file": tls_key_file, "tls_server_name": tls_server_name}
-        self._clients: dict[str, tuple[tuple[Any, ...], Any]] = {}
+                        suspect_s=suspect_s, prefer_local=prefer_local, wait_s=wait_s, token=token, token_file=token_file,
+                        tls=tls, tls_ca_file=tls_ca_file, tls_cert_file=tls_cert_file, tls_key_file=tls_key_file,
+                        tls_server_name=tls_server_name)
         self._stale: list[Any] = []
 
     def _client(self, info: NodeInfo) -> Any:
         from client._async import AsyncKVClient
 
-        ident = (info.grpc, info.unix, info.pid, info.started_at)
+        ident = self._ident(info)
         entry = self._clients.get(info.node_id)
         if entry is not None and entry[0] == ident:
             return entry[1]
@@ -316,27 +300,6 @@ class AsyncClusterClient(_ClusterBase):
         except asyncio.TimeoutError:
             raise Unavailable(f"etcd at {self._core.membership.endpoints} did not answer in time") from None
 
-    async def put(self, key: bytes, data: object, *, namespace: bytes | Namespace | None = None, parent: bytes | None = None, token_count: int = 0) -> bool:
-        return (await self._run(self._core.put_many([key], [data], namespace=namespace, parents=[parent], token_counts=[token_count])))[0]
-
-    async def put_many(self, keys: Sequence[bytes], datas: Sequence[object], *, namespace: bytes | Namespace | None = None,
-                       parents: Sequence[bytes | None] | None = None, token_counts: Sequence[int] | None = None) -> list[bool]:
-        return await self._run(self._core.put_many(list(keys), list(datas), namespace=namespace, parents=parents, token_counts=token_counts))
-
-    async def get(self, key: bytes) -> bytes | None:
-        return (await self._run(self._core.get_many_into([key], None)))[0]  # type: ignore[no-any-return]
-
-    async def get_into(self, key: bytes, out: object) -> int | None:
-        return (await self._run(self._core.get_many_into([key], [out])))[0]  # type: ignore[no-any-return]
-
-    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        return await self._run(self._core.get_many_into(list(keys), None))
-
-    async def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[int | None]:
-        return await self._run(self._core.get_many_into(list(keys), list(outs)))
-
-    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        return [t is not None for t in await self.lookup(keys)]
 
     async def lookup(self, keys: Sequence[bytes]) -> list[str | None]:
         return (await self._run(self._core.lookup(keys)))[0]

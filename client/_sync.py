@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from client._api import BlockCalls
 from client._core import IDEMPOTENT, ClientCore, Op, T, Timeouts, as_key_list, fingerprint, report_request
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.keys import Namespace, check_key
@@ -69,7 +70,7 @@ def rpc_error(e: grpc.RpcError, tls: ClientTLS | None, target: str) -> KVStoreEr
     return err
 
 
-class KVClient:
+class KVClient(BlockCalls):
     """A blocking client of one kvstore node.  Thread-safe; reuse one per process.
 
     ``target`` is ``unix:///path/to/kvstore.sock`` (same machine: zero-copy shared
@@ -182,31 +183,7 @@ class KVClient:
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
 
-    # -- API ----------------------------------------------------------------------------
-    def put(self, key: bytes, data: object, *, namespace: bytes | Namespace | None = None, parent: bytes | None = None, token_count: int = 0) -> bool:
-        """Store one block; True if it is stored (or already was), False if the node had no room."""
-        return self._run(self._core.put_many([key], [data], namespace=namespace, parents=[parent], token_counts=[token_count]))[0]
-
-    def put_many(self, keys: Sequence[bytes], datas: Sequence[object], *, namespace: bytes | Namespace | None = None,
-                 parents: Sequence[bytes | None] | None = None, token_counts: Sequence[int] | None = None) -> list[bool]:
-        return self._run(self._core.put_many(list(keys), list(datas), namespace=namespace, parents=parents, token_counts=token_counts))
-
-    def get(self, key: bytes) -> bytes | None:
-        return self._run(self._core.get_many_into([key], None))[0]  # type: ignore[no-any-return]
-
-    def get_into(self, key: bytes, out: object) -> int | None:
-        """Copy a block into ``out`` (bytes-like, numpy array or CPU tensor); bytes written, or None on a miss."""
-        return self._run(self._core.get_many_into([key], [out]))[0]  # type: ignore[no-any-return]
-
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        return self._run(self._core.get_many_into(list(keys), None))
-
-    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[int | None]:
-        return self._run(self._core.get_many_into(list(keys), list(outs)))
-
-    def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        return [t is not None for t in self.lookup(keys)]
-
+    # -- API (put / get / exists: client._api.BlockCalls) -----------------------------------
     def lookup(self, keys: Sequence[bytes]) -> list[str | None]:
         """The tier (``"dram"``, ``"nvme"``) holding each key, or None."""
         return self._run(self._core.lookup(as_key_list(keys)))

@@ -175,18 +175,13 @@ class Holds:
         """Exempt live reservations and leases from their deadlines (see ``TierManager.hold``);
         False if any of them is gone already."""
         live = True
-        for rid in reservation_ids:
-            r = self.reservations.get(rid)
-            if r is None:
-                live = False
-            else:
-                r.deadline = math.inf
-        for lid in lease_ids:
-            lease = self.leases.get(lid)
-            if lease is None:
-                live = False
-            else:
-                lease.deadline = math.inf
+        for table, ids in ((self.reservations, reservation_ids), (self.leases, lease_ids)):
+            for i in ids:
+                entry = table.get(i)
+                if entry is None:
+                    live = False
+                else:
+                    entry.deadline = math.inf
         return live
 
     def held(self, some_id: int) -> bool:

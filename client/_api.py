@@ -1,0 +1,80 @@
+"""The block calls every client offers the same way, over whichever core it drives.
+
+``KVClient`` and ``ClusterClient`` (and their asyncio twins) differ in the core they run
+(:class:`client._core.ClientCore` for one node, :class:`client._cluster.ClusterCore` for a
+cluster) and in how they run its operations (``_run``); both cores answer ``put_many`` and
+``get_many_into`` alike, so the calls built on them are written once here.  Owns no state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvstore.keys import Namespace
+
+
+class BlockCalls:
+    """put / get / exists for a blocking client with ``_core``, ``_run`` and ``lookup``."""
+
+    _core: Any
+    if TYPE_CHECKING:  # provided by the client class
+        def _run(self, op: Any) -> Any: ...
+
+        def lookup(self, keys: Sequence[bytes]) -> list[str | None]: ...
+
+    def put(self, key: bytes, data: object, *, namespace: bytes | Namespace | None = None, parent: bytes | None = None, token_count: int = 0) -> bool:
+        """Store one block; True if it is stored (or already was), False if the node had no room."""
+        return self._run(self._core.put_many([key], [data], namespace=namespace, parents=[parent], token_counts=[token_count]))[0]  # type: ignore[no-any-return]
+
+    def put_many(self, keys: Sequence[bytes], datas: Sequence[object], *, namespace: bytes | Namespace | None = None,
+                 parents: Sequence[bytes | None] | None = None, token_counts: Sequence[int] | None = None) -> list[bool]:
+        return self._run(self._core.put_many(list(keys), list(datas), namespace=namespace, parents=parents, token_counts=token_counts))  # type: ignore[no-any-return]
+
+    def get(self, key: bytes) -> bytes | None:
+        return self._run(self._core.get_many_into([key], None))[0]  # type: ignore[no-any-return]
+
+    def get_into(self, key: bytes, out: object) -> int | None:
+        """Copy a block into ``out`` (bytes-like, numpy array or CPU tensor); bytes written, or None on a miss."""
+        return self._run(self._core.get_many_into([key], [out]))[0]  # type: ignore[no-any-return]
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return self._run(self._core.get_many_into(list(keys), None))  # type: ignore[no-any-return]
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[int | None]:
+        return self._run(self._core.get_many_into(list(keys), list(outs)))  # type: ignore[no-any-return]
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return [t is not None for t in self.lookup(keys)]
+
+
+class AsyncBlockCalls:
+    """The asyncio twin of :class:`BlockCalls`."""
+
+    _core: Any
+    if TYPE_CHECKING:  # provided by the client class
+        async def _run(self, op: Any) -> Any: ...
+
+        async def lookup(self, keys: Sequence[bytes]) -> list[str | None]: ...
+
+    async def put(self, key: bytes, data: object, *, namespace: bytes | Namespace | None = None, parent: bytes | None = None, token_count: int = 0) -> bool:
+        return (await self._run(self._core.put_many([key], [data], namespace=namespace, parents=[parent], token_counts=[token_count])))[0]  # type: ignore[no-any-return]
+
+    async def put_many(self, keys: Sequence[bytes], datas: Sequence[object], *, namespace: bytes | Namespace | None = None,
+                       parents: Sequence[bytes | None] | None = None, token_counts: Sequence[int] | None = None) -> list[bool]:
+        return await self._run(self._core.put_many(list(keys), list(datas), namespace=namespace, parents=parents, token_counts=token_counts))  # type: ignore[no-any-return]
+
+    async def get(self, key: bytes) -> bytes | None:
+        return (await self._run(self._core.get_many_into([key], None)))[0]  # type: ignore[no-any-return]
+
+    async def get_into(self, key: bytes, out: object) -> int | None:
+        return (await self._run(self._core.get_many_into([key], [out])))[0]  # type: ignore[no-any-return]
+
+    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return await self._run(self._core.get_many_into(list(keys), None))  # type: ignore[no-any-return]
+
+    async def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object]) -> list[int | None]:
+        return await self._run(self._core.get_many_into(list(keys), list(outs)))  # type: ignore[no-any-return]
+
+    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return [t is not None for t in await self.lookup(keys)]
