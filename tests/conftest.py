@@ -30,6 +30,25 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without ``KVSTORE_*`` settings (a node reads only its flags), unbuffered."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def start_clean(data_dir: Path, *args: str, node_id: str | None = None) -> "NodeProcess":
+    """A node started with ``args`` in :func:`clean_env`."""
+    n = NodeProcess(data_dir, *args, node_id=node_id)
+    n.env = clean_env()
+    return n.start()
+
+
+def stop_clean(n: "NodeProcess") -> None:
+    """Stop ``n`` (it must exit 0) and remove its arena file."""
+    assert n.stop(timeout=30) == 0
+    Path(n.arena_path).unlink(missing_ok=True)
+
 class FakeClock:
     """A monotonic clock the test moves by hand (``advance``), for TierManager scenarios."""
 

@@ -11,7 +11,6 @@ membership record say ``https://``, so the dashboard, given the CA (flags or
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from typing import Any
 
 import pytest
 from cluster_fixtures import etcd  # noqa: F401 - fixture
-from conftest import ROOT, NodeProcess, wait_for
+from conftest import ROOT, NodeProcess, clean_env, start_clean, stop_clean, wait_for
 from tls_pki import PKI, other, pki  # noqa: F401 - fixtures
 
 from kvstore.cluster.local_etcd import LocalEtcd
@@ -34,22 +33,14 @@ from kvstore.tls import ClientTLS
 TOKEN = "metrics-tls-s3cret"
 
 
-def clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-
-
 def start_node(tmp: Path, *args: str, node_id: str | None = None) -> NodeProcess:
     (tmp / "token").parent.mkdir(parents=True, exist_ok=True)
     (tmp / "token").write_text(TOKEN)
-    n = NodeProcess(tmp / "node", "--dram", "4MiB", "--nvme", "0", "--metrics-port", "0", "--token-file", str(tmp / "token"),
-                    *args, node_id=node_id)
-    n.env = {**clean_env(), "PYTHONUNBUFFERED": "1"}
-    return n.start()
+    return start_clean(tmp / "node", "--dram", "4MiB", "--nvme", "0", "--metrics-port", "0", "--token-file", str(tmp / "token"),
+                       *args, node_id=node_id)
 
 
-def stop_node(n: NodeProcess) -> None:
-    assert n.stop(timeout=30) == 0
-    Path(n.arena_path).unlink(missing_ok=True)
+stop_node = stop_clean
 
 
 @pytest.fixture(scope="module")

@@ -19,18 +19,13 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import ROOT
+from conftest import ROOT, clean_env
 
 from client import KVClient
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 MiB = 1 << 20
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    return {**env, "PYTHONUNBUFFERED": "1", **extra}
 
 
 def kvstore(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -33,7 +33,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conftest import NodeProcess
+from conftest import NodeProcess, clean_env, stop_clean
 from prometheus_client.parser import text_string_to_metric_families
 from tls_pki import PKI, pki  # noqa: F401 - fixture
 
@@ -49,10 +49,6 @@ BIG = 24 << 20  # bigger than the socket buffers: a transfer of it stalls while 
 MD = {name: (("authorization", f"Bearer {tok}"),) for name, tok in (("alice", ALICE), ("bob", BOB))}
 
 
-def clean_env() -> dict[str, str]:
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}, "PYTHONUNBUFFERED": "1"}
-
-
 def config(d: Path) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     cfg = d / "node.toml"
@@ -66,9 +62,7 @@ def start(d: Path, *args: str, data_dir: Path | None = None) -> NodeProcess:
     return n.start()
 
 
-def stop(n: NodeProcess) -> None:
-    assert n.stop(timeout=30) == 0
-    Path(n.arena_path).unlink(missing_ok=True)
+stop = stop_clean
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import ROOT, NodeProcess
-from tls_pki import PKI, make_pki, other, pki  # noqa: F401 - fixtures
+from conftest import ROOT, NodeProcess, clean_env, start_clean, stop_clean
+from tls_pki import PKI, other, pki  # noqa: F401 - fixtures
 
 from client import AsyncKVClient, KVClient, Timeouts, Unauthenticated, Unavailable
 from kvstore.datachannel import OP_GET, REQUEST, REQUEST_MAGIC
@@ -38,19 +38,11 @@ PATIENT = Timeouts(rpc=20.0, data=20.0, connect=20.0)
 FAST_S = 5.0
 
 
-def clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-
-
 def start_node(tmp: Path, *args: str) -> NodeProcess:
-    n = NodeProcess(tmp / "node", "--dram", "64MiB", "--nvme", "0", *args)
-    n.env = {**clean_env(), "PYTHONUNBUFFERED": "1"}
-    return n.start()
+    return start_clean(tmp / "node", "--dram", "64MiB", "--nvme", "0", *args)
 
 
-def stop_node(n: NodeProcess) -> None:
-    assert n.stop(timeout=30) == 0
-    Path(n.arena_path).unlink(missing_ok=True)
+stop_node = stop_clean
 
 
 @pytest.fixture(scope="module")
