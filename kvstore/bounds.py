@@ -187,7 +187,7 @@ def bounds(trace: Trace, capacity_blocks: int, policy: str = DEFAULT_POLICY, *, 
         h = simulate(trace, capacity_blocks, pol, batch=batch, before_request=pol.advance).hit_ratio
         rows.append(Bound(pol.name, h, closed(h), what))
     rows.append(Bound("optimal", opt, closed(opt), "Belady's MIN with bypass"))
-    return BoundsReport(capacity_blocks, tuple(rows), predictability(trace))
+    return BoundsReport(capacity_blocks, tuple(rows), predictability(trace, future))
 
 
 def _auc(score: np.ndarray, label: np.ndarray) -> float:
@@ -214,14 +214,14 @@ def _r2(x: np.ndarray, y: np.ndarray) -> float:
     return 1.0 - float((resid**2).sum()) / tot if tot > 0 else float("nan")
 
 
-def predictability(trace: Trace) -> Predictability:
+def predictability(trace: Trace, future: FutureUses | None = None) -> Predictability:
     """Features the node can see at each block use, against when the block is used next.
 
     Per use of a block in request ``i``: the chain's turn (requests so far whose first
     block is this request's first block), the block's uses so far, and its previous gap.
     """
     keys: Sequence[tuple[ChunkKey, ...]] = trace.keys
-    future = FutureUses(trace)
+    future = future or FutureUses(trace)
     root_uses: dict[ChunkKey, int] = {}
     uses: dict[ChunkKey, int] = {}
     last: dict[ChunkKey, int] = {}

@@ -14,14 +14,13 @@ import asyncio
 import os
 import signal
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NodeProcess
+from conftest import NodeProcess, wait_for
 
 from kvstore.cluster.local_etcd import LocalEtcd, find_etcd
 
@@ -147,11 +146,4 @@ def cluster(etcd: LocalEtcd, tmp_path: Path) -> Iterator[Cluster]:
         c.close()
 
 
-def wait_until(pred: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+wait_until = wait_for  # the name the cluster tests use
