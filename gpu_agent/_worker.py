@@ -32,9 +32,10 @@ class Worker:
     def init(self, spec: dict[str, Any], chunk_tokens: int, salt: str, max_tokens: int, device: str | None = None) -> dict[str, Any]:
         import torch
 
+        from gpu_agent.copy_engine import normalize_device
         from gpu_agent.hf import ModelSpec, PagedEngine, build_model, forward, new_cache
 
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = str(normalize_device(device))
         self.spec = ModelSpec(**spec)
         self.layout = self.spec.layout()
         self.namespace = self.layout.namespace("kvstore-demo-llama", chunk_tokens=chunk_tokens, tenant_salt=salt)

@@ -17,7 +17,10 @@ Calls (shaped after vLLM's KV connector):
   engine's pages, layer by layer (``wait_layer(i)``); HBM-resident blocks are copied
   device to device, the others straight from the arena (DMA);
 * ``save(tokens, kv_buffers, block_ids) -> SaveHandle``: the prompt's full chunks
-  into the store, asynchronously (device → arena, then checksum and commit).
+  into the store (device → arena, then checksum and commit in the background).  When
+  ``save`` returns, the caller's later work is ordered after the copies out of its
+  pages (on CUDA its current stream waits on them; on CPU they are done), so the
+  engine may reuse the pages at once.
 
 Fails open: a store that cannot answer gives a miss (counted and logged), never an
 exception on the engine's path; contract violations (wrong buffer shapes, dtypes,
@@ -41,7 +44,7 @@ from typing import Any
 import torch
 import xxhash
 
-from gpu_agent.copy_engine import CopyEngine, DoneEvent, Event, Segmented, byte_view, copy_range, host_tensor
+from gpu_agent.copy_engine import CopyEngine, DoneEvent, Event, Segmented, byte_view, copy_range, host_tensor, normalize_device
 from gpu_agent.layout import ByteCopy, KVCacheLayout, PagedAdapter
 from gpu_agent.planner import Bandwidths, plan_prefetch, usable_prefix
 from gpu_agent.pool import HBMPool
@@ -156,7 +159,7 @@ class GPUAgent:
         self.layout = layout
         self.namespace = namespace
         self.config = config or AgentConfig()
-        self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = normalize_device(device)
         self.dtype = getattr(torch, layout.dtype)
         self.chunk_tokens = namespace.chunk_tokens
         self.adapter = PagedAdapter(layout, self.chunk_tokens)
@@ -170,6 +173,8 @@ class GPUAgent:
         self._completer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-complete")
         self.counters: collections.Counter[str] = collections.Counter()
         self._counters_lock = threading.Lock()  # the engine's thread, the prefetcher and the completer all count
+        self._saves_lock = threading.Lock()
+        self._pending_saves: list[Event] = []  # d2h copies of saves not yet known complete; loads queue after them
         self._closed = False
 
     def _count(self, name: str, n: int = 1) -> None:
@@ -332,8 +337,12 @@ class GPUAgent:
                     else:
                         break  # a gap (evicted since lookup): load the prefix before it
                 plans = [self.adapter.chunk_copies(self.adapter.chunk_pages(block_ids, c), num_pages) for c in range(len(sources))]
+                saves = self._saves_in_flight()
                 events = [
-                    self.engine.submit("h2d", self._layer_copier(layer, dst[layer], sources, plans), after_compute=(layer == 0))
+                    self.engine.submit(
+                        "h2d", self._layer_copier(layer, dst[layer], sources, plans),
+                        after=saves if layer == 0 else (), after_compute=(layer == 0), uses=(kv_buffers[layer],),
+                    )
                     for layer in range(self.layout.num_layers)
                 ] if sources else [DoneEvent()] * self.layout.num_layers
         except BaseException:
@@ -380,7 +389,11 @@ class GPUAgent:
     # -- save ------------------------------------------------------------------------------
     def save(self, tokens: Sequence[int] | Any, kv_buffers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> SaveHandle:
         """Offload ``tokens``' full chunks (their KV in pages ``block_ids``) to the store.
-        Returns at once; chunks the store already holds are skipped."""
+
+        Returns once the device-to-host copies are ordered before anything the caller
+        queues next (see :meth:`_fence`): the engine may overwrite or free those pages
+        right away.  Checksums and commits finish in the background (``SaveHandle.wait``);
+        chunks the store already holds are skipped."""
         src = self._check_buffers(kv_buffers)
         num_pages = kv_buffers[0].shape[1]
         keys = self.keys(tokens)[: len(block_ids) // self.adapter.pages_per_chunk]
@@ -420,14 +433,34 @@ class GPUAgent:
                             copy_range(dst, b + c.block_offset, src[layer], c.buffer_offset, c.nbytes)
 
             try:
-                ev = self.engine.submit("d2h", copy, after_compute=True)
+                ev = self.engine.submit("d2h", copy, after_compute=True, uses=kv_buffers)
             except BaseException:
                 res.abort()
                 raise
+            self._fence(ev)
             no_room = len(res.views) - existed - len(jobs)
             parts.append(self._completer.submit(self._finish_save, ev, res, [j[0] for j in jobs], existed, no_room))
         self._count("saves", 1)
         return SaveHandle(parts, base)
+
+    def _fence(self, ev: Event) -> None:
+        """The save contract: once ``save()`` returns, work the caller queues on its current
+        stream runs after the save's device-to-host copies (on CUDA the current stream waits
+        on the copy's event, the host does not block; on CPU the copy has completed), so the
+        engine may reuse the saved pages at once.  The agent's own loads also queue after
+        the copies (``_saves_in_flight``)."""
+        try:
+            ev.wait()
+        except Exception:
+            pass  # a failed copy: _finish_save aborts the reservation and counts it
+        with self._saves_lock:
+            self._pending_saves = [e for e in self._pending_saves if not e.query()]
+            self._pending_saves.append(ev)
+
+    def _saves_in_flight(self) -> list[Event]:
+        with self._saves_lock:
+            self._pending_saves = [e for e in self._pending_saves if not e.query()]
+            return list(self._pending_saves)
 
     def _finish_save(self, ev: Event, res: Any, views: list[list[memoryview]], existed: int, no_room: int) -> SaveResult:
         try:

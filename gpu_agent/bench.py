@@ -126,9 +126,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     from kvstore.block import BlockMeta
     from kvstore.keys import NO_PARENT
 
-    device = torch.device(a.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    from gpu_agent.copy_engine import normalize_device
+
+    if torch.device(a.device).type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: this benchmark measures arena <-> HBM copies (use --device cpu for a dry run)")
+    device = normalize_device(a.device)
     lay = KVCacheLayout(a.layers, a.kv_heads, a.head_dim, a.dtype, 16)
     C = a.chunk_tokens
     ns = lay.namespace("bench-model", chunk_tokens=C, tenant_salt=uuid.uuid4().hex)

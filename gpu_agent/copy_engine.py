@@ -51,8 +51,12 @@ class Event:
 
 
 class CudaEvent(Event):
-    def __init__(self, ev: "torch.cuda.Event") -> None:
+    """A recorded ``torch.cuda.Event`` and the device it was recorded on: ``wait`` makes
+    *that* device's current stream wait, whatever the calling thread's default device."""
+
+    def __init__(self, ev: "torch.cuda.Event", device: torch.device) -> None:
         self.ev = ev
+        self.device = device
 
     def query(self) -> bool:
         return bool(self.ev.query())
@@ -61,7 +65,7 @@ class CudaEvent(Event):
         self.ev.synchronize()
 
     def wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self.ev)
+        torch.cuda.current_stream(self.device).wait_event(self.ev)
 
 
 class FutureEvent(Event):
@@ -97,6 +101,20 @@ def host_tensor(view: memoryview) -> torch.Tensor:
         # read-only arena views (leased blocks) are only ever copy sources
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def normalize_device(device: str | torch.device | None) -> torch.device:
+    """The device a copy engine moves KV on, always with an index on CUDA.
+
+    ``torch.device("cuda") != torch.device("cuda:0")``, and every CUDA tensor carries an
+    index, so an agent that kept the bare ``cuda`` would refuse every real buffer.  ``None``
+    picks the current CUDA device when there is one, else the CPU."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -149,8 +167,9 @@ def copy_range(dst: Segmented | torch.Tensor, dst_off: int, src: Segmented | tor
 class CopyEngine:
     """Streams, events and pinned-host registration for one device."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: str | torch.device) -> None:
+        self.device = normalize_device(device)
+        device = self.device
         self.is_cuda = device.type == "cuda"
         self._registered: list[int] = []
         self._closed = False
@@ -181,9 +200,21 @@ class CopyEngine:
         return True
 
     # -- transfers -------------------------------------------------------------------
-    def submit(self, direction: str, fn: Callable[[], None], *, after: Sequence[Event] = (), after_compute: bool = False) -> Event:
+    def submit(
+        self,
+        direction: str,
+        fn: Callable[[], None],
+        *,
+        after: Sequence[Event] = (),
+        after_compute: bool = False,
+        uses: Sequence[torch.Tensor] = (),
+    ) -> Event:
         """Run ``fn`` (which issues tensor copies) on ``direction``'s stream, after the events
-        ``after`` and, with ``after_compute``, after work already queued on the current stream."""
+        ``after`` and, with ``after_compute``, after work already queued on the current stream.
+
+        ``uses``: device tensors the copies read or write; on CUDA they are marked as used
+        by the copy stream (``record_stream``), so the caching allocator never hands their
+        memory out again before the copies ran."""
         if self._closed:
             raise RuntimeError("copy engine is closed")
         if self.is_cuda:
@@ -197,9 +228,12 @@ class CopyEngine:
                     e.synchronize()
             with torch.cuda.stream(stream):
                 fn()
-                ev = torch.cuda.Event()
+                ev = torch.cuda.Event(blocking=True)  # host waits sleep, they do not spin
                 ev.record(stream)
-            return CudaEvent(ev)
+            for t in uses:
+                if t.device.type == "cuda":
+                    t.record_stream(stream)
+            return CudaEvent(ev, self.device)
         deps = list(after)
 
         def run() -> None:

@@ -224,3 +224,51 @@ def test_fails_open_when_the_node_is_gone(node_factory: Any) -> None:
         assert res.stored == 0 and res.failed == 2
         assert agent.prefetch(toks).result(timeout=30).fetched == 0
         assert agent.stats()["counters"]["store_errors"] >= 3
+
+
+def test_save_is_a_fence_the_engine_may_reuse_its_pages_at_once(agent_factory: Any) -> None:
+    """Issue: save() returned with the copies only queued; pages the engine then reused
+    were stored under valid checksums.  Once save() returns the pages are the caller's."""
+    agent = agent_factory(KVCacheLayout(num_layers=16, num_kv_heads=2, head_dim=16, page_size=16))
+    toks = tokens(8 * C)
+    src = buffers(agent.layout, 64, fill=True, seed=3)
+    ids = list(range(63, 0, -2))  # scattered pages: many small copies, as a busy engine's block table
+    want = [b.clone() for b in src]
+    handle = agent.save(toks, src, ids)
+    for b in src:
+        b.zero_()  # the engine's next request writes these pages
+    assert handle.wait(timeout=30).stored == 8
+    dst = buffers(agent.layout, 64, fill=False)
+    assert agent.load(toks, dst, ids).wait(timeout=30)
+    assert same_pages(want, ids, dst, ids, 32)
+
+
+def test_a_load_into_just_saved_pages_queues_after_the_save(agent_factory: Any) -> None:
+    agent = agent_factory(KVCacheLayout(num_layers=16, num_kv_heads=2, head_dim=16, page_size=16))
+    old, new = tokens(8 * C, seed=1), tokens(8 * C, seed=2)
+    ids = list(range(63, 0, -2))
+    pages = buffers(agent.layout, 64, fill=True, seed=4)
+    agent.save(old, pages, ids).wait(timeout=30)
+    other = buffers(agent.layout, 64, fill=True, seed=5)
+    want_new = [b.clone() for b in other]
+    want_old = [b.clone() for b in pages]
+    handle = agent.save(new, other, ids)
+    agent.load(old, other, ids).wait(timeout=30)  # the same pages, at once
+    assert handle.wait(timeout=30).stored == 8
+    assert same_pages(want_old, ids, other, ids, 32)
+    back = buffers(agent.layout, 64, fill=False)
+    assert agent.load(new, back, ids).wait(timeout=30)
+    assert same_pages(want_new, ids, back, ids, 32)
+
+
+def test_devices_are_normalised(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpu_agent.copy_engine import normalize_device
+
+    assert normalize_device("cpu") == torch.device("cpu")
+    assert normalize_device(torch.device("cpu")) == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert normalize_device(None) == torch.device("cpu")
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # the index of a bare "cuda"
+    want = torch.device("cuda", torch.cuda.current_device())
+    assert normalize_device("cuda") == want and normalize_device(torch.device("cuda")) == want
+    assert normalize_device("cuda:0") == torch.device("cuda", 0)  # an explicit index is kept
