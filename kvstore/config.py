@@ -61,16 +61,19 @@ TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 class TenantConfig(BaseModel):
     """One tenant's credentials: each token (inline or in a file) authenticates as it.  Several
     tokens let a tenant rotate one without downtime.  And its limits on what eviction cannot
-    reclaim: its unfinished writes and its pins (TOML only; ``NAME=TOKEN_FILE`` has none)."""
+    reclaim (its unfinished writes and its pins) and on what its blocks may occupy per tier
+    (TOML only; ``NAME=TOKEN_FILE`` has none).  Every limit counts space as allocated."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     token: tuple[str, ...] = Field((), repr=False, description="Bearer token(s) of the tenant: a string or a list.")
     token_file: tuple[str, ...] = Field((), description="File(s) each holding one bearer token of the tenant: a path or a list.")
-    max_reserved_bytes: int | None = Field(None, description="Most payload bytes the tenant's unfinished writes (reservations) may hold at once (accepts 512MiB-style strings); unset: only the DRAM size limits it.")
-    max_pinned_bytes: int | None = Field(None, description="Most payload bytes of blocks the tenant may keep pinned at once (accepts 512MiB-style strings); unset: only the DRAM size limits it.")
+    max_reserved_bytes: int | None = Field(None, description="Most DRAM the tenant's unfinished writes (reservations) may hold at once, counted as allocated: every block takes whole 64 KiB units, a 0-byte one too (accepts 512MiB-style strings); unset: only the DRAM size limits it.")
+    max_pinned_bytes: int | None = Field(None, description="Most DRAM the blocks the tenant keeps pinned may take at once, in whole 64 KiB units per block (accepts 512MiB-style strings); unset: only the DRAM size limits it.")
+    max_dram_bytes: int | None = Field(None, description="Capacity quota: most DRAM the tenant's blocks (those of its namespaces) and unfinished writes may occupy, in whole 64 KiB units per block (accepts 512MiB-style strings). Over it, its own blocks are evicted first; blocks of tenants within their quotas are the last any eviction takes. Unset: no quota (its blocks are evicted like the admin's, before quota-holders').")
+    max_nvme_bytes: int | None = Field(None, description="Capacity quota: most NVMe space the tenant's blocks may occupy, as records take it (header page plus the payload in 4 KiB pages; accepts 512MiB-style strings). Over it, its own blocks leave NVMe first, and a block it cannot make room for is not demoted. Unset: no quota.")
 
-    @field_validator("max_reserved_bytes", "max_pinned_bytes", mode="before")
+    @field_validator("max_reserved_bytes", "max_pinned_bytes", "max_dram_bytes", "max_nvme_bytes", mode="before")
     @classmethod
     def _limit_size(cls, v: object) -> object:
         if v is None:

@@ -16,9 +16,11 @@ State:
 * ``detached``: allocations whose block was deleted or replaced while referenced; their
   extents are freed (through ``free``) when the last reference goes;
 * ``pins``: key → :class:`Pin` (pinned until, the tenant charged, the bytes charged);
-* ``reserved_bytes``, ``pinned_bytes``: tenant → the payload bytes its live reservations
-  and pins hold (admin holds, tenant None, are not counted); ``limits`` say how far each
-  tenant may go (``kvstore/manager.py`` checks them before it reserves or pins).
+* ``reserved_bytes``, ``pinned_bytes``: tenant → the DRAM bytes its live reservations
+  and pins hold, in allocation units (a 0-byte block holds a whole unit: what is charged
+  is what is allocated, never what was asked for; admin holds, tenant None, are not
+  counted); ``limits`` say how far each tenant may go (``kvstore/manager.py`` checks them
+  before it reserves or pins).
 
 Invariants: ``refs[a]`` is the number of leases on ``a`` plus internal references, and
 never zero or negative (the entry goes at zero); a detached allocation is freed exactly
@@ -27,7 +29,7 @@ one reservation or lease, ids never repeat within a process, and they start at a
 point so a late call meant for an earlier process hits nothing; a held reservation or
 lease (``hold``: a transfer is moving its bytes) has an infinite deadline and expires
 only at ``reap(now=inf)``, the shutdown sweep; ``reserved_bytes[t]`` is the sum of the
-``meta.payload_len`` of ``t``'s reservations and ``pinned_bytes[t]`` the sum of the ``nbytes``
+lengths of the extents of ``t``'s reservations and ``pinned_bytes[t]`` the sum of the ``nbytes``
 its pins were charged (an entry goes at zero).  Every reservation and pin enters and leaves
 through the methods here, so the sums move with them and nothing ever rescans.
 """
@@ -65,15 +67,18 @@ class Reservation:
 class Pin:
     until: float
     tenant: str | None  # charged with it: whoever last pinned the key (None: the admin, uncharged)
-    nbytes: int  # what it was charged: the block's payload length when it was pinned
+    nbytes: int  # what it was charged: the DRAM the block takes (whole units) when it was pinned
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TenantLimits:
-    """How much DRAM one tenant may hold beyond eviction's reach (None: only the node's size)."""
+    """How much one tenant may hold beyond eviction's reach, and how much its blocks may
+    occupy per tier (``kvstore/quotas.py``); all in allocated bytes (None: only the node's size)."""
 
     max_reserved_bytes: int | None = None
     max_pinned_bytes: int | None = None
+    max_dram_bytes: int | None = None
+    max_nvme_bytes: int | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -107,14 +112,14 @@ class Holds:
         rid = next(self._ids)
         self.reservations[rid] = Reservation(meta, extents, deadline, tenant)
         if tenant is not None:
-            self.reserved_bytes[tenant] += meta.payload_len
+            self.reserved_bytes[tenant] += _allocated(extents)
         return rid
 
     def take_reservation(self, rid: int) -> Reservation | None:
         """Remove and return a reservation (commit or abort); None if unknown or reclaimed."""
         r = self.reservations.pop(rid, None)
         if r is not None and r.tenant is not None:
-            _uncharge(self.reserved_bytes, r.tenant, r.meta.payload_len)
+            _uncharge(self.reserved_bytes, r.tenant, _allocated(r.extents))
         return r
 
     def reserve_room(self, tenant: str | None) -> int | None:
@@ -255,6 +260,10 @@ class Holds:
             self.expired.popitem(last=False)
         self.expire_pins(now)
         return len(expired)
+
+
+def _allocated(extents: Sequence[Extent]) -> int:
+    return sum(e.length for e in extents)
 
 
 def _uncharge(counts: collections.Counter[str], tenant: str, nbytes: int) -> None:

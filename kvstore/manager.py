@@ -31,11 +31,18 @@ and re-exported here.  What the manager adds on top of the tiers:
   ``inf`` included, is cut to it, for every caller).
 * **Tenant limits** (``tenant_limits``): reserved, leased and pinned blocks are what
   eviction cannot reclaim, so one tenant holding them could deny DRAM to all others.  A
-  tenant's reservations may hold at most ``max_reserved_bytes`` of payload (a block over it
+  tenant's reservations may hold at most ``max_reserved_bytes`` (a block over it
   answers ``NO_SPACE``; a batch where that left nothing reserved raises ``CapacityExceeded``
   naming the limit) and its pins at most ``max_pinned_bytes`` (a pin over it is refused
-  whole, ``CapacityExceeded``).  The sums are kept in ``self.holds`` as holds come and go;
-  leases are bounded by ``lease_ttl`` alone.  The admin (tenant None) has no such limits.
+  whole, ``CapacityExceeded``).  Both count DRAM as allocated, in whole units (a 0-byte
+  block costs 64 KiB), never payload bytes.  The sums are kept in ``self.holds`` as holds
+  come and go; leases are bounded by ``lease_ttl`` alone.  The admin (tenant None) has no
+  such limits.
+* **Capacity quotas** (``kvstore/quotas.py``): ``max_dram_bytes`` / ``max_nvme_bytes`` cap
+  what a tenant's blocks occupy per tier; over its cap a tenant's own blocks are evicted
+  first, and eviction for anyone takes blocks of tenants within their caps last.  A block
+  belongs to the owner of its namespace (``owner_of``; by default, the tenant that reserved
+  in that namespace first on this node).
 * **Tenants** (``kvstore/tenants.py``; the service decides who sees what): lookups,
   ``acquire`` and ``reserve``'s deduplication take a ``visible(namespace)`` predicate, and a
   block the caller may not see is absent to it; reservations and leases carry the tenant
@@ -68,6 +75,7 @@ from kvstore.keys import ChunkKey
 from kvstore.misses import CORRUPT, INVALIDATED, NEVER_STORED, TIER_LABEL, KeyHistory, Ledger
 from kvstore.movers import TierMovers
 from kvstore.outcomes import Leased, Reserved, Status
+from kvstore.quotas import Occupancy, OwnerOf, QuotaNVMe, TenantQuotas, caps_of
 from tiers.allocator import Extent
 from tiers.base import TierKind
 from tiers.dram import DRAMTier
@@ -92,9 +100,9 @@ class TierManager:
         verify_demotions: bool = True,
         tenant_limits: Mapping[str, TenantLimits] | None = None,
         max_pin_ttl: float = 3600.0,
+        owner_of: OwnerOf | None = None,
     ) -> None:
         self.dram = dram
-        self.nvme = nvme
         self.clock = clock
         self.write_through = write_through
         self.reservation_ttl = reservation_ttl
@@ -108,8 +116,20 @@ class TierManager:
         self.ledger = Ledger()
         self._departed: collections.deque[tuple[ChunkKey, str, bytes | None]] = collections.deque()  # from executor threads
         self.holds = Holds(clock, dram.free, tenant_limits)
+        # namespace -> the tenant that first reserved in it (the service lets only its owner write
+        # there): whose a block is, for the capacity quotas, when no ownership table is given
+        self._writers: dict[bytes, str] = {}
+        owner_of = owner_of or self._writers.get
+        dram_caps, nvme_caps = caps_of(self.holds.limits, "max_dram_bytes"), caps_of(self.holds.limits, "max_nvme_bytes")
+        capped = bool(dram_caps or nvme_caps)  # occupancy is followed per tenant only where a quota needs it
+        if nvme is not None and capped:
+            nvme = QuotaNVMe(nvme, Occupancy(nvme_caps, owner_of), meta_of=dram.meta, evictable=lambda k: not self.holds.pinned(k),
+                             counters=self.counters, departed=self._departed)
+        self.nvme = nvme
         self.movers = TierMovers(dram, nvme, self.holds, executor=self._executor, counters=self.counters,
                                  forget=self._forget, departed=self._departed, verify_demotions=verify_demotions)
+        self.quotas = TenantQuotas(Occupancy(dram_caps, owner_of), dram, movers=self.movers, reserved=self.holds.reserved_bytes,
+                                   counters=self.counters, forget=self._forget) if capped else None
 
     @property
     def verify_demotions(self) -> bool:
@@ -222,16 +242,21 @@ class TierManager:
         which reserves block by block, takes the ``NO_SPACE`` answers)."""
         out: list[Reserved] = []
         deadline = self.clock() + self.reservation_ttl
-        over_limit: BlockMeta | None = None
+        over_limit: tuple[str, BlockMeta] | None = None  # the first block refused by a limit, and which
         try:
             for meta in metas:
                 if self._find(meta.key, visible)[1] is not None:
                     self.counters["puts_deduplicated"] += 1
                     out.append(Reserved(Status.EXISTS))
                     continue
-                if not self._reserve_room(tenant, meta.payload_len):
-                    over_limit = over_limit or meta
-                    self.counters["reserve_tenant_limit"] += 1
+                if tenant is not None:
+                    self._writers.setdefault(meta.namespace, tenant)
+                limit = ("max_reserved_bytes" if not self._reserve_room(tenant, meta.payload_len) else
+                         "max_dram_bytes" if self.quotas is not None and not await self.quotas.make_room(tenant, meta.payload_len)
+                         else None)
+                if limit is not None:
+                    over_limit = over_limit or (limit, meta)
+                    self.counters["reserve_tenant_limit" if limit == "max_reserved_bytes" else "reserve_tenant_quota"] += 1
                     out.append(Reserved(Status.NO_SPACE))
                     continue
                 try:
@@ -249,26 +274,38 @@ class TierManager:
             raise
         if over_limit is not None and refuse_over_limit and not any(r.status == Status.OK for r in out):
             assert tenant is not None
-            limit = self.holds.limits[tenant].max_reserved_bytes
-            held = self.holds.reserved_bytes[tenant]
-            why = (f"a block of {over_limit.payload_len} bytes is larger than tenant {tenant!r}'s max_reserved_bytes={limit}"
-                   if over_limit.payload_len > (limit or 0) else
-                   f"tenant {tenant!r} has {held} bytes reserved in unfinished writes and max_reserved_bytes={limit}; "
-                   f"a block of {over_limit.payload_len} bytes does not fit: commit or abort earlier writes first")
-            raise CapacityExceeded(f"{why} (the node's [tenants.{tenant}] max_reserved_bytes sets the limit)")
+            raise CapacityExceeded(self._over_limit(tenant, *over_limit))
         return out
 
+    def _over_limit(self, tenant: str, name: str, meta: BlockMeta) -> str:
+        """Why ``tenant`` may not reserve ``meta``'s block, naming the limit (``name``)."""
+        limit = getattr(self.holds.limits[tenant], name)
+        size = self.dram.allocator.rounded(meta.payload_len)
+        block = f"a block of {meta.payload_len} bytes (it takes {size} bytes of DRAM: space is allocated in {self.dram.allocator.unit}-byte units)"
+        if size > limit:
+            why = f"{block} is larger than tenant {tenant!r}'s {name}={limit}"
+        elif name == "max_reserved_bytes":
+            why = (f"tenant {tenant!r} has {self.holds.reserved_bytes[tenant]} bytes reserved in unfinished writes and "
+                   f"{name}={limit}; {block} does not fit: commit or abort earlier writes first")
+        else:
+            assert self.quotas is not None
+            why = (f"tenant {tenant!r}'s blocks and unfinished writes take {self.quotas.occupied(tenant)} bytes of DRAM and "
+                   f"{name}={limit}; {block} does not fit, and its own blocks that could make room are pinned, leased or reserved")
+        return f"{why} (the node's [tenants.{tenant}] {name} sets the limit)"
+
     def _reserve_room(self, tenant: str | None, nbytes: int) -> bool:
-        """Whether ``tenant`` may reserve ``nbytes`` more.  Cheap when it may; when not,
-        overdue reservations (the reaper's next catch) are reclaimed first and it asks again."""
+        """Whether ``tenant`` may reserve a block of ``nbytes`` more (whole DRAM units).  Cheap
+        when it may; when not, overdue reservations (the reaper's next catch) are reclaimed
+        first and it asks again."""
         room = self.holds.reserve_room(tenant)
-        if room is None or nbytes <= room:
+        size = self.dram.allocator.rounded(nbytes)
+        if room is None or size <= room:
             return True
         overdue = self.holds.overdue_reservations(self.clock())
         self.abort(overdue)
         self.counters["reservations_reclaimed"] += len(overdue)
         room = self.holds.reserve_room(tenant)
-        return room is None or nbytes <= room
+        return room is None or size <= room
 
     async def commit(self, ids: Sequence[int], checksums: Sequence[int] | None = None, *, verify: bool = False) -> list[Status]:
         """Publish reserved blocks.  ``checksums`` (if given) replace the reserved metas' ones;
@@ -382,6 +419,10 @@ class TierManager:
                     try:
                         st = await self.movers.promote(k)
                     except CapacityExceeded:
+                    if self.quotas is not None and (meta := self.movers.nvme_meta(k)) is not None:
+                        # the block's owner makes room under its max_dram_bytes; if it cannot, the
+                        # read is served anyway, and that owner's blocks are the next to be evicted
+                        await self.quotas.make_room(self.quotas.use.owner_of(meta.namespace), meta.payload_len)
                         out[i] = Leased(k, Status.NO_SPACE)
                         self.counters["get_no_space"] += 1
                         return
@@ -508,7 +549,7 @@ class TierManager:
         stored = {k: meta for k in keys if (meta := self._locate(k)[1]) is not None}
         room = self.holds.pin_room(tenant)
         if room is not None:
-            charge = sum(self.holds.pin_charge(k, tenant, m.payload_len) for k, m in stored.items())
+            charge = sum(self.holds.pin_charge(k, tenant, self.dram.allocator.rounded(m.payload_len)) for k, m in stored.items())
             if charge > room:
                 self.holds.expire_pins(now)  # ended pins not reaped yet still count until this
                 room = self.holds.pin_room(tenant)
@@ -522,7 +563,7 @@ class TierManager:
                         f"some first (the node's [tenants.{tenant}] max_pinned_bytes sets the limit)")
         until = now + ttl
         for k, m in stored.items():
-            self.holds.pin(k, until, tenant, m.payload_len)
+            self.holds.pin(k, until, tenant, self.dram.allocator.rounded(m.payload_len))
         return sum(1 for k in keys if k in stored)
 
     def unpin(self, keys: Sequence[ChunkKey]) -> int:
@@ -575,6 +616,10 @@ class TierManager:
             "counters": dict(self.counters),
         }
 
+            # per tenant with a capacity quota configured anywhere: the bytes its blocks occupy per tier
+            "tenant_occupancy": {t: {"dram_bytes": self.quotas.use.used[t],
+                                     "nvme_bytes": self.nvme.use.used[t] if isinstance(self.nvme, QuotaNVMe) else 0}
+                                 for t in sorted(self.holds.limits)} if self.quotas is not None else {},
     def close(self) -> None:
         if self._own_executor:
             self._executor.shutdown(wait=True)

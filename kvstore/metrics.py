@@ -213,17 +213,31 @@ def families(snap: dict[str, Any], *, node_id: str, version: str, started: float
     ):
         yield GaugeMetricFamily(name, doc, value=value)
     # per tenant (labels bounded by the config); the admin's holds are not counted
-    held = GaugeMetricFamily("kvstore_tenant_held_bytes", "Payload bytes each tenant holds beyond eviction's reach, by kind: "
+    held = GaugeMetricFamily("kvstore_tenant_held_bytes", "DRAM bytes (whole allocation units) each tenant holds beyond eviction's reach, by kind: "
                              "reserved = its unfinished writes, pinned = its pins (see [tenants.NAME] max_reserved_bytes, "
                              "max_pinned_bytes).", labels=["tenant", "kind"])
     for tenant, h in snap.get("tenant_holds", {}).items():
         held.add_metric([tenant, "reserved"], h["reserved_bytes"])
         held.add_metric([tenant, "pinned"], h["pinned_bytes"])
     yield held
+    occupied = GaugeMetricFamily("kvstore_tenant_occupied_bytes", "Bytes each tenant's blocks occupy, by tier, as allocated "
+                                 "(see [tenants.NAME] max_dram_bytes, max_nvme_bytes; reported where any tenant has one).",
+                                 labels=["tenant", "tier"])
+    for tenant, o in snap.get("tenant_occupancy", {}).items():
+        occupied.add_metric([tenant, "dram"], o["dram_bytes"])
+        occupied.add_metric([tenant, "nvme"], o["nvme_bytes"])
+    yield occupied
     f = _counter("kvstore_limit_refusals", "Refusals because a tenant was at its limit: reserve = blocks over "
-                 "max_reserved_bytes (answered NO_SPACE or RESOURCE_EXHAUSTED), pin = Pin calls over max_pinned_bytes.", ["kind"])
+                 "max_reserved_bytes (answered NO_SPACE or RESOURCE_EXHAUSTED), pin = Pin calls over max_pinned_bytes, "
+                 "dram_quota = blocks over max_dram_bytes that its own evictable blocks could not make room for.", ["kind"])
     f.add_metric(["reserve"], c.get("reserve_tenant_limit", 0))
     f.add_metric(["pin"], c.get("pin_tenant_limit", 0))
+    f.add_metric(["dram_quota"], c.get("reserve_tenant_quota", 0))
+    yield f
+    f = _counter("kvstore_quota_evictions", "Blocks a tenant over its capacity quota evicted of its own (dram), or removed "
+                 "from NVMe to demote another of its own (nvme).", ["tier"])
+    f.add_metric(["dram"], c.get("quota_evictions_dram", 0))
+    f.add_metric(["nvme"], c.get("quota_evictions_nvme", 0))
     yield f
     f = _counter("kvstore_pins_ttl_capped", "Pins whose TTL was cut to max_pin_ttl_s.", [])
     f.add_metric([], c.get("pins_ttl_capped", 0))

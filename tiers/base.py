@@ -108,3 +108,33 @@ def count_prefix(tier: Tier, keys: Sequence[ChunkKey]) -> int:
             break
         n += 1
     return n
+
+
+class TierWatch(Protocol):
+    """Who occupies a tier, told by the tier as blocks come and go (``kvstore/quotas.py``).
+
+    ``first`` orders eviction: keys it accepts are proposed before all others (see
+    :func:`victims_first`); ``any_first`` says cheaply whether any key would be.
+    """
+
+    def stored(self, meta: BlockMeta, nbytes: int) -> None: ...
+
+    def dropped(self, key: ChunkKey) -> None: ...
+
+    def first(self, key: ChunkKey) -> bool: ...
+
+    def any_first(self) -> bool: ...
+
+
+def victims_first(
+    victims: Callable[[Callable[[ChunkKey], bool]], Iterator[ChunkKey]],
+    can_evict: Callable[[ChunkKey], bool],
+    first: Callable[[ChunkKey], bool],
+) -> Iterator[ChunkKey]:
+    """A tier's ``victims(can_evict)`` in two rounds: the keys ``first`` accepts, in the
+    policy's order, then the rest (each key proposed once)."""
+    offered: set[ChunkKey] = set()
+    for key in victims(lambda k: first(k) and can_evict(k)):
+        offered.add(key)
+        yield key
+    yield from victims(lambda k: k not in offered and can_evict(k))

@@ -11,8 +11,13 @@ the extents → ``commit`` (visible) or ``abort``; ``extents(key)`` for readers.
 ``detach`` takes a block out of the index without freeing its space, for blocks
 deleted while a reader still holds a lease.
 
+``watch`` (optional, ``tiers.base.TierWatch``) is told of every block stored and dropped,
+with the bytes it occupies, and may move some keys to the front of eviction (the
+per-tenant capacity quotas of ``kvstore/quotas.py``).
+
 Invariants: ``used_bytes <= capacity_bytes`` always (the allocator cannot hand out
-more); a key is in ``_blocks`` iff it is in the policy.
+more); a key is in ``_blocks`` iff it is in the policy (and, with a ``watch``, iff the
+watch was told it was stored and not yet that it was dropped).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from kvstore.keys import ChunkKey
 from kvstore.policy import EvictionPolicy, make_policy, DEFAULT_POLICY
 from tiers.allocator import Extent, ExtentAllocator
 from tiers.arena import Arena, as_bytes_view
-from tiers.base import MissReason, ReadResult, TierKind
+from tiers.base import MissReason, ReadResult, TierKind, TierWatch, victims_first
 
 DEFAULT_UNIT = 64 * 1024
 
@@ -38,6 +43,7 @@ class DRAMTier:
         self.allocator = ExtentAllocator(arena.size, unit)
         self.policy = policy if policy is not None else make_policy(DEFAULT_POLICY)
         self._blocks: dict[ChunkKey, tuple[BlockMeta, list[Extent]]] = {}
+        self.watch: TierWatch | None = None
 
     # -- accounting -----------------------------------------------------------------
     @property
@@ -98,8 +104,12 @@ class DRAMTier:
         if old is not None:
             self.policy.remove(meta.key)
             self.allocator.free(old[1])
+            if self.watch is not None:
+                self.watch.dropped(meta.key)
         self._blocks[meta.key] = (meta, extents)
         self.policy.insert(meta.key, meta.parent, meta.payload_len)
+        if self.watch is not None:
+            self.watch.stored(meta, sum(e.length for e in extents))
 
     def abort(self, extents: list[Extent]) -> None:
         self.allocator.free(extents)
@@ -110,6 +120,8 @@ class DRAMTier:
         if b is None:
             return None
         self.policy.remove(key)
+        if self.watch is not None:
+            self.watch.dropped(key)
         return b[1]
 
     def free(self, extents: list[Extent]) -> None:
@@ -145,7 +157,15 @@ class DRAMTier:
         self.allocator.free(extents)
         return True
 
-    def victims(self, can_evict: Callable[[ChunkKey], bool] = lambda k: True) -> Iterator[ChunkKey]:
+    def victims(self, can_evict: Callable[[ChunkKey], bool] = lambda k: True, *, by_policy: bool = False) -> Iterator[ChunkKey]:
+        """Keys to evict, in the policy's order; with a ``watch``, those it puts first
+        before the others (``by_policy``: the policy's order alone)."""
+        if not by_policy and self.watch is not None and self.watch.any_first():
+            yield from victims_first(self._victims, can_evict, self.watch.first)
+        else:
+            yield from self._victims(can_evict)
+
+    def _victims(self, can_evict: Callable[[ChunkKey], bool]) -> Iterator[ChunkKey]:
         for key in self.policy.victims():
             if can_evict(key):
                 yield key
