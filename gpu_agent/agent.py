@@ -45,6 +45,7 @@ import torch
 import xxhash
 
 from gpu_agent.copy_engine import CopyEngine, DoneEvent, Event, Segmented, byte_view, copy_range, host_tensor, normalize_device
+from gpu_agent.buffers import EngineBuffers
 from gpu_agent.layout import ByteCopy, KVCacheLayout, PagedAdapter
 from gpu_agent.planner import Bandwidths, plan_prefetch, usable_prefix
 from gpu_agent.pool import HBMPool
@@ -71,6 +72,9 @@ class AgentConfig:
     """Per-hop bandwidths the prefetch planner estimates time with."""
     batch_blocks: int = 64
     """Blocks per reserve/commit or acquire round trip."""
+    verify_loads: bool = True
+    """Check each block's payload checksum before loading it from host memory: a block
+    whose bytes do not match is a gap (the engine recomputes), never KV it trusts."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -182,11 +186,20 @@ class GPUAgent:
             self.counters[name] += n
 
     # -- keys ----------------------------------------------------------------------------
-    def keys(self, tokens: Sequence[int] | Any) -> list[ChunkKey]:
-        """One key per full chunk of ``tokens`` (a list, numpy array or CPU tensor of ids)."""
+    def keys(self, tokens: Sequence[int] | Any, namespace: Namespace | None = None) -> list[ChunkKey]:
+        """One key per full chunk of ``tokens`` (a list, numpy array or CPU tensor of ids),
+        in ``namespace`` (default: the agent's; another must describe the same layout)."""
         if isinstance(tokens, torch.Tensor):
             tokens = tokens.detach().cpu().reshape(-1).numpy()
-        return chunk_keys(tokens, self.namespace)
+        return chunk_keys(tokens, self._ns(namespace))
+
+    def _ns(self, namespace: Namespace | None) -> Namespace:
+        if namespace is None or namespace is self.namespace:
+            return self.namespace
+        if namespace.chunk_tokens != self.chunk_tokens:
+            raise InvalidArgument(f"namespace chunk_tokens={namespace.chunk_tokens}; this agent moves chunks of {self.chunk_tokens}")
+        self.layout.check_namespace(namespace)
+        return namespace
 
     def _tiers(self, keys: list[ChunkKey]) -> list[str | None]:
         try:
@@ -196,16 +209,16 @@ class GPUAgent:
             log.warning("kvstore lookup failed (%s); treating as a miss", e)
             return [None] * len(keys)
 
-    def _meta_ok(self, meta: BlockMeta | None) -> bool:
-        ok = meta is not None and meta.namespace == self._fingerprint and meta.payload_len == self.block_bytes
+    def _meta_ok(self, meta: BlockMeta | None, fingerprint: bytes | None = None) -> bool:
+        ok = meta is not None and meta.namespace == (fingerprint or self._fingerprint) and meta.payload_len == self.block_bytes
         if meta is not None and not ok:
             self._count("incompatible_blocks", 1)
         return ok
 
     # -- lookup ----------------------------------------------------------------------------
-    def lookup(self, tokens: Sequence[int] | Any) -> int:
+    def lookup(self, tokens: Sequence[int] | Any, *, namespace: Namespace | None = None) -> int:
         """Tokens of ``tokens``' leading full chunks that are cached (store or HBM pool)."""
-        keys = self.keys(tokens)
+        keys = self.keys(tokens, namespace)
         if not keys:
             return 0
         tiers = self._tiers(keys)
@@ -283,29 +296,33 @@ class GPUAgent:
         return PrefetchResult(len(inserted) - len(bad), plan.resident, plan.prefix, plan.limit)
 
     # -- load ------------------------------------------------------------------------------
-    def _check_buffers(self, kv_buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _check_buffers(self, kv_buffers: "Sequence[torch.Tensor] | EngineBuffers") -> EngineBuffers:
+        """The engine's buffers as byte ranges: an :class:`EngineBuffers` (any layout the
+        engine has; see ``gpu_agent.buffers``) or flash-layout tensors, one per layer."""
         lay = self.layout
-        if len(kv_buffers) != lay.num_layers:
-            raise InvalidArgument(f"kv_buffers has {len(kv_buffers)} layers; the layout has {lay.num_layers}")
-        out = []
-        for i, b in enumerate(kv_buffers):
-            if b.dim() != 5 or tuple(b.shape) != lay.buffer_shape(b.shape[1]):
-                raise InvalidArgument(
-                    f"kv_buffers[{i}] has shape {tuple(b.shape)}; expected (2, num_pages, {lay.page_size}, {lay.num_kv_heads}, {lay.head_dim})"
-                )
-            if b.dtype != self.dtype or b.device != self.device:
-                raise InvalidArgument(f"kv_buffers[{i}] is {b.dtype} on {b.device}; the agent moves {self.dtype} on {self.device}")
-            if not b.is_contiguous():
-                raise InvalidArgument(f"kv_buffers[{i}] must be contiguous")
-            out.append(byte_view(b))
-        return out
+        bufs = kv_buffers if isinstance(kv_buffers, EngineBuffers) else EngineBuffers.flash(list(kv_buffers), lay)
+        if bufs.num_layers != lay.num_layers:
+            raise InvalidArgument(f"kv_buffers has {bufs.num_layers} layers; the layout has {lay.num_layers}")
+        if bufs.dtype != self.dtype or bufs.device != self.device:
+            raise InvalidArgument(f"kv_buffers are {bufs.dtype} on {bufs.device}; the agent moves {self.dtype} on {self.device}")
+        self.adapter.check_geometry(bufs.geometry)
+        bufs.check()
+        return bufs
 
-    def load(self, tokens: Sequence[int] | Any, kv_buffers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> LoadHandle:
+    def load(
+        self,
+        tokens: Sequence[int] | Any,
+        kv_buffers: "Sequence[torch.Tensor] | EngineBuffers",
+        block_ids: Sequence[int],
+        *,
+        namespace: Namespace | None = None,
+    ) -> LoadHandle:
         """Load the cached leading chunks of ``tokens`` into the pages ``block_ids`` (as far as
-        ``block_ids`` reach).  Returns at once with the copies queued, layer by layer."""
+        ``block_ids`` reach; a negative id leaves that page alone, for tokens the engine
+        already holds).  Returns at once with the copies queued, layer by layer."""
         dst = self._check_buffers(kv_buffers)
-        num_pages = kv_buffers[0].shape[1]
-        keys = self.keys(tokens)[: len(block_ids) // self.adapter.pages_per_chunk]
+        ns = self._ns(namespace)
+        keys = self.keys(tokens, ns)[: len(block_ids) // self.adapter.pages_per_chunk]
         if not keys:
             return LoadHandle(0, 0, [DoneEvent()] * self.layout.num_layers, None)
         with self.pool.lock:
@@ -321,7 +338,7 @@ class GPUAgent:
         host: dict[bytes, Segmented] = {}
         if leased is not None:
             for k, meta, views in zip(leased.keys, leased.metas, leased.views):
-                if views is not None and self._meta_ok(meta):
+                if views is not None and self._meta_ok(meta, ns.fingerprint) and self._payload_ok(meta, views):
                     host[k] = Segmented([host_tensor(v) for v in views])
         try:
             with self.pool.lock:
@@ -336,12 +353,12 @@ class GPUAgent:
                         sources.append(host[k])
                     else:
                         break  # a gap (evicted since lookup): load the prefix before it
-                plans = [self.adapter.chunk_copies(self.adapter.chunk_pages(block_ids, c), num_pages) for c in range(len(sources))]
+                plans = [self.adapter.chunk_copies(self.adapter.chunk_pages(block_ids, c), dst.geometry) for c in range(len(sources))]
                 saves = self._saves_in_flight()
                 events = [
                     self.engine.submit(
-                        "h2d", self._layer_copier(layer, dst[layer], sources, plans),
-                        after=saves if layer == 0 else (), after_compute=(layer == 0), uses=(kv_buffers[layer],),
+                        "h2d", self._layer_copier(layer, dst.layers[layer], sources, plans),
+                        after=saves if layer == 0 else (), after_compute=(layer == 0), uses=dst.sources[layer : layer + 1],
                     )
                     for layer in range(self.layout.num_layers)
                 ] if sources else [DoneEvent()] * self.layout.num_layers
@@ -365,13 +382,25 @@ class GPUAgent:
         except KVStoreError:
             self._count("report_errors")  # metrics only: never fails a load
 
-    def _layer_copier(self, layer: int, dst: torch.Tensor, sources: list[torch.Tensor | Segmented], plans: list[list[ByteCopy]]) -> Any:
+    def _payload_ok(self, meta: BlockMeta, views: list[memoryview]) -> bool:
+        """The leased bytes match the checksum the block was committed with."""
+        if not self.config.verify_loads:
+            return True
+        got = checksum(views[0]) if len(views) == 1 else _checksum_parts(views)
+        if got != meta.payload_checksum:
+            self._count("checksum_failures", 1)
+            log.error("block %s: payload checksum mismatch in the store; not loaded (the engine recomputes it)", meta.key.hex())
+            return False
+        return True
+
+    def _layer_copier(self, layer: int, dst: tuple[torch.Tensor, int], sources: list[torch.Tensor | Segmented], plans: list[list[ByteCopy]]) -> Any:
         base = layer * self.layer_bytes
+        flat, origin = dst
 
         def copy() -> None:
             for src, copies in zip(sources, plans):
                 for c in copies:
-                    copy_range(dst, c.buffer_offset, src, base + c.block_offset, c.nbytes)
+                    copy_range(flat, origin + c.buffer_offset, src, base + c.block_offset, c.nbytes)
 
         return copy
 
@@ -387,7 +416,15 @@ class GPUAgent:
         return True
 
     # -- save ------------------------------------------------------------------------------
-    def save(self, tokens: Sequence[int] | Any, kv_buffers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> SaveHandle:
+    def save(
+        self,
+        tokens: Sequence[int] | Any,
+        kv_buffers: "Sequence[torch.Tensor] | EngineBuffers",
+        block_ids: Sequence[int],
+        *,
+        namespace: Namespace | None = None,
+        skip_chunks: int = 0,
+    ) -> SaveHandle:
         """Offload ``tokens``' full chunks (their KV in pages ``block_ids``) to the store.
 
         Returns once the device-to-host copies are ordered before anything the caller
@@ -395,14 +432,16 @@ class GPUAgent:
         right away.  Checksums and commits finish in the background (``SaveHandle.wait``);
         chunks the store already holds are skipped."""
         src = self._check_buffers(kv_buffers)
-        num_pages = kv_buffers[0].shape[1]
-        keys = self.keys(tokens)[: len(block_ids) // self.adapter.pages_per_chunk]
+        ns = self._ns(namespace)
+        keys = self.keys(tokens, ns)[: len(block_ids) // self.adapter.pages_per_chunk]
+        if any(int(b) < 0 for b in block_ids[: len(keys) * self.adapter.pages_per_chunk]):
+            raise InvalidArgument("save needs every page of the chunks it stores (a negative page id)")
         parents = parent_keys(keys)
         shape = self.layout.block_shape(self.chunk_tokens)
         metas = [
-            BlockMeta(self._fingerprint, k, p, self.chunk_tokens, self.layout.dtype, shape, self.block_bytes, 0)
+            BlockMeta(ns.fingerprint, k, p, self.chunk_tokens, self.layout.dtype, shape, self.block_bytes, 0)
             for k, p in zip(keys, parents)
-        ]
+        ][skip_chunks:]
         parts: list[concurrent.futures.Future[SaveResult]] = []
         base = SaveResult()
         step = max(1, self.config.batch_blocks)
@@ -417,8 +456,8 @@ class GPUAgent:
             jobs = []
             for j, views in enumerate(res.views):
                 if views is not None:
-                    pages = self.adapter.chunk_pages(block_ids, lo + j)
-                    jobs.append((views, Segmented([host_tensor(v) for v in views]), self.adapter.chunk_copies(pages, num_pages)))
+                    pages = self.adapter.chunk_pages(block_ids, skip_chunks + lo + j)
+                    jobs.append((views, Segmented([host_tensor(v) for v in views]), self.adapter.chunk_copies(pages, src.geometry)))
             existed = sum(res.existed)
             if not jobs:
                 res.abort()
@@ -428,12 +467,13 @@ class GPUAgent:
             def copy(jobs: list[Any] = jobs) -> None:
                 for layer in range(self.layout.num_layers):
                     b = layer * self.layer_bytes
+                    flat, origin = src.layers[layer]
                     for _, dst, copies in jobs:
                         for c in copies:
-                            copy_range(dst, b + c.block_offset, src[layer], c.buffer_offset, c.nbytes)
+                            copy_range(dst, b + c.block_offset, flat, origin + c.buffer_offset, c.nbytes)
 
             try:
-                ev = self.engine.submit("d2h", copy, after_compute=True, uses=kv_buffers)
+                ev = self.engine.submit("d2h", copy, after_compute=True, uses=src.sources)
             except BaseException:
                 res.abort()
                 raise

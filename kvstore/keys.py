@@ -43,6 +43,7 @@ class KVLayout:
     num_kv_heads: int = 1
     head_dim: int = 1
     kv_split: bool = True  # separate K and V tensors (False: MLA-style joint latent)
+    page_layout: str = ""  # the engine's byte order inside a block where it is not the default (e.g. "vllm-cpu:LBHNC")
 
     def bytes_per_token(self, itemsize: int) -> int:
         return self.num_layers * (2 if self.kv_split else 1) * self.num_kv_heads * self.head_dim * itemsize
@@ -78,7 +79,10 @@ class Namespace:
 
     def canonical(self) -> bytes:
         """The stable byte encoding the fingerprint is taken over (sorted-key JSON)."""
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        d = dataclasses.asdict(self)
+        if not self.layout.page_layout:  # the default layout keeps the fingerprints it always had
+            del d["layout"]["page_layout"]
+        return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
 
     @property
     def fingerprint(self) -> bytes:
