@@ -28,9 +28,10 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 ENV_PREFIX = "KVSTORE_"
 # KVSTORE_* variables that belong to the SDK and CLI, not to the node's schema (the
-# KVSTORE_TLS_* ones: what `kvstore dashboard` trusts and presents when it scrapes https /metrics).
+# KVSTORE_TLS_* ones: what `kvstore dashboard` trusts and presents when it scrapes https /metrics;
+# KVSTORE_FAILPOINTS: fault tests' failure points, kvstore/failpoints.py).
 CLIENT_ENV = {"KVSTORE_TARGET", "KVSTORE_TLS_CA_FILE", "KVSTORE_TLS_SERVER_NAME", "KVSTORE_TLS_CLIENT_CERT_FILE",
-              "KVSTORE_TLS_CLIENT_KEY_FILE"}
+              "KVSTORE_TLS_CLIENT_KEY_FILE", "KVSTORE_FAILPOINTS"}
 
 
 def parse_size(value: object) -> int:

@@ -26,7 +26,7 @@ and re-exported here.  What the manager adds on top of the tiers:
   still valid (an expired lease means the bytes it copied may have been reused).
 * **Eviction.** DRAM victims come from the DRAM tier's policy (prefix-aware by
   default); dirty victims are demoted to NVMe (write-back) in one group commit, clean
-  ones are dropped.  ``write_through`` persists every commit at once instead.
+  ones are dropped.  ``write_through`` persists every commit before it answers instead.
 * **Pins** with a TTL keep blocks resident; no pin outlives ``max_pin_ttl`` (a longer TTL,
   ``inf`` included, is cut to it, for every caller).
 * **Tenant limits** (``tenant_limits``): reserved, leased and pinned blocks are what
@@ -314,6 +314,7 @@ class TierManager:
         if checksums is not None and len(checksums) != len(ids):
             raise InvalidArgument(f"{len(ids)} reservation ids but {len(checksums)} checksums")
         out: list[Status] = []
+        durable: list[ChunkKey] = []
         for i, rid in enumerate(ids):
             r = self.holds.take_reservation(rid)
             if r is None:
@@ -353,7 +354,9 @@ class TierManager:
             self.counters["put_bytes"] += meta.payload_len
             out.append(Status.OK)
             if self.write_through and self.nvme is not None:
-                self.movers.spawn(self.movers.persist([meta.key]))
+                durable.append(meta.key)
+        if durable:  # write-through answers once payload and index entry are on disk (group commit)
+            await self.movers.write_through(durable)
         return out
 
     def abort(self, ids: Sequence[int]) -> None:
@@ -604,6 +607,7 @@ class TierManager:
                 "used_bytes": self.nvme.used_bytes,
                 "blocks": len(self.nvme),
                 "corrupt_blocks": getattr(self.nvme, "corrupt_blocks", 0),
+                "recovery": self.nvme.recovery() if hasattr(self.nvme, "recovery") else {},
             }
         return {
             "tiers": tiers,

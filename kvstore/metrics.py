@@ -203,6 +203,20 @@ def families(snap: dict[str, Any], *, node_id: str, version: str, started: float
         f.add_metric([stage], c.get(counter, 0))
     f.add_metric(["nvme_index"], snap.get("tiers", {}).get("nvme", {}).get("corrupt_blocks", 0))
     yield f
+    recovery = snap.get("tiers", {}).get("nvme", {}).get("recovery", {})
+    for name, doc, value in (
+        ("kvstore_nvme_index_rebuilds", "1 if the NVMe index was damaged or lost at start-up and rebuilt from the segment files.",
+         recovery.get("index_rebuilds", 0)),
+        ("kvstore_nvme_recovered_blocks", "Blocks found again (verified) in the segment files by that rebuild.",
+         recovery.get("recovered_blocks", 0)),
+        ("kvstore_nvme_dropped_records", "Records that rebuild found but dropped: torn, damaged, or partly overwritten after a delete.",
+         recovery.get("dropped_records", 0)),
+        ("kvstore_nvme_write_failures", "Blocks the NVMe tier refused (full disk or index, failing media): not demoted or not "
+         "persisted by write-through; the put or get never fails for it.", c.get("nvme_write_failures", 0)),
+    ):
+        f = _counter(name, doc, [])
+        f.add_metric([], value)
+        yield f
 
     for name, doc, value in (
         ("kvstore_leases", "Read leases held.", snap.get("leases", 0)),

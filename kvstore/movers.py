@@ -14,7 +14,8 @@ State (blocks in flight, by key):
 * ``_persisting``: how many writes to NVMe carry each key right now;
 * ``_doomed``: keys deleted while being written to NVMe: they count as gone from NVMe at
   once, and the copy being written is deleted when its write ends;
-* ``background``: write-through persists still running;
+* ``background``: write-through groups and other persists still running;
+* ``_wt_queue``: write-through commits waiting for the next group (``write_through``);
 * ``_corrupt_demoted``: dirty blocks that failed their checksum on the way out (so their
   eviction is remembered as ``corrupt``; bounded).
 
@@ -24,7 +25,11 @@ in ``holds``, and a cancelled caller waits for that thread before anything is fr
 (:meth:`io`); a delete sticks: no promotion or demotion that was under way brings the
 block back to DRAM or NVMe; a dirty block whose payload fails its checksum is never
 written to NVMe; NVMe never exceeds its capacity, and never evicts a block being
-promoted or a pinned one to make room.
+promoted or a pinned one to make room.  A write-through commit returns only after its
+blocks' payload and index entries are durable (``NVMeTier.write_many``), or the tier
+refused them (counted in ``nvme_write_failures``).  Demotion fails open: whatever the
+disk or the index raises, the block is not demoted and is counted; the put or get that
+needed the DRAM space never fails with it.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from typing import Any
 
 from kvstore.aio import await_to_the_end
 from kvstore.block import BlockMeta, checksum
-from kvstore.errors import CapacityExceeded
+from kvstore.errors import CapacityExceeded, KVStoreError
 from kvstore.holds import Holds, allocation
 from kvstore.keys import ChunkKey
 from kvstore.misses import CORRUPT, EVICTED
@@ -80,6 +85,8 @@ class TierMovers:
         self._doomed: set[ChunkKey] = set()  # deleted while being written to NVMe: that copy goes when the write ends
         self.background: set[asyncio.Task[Any]] = set()
         self._corrupt_demoted: set[ChunkKey] = set()  # from executor threads: dirty blocks that failed their checksum
+        self._wt_queue: list[tuple[Sequence[ChunkKey], asyncio.Future[None]]] = []
+        self._wt_writer: asyncio.Task[Any] | None = None
 
     # -- executor ---------------------------------------------------------------------
     async def io(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -88,10 +95,11 @@ class TierMovers:
         extents that the caller frees (and another block gets) as it unwinds."""
         return await await_to_the_end(asyncio.get_running_loop().run_in_executor(self._executor, fn, *args))
 
-    def spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
+        return task
 
     # -- what is where ------------------------------------------------------------------
     def can_evict(self, key: ChunkKey) -> bool:
@@ -162,15 +170,45 @@ class TierMovers:
                 self._corrupt_demoted.discard(key)
 
     # -- demotion DRAM -> NVMe --------------------------------------------------------------
-    async def persist(self, keys: Sequence[ChunkKey]) -> None:
-        """Write DRAM blocks that NVMe lacks to NVMe (one group commit)."""
+    async def write_through(self, keys: Sequence[ChunkKey]) -> None:
+        """Persist just-committed DRAM blocks, returning once they are durable on NVMe.
+
+        Group commit: calls that arrive while a group is being written wait together for
+        the next one (one fdatasync and one index transaction for all of them).  A caller
+        cancelled meanwhile leaves its blocks in the group."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._wt_queue.append((keys, fut))
+        if self._wt_writer is None:
+            self._wt_writer = self.spawn(self._write_through_groups())
+        await asyncio.shield(fut)
+
+    async def _write_through_groups(self) -> None:
+        try:
+            while self._wt_queue:
+                group, self._wt_queue = self._wt_queue, []
+                try:
+                    await self.persist(list(dict.fromkeys(k for keys, _ in group for k in keys)), admit=False)
+                except BaseException as e:
+                    for _, fut in group:
+                        if not fut.done():
+                            fut.set_exception(e)
+                    raise
+                for _, fut in group:
+                    if not fut.done():
+                        fut.set_result(None)
+        finally:
+            self._wt_writer = None
+
+    async def persist(self, keys: Sequence[ChunkKey], *, admit: bool = True) -> None:
+        """Write DRAM blocks that NVMe lacks to NVMe (one group commit).  ``admit``: only
+        those the NVMe policy admits (demotions); write-through stores every one."""
         assert self.nvme is not None
         items: list[tuple[BlockMeta, memoryview]] = []
         for k in keys:
             meta = self.dram.meta(k)
             if meta is None or self.nvme.contains(k):
                 continue
-            if not self.nvme.admit(k, meta.payload_len):
+            if admit and not self.nvme.admit(k, meta.payload_len):
                 self.counters["nvme_rejected"] += 1
                 continue
             ext = self.dram.extents(k) or []
@@ -236,7 +274,7 @@ class TierMovers:
                     self.nvme.write_many(part)
                     written += len(part)
                     continue
-                except (CapacityExceeded, OSError):
+                except (KVStoreError, OSError):
                     pass  # fragmented (or a failing disk): fall back to one block at a time
             for item in part:
                 try:
@@ -244,7 +282,7 @@ class TierMovers:
                         self.nvme.write_many([item])
                         written += 1
                         continue
-                except (CapacityExceeded, OSError) as e:
+                except (KVStoreError, OSError) as e:
                     # a cache fails open: the block is not demoted (counted), and the put or
                     # get that needed its DRAM space does not fail with the disk's error
                     log.warning("NVMe tier refused %s: %s", item[0].key.hex(), e)

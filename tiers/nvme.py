@@ -8,9 +8,10 @@ On disk, in one directory::
     LOCK            exclusive flock, held for the tier's lifetime (one owner per directory)
     seg-NNNNN.dat   segment files, each preallocated with posix_fallocate before its first record
     index.lmdb/     key (16 bytes) -> location (segment, offset, record length, seq, checksum)
+    index.lmdb.damaged/   the last index found damaged at open, kept for a post-mortem
 
 A record is the 160-byte block header (``kvstore.block``) padded to one 4 KiB page,
-then the payload padded to 4 KiB.  Records are written with O_DIRECT where the
+then the payload padded to 4 KiB (``tiers/nvme_format.py``).  Records are written with O_DIRECT where the
 filesystem takes it (aligned ``mmap`` staging buffers, or straight from a page-aligned
 caller buffer) and with buffered ``pwritev`` where it does not.
 
@@ -30,6 +31,14 @@ Invariants:
   it is gone from the in-memory index *and* its last reader has finished.
 * A block whose header or payload checksum fails is dropped, counted in
   ``corrupt_blocks`` and reported as a ``CORRUPT`` miss: bad bytes are never served.
+* The index is checked before lmdb maps it (``tiers/nvme_recovery.py``); a damaged or
+  lost one is moved aside and rebuilt from the segments' self-describing records, each
+  verified end to end (``rebuild`` says what was found).  So the tier always opens.
+* A write that fails (full disk, failing media, an index that cannot grow) raises
+  ``CapacityExceeded`` or ``OSError``, never an lmdb error, and leaves nothing indexed:
+  its space is freed and queued deletes stay queued.  The steps of a write are named
+  failure points (``kvstore/failpoints.py``: ``nvme.preallocate``, ``nvme.write``,
+  ``nvme.sync``, ``nvme.index.commit``).
 """
 
 from __future__ import annotations
@@ -46,75 +55,25 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import lmdb
-import numpy as np
 
+from kvstore import failpoints
 from kvstore.block import HEADER_SIZE, BlockMeta, checksum, decode_header, encode_header, verify_payload
 from kvstore.errors import BlockFormatError, CapacityExceeded, CorruptBlock, DataDirLocked, InvalidArgument, Unavailable
 from kvstore.keys import ChunkKey
 from kvstore.policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 from tiers.allocator import Extent, ExtentAllocator
 from tiers.base import MissReason, ReadResult, TierKind
+from tiers.nvme_format import (INDEX_VALUE, INDEX_VALUE_VERSION, PAGE, addr, close_stage, io_all, probe_direct_io,
+                               record_bytes, segment_name)
+from tiers.nvme_recovery import Rebuild, finish, index_damage, move_aside, scan_segments, segment_bytes_on_disk
 
 log = logging.getLogger(__name__)
 
-PAGE = 4096
 STAGE_BYTES = 8 << 20  # staging buffer: the unit of O_DIRECT I/O for unaligned caller buffers
 _STAGE_POOL_MAX = 4
 _ZEROS = bytes(PAGE)
-_VALUE = struct.Struct("<BxxxIQQQQ")  # version, segment, offset, record length, seq, payload checksum
-_VALUE_VERSION = 1
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _MEDIA_ERRORS = (errno.EIO, errno.ENODATA, errno.EBADMSG)
-
-
-def record_bytes(payload_len: int) -> int:
-    """Bytes one record takes on disk: a header page plus the payload padded to pages."""
-    return PAGE + -(-payload_len // PAGE) * PAGE
-
-
-def _addr(mv: memoryview) -> int:
-    return int(np.frombuffer(mv, dtype=np.uint8).__array_interface__["data"][0]) if mv.nbytes else 0
-
-
-def _probe_direct_io(directory: Path) -> bool:
-    """True if ``directory``'s filesystem accepts an aligned O_DIRECT write."""
-    probe = directory / ".direct_io_probe"
-    buf = mmap.mmap(-1, PAGE)
-    try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
-        try:
-            return os.pwrite(fd, buf, 0) == PAGE
-        finally:
-            os.close(fd)
-    except OSError as e:
-        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
-            return False
-        raise
-    finally:
-        buf.close()
-        probe.unlink(missing_ok=True)
-
-
-def _io_all(op: Callable[[int, list, int], int], fd: int, bufs: list[memoryview], off: int) -> None:
-    """``os.preadv``/``os.pwritev`` until every buffer is done (short transfers continue)."""
-    bufs = [b for b in bufs if b.nbytes]
-    while bufs:
-        n = op(fd, bufs, off)
-        if n <= 0:
-            raise OSError(errno.EIO, f"short I/O at offset {off}: the segment file ends early")
-        off += n
-        while bufs and n >= bufs[0].nbytes:
-            n -= bufs[0].nbytes
-            bufs.pop(0)
-        if n:
-            bufs[0] = bufs[0][n:]
-
-
-def _close_stage(stage: mmap.mmap) -> None:
-    try:
-        stage.close()
-    except BufferError:  # a view still lives (a traceback frame): the GC unmaps it later
-        pass
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -132,7 +91,7 @@ class _Entry:
     dead: bool = False
 
     def value(self) -> bytes:
-        return _VALUE.pack(_VALUE_VERSION, self.seg, self.off, self.length, self.seq, self.meta.payload_checksum)
+        return INDEX_VALUE.pack(INDEX_VALUE_VERSION, self.seg, self.off, self.length, self.seq, self.meta.payload_checksum)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -187,6 +146,7 @@ class NVMeTier:
         self.sync = sync
         self.corrupt_blocks = 0
         self.dropped_on_open = 0  # valid entries beyond a reduced capacity
+        self.rebuild: Rebuild | None = None  # what rebuilding a damaged or lost index found, if this open did
         self._policy: EvictionPolicy = policy if policy is not None else make_policy(DEFAULT_POLICY)
         self._lock = threading.RLock()  # reentrant: a dropped victims() generator may close under it
         self._commit_lock = threading.Lock()
@@ -197,6 +157,7 @@ class NVMeTier:
         self._stages: list[mmap.mmap] = []
         self._fds: list[int] = []
         self._preallocated: set[int] = set()  # segments whose extent is reserved on disk
+        self._in_use: set[int] = set()  # segments that held data when the tier opened
         self._env: lmdb.Environment | None = None
         self._closed = False
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -224,33 +185,36 @@ class NVMeTier:
         return fd
 
     def _open(self, cap: int, segment_bytes: int, direct_io: bool | None) -> None:
-        can_direct = direct_io is not False and _probe_direct_io(self.directory)
+        can_direct = direct_io is not False and probe_direct_io(self.directory)
         if direct_io and not can_direct:
             raise InvalidArgument(
                 f"the filesystem of {self.directory} refuses O_DIRECT (tmpfs?); pass direct_io=None or False"
             )
         self.direct_io = can_direct if direct_io is None else direct_io
-        max_blocks = cap // (2 * PAGE)
-        # the index names every stored key and namespace: the node's alone, like the segments.
-        # lmdb's ``mode`` is also what it would mkdir the directory with (0600: not searchable
-        # by a non-root owner), so the directory is made here first
         index_dir = self.directory / "index.lmdb"
-        index_dir.mkdir(mode=0o700, exist_ok=True)
-        self._env = lmdb.open(
-            str(index_dir), map_size=min(max(32 << 20, max_blocks * 256), 1 << 40),
-            max_dbs=2, sync=self.sync, metasync=self.sync, readahead=False, mode=0o600,
-        )
-        self._db = self._env.open_db(b"blocks")
-        config = self._env.open_db(b"config")
-        with self._env.begin(write=True) as txn:
-            stored = txn.get(b"segment_bytes", db=config)
-            if stored is None:
-                seg = min(segment_bytes, cap) // PAGE * PAGE
-                txn.put(b"segment_bytes", struct.pack("<Q", seg), db=config)
-            else:  # locations are (segment, offset): the layout of an existing directory wins
-                seg = struct.unpack("<Q", stored)[0]
-                if seg != segment_bytes:
-                    log.info("%s keeps its segment_bytes=%d (asked for %d)", self.directory, seg, segment_bytes)
+        # never let lmdb map an index it cannot trust (a truncated one faults the process):
+        # a damaged or lost one is moved aside and rebuilt from the self-describing segments
+        damage = index_damage(index_dir)
+        if damage is not None:
+            self._set_aside(index_dir, damage)
+        seg_hint = min(segment_bytes, cap) // PAGE * PAGE
+        raw: list[tuple[bytes, bytes]] = []
+        for attempt in (1, 2):
+            try:
+                if self.rebuild is not None:
+                    seg_hint = segment_bytes_on_disk(self.directory, segment_name) or seg_hint
+                seg = self._open_env(index_dir, cap, seg_hint, segment_bytes)
+                if self.rebuild is None:
+                    with self._env.begin() as txn:  # type: ignore[union-attr]
+                        raw = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._db)]
+                break
+            except lmdb.Error as e:  # damage the check did not see
+                if attempt == 2 or self.rebuild is not None:
+                    raise
+                if self._env is not None:
+                    self._env.close()
+                    self._env = None
+                self._set_aside(index_dir, f"lmdb: {e!r}")
         self.segment_bytes = seg
         n = -(-cap // seg)
         self._seg_sizes = [seg] * (n - 1) + [cap - (n - 1) * seg]
@@ -262,10 +226,63 @@ class NVMeTier:
             self._alloc.reserve_exact(Extent(i * self._stride + seg, PAGE))
         self._gap_bytes = (n - 1) * PAGE
         self._open_segments()
-        self._load_index()
+        if self.rebuild is not None:
+            raw = self._rebuild_index(self.rebuild)
+        self._load_index(raw)
+        if self.rebuild is not None:
+            self.rebuild.recovered = len(self._index)
+            finish(self.rebuild, self.directory)
+
+    def _set_aside(self, index_dir: Path, damage: str) -> None:
+        """Move a damaged index aside; plan a rebuild if any segment holds data."""
+        moved = move_aside(index_dir)
+        if any(p.stat().st_size for p in self.directory.glob("seg-*.dat")):
+            self.rebuild = Rebuild(reason=damage)
+        if moved is not None:
+            log.error("the NVMe index %s cannot be used (%s): moved it to %s%s", index_dir, damage, moved,
+                      "; rebuilding it from the segment files" if self.rebuild else "")
+
+    def _open_env(self, index_dir: Path, cap: int, seg_hint: int, asked: int) -> int:
+        """Open (or create) the lmdb index; its stored segment size, else ``seg_hint`` (stored)."""
+        # the index names every stored key and namespace: the node's alone, like the segments.
+        # lmdb's ``mode`` is also what it would mkdir the directory with (0600: not searchable
+        # by a non-root owner), so the directory is made here first
+        index_dir.mkdir(mode=0o700, exist_ok=True)
+        self._env = lmdb.open(
+            str(index_dir), map_size=min(max(32 << 20, cap // (2 * PAGE) * 256), 1 << 40),
+            max_dbs=2, sync=self.sync, metasync=self.sync, readahead=False, mode=0o600,
+        )
+        self._db = self._env.open_db(b"blocks")
+        config = self._env.open_db(b"config")
+        with self._env.begin(write=True) as txn:
+            stored = txn.get(b"segment_bytes", db=config)
+            if stored is None:
+                txn.put(b"segment_bytes", struct.pack("<Q", seg_hint), db=config)
+                return seg_hint
+        seg = int(struct.unpack("<Q", stored)[0])  # locations are (segment, offset): the layout of an existing directory wins
+        if seg != asked:
+            log.info("%s keeps its segment_bytes=%d (asked for %d)", self.directory, seg, asked)
+        return seg
+
+    def _rebuild_index(self, report: Rebuild) -> list[tuple[bytes, bytes]]:
+        """Scan the segments in use for verified records and commit them as the index (one txn)."""
+        assert self._env is not None
+        stage = self._acquire_stage()
+        try:
+            used = [(i, self._fds[i], size) for i, size in enumerate(self._seg_sizes) if i in self._in_use]
+            found = scan_segments(used, memoryview(stage), report)
+        finally:
+            self._release_stage(stage)
+        raw = [(bytes(r.meta.key), _Entry(r.meta.key, r.meta, seg, r.offset, r.length, 0, seq).value())
+               for seq, (seg, r) in enumerate(found, start=1)]
+        with self._env.begin(write=True) as txn:
+            for k, v in raw:
+                txn.put(k, v, db=self._db)
+        self._env.sync(True)
+        return raw
 
     def _seg_path(self, i: int) -> Path:
-        return self.directory / f"seg-{i:05d}.dat"
+        return self.directory / segment_name(i)
 
     def _open_segments(self) -> None:
         flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.direct_io else 0)
@@ -276,7 +293,11 @@ class NVMeTier:
             if st_size > size:
                 os.ftruncate(fd, size)
             if st_size:  # in use before: keep it whole; an untouched one is preallocated on first write
-                self._preallocate(i)
+                self._in_use.add(i)
+                try:
+                    self._preallocate(i)
+                except (CapacityExceeded, OSError) as e:  # the next write tries again; a start must not fail on it
+                    log.warning("cannot preallocate %s now: %s", self._seg_path(i), e)
         i = len(self._seg_sizes)
         while self._seg_path(i).exists():  # segments beyond a reduced capacity
             self._seg_path(i).unlink()
@@ -297,6 +318,7 @@ class NVMeTier:
             return
         size = self._seg_sizes[seg]
         try:
+            failpoints.hit("nvme.preallocate")
             os.posix_fallocate(self._fds[seg], 0, size)
         except OSError as e:
             if e.errno in _DISK_FULL:
@@ -309,16 +331,14 @@ class NVMeTier:
             os.ftruncate(self._fds[seg], size)  # no fallocate here: sparse file; ENOSPC may come on write
         self._preallocated.add(seg)
 
-    def _load_index(self) -> None:
-        """Rebuild memory from lmdb, checking every entry's header (not its payload)."""
+    def _load_index(self, raw: list[tuple[bytes, bytes]]) -> None:
+        """Rebuild memory from lmdb's entries, checking every entry's header (not its payload)."""
         assert self._env is not None
-        with self._env.begin() as txn:
-            raw = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._db)]
         drop: list[bytes] = []
         kept: list[tuple[bytes, tuple]] = []
         for key, value in sorted(raw, key=lambda kv: -self._seq_of(kv[1])):  # newest wins overlaps
-            fields = _VALUE.unpack(value) if len(value) == _VALUE.size else None
-            if len(key) != 16 or fields is None or fields[0] != _VALUE_VERSION:
+            fields = INDEX_VALUE.unpack(value) if len(value) == INDEX_VALUE.size else None
+            if len(key) != 16 or fields is None or fields[0] != INDEX_VALUE_VERSION:
                 self.corrupt_blocks += 1
                 drop.append(key)
                 continue
@@ -342,7 +362,7 @@ class NVMeTier:
             for key, (_, seg, off, length, seq, pcs) in sorted(kept, key=lambda kv: (kv[1][1], kv[1][2])):
                 vaddr = seg * self._stride + off
                 try:
-                    _io_all(os.preadv, self._fds[seg], [memoryview(hdr)[:PAGE]], off)
+                    io_all(os.preadv, self._fds[seg], [memoryview(hdr)[:PAGE]], off)
                     meta = decode_header(memoryview(hdr)[:HEADER_SIZE], expect_key=key)
                     if meta.payload_checksum != pcs or record_bytes(meta.payload_len) != length:
                         raise CorruptBlock("header disagrees with the index")
@@ -358,9 +378,12 @@ class NVMeTier:
         finally:
             self._release_stage(hdr)
         if drop:
-            with self._env.begin(write=True) as txn:
-                for key in drop:
-                    txn.delete(key, db=self._db)
+            try:
+                with self._env.begin(write=True) as txn:
+                    for key in drop:
+                        txn.delete(key, db=self._db)
+            except lmdb.Error as e:  # a full disk: they are only out of memory, and dropped again next time
+                log.warning("could not remove %d bad entries from the NVMe index of %s: %r", len(drop), self.directory, e)
         entries.sort(key=lambda e: e.seq)  # parents are mostly older: insert them first
         for e in entries:
             self._index[e.key] = e
@@ -369,7 +392,7 @@ class NVMeTier:
 
     @staticmethod
     def _seq_of(value: bytes) -> int:
-        return _VALUE.unpack(value)[4] if len(value) == _VALUE.size else -1
+        return INDEX_VALUE.unpack(value)[4] if len(value) == INDEX_VALUE.size else -1
 
     # -- queries (event-loop safe: memory only) ---------------------------------------
     @property
@@ -440,11 +463,16 @@ class NVMeTier:
                 "capacity_bytes": self._capacity,
                 "corrupt_blocks": self.corrupt_blocks,
                 "dropped_on_open": self.dropped_on_open,
+                **self.recovery(),
                 "pending_index_deletes": len(self._pending),
                 "segments": len(self._seg_sizes),
                 "segment_bytes": self.segment_bytes,
                 "direct_io": self.direct_io,
             }
+
+    def recovery(self) -> dict[str, int]:
+        """What this open's index rebuild found (:meth:`Rebuild.counts`; zeros if none ran)."""
+        return Rebuild.counts(self.rebuild)
 
     def victims(self, can_evict: Callable[[ChunkKey], bool] = lambda k: True) -> Iterator[ChunkKey]:
         """The policy's victims, minus blocks being read and those ``can_evict`` rejects.
@@ -533,9 +561,11 @@ class NVMeTier:
             if must_flush:
                 self.flush()
             for e, mv in zip(entries, views):
+                failpoints.hit("nvme.write", short=lambda: self._write_header_only(e))
                 self._transfer(e, mv, writing=True)
             if self.sync:
                 for seg in sorted({e.seg for e in entries}):
+                    failpoints.hit("nvme.sync")
                     os.fdatasync(self._fds[seg])
             self._commit(entries)
             committed = True
@@ -561,16 +591,18 @@ class NVMeTier:
             if not drained and not entries:
                 return
             try:
-                with self._env.begin(write=True) as txn:
-                    for p in drained:  # only if lmdb still holds that very entry
-                        v = txn.get(p.key, db=self._db)
-                        if v is not None and self._seq_of(v) == p.seq:
-                            txn.delete(p.key, db=self._db)
-                    for e in entries:
-                        txn.put(e.key, e.value(), db=self._db)
-            except BaseException:
+                try:
+                    self._commit_txn(drained, entries)
+                except lmdb.MapFullError:  # the map was sized for typical churn: double it, once
+                    self._env.set_mapsize(self._env.info()["map_size"] * 2)
+                    self._commit_txn(drained, entries)
+            except BaseException as e:
                 with self._lock:
                     self._pending[:0] = drained
+                if isinstance(e, lmdb.Error):  # mapped once, here: callers see the tier's error types
+                    if isinstance(e, (lmdb.MapFullError, lmdb.DiskError)):
+                        raise CapacityExceeded(f"the NVMe index under {self.directory} cannot grow: {e}") from e
+                    raise OSError(errno.EIO, f"the NVMe index under {self.directory} failed: {e!r}") from e
                 raise
             with self._lock:
                 for e in entries:
@@ -579,6 +611,26 @@ class NVMeTier:
                     self._policy.insert(e.key, e.meta.parent, e.length)
                     if old is not None:
                         self._retire(old)
+
+    def _commit_txn(self, drained: list[_Entry], entries: list[_Entry]) -> None:
+        assert self._env is not None
+        with self._env.begin(write=True) as txn:
+            failpoints.hit("nvme.index.commit", errors={"enospc": lmdb.DiskError, "edquot": lmdb.DiskError})
+            for p in drained:  # only if lmdb still holds that very entry
+                v = txn.get(p.key, db=self._db)
+                if v is not None and self._seq_of(v) == p.seq:
+                    txn.delete(p.key, db=self._db)
+            for e in entries:
+                txn.put(e.key, e.value(), db=self._db)
+
+    def _write_header_only(self, e: _Entry) -> None:
+        """A torn record (failpoint ``nvme.write=short``): its header, and none of its payload."""
+        buf = mmap.mmap(-1, PAGE)  # page-aligned, as O_DIRECT wants
+        try:
+            buf[:HEADER_SIZE] = encode_header(e.meta)
+            io_all(os.pwritev, self._fds[e.seg], [memoryview(buf)], e.off)
+        finally:
+            close_stage(buf)
 
     def _retire(self, e: _Entry) -> None:
         """Under ``_lock``: ``e`` has left the index; free its space once nobody reads it."""
@@ -598,7 +650,7 @@ class NVMeTier:
             if len(self._stages) < _STAGE_POOL_MAX and not self._closed:
                 self._stages.append(stage)
                 return
-        _close_stage(stage)
+        close_stage(stage)
 
     def read_into(self, key: ChunkKey, out: object) -> ReadResult:
         """Copy ``key``'s payload into ``out`` after verifying header and payload checksum."""
@@ -649,21 +701,21 @@ class NVMeTier:
         page = encode_header(e.meta) + _ZEROS[HEADER_SIZE:] if writing else bytearray(PAGE)
         if not self.direct_io:  # buffered: straight from / into the caller's buffer, any alignment
             pad = memoryview(_ZEROS)[: e.length - PAGE - n] if writing else mv[:0]
-            _io_all(op, fd, [memoryview(page), mv, pad], e.off)
+            io_all(op, fd, [memoryview(page), mv, pad], e.off)
             if not writing:
                 self._check(e, page, mv)
             return
         stage = self._acquire_stage()
         s = memoryview(stage)
         try:
-            if _addr(mv) % PAGE == 0:  # aligned caller buffer: its whole pages move without a copy
+            if addr(mv) % PAGE == 0:  # aligned caller buffer: its whole pages move without a copy
                 full = n // PAGE * PAGE
                 tail = n - full
                 if writing:
                     s[:PAGE] = page
                     s[PAGE : PAGE + tail] = mv[full:]
                     s[PAGE + tail : 2 * PAGE] = _ZEROS[tail:]
-                _io_all(op, fd, [s[:PAGE], mv[:full], s[PAGE : 2 * PAGE] if tail else s[:0]], e.off)
+                io_all(op, fd, [s[:PAGE], mv[:full], s[PAGE : 2 * PAGE] if tail else s[:0]], e.off)
                 if not writing:
                     mv[full:] = s[PAGE : PAGE + tail]
                     self._check(e, s[:HEADER_SIZE], mv)
@@ -679,7 +731,7 @@ class NVMeTier:
                     z = max(pos, PAGE + n)
                     if z < hi:
                         s[z - pos : hi - pos] = _ZEROS[: hi - z]
-                _io_all(op, fd, [s[: hi - pos]], e.off + pos)
+                io_all(op, fd, [s[: hi - pos]], e.off + pos)
                 if not writing:
                     if pos == 0:  # a bad header fails before the rest is read
                         self._check(e, s[:HEADER_SIZE], None)
@@ -724,6 +776,9 @@ class NVMeTier:
                 self.flush()
                 if self.sync:
                     self._env.sync(True)
+        except (CapacityExceeded, OSError, lmdb.Error) as e:  # a full or failing disk must not stop a shutdown
+            log.error("closing %s: could not commit %d index deletes (%r); those blocks may be back after a restart",
+                      self.directory, len(self._pending), e)
         finally:
             self._release()
 
@@ -737,7 +792,7 @@ class NVMeTier:
         with self._lock:
             stages, self._stages = self._stages, []
         for st in stages:
-            _close_stage(st)
+            close_stage(st)
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = -1
