@@ -67,7 +67,9 @@ class WorkerProcess:
             "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=4294967296"),
         }
         self.stderr: list[str] = []
-        self.proc = subprocess.Popen(
+        from kvstore.children import spawn  # dies with the demo
+
+        self.proc = spawn(
             [sys.executable, "-m", "gpu_agent._worker"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         )

@@ -34,12 +34,9 @@ import itertools
 import json
 import os
 import shutil
-import signal
 import struct
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -51,6 +48,7 @@ import xxhash
 from kvstore import benchtls
 from kvstore.benchkit import KiB, MiB, PAGE, Best, batched, blocks, buffer, label, log, ratio, timed
 from kvstore.benchrefs import DirectIOFile, Redis, SocketPeer, drop_caches, memcpy
+from kvstore.children import ServeProcess
 from kvstore.config import default_data_dir, parse_size
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 
@@ -248,43 +246,16 @@ def _print_targets(r: dict[str, Any], f: TextIO) -> None:
 
 
 # -- SDK benchmark: the node and the paths --------------------------------------------------
-class PrivateNode:
-    """A ``kvstore serve`` child on free ports with a temporary data dir; SIGTERM stops it."""
-
-    def __init__(self, dram: int, workdir: Path, *, extra: Sequence[str] = (), tag: str = "") -> None:
-        suffix = f"-{tag}" if tag else ""  # a second node of the same run (the tls path's)
-        self.arena = Path("/dev/shm") / f"kvstore-bench-{os.getpid()}-{workdir.name[-8:]}{suffix}.arena"
-        cmd = [sys.executable, "-m", "kvstore", "serve", "--data-dir", str(workdir / f"node{suffix}"), "--listen", "127.0.0.1:0",
-               "--dram", str(dram), "--nvme", "0", "--node-id", f"bench-{os.getpid()}{suffix}", "--arena-path", str(self.arena),
-               "--log-level", "WARNING", *extra]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.output: list[str] = []
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.output.append(line)
-            if line.startswith("READY "):
-                self.endpoints = json.loads(line[len("READY "):])
-                threading.Thread(target=self._drain, daemon=True).start()
-                return
-        self.proc.wait()
-        self.arena.unlink(missing_ok=True)
-        raise Unavailable(f"the benchmark's node exited before READY (rc={self.proc.returncode}):\n{''.join(self.output[-20:])}")
-
-    def _drain(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.output.append(line)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.arena.unlink(missing_ok=True)
+def private_node(dram: int, workdir: Path, *, extra: Sequence[str] = (), tag: str = "") -> ServeProcess:
+    """A ``kvstore serve`` child on free ports with its data dir under ``workdir``; ``stop`` ends it."""
+    suffix = f"-{tag}" if tag else ""  # a second node of the same run (the tls path's)
+    arena = Path("/dev/shm") / f"kvstore-bench-{os.getpid()}-{workdir.name[-8:]}{suffix}.arena"
+    node = ServeProcess(workdir / f"node{suffix}", "--listen", "127.0.0.1:0", "--dram", str(dram), "--nvme", "0",
+                        "--log-level", "WARNING", *extra, node_id=f"bench-{os.getpid()}{suffix}", arena_path=str(arena))
+    try:
+        return node.start(timeout=120)
+    except RuntimeError as e:
+        raise Unavailable(f"the benchmark's node did not start: {e}") from None
 
 
 class SDKPath:
@@ -366,7 +337,7 @@ def run_sdk(a: argparse.Namespace) -> dict[str, Any]:
             out["node"] = a.target
         else:
             log(f"sdk: starting a private node ({dram >> 20} MiB DRAM) ...")
-            node = PrivateNode(dram, work)
+            node = private_node(dram, work)
             cleanup.append(node.stop)
             unix, tcp = node.endpoints["unix"], node.endpoints["grpc"]
             out["node"] = f"private (pid {node.endpoints['pid']}, {dram >> 20} MiB DRAM)"

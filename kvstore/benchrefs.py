@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -31,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore import children
 from kvstore.benchkit import batched, blocks, buffer
 from kvstore.errors import Unavailable
 
@@ -138,7 +140,7 @@ class SocketPeer:
     _MAIN = "from kvstore.benchrefs import socket_peer_main as m; m()"
 
     def __init__(self, capacity: int, *, main: str = _MAIN, args: Sequence[str] = (), wrap: Callable[[Any], Any] = lambda s: s) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", main, str(capacity), *args], stdout=subprocess.PIPE, text=True)
+        self.proc = children.spawn([sys.executable, "-c", main, str(capacity), *args], stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         port = int(self.proc.stdout.readline())
         self.s = socket.create_connection(("127.0.0.1", port))
@@ -161,10 +163,8 @@ class SocketPeer:
             self.s.sendall(_PEER_REQ.pack(b"Q", 0, 0))
             self.s.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=5)
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+            self.proc.wait(timeout=5)  # it exits on the quit frame
+        children.stop(self.proc, timeout=0.1, sig=signal.SIGKILL)
 
 
 def free_port() -> int:
@@ -179,7 +179,7 @@ class Redis:
 
     def __init__(self, binary: str, workdir: Path) -> None:
         self.port = free_port()
-        self.proc = subprocess.Popen(
+        self.proc = children.spawn(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--protected-mode", "no", "--dir", str(workdir), "--proto-max-bulk-len", "1gb"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -255,10 +255,4 @@ class Redis:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.s.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        children.stop(self.proc, timeout=10)

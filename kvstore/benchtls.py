@@ -33,7 +33,7 @@ class TLSBench:
     """A private TLS node, the SDK options that reach it, and the raw TLS socket reference."""
 
     def __init__(self, workdir: Path, dram: int, capacity: int) -> None:
-        from kvstore.bench import PrivateNode
+        from kvstore.bench import private_node
         from kvstore.benchrefs import SocketPeer
         from kvstore.tls import ClientTLS
 
@@ -42,7 +42,7 @@ class TLSBench:
         client = ClientTLS.from_options(ca_file=self.ca)
         self._closers: list[Any] = []
         try:
-            self.node = PrivateNode(dram, workdir, extra=("--tls-cert-file", cert, "--tls-key-file", key), tag="tls")
+            self.node = private_node(dram, workdir, extra=("--tls-cert-file", cert, "--tls-key-file", key), tag="tls")
             self._closers.append(self.node.stop)
             self.target = self.node.endpoints["grpc"]
             self.peer = SocketPeer(capacity, main="from kvstore.benchtls import peer_main as m; m()", args=(cert, key),

@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command).parse_args(argv)
+    from kvstore.children import exit_on_sigterm
+
+    exit_on_sigterm()  # SIGTERM unwinds: private nodes, redis-server, workers and temp dirs are cleaned up
     try:
         return int(args.fn(args) or 0)
     except KVStoreError as e:

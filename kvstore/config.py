@@ -153,6 +153,9 @@ class NodeConfig(BaseModel):
     max_pin_ttl_s: float = Field(3600.0, gt=0, allow_inf_nan=False, description="Longest a pin lasts, in seconds: a pin asking for more (or for ever, ttl inf) is cut to this, for tenants and the admin alike; re-pin to keep a block longer.")
     max_block_bytes: int = Field(256 << 20, gt=0, description="Largest block payload accepted.")
     max_batch: int = Field(4096, gt=0, description="Most keys in one request.")
+    data_min_rate: int = Field(8 << 20, gt=0, description="Bytes per second (accepts 8MiB-style strings) a data-channel transfer must average: one is cut, and its leases or reservations end, at the later of its id's own deadline and size / data_min_rate after it started (plus 2 s). Lower it for clients on slow links.")
+    data_max_connections: int | None = Field(None, gt=0, description="Most data-channel connections open at once (more are closed at accept); unset: half the open-file limit, at most 4096.")
+    data_max_connections_per_peer: int | None = Field(None, gt=0, description="Most data-channel connections open at once from one peer address; unset: a quarter of data_max_connections.")
     token: str = Field("", description="Bearer token required on every RPC and data-channel transfer; empty: no auth.")
     token_file: str = Field("", description="File holding the bearer token (overrides `token`).")
     tenants: dict[str, TenantConfig] = Field(default_factory=dict, description="Tenant name -> its bearer token(s) (TOML: [tenants.NAME] token/token_file; env and flags: NAME=TOKEN_FILE[,...]). A tenant owns the namespaces it writes first; `token` stays the admin's, allowed everything.")
@@ -193,7 +196,7 @@ class NodeConfig(BaseModel):
         """Whether /metrics is HTTPS: ``metrics_tls``, or by default whenever the node serves TLS."""
         return bool(self.tls_cert_file) and self.metrics_tls is not False
 
-    @field_validator("dram", "nvme", "max_block_bytes", mode="before")
+    @field_validator("dram", "nvme", "max_block_bytes", "data_min_rate", mode="before")
     @classmethod
     def _size(cls, v: object) -> int:
         return parse_size(v)
@@ -223,6 +226,12 @@ class NodeConfig(BaseModel):
         # unique per data directory (which is locked), so two nodes never share an arena
         tag = xxhash.xxh3_64_hexdigest(str(Path(self.data_dir).resolve()).encode())[:8]
         return Path("/dev/shm") / f"kvstore-{self.node_id}-{tag}.arena"
+
+    def own_arena_files(self) -> list[Path]:
+        """Every default-named arena file of this ``node_id``, whatever its data directory (a
+        node of the same name that died, e.g. under ``kvstore up``'s throwaway directories)."""
+        name = re.compile(rf"kvstore-{re.escape(self.node_id)}-[0-9a-f]{{8}}\.arena")
+        return sorted(p for p in Path("/dev/shm").glob(f"kvstore-{self.node_id}-*.arena") if name.fullmatch(p.name))
 
     @field_validator("tenants", mode="before")
     @classmethod

@@ -39,7 +39,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from kvstore.config import NodeConfig
-from kvstore.datachannel import DataChannelServer
+from kvstore.datachannel import ConnectionCaps, DataChannelServer, raise_open_files_limit
 from kvstore.errors import DataDirLocked, InvalidArgument
 from kvstore.holds import TenantLimits
 from kvstore.manager import TierManager
@@ -109,34 +109,41 @@ class Node:
         try:
             return await self._start()
         except BaseException:
-            await self._undo_start()
+            await self._release()
             raise
 
-    async def _undo_start(self) -> None:
-        """A start that failed half-way leaves no arena file, socket, listener or lock behind."""
+    async def _release(self) -> None:
+        """Close whatever is still open, each part on its own: after a start that failed
+        half-way or at the end of every stop, no arena file, socket, listener or lock is left.
+        Idempotent: each part is forgotten once closed."""
         if self.cluster is not None:
             from kvstore.cluster.node import stop_quietly
 
-            await stop_quietly(self.cluster)
+            cluster, self.cluster = self.cluster, None
+            await _quietly("leave the cluster", stop_quietly(cluster))
         if self.metrics_server is not None:
-            self.metrics_server.close()
+            _quietly_call("close /metrics", self.metrics_server.close)
+            self.metrics_server = None
         if self.server is not None:
-            with contextlib.suppress(Exception):
-                await self.server.stop(None)
-        if self.data is not None:
-            self.data.close()
-        if self.owners is not None:
-            self.owners.close()
-        if self.manager is not None:
-            self.manager.close()  # closes the NVMe tier and the DRAM tier (which unlinks the arena)
-        else:
-            if self._nvme is not None:
-                self._nvme.close()
-            if self.arena is not None:
-                self.arena.close()
-        if self.server is not None:
-            with contextlib.suppress(FileNotFoundError):
+            server, self.server = self.server, None
+            await _quietly("stop the gRPC server", server.stop(None))
+            with contextlib.suppress(OSError):
                 self.cfg.socket_path().unlink()
+        if self.data is not None:
+            _quietly_call("close the data channel", self.data.close)
+            self.data = None
+        if self.owners is not None:
+            _quietly_call("close the owners table", self.owners.close)
+            self.owners = None
+        if self.manager is not None:  # closes the NVMe tier (the index) and the DRAM tier (unlinks the arena)
+            _quietly_call("close the tiers", self.manager.close)
+            self.manager = None
+        elif self._nvme is not None:
+            _quietly_call("close the NVMe tier", self._nvme.close)
+        self._nvme = None
+        if self.arena is not None:  # again, whatever happened above: the arena file never outlives the node
+            _quietly_call("unlink the DRAM arena", self.arena.close)
+            self.arena = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -161,7 +168,12 @@ class Node:
 
                 authority = OwnerRegistry(cfg.etcd, cfg.cluster, cfg.node_id)
             self.owners = Ownership(data_dir / "owners.lmdb", authority=authority)
-        self.arena = Arena.create(cfg.arena_file(), cfg.dram, prefault=cfg.prefault, mode=int(cfg.arena_mode, 8))
+        soft, hard = raise_open_files_limit()
+        log.debug("open-file limit: %d (hard %d)", soft, hard)
+        arena_file = cfg.arena_file()
+        for stale in Arena.reclaim_stale(cfg.own_arena_files()):
+            log.warning("removed %s: an arena of node %s that no running node holds (left by a node that died)", stale, cfg.node_id)
+        self.arena = Arena.create(arena_file, cfg.dram, prefault=cfg.prefault, mode=int(cfg.arena_mode, 8))
         dram = DRAMTier(self.arena, policy=make_policy(cfg.eviction_policy))
         nvme = None
         if cfg.nvme > 0:
@@ -193,6 +205,7 @@ class Node:
                 dhost.strip("[]"), int(dport), arena=self.arena, loop=loop,
                 take=self.service.take_transfer, finish_get=self.service.finish_get, finish_put=self.service.finish_put,
                 ssl_context=self.tls.context if self.tls is not None else None,
+                caps=ConnectionCaps(cfg.data_max_connections, cfg.data_max_connections_per_peer), min_rate=cfg.data_min_rate,
             )
         except OSError as e:
             raise InvalidArgument(f"cannot listen for the data channel on {dhost}:{dport}: {e}; pass --data-listen") from e
@@ -295,11 +308,20 @@ class Node:
         await self._stopped.wait()
 
     async def stop(self) -> None:
+        """Drain, demote dirty blocks, then release everything (always, even if a step fails)."""
+        try:
+            await self._drain_and_flush()
+        finally:
+            await self._release()
+
+    async def _drain_and_flush(self) -> None:
         if self.cluster is not None:  # deregister first, so clients route elsewhere while we drain
-            await self.cluster.stop()
+            cluster, self.cluster = self.cluster, None
+            await cluster.stop()
         await self.health.enter_graceful_shutdown()
         if self.metrics_server is not None:
             self.metrics_server.close()
+            self.metrics_server = None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.drain_timeout_s
         await self.server.stop(grace=self.cfg.drain_timeout_s)  # refuses new calls; cancels what still runs at the deadline
@@ -313,14 +335,58 @@ class Node:
         flushed = await self.manager.flush(self.cfg.flush_on_shutdown_s)
         if flushed:
             log.info("demoted %d dirty blocks to NVMe before exit", flushed)
-        self.manager.close()
-        if self.owners is not None:
-            self.owners.close()
-        with contextlib.suppress(FileNotFoundError):
-            self.cfg.socket_path().unlink()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+
+
+async def _quietly(what: str, aw: Any) -> None:
+    try:
+        await aw
+    except Exception:
+        log.exception("stopping: could not %s", what)
+
+
+def _quietly_call(what: str, fn: Any) -> None:
+    try:
+        fn()
+    except Exception:
+        log.exception("stopping: could not %s", what)
+
+
+def say(text: str, out: Any) -> None:
+    """Print ``text`` to ``out``; a stream whose reader is gone never raises.
+
+    The dead stream's descriptor is pointed at ``/dev/null`` (see :func:`quiet_dead_stdio`), so
+    later prints, log records and the interpreter's last flush succeed too."""
+    try:
+        print(text, file=out, flush=True)
+    except (OSError, ValueError):
+        _to_devnull(out)
+
+
+def quiet_dead_stdio() -> None:
+    """Point ``sys.stdout``/``sys.stderr`` at ``/dev/null`` where their reader is gone.
+
+    Python exits with status 120 when its last flush of a standard stream fails, and keeps
+    the bytes a failed write left in the buffer: a node whose pipe closed would exit non-zero
+    after a clean stop."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            _to_devnull(stream)
+
+
+def _to_devnull(stream: Any) -> None:
+    try:
+        fd = stream.fileno()
+    except (OSError, ValueError, AttributeError):
+        return  # not a file (a test's StringIO): nothing to redirect
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+    with contextlib.suppress(OSError, ValueError):
+        stream.flush()  # what the failed write left in the buffer now goes to /dev/null
 
 
 async def serve(config: NodeConfig, *, out: Any = sys.stdout) -> int:
@@ -331,7 +397,7 @@ async def serve(config: NodeConfig, *, out: Any = sys.stdout) -> int:
         loop.add_signal_handler(sig, node.request_stop)
     tls = {"on": " (TLS)", "mutual": " (TLS, client certificates required)"}.get(ep["tls"], "")
     remote_kw = ", tls_ca_file=CA" if ep["tls"] == "on" else ", tls_ca_file=CA, tls_cert_file=CERT, tls_key_file=KEY" if ep["tls"] == "mutual" else ""
-    print(
+    say(
         f"kvstore node {ep['node_id']} serving\n"
         f"  grpc (tcp)   {ep['grpc']}{tls}\n"
         f"  grpc (unix)  {ep['unix']}\n"
@@ -343,11 +409,13 @@ async def serve(config: NodeConfig, *, out: Any = sys.stdout) -> int:
         + (f"  cluster      {ep['cluster']} via etcd {ep['etcd']} (registered: {ep['registered']}); "
            f"SDK: KVClient('etcd://{ep['etcd']}/{ep['cluster']}')\n" if ep.get("cluster") else "")
         + f"READY {json.dumps(ep)}",
-        file=out,
-        flush=True,
+        out,
     )
-    await node.wait()
-    print("kvstore: stopping (draining calls, flushing the index)", file=out, flush=True)
-    await node.stop()
-    print("kvstore: stopped", file=out, flush=True)
+    try:
+        await node.wait()
+        say("kvstore: stopping (draining calls, flushing the index)", out)
+    finally:
+        await node.stop()
+    say("kvstore: stopped", out)
+    quiet_dead_stdio()
     return 0

@@ -17,34 +17,30 @@ scrapes it trusting that CA; under mutual TLS, where ``up`` holds no client cert
 its dashboard, the nodes keep ``/metrics`` on plain HTTP (``--no-metrics-tls``; pass
 ``--node-arg=--metrics-tls`` to keep it on HTTPS and scrape it with your own client certificate).
 
-Owns its child processes.  Each child runs in its own session (a Ctrl-C at the terminal
-reaches only ``up``, which stops them in order) and is asked by the kernel to exit if
-``up`` itself dies (``PR_SET_PDEATHSIG``), so a killed ``up`` leaves no orphans.
+Owns its child processes, started by :mod:`kvstore.children`: each runs in its own session
+(a Ctrl-C at the terminal reaches only ``up``, which stops them in order) and is asked by the
+kernel to exit if ``up`` itself dies (``PR_SET_PDEATHSIG``), so a killed ``up`` leaves no
+orphans; a node that was killed has its arena file removed when ``up`` stops.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import ctypes
 import dataclasses
 import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
-from typing import Any, IO
+from typing import Any
 
+from kvstore.children import ServeProcess
 from kvstore.cluster.local_etcd import ETCD_HINT, LocalEtcd, find_etcd
 from kvstore.errors import KVStoreError
-
-PR_SET_PDEATHSIG = 1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,12 +67,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-ca-file", metavar="FILE", help="PEM CA that signed --tls-cert-file, for clients (default: the system trust roots)")
     g.add_argument("--tls-client-ca-file", metavar="FILE",
                    help="PEM CA: the nodes require client certificates it signed (mutual TLS)")
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the parent (``up``) dies."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,71 +140,31 @@ def client_snippet(target: str, tls: TLSFiles | None) -> str:
     return f"KVClient({target!r}{kw})"
 
 
-class NodeChild:
+class NodeChild(ServeProcess):
+    """One node of the cluster, its output in ``<data dir>/node.log``; ``error`` says why it did not start."""
+
     def __init__(self, index: int, cluster: str, etcd: str, data_dir: Path, a: argparse.Namespace,
                  tls: TLSFiles | None = None) -> None:
-        self.node_id = f"{cluster}-n{index}"
-        self.data_dir = data_dir
-        self.cmd = [
-            sys.executable, "-m", "kvstore", "serve",
-            "--etcd", etcd, "--cluster", cluster, "--node-id", self.node_id,
-            "--data-dir", str(data_dir), "--listen", f"{a.host}:0", "--data-listen", f"{a.host}:0",
+        super().__init__(
+            data_dir,
+            "--etcd", etcd, "--cluster", cluster,
+            "--listen", f"{a.host}:0", "--data-listen", f"{a.host}:0",
             "--dram", a.dram, "--nvme", a.nvme, "--lease-ttl", str(a.lease_ttl), "--log-level", a.log_level,
             "--metrics-port", "0",
             *(tls.node_args() if tls else []),
             *a.node_arg,
-        ]
-        self.proc: subprocess.Popen[str] | None = None
-        self.endpoints: dict[str, Any] = {}
+            node_id=f"{cluster}-n{index}", log_path=data_dir / "node.log",
+        )
         self.error = ""
-        self._log: IO[str] | None = None
 
-    def spawn(self) -> None:
-        """Start the process.  Call from the main thread: the kernel's parent-death signal
-        follows the *thread* that forked, and a helper thread's exit would kill the node."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.data_dir / "node.log", "a")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     text=True, env=env, start_new_session=True, preexec_fn=_die_with_parent)
-
-    def wait_ready(self, timeout: float) -> None:
-        """Read output up to the READY line (a thread per node)."""
-        assert self.proc is not None and self.proc.stdout is not None and self._log is not None
-        deadline = time.monotonic() + timeout
-        for line in self.proc.stdout:
-            self._log.write(line)
-            self._log.flush()
-            if line.startswith("READY "):
-                self.endpoints = json.loads(line[len("READY "):])
-                threading.Thread(target=self._drain, daemon=True).start()
-                return
-            if time.monotonic() > deadline:
-                break
-        self.error = f"node {self.node_id} did not start (rc={self.proc.poll()}); see {self.data_dir / 'node.log'}"
-
-    def _drain(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None and self._log is not None
-        for line in self.proc.stdout:
-            self._log.write(line)
-            self._log.flush()
-
-    def terminate(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
-
-    def wait(self, timeout: float) -> None:
-        if self.proc is None:
-            return
+    def wait_ready(self, timeout: float = 60.0) -> "NodeChild":
+        """Read output up to the READY line (a thread per node); a node that fails sets ``error``."""
         try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        if self._log is not None:
-            with contextlib.suppress(Exception):
-                self._log.close()
+            super().wait_ready(timeout)
+        except RuntimeError:
+            rc = self.proc.returncode if self.proc is not None else None
+            self.error = f"node {self.node_id} did not start (rc={rc}); see {self.data_dir / 'node.log'}"
+        return self
 
 
 class LocalCluster:
@@ -315,7 +265,7 @@ class LocalCluster:
         for n in self.nodes:
             n.terminate()
         for n in self.nodes:
-            n.wait(timeout=60)
+            n.close()  # waits (SIGKILL after 60 s) and removes the arena of a node that was killed
         if self.etcd is not None:
             self.etcd.stop()
         if self.own_dir:

@@ -37,10 +37,11 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**env, "PYTHONUNBUFFERED": "1", **extra}
 
 
-def start_clean(data_dir: Path, *args: str, node_id: str | None = None) -> "NodeProcess":
-    """A node started with ``args`` in :func:`clean_env`."""
-    n = NodeProcess(data_dir, *args, node_id=node_id)
-    n.env = clean_env()
+def start_clean(data_dir: Path, *args: str, node_id: str | None = None, prefix: Sequence[str] = (),
+                env: dict[str, str] | None = None) -> "NodeProcess":
+    """A node started with ``args`` in :func:`clean_env` (plus ``env``), after ``prefix`` (see :class:`NodeProcess`)."""
+    n = NodeProcess(data_dir, *args, node_id=node_id, prefix=prefix)
+    n.env = clean_env(**(env or {}))
     return n.start()
 
 

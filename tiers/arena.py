@@ -18,7 +18,8 @@ import fcntl
 import mmap
 import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import xxhash
@@ -51,18 +52,8 @@ class Arena:
         # A file left by an earlier node is replaced, never truncated: clients that still map
         # it keep the old pages (no SIGBUS, no bytes mixed into the new arena).  A file that a
         # running node holds (its flock) is refused.
-        try:
-            old = os.open(p, os.O_RDWR)
-        except FileNotFoundError:
-            pass
-        else:
-            try:
-                fcntl.flock(old, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise DataDirLocked(f"DRAM arena {p} belongs to another running node; give this one its own --arena-path") from None
-            finally:
-                os.close(old)
-            p.unlink(missing_ok=True)
+        if _unlink_unheld(p) is False:
+            raise DataDirLocked(f"DRAM arena {p} belongs to another running node; give this one its own --arena-path")
         fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
         os.fchmod(fd, mode)  # not narrowed by the umask
         try:
@@ -81,6 +72,23 @@ class Arena:
         if prefault:
             arena.prefault()
         return arena
+
+    @staticmethod
+    def reclaim_stale(paths: Iterable[Path], *, min_age_s: float = 10.0) -> list[Path]:
+        """Unlink the arena files among ``paths`` that no running node holds (their owner died
+        without unlinking them); return those unlinked.  Files younger than ``min_age_s`` are
+        left alone: a node that is creating one holds its lock only a moment after creating it."""
+        gone = []
+        now = time.time()
+        for p in paths:
+            try:
+                if now - p.stat().st_ctime < min_age_s:
+                    continue
+            except OSError:
+                continue
+            if _unlink_unheld(p):
+                gone.append(p)
+        return gone
 
     @classmethod
     def attach(cls, path: str | os.PathLike[str], size: int) -> "Arena":
@@ -193,6 +201,23 @@ class Arena:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # after the unlink: nobody can take over a half-closed arena
             self._lock_fd = None
+
+
+def _unlink_unheld(p: Path) -> bool | None:
+    """Unlink arena file ``p`` unless a running node holds it (its flock): True if unlinked,
+    False if held, None if there was no such file."""
+    try:
+        fd = os.open(p, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    p.unlink(missing_ok=True)
+    return True
 
 
 def as_bytes_view(obj: object, *, writable: bool = False) -> memoryview:

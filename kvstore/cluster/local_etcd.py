@@ -1,13 +1,12 @@
 """A private single-member etcd on free loopback ports: for ``kvstore up`` and tests.
 
-Owns one child process (``etcd``) and its data directory.  ``stop`` ends it by its PID
+Owns one child process (``etcd``, dying with its parent: :mod:`kvstore.children`) and its data directory.  ``stop`` ends it by its PID
 and waits; ``start`` again reuses the same ports and data (an etcd outage and its
 return), unless ``wipe=True`` (an etcd that lost its state).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -16,6 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from kvstore import children
 from kvstore.errors import InvalidArgument, Unavailable
 
 ETCD_HINT = "etcd is not installed: install Debian's `etcd-server` package (apt-get install etcd-server) or put `etcd` on PATH"
@@ -79,8 +79,8 @@ class LocalEtcd:
             "--quota-backend-bytes", str(256 << 20), "--log-level", "warn",
         ]
         self._log = open(self.data_dir / "etcd.log", "ab")
-        # its own process group, so a Ctrl-C aimed at our foreground group does not reach it first
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        # its own session, so a Ctrl-C aimed at our foreground group does not reach it first; and it dies with us
+        self.proc = children.spawn(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -98,15 +98,7 @@ class LocalEtcd:
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, sig)
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
+        children.stop(proc, timeout=timeout, sig=sig)
         if self._log is not None:
             self._log.close()  # type: ignore[attr-defined]
             self._log = None

@@ -13,6 +13,7 @@ against the one payload a key may have.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import queue
@@ -32,7 +33,7 @@ import pytest
 
 from client import DeadlineExceeded, KVClient, Timeouts, Unavailable
 from kvstore.block import checksum
-from kvstore.datachannel import OP_GET, OP_PUT, REPLY, REQUEST, REQUEST_MAGIC
+from kvstore.datachannel import DEFAULT_MIN_RATE, OP_GET, OP_PUT, REPLY, REQUEST, REQUEST_MAGIC, TRANSFER_GRACE_S
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -477,6 +478,67 @@ def test_get_stream_stalled_past_its_deadline_sends_no_foreign_bytes(node_factor
         assert bytes(body) == worker.payload(key, n).tobytes()[: len(body)], "the node streamed bytes that are not the block's"
         _poll(lambda: _idle(kv), timeout=10, what="the stream is resolved")
         _check_exact(kv, key, n)
+
+
+# -- slow peers: a transfer holds its leases or reservations only until its bound (issue 13, item 3)
+# A 3 s TTL, 26 x 1 MiB moved at ~30 KB/s: the node cuts the transfer at max(TTL, 26 MiB / 8 MiB/s) + 2 s
+# (DEFAULT_MIN_RATE, TRANSFER_GRACE_S) however slowly the peer keeps going, and every lease or reservation ends.
+SLOW_TTL = {"KVSTORE_RESERVATION_TTL_S": "3", "KVSTORE_LEASE_TTL_S": "3"}
+SLOW_BOUND_S = max(3.0, 26 * MIB / DEFAULT_MIN_RATE) + TRANSFER_GRACE_S
+
+
+def _trickle(s: socket.socket, stop: threading.Event, *, send: bytes = b"") -> None:
+    """Read (or, with ``send``, write) about 30 KB/s on ``s`` until ``stop`` or the node closes it."""
+    s.settimeout(5)
+    pos = 0
+    with contextlib.suppress(OSError):
+        while not stop.is_set():
+            if send:
+                s.sendall(send[pos : pos + 3000])
+                pos += 3000
+            elif not s.recv(3000):
+                return
+            time.sleep(0.1)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", ["get", "put"])
+def test_slow_data_channel_peer_holds_space_no_longer_than_its_transfer_bound(node_factory: Any, op: str) -> None:
+    node = _start(node_factory, "--dram", "64MiB", "--nvme", "256MiB", ttl=SLOW_TTL)
+    keys, n = _keys(f"dc-slow-{op}", 26), MIB
+    with KVClient(node.unix, timeouts=FAST) as kv:
+        ch, stub = _stub(node.tcp)
+        try:
+            if op == "get":
+                for k in keys:
+                    _put_exact(kv, k, n)
+                resp = stub.StartGet(pb.KeysRequest(keys=keys), timeout=10)
+            else:
+                resp = stub.StartPut(pb.ReserveRequest(blocks=[_block_info(k, n) for k in keys]), timeout=10)
+        finally:
+            ch.close()
+        s = _data_socket(node)
+        stop = threading.Event()
+        payload = b"".join(worker.payload(k, n).tobytes() for k in keys) if op == "put" else b""
+        s.sendall(REQUEST.pack(REQUEST_MAGIC, OP_GET if op == "get" else OP_PUT, resp.transfer_id))
+        started = time.monotonic()
+        reader = threading.Thread(target=_trickle, args=(s, stop), kwargs={"send": payload}, daemon=True)
+        reader.start()
+        try:
+            _poll(lambda: _counters(kv).get("active_transfers", 0) == 1, timeout=5, what="the node took the transfer")
+            _poll(lambda: _idle(kv) and _counters(kv).get("active_transfers", 0) == 0, timeout=SLOW_BOUND_S + 3,
+                  what=f"a slow {op} is cut and its space freed by its bound ({SLOW_BOUND_S:.2f} s)")
+            held = time.monotonic() - started
+            print(f"slow {op}: space held {held:.2f} s (bound {SLOW_BOUND_S:.2f} s, TTL 3 s)")
+            assert reader.is_alive() or op == "put", "the reader was to keep reading slowly for longer than the bound"
+        finally:
+            stop.set()
+            s.close()
+            reader.join(10)
+        if op == "put":
+            assert kv.lookup(keys) == [None] * len(keys), "no block of a cut transfer may become visible"
+            assert _counters(kv).get("data_channel_aborted_puts", 0) == len(keys)
+        _fill(kv, f"dc-slow-{op}-fill", 32 * MIB)  # the space is the node's again
 
 
 # -- d) the node killed under load and restarted ----------------------------------------
