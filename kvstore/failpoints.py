@@ -60,9 +60,10 @@ def parse(spec: str) -> dict[str, _Armed]:
     out: dict[str, _Armed] = {}
     for item in filter(None, (s.strip() for s in spec.replace(",", ";").split(";"))):
         name, sep, rest = item.partition("=")
-        rest, _, times = rest.partition("*")
-        action, _, after = rest.partition("@")
-        if not sep or name not in POINTS or action not in ACTIONS or not (after or "0").isdigit() or not (times or "1").isdigit():
+        rest, star, times = rest.partition("*")
+        action, at, after = rest.partition("@")
+        if (not sep or name not in POINTS or action not in ACTIONS or (at and not after.isdigit())
+                or (star and not (times.isdigit() and int(times) > 0))):
             raise ValueError(f"bad failpoint {item!r}: expected NAME=ACTION[@AFTER][*TIMES] with NAME in "
                              f"{sorted(POINTS)} and ACTION in {list(ACTIONS)}")
         out[name] = _Armed(action, int(after or 0), int(times) if times else None)

@@ -84,3 +84,4 @@ def test_write_through_loses_no_acknowledged_put_under_kill9(node_factory: Any, 
         kv.close()
     assert not wrong, f"{len(wrong)} acknowledged blocks read back with wrong bytes"
     assert not lost, f"{len(lost)} of {total} acknowledged write-through puts were lost by kill -9: {lost[:10]}"
+    print(f"{total} write-through puts acknowledged in {1.5 + run:.1f} s by {THREADS} clients; none lost")
