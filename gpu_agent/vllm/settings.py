@@ -1,0 +1,148 @@
+"""The connector's settings (``kv_connector_extra_config``) and the namespaces it keys by.
+
+Pure: no vLLM import, so the rules are unit-tested without an engine.  Everything that
+must match for two engines to share KV is folded into the :class:`~kvstore.keys.Namespace`
+(model and revision, KV dtype, the engine's page layout, block size through the chunk
+size, tensor/pipeline rank and size) and, per request, the LoRA adapter and the
+request's ``cache_salt``; two requests that must not share KV never compute the same key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from client import KVClient, Timeouts
+from gpu_agent.layout import KVCacheLayout
+from kvstore.block import DTYPES
+from kvstore.errors import Incompatible, InvalidArgument
+from kvstore.keys import Namespace
+
+DEFAULT_TARGET = "unix://~/.local/share/kvstore/kvstore.sock"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """What ``kv_connector_extra_config`` may hold.  Unknown keys are an error naming them."""
+
+    target: str = DEFAULT_TARGET
+    """``unix:///path/kvstore.sock`` (zero-copy, the node on this machine), ``host:port``
+    or ``etcd://host:port/cluster`` (lookups only; loads and saves need the local node)."""
+    lookup_target: str = ""
+    """Where the scheduler asks ``match_prefix`` (default: ``target``); an ``etcd://``
+    target makes lookups cluster-wide."""
+    token: str | None = None
+    token_file: str | None = None
+    tls: bool = False
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    chunk_tokens: int = 0
+    """Tokens per kvstore chunk: a multiple of vLLM's block size (0: the smallest multiple >= 256)."""
+    deadline_s: float = 2.0
+    """Most seconds one store call may take; past it the request recomputes."""
+    load_timeout_s: float = 30.0
+    """Most seconds a load's lease release may take before its blocks count as failed."""
+    verify_loads: bool = True
+    """Check every loaded block's payload checksum (a mismatch is recomputed, never loaded)."""
+    hbm_bytes: int = 0
+    """HBM block pool of the GPU agent (0: vLLM's own prefix cache is the HBM tier)."""
+    model_id: str = ""
+    """Name KV under this model id instead of vLLM's ``model`` (e.g. a path that differs between machines)."""
+    salt: str = ""
+    """Extra isolation folded into every key (e.g. a deployment's secret)."""
+    defer_free: bool = True
+    """Keep a finished request's blocks until its save is committed (``request_finished`` → True)."""
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
+        extra = dict(extra or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - names)
+        if unknown:
+            raise InvalidArgument(f"kv_connector_extra_config: unknown key(s) {unknown}; known: {sorted(names)}")
+        kw: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in extra:
+                continue
+            v = extra[f.name]
+            want = type(f.default) if f.default is not None else str
+            if want is bool and not isinstance(v, bool):
+                raise InvalidArgument(f"kv_connector_extra_config.{f.name} must be true or false, got {v!r}")
+            if want in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise InvalidArgument(f"kv_connector_extra_config.{f.name} must be a number, got {v!r}")
+            if want is str and v is not None and not isinstance(v, str):
+                raise InvalidArgument(f"kv_connector_extra_config.{f.name} must be a string, got {v!r}")
+            kw[f.name] = want(v) if v is not None and want in (int, float) else v
+        s = cls(**kw)
+        if s.chunk_tokens < 0 or s.deadline_s <= 0 or s.load_timeout_s <= 0 or s.hbm_bytes < 0:
+            raise InvalidArgument("kv_connector_extra_config: chunk_tokens, hbm_bytes >= 0 and deadline_s, load_timeout_s > 0")
+        return s
+
+    def chunk_for(self, block_size: int) -> int:
+        """The chunk size for vLLM's ``block_size``; a chunk covers whole vLLM blocks."""
+        if block_size <= 0:
+            raise Incompatible(f"vLLM block_size={block_size}")
+        if self.chunk_tokens == 0:
+            return -(-256 // block_size) * block_size
+        if self.chunk_tokens % block_size:
+            raise Incompatible(
+                f"kv_connector_extra_config.chunk_tokens={self.chunk_tokens} is not a multiple of vLLM's "
+                f"block_size={block_size}: a kvstore chunk must cover whole vLLM blocks"
+            )
+        return self.chunk_tokens
+
+    def client(self, target: str | None = None) -> Any:
+        """A kvstore client for ``target`` (default: ``self.target``) with these credentials and deadlines."""
+        import os
+
+        t = target or self.target
+        if t.startswith("unix://~"):
+            t = "unix://" + os.path.expanduser(t[len("unix://"):])
+        kw: dict[str, Any] = {"timeouts": Timeouts(rpc=self.deadline_s, data=max(self.deadline_s, 10.0), connect=self.deadline_s)}
+        for name in ("token", "token_file", "tls_ca_file", "tls_cert_file", "tls_key_file"):
+            if getattr(self, name):
+                kw[name] = getattr(self, name)
+        if self.tls:
+            kw["tls"] = True
+        return KVClient(t, **kw)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """What the engine's config says about its KV (identical in the scheduler and the workers)."""
+
+    model_id: str
+    revision: str
+    kv_dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    page_layout: str
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype not in DTYPES:
+            raise Incompatible(
+                f"vLLM's KV cache dtype {self.kv_dtype!r} (cache_dtype / dtype) cannot be described by a kvstore "
+                f"namespace; supported: {sorted(DTYPES)}"
+            )
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) <= 0:
+                raise Incompatible(f"vLLM's KV cache spec has {name}={getattr(self, name)}")
+
+    def layout(self) -> KVCacheLayout:
+        return KVCacheLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype, self.block_size, self.page_layout)
+
+    def namespace(self, chunk_tokens: int, *, lora: str = "", cache_salt: str = "", salt: str = "") -> Namespace:
+        """The namespace of one request: the engine's, plus its LoRA adapter and cache salt."""
+        tenant_salt = salt if not cache_salt else f"{salt}|cache_salt={cache_salt}"
+        return self.layout().namespace(
+            self.model_id, chunk_tokens=chunk_tokens, model_revision=self.revision, lora_id=lora,
+            tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size, tenant_salt=tenant_salt,
+        )
