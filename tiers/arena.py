@@ -74,7 +74,7 @@ class Arena:
         return arena
 
     @staticmethod
-    def reclaim_stale(paths: Iterable[Path], *, min_age_s: float = 10.0) -> list[Path]:
+    def reclaim_stale(paths: Iterable[Path], *, min_age_s: float = 1.0) -> list[Path]:
         """Unlink the arena files among ``paths`` that no running node holds (their owner died
         without unlinking them); return those unlinked.  Files younger than ``min_age_s`` are
         left alone: a node that is creating one holds its lock only a moment after creating it."""
