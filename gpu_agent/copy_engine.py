@@ -226,7 +226,7 @@ class CopyEngine:
                     stream.wait_event(e.ev)
                 else:
                     e.synchronize()
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), torch.inference_mode():
                 fn()
                 ev = torch.cuda.Event(blocking=True)  # host waits sleep, they do not spin
                 ev.record(stream)
@@ -239,7 +239,10 @@ class CopyEngine:
         def run() -> None:
             for e in deps:
                 e.synchronize()
-            fn()
+            # engines keep their KV cache as inference tensors (vLLM runs under
+            # inference_mode): copies into or out of them must run in that mode too
+            with torch.inference_mode():
+                fn()
 
         return FutureEvent(self._workers[direction].submit(run))
 

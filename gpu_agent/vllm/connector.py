@@ -286,13 +286,20 @@ class _SchedulerSide:
             self._deferred.add(rid)
 
     def finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+        """Hold the blocks of a request whose save runs; tell the caller where its KV went
+        (``kv_transfer_params["kvstore"]``: the namespace and chunk size, for a router or a
+        decode instance to key the same prefix)."""
         rid = request.request_id
-        self._tracked.pop(rid, None)
+        t = self._tracked.pop(rid, None)
         self._hits.pop(rid, None)
         self._loads.pop(rid, None)
         hold = rid in self._deferred and self.settings.defer_free
         self._deferred.discard(rid)
-        return hold, None
+        params = None
+        if t is not None:
+            params = {"kvstore": {"namespace": t.namespace.to_dict(), "chunk_tokens": self.chunk,
+                                  "saved": t.saved, "hit_chunks": t.hit_chunks}}
+        return hold, params
 
     def worker_output(self, out: "KVConnectorOutput") -> None:
         ev = out.kv_cache_events
@@ -485,6 +492,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.chunk = self.settings.chunk_for(block)
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
+        if getattr(tc, "kv_load_failure_policy", "recompute") != "recompute" and role == KVConnectorRole.SCHEDULER:
+            log.warning("kv_load_failure_policy=%r: a block kvstore cannot load (gone, corrupt, node down) fails the request; "
+                        "set kv_load_failure_policy='recompute' to recompute it instead", tc.kv_load_failure_policy)
         if role == KVConnectorRole.SCHEDULER:
             spec = engine_spec(vllm_config, kv_cache_config, worker=False, model_id=self.settings.model_id)
             self._scheduler = _SchedulerSide(spec, self.settings, self.chunk, produce=bool(tc.is_kv_producer), consume=bool(tc.is_kv_consumer))

@@ -56,6 +56,7 @@ def engine_kwargs(model: str, *, max_tokens: int, kv_bytes: int, connector: dict
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVStoreConnector", kv_connector_module_path="gpu_agent.vllm",
             kv_role=connector.get("role", "kv_both"), kv_connector_extra_config=connector.get("extra", {}),
+            kv_load_failure_policy="recompute",
         )
     return kw
 
@@ -87,15 +88,16 @@ def _serve(spec: dict[str, Any]) -> None:
             rid = f"r{n}"
             t0 = time.perf_counter()
             engine.add_request(rid, prompt, sp)
-            ttft, tokens, logprobs = None, [], []
+            ttft, tokens, logprobs, params = None, [], [], None
             while engine.has_unfinished_requests():
                 for o in engine.step():
                     if o.request_id == rid and o.outputs:
                         tokens = list(o.outputs[0].token_ids)
                         logprobs = [lp[t].logprob for t, lp in zip(tokens, o.outputs[0].logprobs or [])]
+                        params = getattr(o, "kv_transfer_params", None) or params
                         if ttft is None and tokens:
                             ttft = (time.perf_counter() - t0) * 1e3
-            out.write(json.dumps({"tokens": tokens, "logprobs": logprobs, "ttft_ms": ttft}) + "\n")
+            out.write(json.dumps({"tokens": tokens, "logprobs": logprobs, "ttft_ms": ttft, "kv_transfer_params": params}) + "\n")
         except Exception as e:  # report, keep serving
             out.write(json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")
         out.flush()

@@ -1,0 +1,143 @@
+"""kvstore as vLLM's KV connector, end to end: real vLLM engine processes on the CPU, a
+real node, prefill (``kv_producer``) and decode (``kv_consumer``) in separate processes.
+
+Greedy tokens and their logprobs must equal the prefill engine's own (it computed the
+whole prompt: the recompute reference), whether the decode engine loaded the KV, found
+corrupt KV (the connector's checksum check turns it into recompute), found nothing (a
+different ``cache_salt``), or lost its node (recompute within the deadline, no hang).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from client import KVClient
+from gpu_agent._node import PrivateNode
+from gpu_agent.vllm.engine import EngineProcess, make_model
+from kvstore.keys import Namespace, chunk_keys
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+MAX = 2048
+N = 1000  # prompt tokens: 3 chunks of 256 loadable (the last token is always computed)
+
+
+def prompt(seed: int, n: int = N) -> list[int]:
+    return np.random.default_rng(seed).integers(1, 31000, n).tolist()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    d = tmp_path_factory.mktemp("vllm")
+    model = make_model(d / "model", layers=2, hidden=256, max_tokens=MAX)
+    node = PrivateNode(d / "node", dram="256MiB", nvme="256MiB").start()
+    extra = {"target": node.target, "deadline_s": 2.0}
+    prefill = EngineProcess(model, max_tokens=MAX, kv_bytes=64 << 20, connector={"role": "kv_producer", "extra": extra}, log_path=d / "prefill.log")
+    decode = EngineProcess(model, max_tokens=MAX, kv_bytes=64 << 20, connector={"role": "kv_consumer", "extra": extra}, log_path=d / "decode.log")
+    prefill.wait_ready()
+    decode.wait_ready()
+    client = KVClient(node.target)
+    yield {"node": node, "prefill": prefill, "decode": decode, "client": client, "dir": d}
+    client.close()
+    prefill.close()
+    decode.close()
+    node.close()
+
+
+def hits(client: KVClient) -> int:
+    return int(client.stats()["counters"].get("match_prefix_hits", 0))
+
+
+def stored_keys(r: dict[str, Any], tokens: list[int]) -> list[bytes]:
+    info = r["kv_transfer_params"]["kvstore"]
+    ns = Namespace.from_dict(info["namespace"])
+    return chunk_keys(tokens[: (len(tokens) // ns.chunk_tokens) * ns.chunk_tokens], ns)
+
+
+def wait_stored(client: KVClient, keys: list[bytes], timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while client.match_prefix(keys) < len(keys):
+        assert time.monotonic() < end, "the prefill engine's save never landed"
+        time.sleep(0.05)
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a["tokens"] == b["tokens"] and np.allclose(a["logprobs"], b["logprobs"], atol=1e-4, rtol=0)
+
+
+def test_decode_loads_prefill_kv_and_generates_the_same_tokens(setup: Any) -> None:
+    toks = prompt(1)
+    ref = setup["prefill"].generate(toks, max_tokens=8)
+    keys = stored_keys(ref, toks)
+    assert len(keys) == 3
+    wait_stored(setup["client"], keys)
+    before = hits(setup["client"])
+    got = setup["decode"].generate(toks, max_tokens=8)
+    assert hits(setup["client"]) - before == 3  # the decode engine found the 3 chunks (768 tokens)
+    assert same(got, ref), (got, ref)
+
+
+def test_a_different_cache_salt_never_hits(setup: Any) -> None:
+    toks = prompt(2)
+    ref = setup["prefill"].generate(toks, max_tokens=4, cache_salt="tenant-a")
+    wait_stored(setup["client"], stored_keys(ref, toks))
+    before = hits(setup["client"])
+    got = setup["decode"].generate(toks, max_tokens=4, cache_salt="tenant-b")
+    assert hits(setup["client"]) == before  # nothing under tenant-b's keys
+    assert same(got, ref)
+    got = setup["decode"].generate(toks, max_tokens=4, cache_salt="tenant-a")
+    assert hits(setup["client"]) - before == 3 and same(got, ref)
+
+
+def test_corrupt_kv_in_the_store_is_recomputed_never_loaded(setup: Any) -> None:
+    toks = prompt(3)
+    ref = setup["prefill"].generate(toks, max_tokens=8)
+    keys = stored_keys(ref, toks)
+    wait_stored(setup["client"], keys)
+    client = setup["client"]
+    arena = np.frombuffer(client.arena_buffer(), dtype=np.uint8)
+    base = arena.ctypes.data
+    rng = np.random.default_rng(0)
+    with client.acquire(keys) as held:  # overwrite the stored bytes in place, under the same keys
+        for views in held.views:
+            for v in views:
+                off = np.frombuffer(v, dtype=np.uint8).ctypes.data - base
+                arena[off : off + v.nbytes] = rng.integers(0, 256, v.nbytes, dtype=np.uint8)
+    got = setup["decode"].generate(toks, max_tokens=8)
+    assert same(got, ref), "corrupt KV reached the engine"
+    log = (setup["dir"] / "decode.log").read_text()
+    assert "payload checksum mismatch" in log
+
+
+def test_a_stopped_node_turns_into_recompute_within_the_deadline(setup: Any) -> None:
+    toks = prompt(4)
+    ref = setup["prefill"].generate(toks, max_tokens=4)
+    wait_stored(setup["client"], stored_keys(ref, toks))
+    node = setup["node"]
+    os.kill(node.proc.pid, signal.SIGSTOP)  # a node that answers nothing
+    try:
+        t0 = time.monotonic()
+        got = setup["decode"].generate(toks, max_tokens=4, timeout=120)
+        assert time.monotonic() - t0 < 60
+        assert same(got, ref)
+    finally:
+        os.kill(node.proc.pid, signal.SIGCONT)
+
+
+def test_a_killed_node_turns_into_recompute(setup: Any) -> None:
+    toks = prompt(5)
+    ref = setup["prefill"].generate(toks, max_tokens=4)
+    wait_stored(setup["client"], stored_keys(ref, toks))
+    setup["node"].proc.kill()
+    setup["node"].proc.wait()
+    t0 = time.monotonic()
+    got = setup["decode"].generate(toks, max_tokens=4, timeout=120)
+    assert time.monotonic() - t0 < 60
+    assert same(got, ref)
