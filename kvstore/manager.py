@@ -419,13 +419,13 @@ class TierManager:
                     if self.dram.contains(k):  # an earlier key of this call (a duplicate) brought it in
                         out[i] = self._leased_if_visible(k, TierKind.DRAM, deadline, tenant, visible)
                         return
-                    try:
-                        st = await self.movers.promote(k)
-                    except CapacityExceeded:
                     if self.quotas is not None and (meta := self.movers.nvme_meta(k)) is not None:
                         # the block's owner makes room under its max_dram_bytes; if it cannot, the
                         # read is served anyway, and that owner's blocks are the next to be evicted
                         await self.quotas.make_room(self.quotas.use.owner_of(meta.namespace), meta.payload_len)
+                    try:
+                        st = await self.movers.promote(k)
+                    except CapacityExceeded:
                         out[i] = Leased(k, Status.NO_SPACE)
                         self.counters["get_no_space"] += 1
                         return
@@ -617,13 +617,13 @@ class TierManager:
             # per tenant: what its reservations and pins hold now (what eviction cannot reclaim)
             "tenant_holds": {t: {"reserved_bytes": self.holds.reserved_bytes[t], "pinned_bytes": self.holds.pinned_bytes[t]}
                              for t in sorted(set(self.holds.limits) | set(self.holds.reserved_bytes) | set(self.holds.pinned_bytes))},
-            "counters": dict(self.counters),
-        }
-
             # per tenant with a capacity quota configured anywhere: the bytes its blocks occupy per tier
             "tenant_occupancy": {t: {"dram_bytes": self.quotas.use.used[t],
                                      "nvme_bytes": self.nvme.use.used[t] if isinstance(self.nvme, QuotaNVMe) else 0}
                                  for t in sorted(self.holds.limits)} if self.quotas is not None else {},
+            "counters": dict(self.counters),
+        }
+
     def close(self) -> None:
         if self._own_executor:
             self._executor.shutdown(wait=True)
