@@ -113,7 +113,13 @@ def tier_to_pb(t: TierKind | None) -> int:
 
 
 def tier_from_pb(v: int) -> TierKind | None:
-    return TierKind(v) if v else None
+    """Raises ``Incompatible`` for a tier number this build does not know (a newer peer's)."""
+    if not v:
+        return None
+    try:
+        return TierKind(v)
+    except ValueError:
+        raise errors.Incompatible(f"unknown tier {v} in a reply: the peer speaks a newer protocol; upgrade this client") from None
 
 
 TIER_NAMES = {pb.TIER_HBM: "hbm", pb.TIER_DRAM: "dram", pb.TIER_NVME: "nvme"}

@@ -51,8 +51,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         if a.target:
             target = a.target
         else:
-            node = stack.enter_context(PrivateNode(d / "node", dram=a.dram, nvme=a.nvme))
-            node.start()
+            node = stack.enter_context(PrivateNode(d / "node", dram=a.dram, nvme=a.nvme))  # started
             target = node.target
         heads = max(2, hidden // 64)
         kv_per_token = layers * 2 * max(1, heads // 2) * 64 * 4
