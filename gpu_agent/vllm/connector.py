@@ -41,7 +41,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from gpu_agent.vllm.settings import ConnectorSettings, EngineSpec
 from kvstore.errors import Incompatible, KVStoreError
-from kvstore.keys import Namespace, chunk_keys
+from kvstore.keys import Namespace, chunk_keys, parent_keys
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -337,7 +337,9 @@ class _WorkerSide:
         self._saved: set[str] = set()  # saves done, the request not yet reported finished by vLLM
         self._told: set[str] = set()  # requests vLLM finished that have (or had) a save here
         self._events: list[KVCacheEvent] = []
-        self.counters: dict[str, int] = {"loads": 0, "load_tokens": 0, "load_errors": 0, "saves": 0, "load_us": 0, "save_us": 0}
+        self.counters: dict[str, int] = {"loads": 0, "load_tokens": 0, "load_errors": 0, "saves": 0, "load_us": 0, "save_us": 0,
+                                         "pulled_blocks": 0, "pull_us": 0}
+        self._remote: Any = None  # a client of lookup_target, for chunks only other nodes hold
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from gpu_agent.agent import AgentConfig, GPUAgent
@@ -365,9 +367,42 @@ class _WorkerSide:
         log.info("KVStoreConnector: %d layers, page geometry %s, chunks of %d tokens, namespace %s",
                  len(names), self.buffers.geometry, self.chunk, ns.fingerprint.hex())
 
+    def _pull_remote(self, spec: LoadSpec) -> None:
+        """Chunks the scheduler found through ``lookup_target`` (another node, a cluster)
+        that this machine's node lacks: fetched over TCP (checksums verified end to end by
+        the SDK) and put into the local node, so the load that follows is zero-copy.  A
+        chunk that cannot be fetched stays missing: the load stops before it and vLLM
+        recomputes from there."""
+        first = spec.first_page * self.spec.block_size // self.chunk  # type: ignore[union-attr]
+        keys = chunk_keys(spec.tokens[: spec.num_tokens], spec.namespace)[first:]
+        if not keys:
+            return
+        t0 = time.perf_counter()
+        try:
+            local = self.agent.client.lookup(keys)
+            missing = [i for i, t in enumerate(local) if t is None]
+            if not missing:
+                return
+            if self._remote is None:
+                self._remote = self.settings.client(self.settings.lookup_target)
+            got = self._remote.get_many([keys[i] for i in missing])
+            parents = parent_keys(chunk_keys(spec.tokens[: spec.num_tokens], spec.namespace))[first:]
+            have = [(keys[i], parents[i], d) for i, d in zip(missing, got) if d is not None]
+            if have:
+                ok = self.agent.client.put_many([k for k, _, _ in have], [d for _, _, d in have], namespace=spec.namespace,
+                                                parents=[p for _, p, _ in have], token_counts=[self.chunk] * len(have))
+                self.counters["pulled_blocks"] += sum(ok)
+        except KVStoreError as e:
+            log.warning("kvstore: fetching %s's chunks from %s failed (%s); loading what this node has",
+                        spec.req_id, self.settings.lookup_target, e)
+        finally:
+            self.counters["pull_us"] += int((time.perf_counter() - t0) * 1e6)
+
     def start_load(self, meta: KVStoreMeta) -> None:
         for spec in meta.loads:
             bs = self.spec.block_size  # type: ignore[union-attr]
+            if self.settings.lookup_target:
+                self._pull_remote(spec)
             ids = [-1 if j < spec.first_page else b for j, b in enumerate(spec.block_ids[: -(-spec.num_tokens // bs)])]
             t0 = time.perf_counter()
             try:
@@ -473,6 +508,9 @@ class _WorkerSide:
                     handle.wait(self.settings.load_timeout_s)
                 except Exception:
                     pass
+        if self._remote is not None:
+            self._remote.close()
+            self._remote = None
         if self.agent is not None:
             client = self.agent.client
             self.agent.close()

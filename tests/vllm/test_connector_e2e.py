@@ -38,17 +38,23 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Any:
     d = tmp_path_factory.mktemp("vllm")
     model = make_model(d / "model", layers=2, hidden=256, max_tokens=MAX)
     node = PrivateNode(d / "node", dram="256MiB", nvme="256MiB").start()
+    other = PrivateNode(d / "other", dram="256MiB", nvme="256MiB").start()  # the remote decode engine's own node
     extra = {"target": node.target, "deadline_s": 2.0}
+    remote_extra = {"target": other.target, "lookup_target": node.endpoints["grpc"], "deadline_s": 2.0}
     prefill = EngineProcess(model, max_tokens=MAX, kv_bytes=64 << 20, connector={"role": "kv_producer", "extra": extra}, log_path=d / "prefill.log")
     decode = EngineProcess(model, max_tokens=MAX, kv_bytes=64 << 20, connector={"role": "kv_consumer", "extra": extra}, log_path=d / "decode.log")
-    prefill.wait_ready()
-    decode.wait_ready()
+    remote = EngineProcess(model, max_tokens=MAX, kv_bytes=64 << 20, connector={"role": "kv_consumer", "extra": remote_extra}, log_path=d / "remote.log")
+    for e in (prefill, decode, remote):
+        e.wait_ready()
     client = KVClient(node.target)
-    yield {"node": node, "prefill": prefill, "decode": decode, "client": client, "dir": d}
+    other_client = KVClient(other.target)
+    yield {"node": node, "prefill": prefill, "decode": decode, "remote": remote, "client": client, "other": other_client, "dir": d}
     client.close()
-    prefill.close()
-    decode.close()
+    other_client.close()
+    for e in (prefill, decode, remote):
+        e.close()
     node.close()
+    other.close()
 
 
 def hits(client: KVClient) -> int:
@@ -82,6 +88,18 @@ def test_decode_loads_prefill_kv_and_generates_the_same_tokens(setup: Any) -> No
     got = setup["decode"].generate(toks, max_tokens=8)
     assert hits(setup["client"]) - before == 3  # the decode engine found the 3 chunks (768 tokens)
     assert same(got, ref), (got, ref)
+
+
+def test_a_decode_engine_on_another_node_pulls_the_kv_over_tcp(setup: Any) -> None:
+    toks = prompt(6)
+    ref = setup["prefill"].generate(toks, max_tokens=8)
+    keys = stored_keys(ref, toks)
+    wait_stored(setup["client"], keys)
+    assert setup["other"].match_prefix(keys) == 0
+    got = setup["remote"].generate(toks, max_tokens=8)
+    assert same(got, ref), (got, ref)
+    assert setup["other"].match_prefix(keys) == 3  # fetched from the producer's node, then loaded from its own
+    assert (got["kv_transfer_params"] or {}).get("kvstore", {}).get("hit_chunks") == 3
 
 
 def test_a_different_cache_salt_never_hits(setup: Any) -> None:
