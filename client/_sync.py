@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +40,51 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
 ]
 RETRIES = 2
+# How long a client that was never closed waits, at garbage collection or interpreter exit,
+# for the calls it started without waiting (releases) before cancelling them.  A cancelled
+# release costs nothing lasting: the node drops the lease at its TTL.
+FINALIZE_WAIT_S = 2.0
+
+
+class Inflight:
+    """Calls a client started without waiting (``Release``), kept so they are finished or
+    cancelled before the client, or the interpreter, goes.
+
+    A gRPC future still running at interpreter exit hangs it: its ``__del__`` takes the
+    call's lock, which gRPC's polling thread may hold when daemon threads are frozen.  So the
+    client's finalizer (``weakref.finalize``: on GC and at exit, while threads still run) waits
+    for them briefly, cancels the rest and drops them.  It must not refer to the client."""
+
+    __slots__ = ("calls", "lock")
+
+    def __init__(self) -> None:
+        self.calls: list[Any] = []
+        self.lock = threading.Lock()
+
+    def add(self, call: Any) -> None:
+        with self.lock:
+            self.calls = [f for f in self.calls if not f.done()]
+            self.calls.append(call)
+
+    def __bool__(self) -> bool:
+        return bool(self.calls)
+
+    def drain(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds in all for the calls; cancel those still running."""
+        with self.lock:
+            pending, self.calls = self.calls, []
+        end = time.monotonic() + timeout
+        for f in pending:
+            try:
+                f.result(timeout=max(0.0, end - time.monotonic()))
+            except Exception:  # noqa: BLE001 - a release's outcome is not needed (leases expire)
+                f.cancel()
+
+
+def finalize_channel(inflight: Inflight, channel: grpc.Channel, timeout: float) -> None:
+    """Finish or cancel the client's calls in flight, then close its channel."""
+    inflight.drain(timeout)
+    channel.close()
 
 
 def resolve_token(token: str | None, token_file: str | None) -> str:
@@ -116,8 +162,11 @@ class KVClient(BlockCalls):
         self._metadata = (("authorization", f"Bearer {tok}"),) if tok else ()
         self._channel = secure_channel(self._core.target.grpc_target, self._tls, CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
-        self._inflight: list[Any] = []
-        self._inflight_lock = threading.Lock()
+        self._inflight = Inflight()
+        # a client never closed must not hang the process: on GC or at exit its calls in
+        # flight are finished or cancelled and its channel closed (regression:
+        # tests/integration/test_quickstart_exit.py)
+        self._finalizer = weakref.finalize(self, finalize_channel, self._inflight, self._channel, FINALIZE_WAIT_S)
 
     # -- driver -------------------------------------------------------------------------
     def _rpc(self, method: str, request: Any) -> Any:
@@ -137,18 +186,10 @@ class KVClient(BlockCalls):
 
     def _start(self, method: str, request: Any) -> None:
         """Fire a call without waiting; failures are harmless (leases expire on their own)."""
-        with self._inflight_lock:
-            self._inflight = [f for f in self._inflight if not f.done()]
-            self._inflight.append(getattr(self._stub, method).future(request, timeout=self._core.timeouts.rpc, metadata=self._metadata))
+        self._inflight.add(getattr(self._stub, method).future(request, timeout=self._core.timeouts.rpc, metadata=self._metadata))
 
     def _drain(self) -> None:
-        with self._inflight_lock:
-            pending, self._inflight = self._inflight, []
-        for f in pending:
-            try:
-                f.result(timeout=self._core.timeouts.rpc)
-            except Exception:
-                pass
+        self._inflight.drain(self._core.timeouts.rpc)
 
     def _run(self, op: Op[T]) -> T:
         self._core.check_open()
@@ -269,7 +310,7 @@ class KVClient(BlockCalls):
     def close(self) -> None:
         self._drain()  # deliver releases still in flight before the channel goes
         self._core.close()
-        self._channel.close()
+        self._finalizer()  # closes the channel, once
 
     def __enter__(self) -> "KVClient":
         return self
