@@ -2,11 +2,14 @@
 
 One per inference worker.  It owns a :class:`~gpu_agent.copy_engine.CopyEngine`
 (streams, events, the arena registered as pinned memory), an
-:class:`~gpu_agent.pool.HBMPool` and two single-thread executors: the *prefetcher*
+:class:`~gpu_agent.pool.HBMPool` and four single-thread executors: the *prefetcher*
 (looks blocks up, leases them — which promotes NVMe blocks into the node's DRAM — and
-copies them into the pool) and the *completer* (waits on a transfer's event, then
-releases its leases or checksums and commits its reservation).  The engine's thread
-never blocks on the device: it gets handles whose events it waits on.
+copies them into the pool on its own stream), the *issuer* (queues a load's layers
+after the first, so the engine's thread returns as soon as layer 0 is queued), the
+*load completer* (waits on a load's last event, then releases its leases and pool
+holds) and the *save completer* (waits on a save's event, then checksums and commits):
+a lease release never waits behind a save's checksum.  The engine's thread never
+blocks on the device: it gets handles whose events it waits on.
 
 Calls (shaped after vLLM's KV connector):
 
@@ -26,9 +29,12 @@ Fails open: a store that cannot answer gives a miss (counted and logged), never 
 exception on the engine's path; contract violations (wrong buffer shapes, dtypes,
 devices) raise :class:`~kvstore.errors.InvalidArgument`.
 
-Close the agent before its client: the arena's pinned registration is undone here.  A
-node restart creates a new arena file: make a new client and agent (the registered
-mapping is the old one).
+The arena is registered as pinned memory once per process and mapping (shared by the
+agents of one client) and the registration holds the mapping: closing the client
+before the agent leaves the mapping to the agent, which unregisters it on close.  A
+node restart gives the client a new mapping: the first transfer that sees it
+registers it and retires the old one.  Host memory that is not registered is staged
+through a pinned bounce buffer, never handed to DMA as if pinned.
 """
 
 from __future__ import annotations
@@ -44,8 +50,10 @@ from typing import Any
 import torch
 import xxhash
 
-from gpu_agent.copy_engine import CopyEngine, DoneEvent, Event, Segmented, byte_view, copy_range, host_tensor, normalize_device
+from gpu_agent.copy_engine import CopyEngine, DeferredEvent, DoneEvent, Event, Segmented, copy_range, host_tensor, normalize_device
 from gpu_agent.buffers import EngineBuffers
+from gpu_agent.pinned import CudaRuntime
+from gpu_agent.transfer import BatchedLoad, BatchedSave
 from gpu_agent.layout import ByteCopy, KVCacheLayout, PagedAdapter
 from gpu_agent.planner import Bandwidths, plan_prefetch, usable_prefix
 from gpu_agent.pool import HBMPool
@@ -75,6 +83,11 @@ class AgentConfig:
     verify_loads: bool = True
     """Check each block's payload checksum before loading it from host memory: a block
     whose bytes do not match is a gap (the engine recomputes), never KV it trusts."""
+    staging_bytes: int = 64 << 20
+    """Device staging of a batched copy: per layer of a load, per group of blocks of a save."""
+    batch_on_cpu: bool = False
+    """Batch copies (staging plus one gather or scatter per layer) on CPU tensors too; CUDA
+    always batches, the CPU copies page runs directly (fewer passes over memory)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -118,10 +131,12 @@ class LoadHandle:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every layer is loaded and the leases are back; False if a lease
-        expired under the copy (the loaded bytes are then not to be trusted)."""
+        expired under the copy or a copy failed (the loaded bytes are then not to be trusted)."""
+        if self._done is not None:
+            return self._done.result(timeout)  # the completer waited on every layer
         for e in self._events:
             e.synchronize()
-        return True if self._done is None else self._done.result(timeout)
+        return True
 
 
 class SaveHandle:
@@ -157,7 +172,10 @@ class GPUAgent:
         *,
         device: str | torch.device | None = None,
         config: AgentConfig | None = None,
+        cudart: CudaRuntime | None = None,
     ) -> None:
+        """``cudart``: the CUDA runtime that registers the arena (default: the real one on
+        CUDA, none on CPU); tests pass a fake one to check the registration bookkeeping."""
         layout.check_namespace(namespace)
         self.client = client
         self.layout = layout
@@ -170,11 +188,17 @@ class GPUAgent:
         self.block_bytes = layout.block_bytes(self.chunk_tokens)
         self.layer_bytes = layout.layer_bytes(self.chunk_tokens)
         self._fingerprint = namespace.fingerprint
-        self.engine = CopyEngine(self.device)
-        self.pinned = self.engine.register_host(arena_buffer(client))
+        self.engine = CopyEngine(self.device, cudart=cudart)
+        self._batched = self.engine.is_cuda or self.config.batch_on_cpu
+        arena = arena_buffer(client)  # also refuses a client that cannot map the arena
+        if self.engine.host.registry is not None:
+            self.engine.register_host(arena)
+        del arena
         self.pool = HBMPool(self.config.hbm_bytes, self.block_bytes, self.device)
         self._prefetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-prefetch")
-        self._completer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-complete")
+        self._issuer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-issue")
+        self._load_completer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-load-done")
+        self._save_completer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-save-done")
         self.counters: collections.Counter[str] = collections.Counter()
         self._counters_lock = threading.Lock()  # the engine's thread, the prefetcher and the completer all count
         self._saves_lock = threading.Lock()
@@ -184,6 +208,30 @@ class GPUAgent:
     def _count(self, name: str, n: int = 1) -> None:
         with self._counters_lock:
             self.counters[name] += n
+
+    @property
+    def pinned(self) -> bool:
+        """The client's current arena mapping is registered (copies from and to it are DMA)."""
+        return self.engine.host.registered
+
+    def _check_pinned(self, blocks: Sequence[Segmented]) -> None:
+        """Every host byte of a transfer should lie in the registered arena.  If some do not,
+        the client has mapped a new arena (a node restart): register it (the old mapping is
+        retired once the copies queued from it are done).  What still is not registered is
+        staged by the copy engine, and counted here."""
+        host = self.engine.host
+        if host.registry is None or not blocks:
+            return
+        outside = [b for b in blocks if not all(self.engine.host_registered(p) for p in b.parts)]
+        if not outside:
+            return
+        try:
+            self.engine.register_host(arena_buffer(self.client))
+        except (KVStoreError, ValueError) as e:
+            log.warning("cannot map the node's arena again (%s)", e)
+        left = sum(1 for b in outside if not all(self.engine.host_registered(p) for p in b.parts))
+        if left:
+            self._count("staged_blocks", left)
 
     # -- keys ----------------------------------------------------------------------------
     def keys(self, tokens: Sequence[int] | Any, namespace: Namespace | None = None) -> list[ChunkKey]:
@@ -255,45 +303,56 @@ class GPUAgent:
             self._count("store_errors", 1)
             log.warning("kvstore acquire for prefetch failed (%s)", e)
             return PrefetchResult(0, plan.resident, plan.prefix, plan.limit)
-        inserted: list[bytes] = []
-        with leased:
-            with self.pool.lock:
-                mine = set(keys)
-                self.pool.evict([k for k in plan.evict if k not in mine])
-                jobs: list[tuple[torch.Tensor, Segmented]] = []
-                protect = set(keys[: plan.prefix])
-                for i, k, meta, views in zip(plan.fetch, fetch, leased.metas, leased.views):
-                    if views is None or not self._meta_ok(meta):
-                        break  # a gap: the chunks after it are useless
-                    if self.pool.contains(k):
-                        continue  # a concurrent load or prefetch got there first
-                    slot = self.pool.insert(k, i, protect=protect)
-                    if slot is None:
-                        break
-                    jobs.append((slot, Segmented([host_tensor(v) for v in views])))
-                    inserted.append(k)
+        # Slots are reserved (invisible to loads), filled on the prefetch stream, and published
+        # only once the copy completed and the lease proved valid; any failure gives them back.
+        jobs: list[tuple[bytes, int, int, Segmented]] = []  # key, depth, slot, source
+        published = False
+        try:
+            with leased:
+                with self.pool.lock:
+                    mine = set(keys)
+                    self.pool.evict([k for k in plan.evict if k not in mine])
+                    protect = set(keys[: plan.prefix])
+                    for i, k, meta, views in zip(plan.fetch, fetch, leased.metas, leased.views):
+                        if views is None or not self._meta_ok(meta):
+                            break  # a gap: the chunks after it are useless
+                        if self.pool.contains(k):
+                            continue  # a concurrent load or prefetch got there first
+                        slot = self.pool.reserve(protect=protect)
+                        if slot is None:
+                            break
+                        jobs.append((k, i, slot, Segmented([host_tensor(v) for v in views])))
+                self._check_pinned([j[3] for j in jobs])
                 nbytes = self.block_bytes
 
                 def copy() -> None:
-                    for slot, src in jobs:
-                        copy_range(slot, 0, src, 0, nbytes)
+                    for _, _, slot, src in jobs:
+                        dst = self.pool.slot_tensor(slot)
+                        for rel, piece in src.pieces(0, nbytes):
+                            self.engine.h2d(dst[rel : rel + piece.numel()], piece)
 
-                ev = self.engine.submit("h2d", copy) if jobs else DoneEvent()
-            try:
+                ev = self.engine.submit("prefetch", copy) if jobs else DoneEvent()
                 ev.synchronize()  # this worker waits on its own transfer, never on the device
-            except Exception:
-                with self.pool.lock:
-                    self.pool.evict(inserted)
-                raise
-        held = [k for k, v in zip(leased.keys, leased.views) if v is not None]  # valid[] follows the leases held
-        valid = dict(zip(held, leased.valid))
-        bad = [k for k in inserted if not valid.get(k, True)]
-        if bad:  # a lease expired under the copy: those bytes may have been reused
+            held = [k for k, v in zip(leased.keys, leased.views) if v is not None]  # valid[] follows the leases held
+            valid = dict(zip(held, leased.valid))
+            good = bad = 0
             with self.pool.lock:
-                self.pool.evict(bad)
-            self._count("expired_leases", len(bad))
-        self._count("prefetched_blocks", len(inserted) - len(bad))
-        return PrefetchResult(len(inserted) - len(bad), plan.resident, plan.prefix, plan.limit)
+                for k, i, slot, _ in jobs:
+                    if valid.get(k, True):
+                        self.pool.publish(k, slot, i)
+                        good += 1
+                    else:  # a lease expired under the copy: those bytes may have been reused
+                        self.pool.unreserve([slot])
+                        bad += 1
+                published = True
+        finally:
+            if not published:
+                with self.pool.lock:
+                    self.pool.unreserve([j[2] for j in jobs])
+        if bad:
+            self._count("expired_leases", bad)
+        self._count("prefetched_blocks", good)
+        return PrefetchResult(good, plan.resident, plan.prefix, plan.limit)
 
     # -- load ------------------------------------------------------------------------------
     def _check_buffers(self, kv_buffers: "Sequence[torch.Tensor] | EngineBuffers") -> EngineBuffers:
@@ -340,41 +399,60 @@ class GPUAgent:
             for k, meta, views in zip(leased.keys, leased.metas, leased.views):
                 if views is not None and self._meta_ok(meta, ns.fingerprint) and self._payload_ok(meta, views):
                     host[k] = Segmented([host_tensor(v) for v in views])
+        held: list[int] = []  # pool slots this load reads: not reused before its copies completed
+        L = self.layout.num_layers
         try:
+            self._check_pinned(list(host.values()))
+            sources: list[torch.Tensor | Segmented] = []
+            hbm = 0
             with self.pool.lock:
-                sources: list[torch.Tensor | Segmented] = []
-                hbm = 0
                 for k in keys:
-                    slot = self.pool.lookup(k)
-                    if slot is not None:
-                        sources.append(slot)
+                    got = self.pool.hold(k)
+                    if got is not None:
+                        held.append(got[0])
+                        sources.append(got[1])
                         hbm += 1
                     elif k in host:
                         sources.append(host[k])
                     else:
                         break  # a gap (evicted since lookup): load the prefix before it
-                plans = [self.adapter.chunk_copies(self.adapter.chunk_pages(block_ids, c), dst.geometry) for c in range(len(sources))]
-                saves = self._saves_in_flight()
-                events = [
-                    self.engine.submit(
-                        "h2d", self._layer_copier(layer, dst.layers[layer], sources, plans),
-                        after=saves if layer == 0 else (), after_compute=(layer == 0), uses=dst.sources[layer : layer + 1],
-                    )
-                    for layer in range(self.layout.num_layers)
-                ] if sources else [DoneEvent()] * self.layout.num_layers
+            if sources:
+                layer = self._layer_copier(dst, sources, [self.adapter.chunk_pages(block_ids, c) for c in range(len(sources))])
+                first = self.engine.submit("h2d", lambda: layer(0), after=self._saves_in_flight(), after_compute=True,
+                                           uses=dst.sources[0:1])
+                rest: list[concurrent.futures.Future[Event]] = [concurrent.futures.Future() for _ in range(1, L)]
+                if rest:
+                    self._issuer.submit(self._issue_layers, layer, dst, rest)
+                events: list[Event] = [first, *(DeferredEvent(f) for f in rest)]
+            else:
+                events = [DoneEvent()] * L
         except BaseException:
+            if held:
+                self.pool.release(held)
             if leased is not None:
                 leased.release()
             raise
-        done = self._completer.submit(self._finish_load, events[-1], leased) if leased is not None else None
+        done = self._load_completer.submit(self._finish_load, events, leased, held) if leased is not None or held else None
         n = len(sources) * self.chunk_tokens
         self._count("loads", 1)
         self._count("load_tokens", n)
         self._count("load_hbm_blocks", hbm)
         self._count("load_host_blocks", len(sources) - hbm)
         if hbm:  # the node cannot see pool hits: report them so its metrics show the HBM tier
-            self._completer.submit(self._report_hbm_hits, hbm)
+            self._save_completer.submit(self._report_hbm_hits, hbm)
         return LoadHandle(n, hbm, events, done)
+
+    def _issue_layers(self, layer: Any, dst: EngineBuffers, futures: list["concurrent.futures.Future[Event]"]) -> None:
+        """Queue layers 1.. of a load (layer 0 is queued by ``load`` itself), in order, on the
+        same stream: each is ordered after the compute that ``load`` waited for."""
+        for i, fut in enumerate(futures, start=1):
+            try:
+                fut.set_result(self.engine.submit("h2d", lambda i=i: layer(i), uses=dst.sources[i : i + 1]))
+            except BaseException as e:
+                log.warning("queueing layer %d of a load failed: %s", i, e)
+                for f in futures[i - 1 :]:
+                    f.set_exception(e)
+                return
 
     def _report_hbm_hits(self, blocks: int) -> None:
         try:
@@ -393,27 +471,44 @@ class GPUAgent:
             return False
         return True
 
-    def _layer_copier(self, layer: int, dst: tuple[torch.Tensor, int], sources: list[torch.Tensor | Segmented], plans: list[list[ByteCopy]]) -> Any:
-        base = layer * self.layer_bytes
-        flat, origin = dst
+    def _layer_copier(self, dst: EngineBuffers, sources: list[torch.Tensor | Segmented], pages: list[list[int]]) -> Any:
+        """A function copying one layer of every chunk into its pages (called on the stream)."""
+        if self._batched:
+            return BatchedLoad(self.engine, dst, dst.geometry, sources, pages, self.layer_bytes, self.config.staging_bytes).layer
+        plans = [self.adapter.chunk_copies(p, dst.geometry) for p in pages]
 
-        def copy() -> None:
+        def copy(layer: int) -> None:
+            base = layer * self.layer_bytes
+            flat, origin = dst.layers[layer]
             for src, copies in zip(sources, plans):
                 for c in copies:
-                    copy_range(flat, origin + c.buffer_offset, src, base + c.block_offset, c.nbytes)
+                    if isinstance(src, Segmented):
+                        for rel, piece in src.pieces(base + c.block_offset, c.nbytes):
+                            o = origin + c.buffer_offset + rel
+                            self.engine.h2d(flat[o : o + piece.numel()], piece)
+                    else:
+                        copy_range(flat, origin + c.buffer_offset, src, base + c.block_offset, c.nbytes)
 
         return copy
 
-    def _finish_load(self, last: Event, leased: Any) -> bool:
+    def _finish_load(self, events: list[Event], leased: Any, held: list[int]) -> bool:
+        ok = True
         try:
-            last.synchronize()
+            for e in events:  # in order: a later layer's event may not exist if queueing failed
+                e.synchronize()
+        except Exception as e:
+            ok = False
+            self._count("load_errors", 1)
+            log.warning("a load's copies failed (%s): the engine recomputes", e)
         finally:
-            valid = leased.release()
+            if held:
+                self.pool.release(held)
+            valid = leased.release() if leased is not None else []
         if not all(valid):
             self._count("expired_leases", valid.count(False))
             log.error("a read lease expired during a load: the loaded KV may be wrong; raise the node's --lease-ttl")
             return False
-        return True
+        return ok
 
     # -- save ------------------------------------------------------------------------------
     def save(
@@ -457,31 +552,42 @@ class GPUAgent:
             for j, views in enumerate(res.views):
                 if views is not None:
                     pages = self.adapter.chunk_pages(block_ids, skip_chunks + lo + j)
-                    jobs.append((views, Segmented([host_tensor(v) for v in views]), self.adapter.chunk_copies(pages, src.geometry)))
+                    jobs.append((views, Segmented([host_tensor(v) for v in views]), pages))
             existed = sum(res.existed)
             if not jobs:
                 res.abort()
                 base = base + SaveResult(existed=existed, failed=len(res.views) - existed)
                 continue
-
-            def copy(jobs: list[Any] = jobs) -> None:
-                for layer in range(self.layout.num_layers):
-                    b = layer * self.layer_bytes
-                    flat, origin = src.layers[layer]
-                    for _, dst, copies in jobs:
-                        for c in copies:
-                            copy_range(dst, b + c.block_offset, flat, origin + c.buffer_offset, c.nbytes)
-
+            deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # staged blocks the save completer drains
             try:
-                ev = self.engine.submit("d2h", copy, after_compute=True, uses=src.sources)
+                self._check_pinned([j[1] for j in jobs])
+                ev = self.engine.submit("d2h", self._save_copier(src, jobs, deferred), after_compute=True, uses=src.sources)
             except BaseException:
                 res.abort()
                 raise
             self._fence(ev)
             no_room = len(res.views) - existed - len(jobs)
-            parts.append(self._completer.submit(self._finish_save, ev, res, [j[0] for j in jobs], existed, no_room))
+            parts.append(self._save_completer.submit(self._finish_save, ev, res, [j[0] for j in jobs], existed, no_room, deferred))
         self._count("saves", 1)
         return SaveHandle(parts, base)
+
+    def _save_copier(self, src: EngineBuffers, jobs: list[Any], deferred: list[Any]) -> Any:
+        """A function copying the pages of whole chunks into their reserved extents (on the stream)."""
+        if self._batched:
+            job = BatchedSave(self.engine, src, src.geometry, [j[1] for j in jobs], [j[2] for j in jobs], self.layout.num_layers,
+                              self.layer_bytes, self.config.staging_bytes)
+            return lambda: deferred.extend(job.run())
+        plans = [self.adapter.chunk_copies(j[2], src.geometry) for j in jobs]
+
+        def copy() -> None:
+            for layer in range(self.layout.num_layers):
+                b = layer * self.layer_bytes
+                flat, origin = src.layers[layer]
+                for (_, dst, _), copies in zip(jobs, plans):
+                    for c in copies:
+                        copy_range(dst, b + c.block_offset, flat, origin + c.buffer_offset, c.nbytes)
+
+        return copy
 
     def _fence(self, ev: Event) -> None:
         """The save contract: once ``save()`` returns, work the caller queues on its current
@@ -502,9 +608,13 @@ class GPUAgent:
             self._pending_saves = [e for e in self._pending_saves if not e.query()]
             return list(self._pending_saves)
 
-    def _finish_save(self, ev: Event, res: Any, views: list[list[memoryview]], existed: int, no_room: int) -> SaveResult:
+    def _finish_save(self, ev: Event, res: Any, views: list[list[memoryview]], existed: int, no_room: int,
+                     deferred: list[tuple[torch.Tensor, torch.Tensor]]) -> SaveResult:
         try:
             ev.synchronize()
+            for dst, staged in deferred:  # extents outside the registered arena: through a bounce buffer
+                self.engine.drain(dst, staged)
+            deferred.clear()  # the device staging may go
             sums = [checksum(v[0]) if len(v) == 1 else _checksum_parts(v) for v in views]
             ok = res.commit(sums)
         except BaseException as e:
@@ -529,7 +639,9 @@ class GPUAgent:
             return
         self._closed = True
         self._prefetcher.shutdown(wait=True)
-        self._completer.shutdown(wait=True)
+        self._issuer.shutdown(wait=True)  # before the completers: they wait on issued layers
+        self._load_completer.shutdown(wait=True)
+        self._save_completer.shutdown(wait=True)
         self.engine.close()
         self.pool.clear()
 
