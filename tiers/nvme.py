@@ -185,8 +185,12 @@ class NVMeTier:
         return fd
 
     def _open(self, cap: int, segment_bytes: int, direct_io: bool | None) -> None:
-        can_direct = direct_io is not False and probe_direct_io(self.directory)
-        if direct_io and not can_direct:
+        probe = probe_direct_io(self.directory) if direct_io is not False else False
+        if probe is None:  # a full disk fails open: the node starts and serves what it holds
+            log.warning("cannot probe O_DIRECT on %s: the filesystem is full; using %s I/O", self.directory,
+                        "direct" if direct_io else "buffered")
+        can_direct = bool(probe)
+        if direct_io and probe is False:
             raise InvalidArgument(
                 f"the filesystem of {self.directory} refuses O_DIRECT (tmpfs?); pass direct_io=None or False"
             )

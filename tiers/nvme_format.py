@@ -59,8 +59,9 @@ def addr(mv: memoryview) -> int:
     return int(np.frombuffer(mv, dtype=np.uint8).__array_interface__["data"][0]) if mv.nbytes else 0
 
 
-def probe_direct_io(directory: Path) -> bool:
-    """True if ``directory``'s filesystem accepts an aligned O_DIRECT write."""
+def probe_direct_io(directory: Path) -> bool | None:
+    """True if ``directory``'s filesystem accepts an aligned O_DIRECT write; None if it
+    cannot tell because the filesystem is full (a node must still start there)."""
     probe = directory / ".direct_io_probe"
     buf = mmap.mmap(-1, PAGE)
     try:
@@ -72,6 +73,8 @@ def probe_direct_io(directory: Path) -> bool:
     except OSError as e:
         if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
             return False
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return None
         raise
     finally:
         buf.close()
