@@ -2,10 +2,8 @@
 and a partition silently drops its packets, which a killed process (refused
 connections) or a stopped one (accepted, never answered) does not reproduce.
 
-etcd, the test and its clients stay in the root namespace.  Nodes listen on 0.0.0.0
-inside their namespace and advertise their namespace address (``advertise_host``), which
-is what clients dial.  Clients are built with ``prefer_local=False``: the nodes share this
-machine's hostname and /dev/shm, and the local Unix-socket path would bypass the network.
+etcd, the test and its clients stay in the root namespace; the fixtures that place each
+node in its own namespace are in tests/netns_cluster.py.
 
 The invariants (DESIGN §4): a partitioned node's lease expires and clients route around
 it; blocks with a surviving replica stay readable; a node cut off from etcd keeps serving
@@ -17,20 +15,19 @@ generous bounds (a deadline plus a margin), never tightly.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 import pytest
-from cluster_fixtures import FAST, LEASE_TTL, Cluster, wait_until
+from cluster_fixtures import FAST, LEASE_TTL, wait_until
 from conftest import NodeProcess
-from netns import Network, probe, unavailable_reason
+from netns import Network, probe
+from netns_cluster import NetCluster, cluster, etcd, net  # noqa: F401 - fixtures
 
 from client import AsyncKVClient, KVClient, Timeouts
-from kvstore.cluster.local_etcd import LocalEtcd, find_etcd
 from kvstore.errors import KVStoreError
 
 T = TypeVar("T")
@@ -39,65 +36,6 @@ BOUND = FAST["rpc"] + FAST["data"] + 2.0  # one call: the deadlines it may wait 
 DROP_BOUND = LEASE_TTL + 4.0  # a cut node leaves the membership within its lease TTL, plus a margin
 REJOIN_BOUND = 15.0  # a healed node registers again within this
 HEALED_BOUND = 10.0  # clients reach a healed node again within this
-
-
-# -- fixtures --------------------------------------------------------------------------------
-@pytest.fixture
-def net() -> Iterator[Network]:
-    why = unavailable_reason()
-    if why is not None:
-        if os.geteuid() != 0:
-            pytest.skip(why)
-        pytest.fail(why)  # root without iproute2: a broken setup, not a reason to skip
-    n = Network()
-    try:
-        yield n
-    finally:
-        n.close()
-
-
-@pytest.fixture
-def etcd(net: Network, tmp_path: Path) -> Iterator[LocalEtcd]:
-    if find_etcd() is None:
-        pytest.skip("etcd is not installed (Debian: apt-get install etcd-server)")
-    server = LocalEtcd(tmp_path / "etcd", host=net.etcd_host).start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-class NetCluster(Cluster):
-    """A cluster whose nodes each run in a namespace of ``net``, named after the node."""
-
-    def __init__(self, etcd: LocalEtcd, tmp: Path, net: Network) -> None:
-        super().__init__(etcd, tmp)
-        self.net = net
-
-    def process(self, node_id: str, extra: tuple[str, ...]) -> NodeProcess:
-        host = self.net.hosts.get(node_id) or self.net.add_host(node_id)
-        return NodeProcess(self.tmp / node_id, *self.node_args("--arena-path", self.arena(node_id), *extra), node_id=node_id,
-                           prefix=host.exec_prefix, listen="0.0.0.0:0", env={"KVSTORE_ADVERTISE_HOST": host.ip})
-
-    def client(self, **kw: Any) -> Any:
-        kw.setdefault("prefer_local", False)
-        return super().client(**kw)
-
-    def direct(self, node_id: str) -> KVClient:
-        """A single-node client of ``node_id`` over TCP, through the network."""
-        c = KVClient(self.nodes[node_id].tcp, timeouts=Timeouts(**FAST))
-        self.clients.append(c)
-        return c
-
-
-@pytest.fixture
-def cluster(etcd: LocalEtcd, net: Network, tmp_path: Path) -> Iterator[NetCluster]:
-    c = NetCluster(etcd, tmp_path, net)
-    try:
-        yield c
-    finally:
-        net.heal_all()  # so nodes deregister and stop at once
-        c.close()
 
 
 # -- helpers ---------------------------------------------------------------------------------
