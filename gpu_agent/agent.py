@@ -222,6 +222,8 @@ class GPUAgent:
         host = self.engine.host
         if host.registry is None or not blocks:
             return
+        if host.retired:
+            host.reap()  # mappings retired after a restart: unregister those whose copies are done
         outside = [b for b in blocks if not all(self.engine.host_registered(p) for p in b.parts)]
         if not outside:
             return

@@ -227,6 +227,10 @@ class ArenaPin:
         cur = self._current
         return cur is not None and cur.registered
 
+    @property
+    def retired(self) -> int:
+        return len(self._retired)
+
     def pin(self, buf: memoryview) -> bool:
         """Register ``buf`` (the client's arena mapping) unless it is the one already pinned;
         the previous mapping is retired.  True if ``buf`` is registered."""
@@ -258,7 +262,10 @@ class ArenaPin:
                 if wait:
                     for f in fences:
                         f.synchronize()
-                (done if all(f.query() for f in fences) else keep).append(p)
+                if all(f.query() for f in fences):
+                    done.append(p)
+                else:
+                    keep.append((p, fences))
             self._retired = keep
         for p in done:
             self._drop(p)

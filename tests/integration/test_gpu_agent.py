@@ -272,3 +272,180 @@ def test_devices_are_normalised(monkeypatch: pytest.MonkeyPatch) -> None:
     want = torch.device("cuda", torch.cuda.current_device())
     assert normalize_device("cuda") == want and normalize_device(torch.device("cuda")) == want
     assert normalize_device("cuda:0") == torch.device("cuda", 0)  # an explicit index is kept
+
+
+def test_batched_copies_round_trip_scattered_tables_and_skipped_pages(agent_factory: Any) -> None:
+    """The CUDA copy path (staging plus one scatter or gather per layer) run on CPU tensors."""
+    agent = agent_factory(batch_on_cpu=True, staging_bytes=1)  # a group per block: the most passes
+    toks = tokens(4 * C)
+    src = buffers(agent.layout, 40, fill=True, seed=7)
+    ids = [39, 3, 17, 8, 0, 1, 2, 36, 21, 22, 23, 24, 5, 30, 12, 11]
+    assert agent.save(toks, src, ids).wait(timeout=30).stored == 4
+    dst = buffers(agent.layout, 40, fill=False)
+    back = [-1, -1, 4, 5, 6, 7, 8, 9, 10, 31, 32, 33, 34, 35, 36, 37]  # the engine holds the first two pages
+    h = agent.load(toks, dst, back)
+    assert h.num_tokens == 4 * C and h.wait(timeout=30)
+    assert same_pages(src, ids[2:], dst, back[2:], 14)
+    assert all(not d[:, [0, 1, 2, 3]].any() for d in dst)
+    assert agent.prefetch(toks).result(timeout=30).fetched == 4
+    again = buffers(agent.layout, 40, fill=False)
+    h = agent.load(toks, again, ids)
+    assert h.hbm_chunks == 4 and h.wait(timeout=30)
+    assert same_pages(src, ids, again, ids, 16)
+
+
+def test_a_load_returns_with_layer_0_queued_and_the_rest_follow(agent_factory: Any) -> None:
+    from gpu_agent.copy_engine import DeferredEvent
+
+    agent = agent_factory()
+    toks = tokens(2 * C)
+    src = buffers(agent.layout, 8, fill=True)
+    agent.save(toks, src, list(range(8))).wait(timeout=30)
+    dst = buffers(agent.layout, 8, fill=False)
+    h = agent.load(toks, dst, list(range(8)))
+    assert all(isinstance(e, DeferredEvent) for e in h._events[1:])  # queued by the issuer, not the engine's thread
+    for layer in range(3):
+        h.wait_layer(layer)
+        assert all(torch.equal(dst[layer][:, i].view(torch.uint8), src[layer][:, i].view(torch.uint8)) for i in range(8))
+    assert h.wait(timeout=30)
+
+
+def test_prefetch_publishes_pool_slots_only_after_its_copy_completed(agent_factory: Any) -> None:
+    """Issue 18 #5: a load could copy from a slot whose prefetch had not filled it yet."""
+    import threading
+
+    agent = agent_factory()
+    toks = tokens(3 * C)
+    src = buffers(agent.layout, 12, fill=True)
+    agent.save(toks, src, list(range(12))).wait(timeout=30)
+    gate = threading.Event()
+    agent.engine.submit("prefetch", lambda: gate.wait(30))  # the prefetch stream is busy
+    fut = agent.prefetch(toks)
+    from conftest import wait_for
+
+    wait_for(lambda: agent.pool.stats()["reserved_slots"] == 3, 30, "the prefetch to reserve its slots")
+    assert not any(agent.pool.contains(k) for k in agent.keys(toks))  # reserved, not yet visible
+    dst = buffers(agent.layout, 12, fill=False)
+    h = agent.load(toks, dst, list(range(12)))
+    assert h.hbm_chunks == 0 and h.wait(timeout=30)  # read from the arena, never an unfilled slot
+    assert same_pages(src, list(range(12)), dst, list(range(12)), 12)
+    gate.set()
+    assert fut.result(timeout=30).fetched == 3
+    assert all(agent.pool.contains(k) for k in agent.keys(toks)) and agent.pool.stats()["reserved_slots"] == 0
+
+
+def test_a_prefetch_whose_copy_cannot_be_queued_leaves_no_slot(agent_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    agent = agent_factory()
+    toks = tokens(2 * C)
+    agent.save(toks, buffers(agent.layout, 8, fill=True), list(range(8))).wait(timeout=30)
+    submit = agent.engine.submit
+
+    def refuse(direction: str, *a: Any, **k: Any) -> Any:
+        if direction == "prefetch":
+            raise RuntimeError("no stream")
+        return submit(direction, *a, **k)
+
+    monkeypatch.setattr(agent.engine, "submit", refuse)
+    with pytest.raises(RuntimeError, match="no stream"):
+        agent.prefetch(toks).result(timeout=30)
+    assert len(agent.pool) == 0 and agent.pool.free_slots == agent.pool.capacity
+    assert agent.pool.stats()["reserved_slots"] == 0
+    monkeypatch.undo()
+    assert agent.prefetch(toks).result(timeout=30).fetched == 2  # and the leases were given back
+
+
+class SlowCommits:
+    """A client whose commits wait on a gate: a save whose checksum and commit take long."""
+
+    def __init__(self, client: KVClient, gate: Any) -> None:
+        self._client = client
+        self.gate = gate
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def reserve(self, metas: Any) -> Any:
+        res = self._client.reserve(metas)
+        commit = res.commit
+        res.commit = lambda sums=None: (self.gate.wait(30), commit(sums))[1]
+        return res
+
+
+def test_a_load_releases_its_leases_without_waiting_behind_a_save_commit(node: Any) -> None:
+    """Issue 18 #7: one completer thread made load-lease releases wait for a save's commit."""
+    import threading
+
+    lay = make_layout()
+    ns = lay.namespace("test-model", chunk_tokens=C, tenant_salt=uuid.uuid4().hex)
+    gate = threading.Event()
+    gate.set()
+    with KVClient(node.unix) as c, GPUAgent(SlowCommits(c, gate), lay, ns, device="cpu") as agent:
+        a, b = tokens(2 * C, seed=1), tokens(2 * C, seed=2)
+        agent.save(a, buffers(lay, 8, fill=True), list(range(8))).wait(timeout=30)
+        gate.clear()
+        slow = agent.save(b, buffers(lay, 8, fill=True, seed=2), list(range(8)))
+        h = agent.load(a, buffers(lay, 8, fill=False), list(range(8)))
+        assert h.wait(timeout=10) is True  # leases back while the save still commits
+        assert not slow.done()
+        gate.set()
+        assert slow.wait(timeout=30).stored == 2
+
+
+def test_registration_follows_the_clients_arena_across_a_node_restart(tmp_path: Any) -> None:
+    """Issue 18 #3/#4 on the CPU copy engine with a fake CUDA runtime: two agents on one client
+    register the arena once; after a node restart the first transfer registers the new
+    mapping and the old one is unregistered while still mapped; closing unregisters all."""
+    from conftest import NodeProcess
+    from gpu_agent_fakes import FakeCudart
+
+    rt = FakeCudart()
+    n = NodeProcess(tmp_path / "node", "--dram", "64MiB", "--nvme", "0").start()
+    lay = make_layout()
+    ns = lay.namespace("test-model", chunk_tokens=C, tenant_salt=uuid.uuid4().hex)
+    try:
+        with KVClient(n.unix) as c:
+            one = GPUAgent(c, lay, ns, device="cpu", cudart=rt)
+            two = GPUAgent(c, lay, ns, device="cpu", cudart=rt)
+            assert one.pinned and two.pinned and rt.count("register") == 1 and len(rt.registered) == 1
+            (old,) = rt.registered
+            toks = tokens(2 * C)
+            src = buffers(lay, 8, fill=True)
+            assert one.save(toks, src, list(range(8))).wait(timeout=30).stored == 2
+            n.stop()
+            n.start()  # same arena path: the file is replaced, the client remaps on its next call
+            assert one.save(toks, src, list(range(8))).wait(timeout=30).stored == 2
+            assert one.pinned and rt.count("register") == 2
+            for _ in range(3):  # the old mapping is retired once the copies queued from it are done
+                dst = buffers(lay, 8, fill=False)
+                assert one.load(toks, dst, list(range(8))).wait(timeout=30)
+                assert same_pages(src, list(range(8)), dst, list(range(8)), 8)
+            two.load(toks, buffers(lay, 8, fill=False), list(range(8))).wait(timeout=30)
+            assert set(rt.registered) != {old} and len(rt.registered) == 1
+            one.close()
+            assert len(rt.registered) == 1  # the other agent still uses it
+            two.close()
+            assert rt.registered == {} and all(rt.mapped_at_unregister)
+            assert one.stats()["counters"].get("staged_blocks", 0) == 0
+    finally:
+        n.stop()
+        import os
+
+        if os.path.exists(n.arena_path):
+            os.unlink(n.arena_path)
+
+
+def test_a_refused_registration_stages_every_transfer(agent_factory: Any, node: Any) -> None:
+    from gpu_agent_fakes import FakeCudart
+
+    rt = FakeCudart(refuse=1)
+    lay = make_layout()
+    ns = lay.namespace("test-model", chunk_tokens=C, tenant_salt=uuid.uuid4().hex)
+    with KVClient(node.unix) as c, GPUAgent(c, lay, ns, device="cpu", cudart=rt) as agent:
+        assert agent.pinned is False and rt.last_error == 0
+        toks = tokens(2 * C)
+        src = buffers(lay, 8, fill=True)
+        assert agent.save(toks, src, list(range(8))).wait(timeout=30).stored == 2
+        dst = buffers(lay, 8, fill=False)
+        assert agent.load(toks, dst, list(range(8))).wait(timeout=30)
+        assert same_pages(src, list(range(8)), dst, list(range(8)), 8)
+        assert agent.stats()["counters"]["staged_blocks"] == 4 and rt.count("register") == 1

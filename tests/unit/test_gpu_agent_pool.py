@@ -55,6 +55,35 @@ def test_evict_and_clear_free_the_slots() -> None:
     assert p.stats()["evictions"] == 2
 
 
+def test_a_reserved_slot_is_invisible_until_published_and_free_again_if_given_back() -> None:
+    """Issue 18 #5: prefetch published slots before its copy and lease check."""
+    p = HBMPool(2 * 8, 8, torch.device("cpu"))
+    i = p.reserve()
+    assert i is not None and not p.contains(K[0]) and p.lookup(K[0]) is None and p.free_slots == 1
+    assert p.stats()["reserved_slots"] == 1
+    p.publish(K[0], i, depth=0)
+    assert p.contains(K[0]) and p.stats()["reserved_slots"] == 0
+    j = p.reserve()
+    p.unreserve([j])
+    assert p.free_slots == 1 and len(p) == 1
+
+
+def test_a_held_slot_is_not_reused_until_released_even_if_evicted() -> None:
+    p = HBMPool(2 * 8, 8, torch.device("cpu"))
+    p.insert(K[0], 0)
+    p.insert(K[1], 0)
+    held = p.hold(K[0])
+    assert held is not None
+    p.lookup(K[1])  # K[0] is now the LRU entry, but a load reads it
+    i = p.reserve()
+    assert i is not None and i != held[0] and not p.contains(K[1])  # the unheld entry made room
+    p.unreserve([i])
+    assert p.evict([K[0]]) == 1 and not p.contains(K[0])  # gone from the map at once ...
+    assert p.free_slots == 1 and held[0] not in (p.reserve(), p.reserve())  # ... its slot is not handed out
+    p.release([held[0]])
+    assert p.free_slots == 1 and p.stats()["held_slots"] == 0  # now it is
+
+
 def test_segmented_pieces_span_extents() -> None:
     a, b, c = torch.arange(0, 10, dtype=torch.uint8), torch.arange(10, 13, dtype=torch.uint8), torch.arange(13, 20, dtype=torch.uint8)
     s = Segmented([a, b, c])
