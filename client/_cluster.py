@@ -255,6 +255,10 @@ class ClusterCore:
         self.misses: dict[str, int] = {NODE_DOWN: 0, DEADLINE: 0}  # keys missed because an owner failed
         self.short_copies: dict[str, int] = {"suspect": 0, "failed": 0}  # block copies puts did not write
         self._misses_lock = threading.Lock()
+        # what the nodes have not been told yet (no node can see it): (op, reason) -> keys, and
+        # short copies; the drivers send it with ReportHits after each call (take_report)
+        self._unreported: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._unreported_short = 0
 
     # -- membership and placement ----------------------------------------------------------
     def _seen(self, snap: ClusterSnapshot) -> None:
@@ -390,6 +394,7 @@ class ClusterCore:
             with self._misses_lock:
                 self.short_copies["suspect"] += skipped
                 self.short_copies["failed"] += lost
+                self._unreported_short += skipped + lost
         return stored
 
     def _rounds(self, plan: Plan, keys: list[ChunkKey], cands: list[list[str]], call: Callable[[list[int]], NodeOp], *,
@@ -443,13 +448,35 @@ class ClusterCore:
                             why[i] = why[i] or down
         return result, where
 
-    def _count_misses(self, result: list[Any], why: list[str | None]) -> None:
+    def _count_misses(self, result: list[Any], why: list[str | None], op: str) -> None:
         """Count the keys that stayed missing because an owner failed (``miss_counts``)."""
         counts = collections.Counter(w for r, w in zip(result, why) if r is None and w is not None)
         if counts:
             with self._misses_lock:
                 for reason, n in counts.items():
                     self.misses[reason] += n
+                    self._unreported[op, reason] += n
+
+    def take_report(self) -> tuple[list[pb.ReportHitsRequest], NodeInfo | None]:
+        """The ``ReportHits`` requests that tell a node what this client counted and no node could
+        see (owners down or past their deadline, under-replicated writes), and a node that answers
+        to send them to; what is taken is not reported again (nothing is taken while no node is known)."""
+        if not self._unreported and not self._unreported_short:
+            return [], None
+        plan = self.plan()
+        live = sorted(n for n in plan.nodes if n not in self.suspects)
+        if not live:
+            return [], None
+        with self._misses_lock:
+            reqs = [pb.ReportHitsRequest(op=op, miss_reason=reason, blocks=n) for (op, reason), n in self._unreported.items()]
+            if self._unreported_short:
+                if reqs:
+                    reqs[0].short_copies = self._unreported_short
+                else:
+                    reqs.append(pb.ReportHitsRequest(op="get", short_copies=self._unreported_short))
+            self._unreported.clear()
+            self._unreported_short = 0
+        return reqs, self.node_info(plan, live[0])
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object] | None) -> ClusterOp[list[Any]]:
         ks = [check_key(k) for k in keys]
@@ -467,7 +494,7 @@ class ClusterCore:
         missing = [i for i, v in enumerate(result) if v is None] if plan.previous else []
         cands = [plan.handoff(ks[i], owners[i]) for i in missing]
         if not any(cands):
-            self._count_misses(result, why)
+            self._count_misses(result, why, "get")
             return result
         sub = [ks[i] for i in missing]
         found, _ = yield from self._rounds(plan, sub, cands, lambda idx: _fetch_with_meta([sub[j] for j in idx], self.verify),
@@ -494,7 +521,7 @@ class ClusterCore:
             for (n, _), res in zip(calls, results):
                 if not self.failed(n, res, plan):
                     self.handoffs += sum(bool(x) for x in res)
-        self._count_misses(result, why)
+        self._count_misses(result, why, "get")
         return result
 
     def lookup(self, keys: Sequence[bytes], *, prefix: bool = False) -> ClusterOp[tuple[list[str | None], list[str | None]]]:
@@ -509,7 +536,7 @@ class ClusterCore:
         tiers, where = yield from self._rounds(
             plan, ks, cands, lambda idx: lambda core: core.lookup([ks[i] for i in idx]), hit=lambda t: t is not None, prefix=prefix,
             why=why)
-        self._count_misses(tiers, why)
+        self._count_misses(tiers, why, "match_prefix" if prefix else "exists")
         return tiers, where
 
     def match_prefix(self, keys: Sequence[bytes]) -> ClusterOp[tuple[int, list[str], list[str]]]:

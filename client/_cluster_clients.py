@@ -113,6 +113,22 @@ class _ClusterBase:
         return InvalidArgument("zero-copy views need one node: use KVClient('unix:///path/to/kvstore.sock') of the local node")
 
 
+def report_to_a_node(core: Any, client_for: Any, send: str) -> None:
+    """Tell a live node what this client counted and nodes cannot see (misses for owners down
+    or late, under-replicated copies), so its /metrics and dashboards show it.  Sent without
+    waiting (``send``: the node client's fire-and-forget method); best effort: the counts stay
+    in ``miss_counts()`` / ``under_replicated()`` whatever happens."""
+    try:
+        reqs, info = core.take_report()
+        if info is None:
+            return
+        client = client_for(info)
+        for req in reqs:
+            getattr(client, send)("ReportHits", req)
+    except KVStoreError:
+        pass
+
+
 class ClusterClient(_ClusterBase, BlockCalls):
     """A blocking client of a whole cluster; ``KVClient("etcd://...")`` returns one.
 
@@ -178,6 +194,8 @@ class ClusterClient(_ClusterBase, BlockCalls):
                 instr = op.send(result)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
+        finally:
+            report_to_a_node(self._core, self._client, "_start")
 
     # -- API (as KVClient) --------------------------------------------------------------------------
 
@@ -299,6 +317,8 @@ class AsyncClusterClient(_ClusterBase, AsyncBlockCalls):
             return stop.value  # type: ignore[no-any-return]
         except asyncio.TimeoutError:
             raise Unavailable(f"etcd at {self._core.membership.endpoints} did not answer in time") from None
+        finally:
+            report_to_a_node(self._core, self._client, "_fire")
 
 
     async def lookup(self, keys: Sequence[bytes]) -> list[str | None]:

@@ -114,6 +114,15 @@ def fingerprint(namespace: object) -> bytes:
     return fp
 
 
+def namespace_name(namespace: object) -> str:
+    """A readable name of a :class:`~kvstore.keys.Namespace` (``model[@revision][+lora]``); "" for a bare fingerprint."""
+    model = getattr(namespace, "model_id", "")
+    if not model:
+        return ""
+    rev, lora = getattr(namespace, "model_revision", "main"), getattr(namespace, "lora_id", "")
+    return model + (f"@{rev}" if rev and rev != "main" else "") + (f"+{lora}" if lora else "")
+
+
 def describe(key: bytes, data: memoryview, obj: object, *, namespace: bytes | None, parent: bytes | None, token_count: int,
              with_checksum: bool = True) -> BlockMeta:
     """Block metadata for a payload; dtype and shape come from numpy arrays and tensors.
@@ -162,6 +171,7 @@ class ClientCore:
         self.pool: DataChannelPool | None = None
         self.path = ""
         self.closed = False
+        self.named: set[bytes] = set()  # namespaces whose name the node was sent
 
     def check_open(self) -> None:
         if self.closed:
@@ -267,6 +277,11 @@ class ClientCore:
         ]
         yield from self.ensure_hello()
         assert self.hello is not None
+        name = namespace_name(namespace)
+        if name and metas and metas[0].namespace not in self.named:
+            # once per namespace: the node shows this name instead of the fingerprint (dashboard, /metrics)
+            self.named.add(metas[0].namespace)
+            yield ("rpc_nowait", "ReportHits", pb.ReportHitsRequest(op="get", namespace=metas[0].namespace, namespace_name=name))
         if self.path != "shm":  # the shm path hashes as it copies and sends the sums with Commit
             metas = [dataclasses.replace(m, payload_checksum=checksum(v)) for m, v in zip(metas, views)]
         for m in metas:

@@ -152,10 +152,20 @@ def families(snap: dict[str, Any], *, node_id: str, version: str, started: float
             ht.add_metric([op, tier], led["hit_tokens"].get((op, tier), 0))
     yield hb
     yield ht
-    f = _counter("kvstore_miss_blocks", "Blocks not found, by operation and reason (see kvstore/misses.py).", ["op", "reason"])
+    f = _counter("kvstore_miss_blocks", "Blocks not found, by operation and reason (see kvstore/misses.py; "
+                 "node_down and deadline as cluster clients reported them).", ["op", "reason"])
     for op in OPS:
         for reason in REASONS:
             f.add_metric([op, reason], led["misses"].get((op, reason), 0))
+    yield f
+    f = GaugeMetricFamily("kvstore_namespace_info", "A readable name of a namespace fingerprint, as the SDK that wrote it "
+                          "sent it (1 per named namespace).", labels=["namespace", "name"])
+    for ns, name in sorted(led.get("names", {}).items()):
+        f.add_metric([ns, name], 1)
+    yield f
+    f = _counter("kvstore_under_replicated_copies", "Block copies cluster clients' puts could not write (an owner "
+                 "suspect or failing), as they reported them to this node.", [])
+    f.add_metric([], led.get("short_copies", 0))
     yield f
     for key, name, doc in (
         ("ns_hits", "kvstore_namespace_hit_blocks", "Blocks found, by namespace fingerprint (first 32 seen; then 'other')."),

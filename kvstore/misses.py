@@ -63,6 +63,7 @@ CORRUPT = "corrupt"
 NODE_DOWN = "node_down"
 DEADLINE = "deadline"
 REASONS = (NEVER_STORED, EVICTED, INVALIDATED, CORRUPT, NODE_DOWN, DEADLINE)
+CLIENT_MISS_REASONS = (NODE_DOWN, DEADLINE)  # what cluster clients report (``ReportHits``)
 
 OPS = ("get", "match_prefix", "exists")
 TIERS = ("hbm", "dram", "nvme", "remote")
@@ -169,6 +170,8 @@ class Ledger:
         self.ns_hits: collections.Counter[tuple[str, str]] = collections.Counter()  # (namespace, op)
         self.ns_hit_tokens: collections.Counter[tuple[str, str]] = collections.Counter()
         self.ns_misses: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.short_copies = 0  # block copies cluster clients' puts could not write (reported to this node)
+        self.names: dict[str, str] = {}  # namespace label -> readable name, for labels that have one
 
     def tag(self, meta: BlockMeta | None) -> int:
         return self.namespaces.tag(meta.namespace) if meta is not None else _TAG_UNKNOWN
@@ -239,6 +242,22 @@ class Ledger:
             self.ns_hits[ns, op] += blocks
             self.ns_hit_tokens[ns, op] += tokens
 
+    def report_misses(self, op: str, reason: str, blocks: int, namespace: bytes | None = None) -> None:
+        """Misses a cluster client saw and no node could (an owner down or past its deadline),
+        reported to this node (``ReportHits`` with ``miss_reason``) so its metrics show them."""
+        if op not in OPS or reason not in CLIENT_MISS_REASONS:
+            raise ValueError(f"unknown op {op!r} or client miss reason {reason!r}")
+        self.misses[op, reason] += blocks
+        self.lookups[op] += blocks
+        tag = self.namespaces.tag(namespace) if namespace is not None else _TAG_UNKNOWN
+        self.ns_misses[self.namespaces.label(tag), op] += blocks
+
+    def name(self, namespace: bytes, name: str) -> None:
+        """A readable name for a namespace (sent by the SDK): bounded like the namespace labels."""
+        label = self.namespaces.label(self.namespaces.tag(namespace))
+        if label not in ("other", "unknown"):
+            self.names[label] = name
+
     def snapshot(self) -> dict[str, Any]:
         return {
             "requests": dict(self.requests),
@@ -249,4 +268,6 @@ class Ledger:
             "ns_hits": dict(self.ns_hits),
             "ns_hit_tokens": dict(self.ns_hit_tokens),
             "ns_misses": dict(self.ns_misses),
+            "short_copies": self.short_copies,
+            "names": dict(self.names),
         }

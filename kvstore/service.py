@@ -569,20 +569,30 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def ReportHits(self, request: pb.ReportHitsRequest, context: Any) -> pb.Empty:
-        from kvstore.misses import OPS
+        from kvstore.misses import CLIENT_MISS_REASONS, OPS
 
         if request.op not in OPS:
             raise errors.InvalidArgument(f"op must be one of {OPS}, got {request.op!r}")
-        if request.remote:
+        tier = ""
+        if request.miss_reason:
+            if request.miss_reason not in CLIENT_MISS_REASONS:
+                raise errors.InvalidArgument(f"a reported miss_reason is one of {CLIENT_MISS_REASONS}, got {request.miss_reason!r}")
+        elif request.remote:
             tier = "remote"
         elif request.tier == pb.TIER_HBM:
             tier = "hbm"
-        else:
-            raise errors.InvalidArgument("report HBM hits (tier TIER_HBM) or a remote node's hits (remote=true)")
-        if request.blocks > self.cfg.max_batch * 64 or request.tokens > request.blocks * (1 << 20):
-            raise errors.InvalidArgument(f"implausible report: {request.blocks} blocks, {request.tokens} tokens")
+        elif request.blocks or not (request.short_copies or request.namespace_name):
+            raise errors.InvalidArgument("report HBM hits (tier TIER_HBM), a remote node's hits (remote=true) "
+                                         "or a cluster client's misses (miss_reason)")
+        if request.blocks > self.cfg.max_batch * 64 or request.tokens > request.blocks * (1 << 20) \
+                or request.short_copies > self.cfg.max_batch * 64:
+            raise errors.InvalidArgument(f"implausible report: {request.blocks} blocks, {request.tokens} tokens, "
+                                         f"{request.short_copies} short copies")
         if request.namespace and len(request.namespace) != 8:
             raise errors.InvalidArgument(f"a namespace fingerprint is 8 bytes, got {len(request.namespace)}")
+        if request.namespace_name and (not request.namespace or len(request.namespace_name) > 200
+                                       or not request.namespace_name.isprintable()):
+            raise errors.InvalidArgument("a namespace_name is printable, at most 200 characters, and names a namespace fingerprint")
         caller = self._caller()
         if request.namespace and caller.tenant is not None and self.owners is not None \
                 and self.owners.owner(bytes(request.namespace)) not in (None, caller.tenant):
@@ -590,7 +600,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             # write would), that another tenant owns the namespace
             self._denied("skipped", caller=caller)
             return pb.Empty()
-        self.m.ledger.report(request.op, tier, request.blocks, request.tokens, bytes(request.namespace) or None)
+        ns = bytes(request.namespace) or None
+        if request.miss_reason:
+            self.m.ledger.report_misses(request.op, request.miss_reason, request.blocks, ns)
+        elif request.blocks:
+            self.m.ledger.report(request.op, tier, request.blocks, request.tokens, ns)
+        self.m.ledger.short_copies += request.short_copies
+        if request.namespace_name:
+            self.m.ledger.name(bytes(request.namespace), request.namespace_name)
         return pb.Empty()
 
     @_rpc

@@ -4,8 +4,12 @@ bounded history of per-interval deltas (what the page plots).
 Owner: :class:`ClusterModel` is written by the dashboard's poller thread and read by its
 HTTP threads; one lock (``_lock``) guards all of it, held only to swap or copy values.
 
-Counters are summed over the nodes that answered the last poll.  A delta is taken per
-node (a node whose counters went down restarted: its delta is its new value) and then
+Counters are treated as Prometheus treats them (``increase()``): per node, a value lower
+than the last one is a counter reset (the node restarted) and counts whole, as the increase
+since the restart.  Each node keeps a running total built from those increases, and the
+page's totals sum every node's, down and departed nodes included (a departed node's total
+moves into ``departed`` when it is forgotten): a node dying or restarting never takes
+counts away, so totals never go backwards.  The plotted deltas are per node too, then
 summed, so a node going down or coming back never shows as negative traffic.
 """
 
@@ -34,6 +38,17 @@ class NodeState:
     last: Scrape | None = None  # the last successful scrape
     last_seen: float = 0.0  # when it last answered (unix s)
     listed_at: float = 0.0  # when the source last listed it
+    # counter -> increases seen since the dashboard first scraped it (the first scrape's value,
+    # then every delta, a reset counting its new value whole): never decreases
+    total: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def increase(prev: float | None, v: float) -> float:
+    """How much a counter grew since ``prev`` (None: first seen, all of it), as Prometheus'
+    ``increase()``: a lower value is a reset (a restarted node), which counts whole."""
+    if prev is None or v < prev:
+        return v
+    return v - prev
 
 
 class ClusterModel:
@@ -46,10 +61,12 @@ class ClusterModel:
         self.names: dict[str, str] = {}  # namespace fingerprint hex -> readable name
         self.source_status = ""
         self.polls = 0
+        self.departed: collections.Counter[str] = collections.Counter()  # totals of nodes forgotten
+        self.replication: int | None = None  # the cluster's replication factor, when the source knows it
 
     # -- written by the poller ------------------------------------------------------------
     def update(self, results: dict[str, tuple[str | None, Scrape | None, str]], *, now: float | None = None,
-               names: dict[str, str] | None = None, source_status: str = "") -> None:
+               names: dict[str, str] | None = None, source_status: str = "", replication: int | None = None) -> None:
         """Apply one poll: ``results[name] = (url, scrape or None, error when there is no url)``."""
         now = time.time() if now is None else now
         deltas: collections.Counter[str] = collections.Counter()
@@ -66,18 +83,17 @@ class ClusterModel:
                 if not scrape.ok:
                     st.status, st.error = "down", scrape.error
                     continue
-                prev = st.last if st.status == "up" else None
-                if prev is not None:
-                    for k, v in scrape.counters.items():
-                        d = v - prev.counters.get(k, 0.0)
-                        if d < 0:  # counter reset: the node restarted
-                            d = v
-                        if d:
-                            deltas[k] += d
+                plotted = st.status == "up"  # after an outage the first scrape is a new baseline for the plot
+                for k, v in scrape.counters.items():
+                    d = increase(st.last.counters.get(k) if st.last is not None else None, v)
+                    st.total[k] = st.total.get(k, 0.0) + d
+                    if d and plotted and st.last is not None:
+                        deltas[k] += d
                 st.status, st.error, st.last, st.last_seen = "up", "", scrape, now
             for name, st in list(self.nodes.items()):
                 if name not in results:
                     if now - st.listed_at > LEFT_KEPT_S:
+                        self.departed.update(st.total)
                         del self.nodes[name]
                     else:
                         st.status, st.error = "left", "no longer in the cluster membership"
@@ -95,6 +111,7 @@ class ClusterModel:
             if names is not None:
                 self.names = dict(names)
             self.source_status = source_status
+            self.replication = replication
 
     def _sum_latency(self) -> dict[str, tuple[list[float], list[float]]]:
         out: dict[str, tuple[list[float], list[float]]] = {}
@@ -113,11 +130,16 @@ class ClusterModel:
         """The page's JSON.  ``since``: only history points after that sequence number."""
         with self._lock:
             up = [st for st in self.nodes.values() if st.status == "up" and st.last is not None]
-            totals: collections.Counter[str] = collections.Counter()
+            totals: collections.Counter[str] = collections.Counter(self.departed)
+            names: dict[str, str] = {}
+            for st in self.nodes.values():
+                totals.update(st.total)
+                if st.last is not None:
+                    names.update(st.last.names)
+            names.update(self.names)  # etcd's (cluster-wide, with epochs) win over what nodes were told
             tiers: dict[str, dict[str, float]] = {}
             for st in up:
                 assert st.last is not None
-                totals.update(st.last.counters)
                 for k, v in st.last.gauges.items():
                     if k.startswith("tier/"):
                         _, tier, what = k.split("/")
@@ -132,10 +154,20 @@ class ClusterModel:
                 "nodes": nodes,
                 "totals": dict(totals),
                 "tiers": tiers,
-                "names": dict(self.names),
+                "names": names,
+                "replication": self._replication_json(),
                 "latency": latency,
                 "history": history,
             }
+
+    def _replication_json(self) -> dict[str, Any]:
+        """Replication health: the factor, nodes not answering (suspected), and block copies that
+        cluster clients' puts could not write (under-replicated, as clients reported them)."""
+        listed = [st for st in self.nodes.values() if st.status != "left"]
+        suspected = sorted(st.last.info.get("node_id") or st.name if st.last is not None else st.name
+                           for st in listed if st.status != "up")
+        short = sum(st.total.get("under_replicated", 0.0) for st in self.nodes.values()) + self.departed.get("under_replicated", 0.0)
+        return {"factor": self.replication, "nodes": len(listed), "suspected": suspected, "under_replicated": short}
 
     @staticmethod
     def _node_json(st: NodeState) -> dict[str, Any]:
@@ -147,6 +179,7 @@ class ClusterModel:
             lookups = sum(v for k, v in c.items() if k.startswith("lookups/"))
             hits = sum(v for k, v in c.items() if k.startswith("hits/"))
             out.update({
+                "title": s.info.get("node_id") or st.name,
                 "node_id": s.info.get("node_id", ""),
                 "version": s.info.get("version", ""),
                 "start_time": s.gauges.get("start_time", 0.0),

@@ -101,6 +101,7 @@ class Scrape:
     scrape_ms: float = 0.0
     info: dict[str, str] = dataclasses.field(default_factory=dict)
     counters: dict[str, float] = dataclasses.field(default_factory=dict)
+    names: dict[str, str] = dataclasses.field(default_factory=dict)  # namespace fingerprint hex -> name
     gauges: dict[str, float] = dataclasses.field(default_factory=dict)
     # method -> (upper bounds, cumulative counts); the last bound is +Inf
     latency: dict[str, tuple[list[float], list[float]]] = dataclasses.field(default_factory=dict)
@@ -175,6 +176,11 @@ def parse(text: str) -> Scrape:
                 kind = {"kvstore_namespace_hit_blocks_total": "hits", "kvstore_namespace_miss_blocks_total": "misses"}.get(name, "tokens")
                 key = f"ns/{ns}/{lb['op']}/{kind}"
                 c[key] = c.get(key, 0.0) + v
+            elif name == "kvstore_namespace_info":
+                if len(s.names) < MAX_NAMESPACES:
+                    s.names[lb.get("namespace", "")] = lb.get("name", "")
+            elif name == "kvstore_under_replicated_copies_total":
+                c["under_replicated"] = v
             elif name == "kvstore_evictions_total":
                 c[f"evictions/{lb['tier']}"] = v
             elif name == "kvstore_promotions_total":

@@ -111,6 +111,10 @@ class EtcdNodes:
             out[rec.effective.hex()] = name + (f" (epoch {rec.epoch})" if rec.epoch else "")
         return out
 
+    def replication(self) -> int | None:
+        snap = self.membership.snapshot()
+        return snap.config.replication if snap.loaded else None
+
     def status(self) -> str:
         snap = self.membership.snapshot()
         if not snap.loaded:
@@ -177,7 +181,9 @@ class Dashboard:
         for name, (url, why) in targets.items():
             fut = futures.get(name)
             results[name] = (url, fut.result() if fut is not None else None, why)
-        self.model.update(results, names=self.source.names(), source_status=self.source.status())
+        replication = getattr(self.source, "replication", None)
+        self.model.update(results, names=self.source.names(), source_status=self.source.status(),
+                          replication=replication() if replication is not None else None)
 
     def _poll_forever(self) -> None:
         next_at = time.monotonic() + self.interval  # start() already polled once

@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 from cluster_fixtures import Cluster, cluster, etcd, needs_etcd  # noqa: F401 - fixtures
-from conftest import ROOT, NodeProcess
+from conftest import ROOT, NodeProcess, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from client import KVClient
@@ -223,7 +223,7 @@ def test_prometheus_example_scrapes_kvstore_nodes() -> None:
 @needs_etcd
 def test_cluster_client_counts_node_down_and_deadline_misses(cluster: Cluster) -> None:  # noqa: F811
     """The two miss reasons a node cannot count itself: the cluster SDK counts them."""
-    cluster.start("m1", "m2", extra=("--lease-ttl", "60"))  # a hung node stays registered
+    cluster.start("m1", "m2", extra=("--lease-ttl", "60", "--metrics-port", "0"))  # a hung node stays registered
     kv = cluster.client(replication=1, suspect_s=30.0)
     keys = [i.to_bytes(16, "big") for i in range(1, 41)]
     assert all(kv.put_many(keys, [block(i)[:4096] for i in range(40)]))
@@ -235,4 +235,11 @@ def test_cluster_client_counts_node_down_and_deadline_misses(cluster: Cluster) -
     assert kv.miss_counts() == {"node_down": 0, "deadline": len(on_m1)}
     assert kv.match_prefix(on_m1) == 0  # m1 is now routed around: its keys miss as node_down
     assert kv.miss_counts() == {"node_down": 1, "deadline": len(on_m1)}  # a prefix stops at its first miss
+    # and it reports them to a node that answers (ReportHits), so /metrics and dashboards show them (issue 16 #3)
+    def reported() -> dict[tuple[str, str], float]:
+        return {(dict(lb)["op"], dict(lb)["reason"]): v for (name, lb), v in scrape(cluster.nodes["m2"].endpoints["metrics"]).items()
+                if name == "kvstore_miss_blocks_total" and dict(lb)["reason"] in ("node_down", "deadline") and v}
+
+    wait_for(lambda: reported() == {("get", "deadline"): len(on_m1), ("match_prefix", "node_down"): 1}, 10,
+             "m2's /metrics to show the client's node_down and deadline misses")
     cluster.sigcont("m1")

@@ -76,20 +76,43 @@ def test_deltas_survive_restarts_and_outages() -> None:
     assert all(v >= 0 for p in h for v in p["d"].values())
     v = m.view()
     assert {n["name"]: n["status"] for n in v["nodes"]} == {"a": "up", "b": "up"}
-    assert v["totals"]["lookups/get"] == 1 + 11
+    # as Prometheus' increase(): a's 10, +3, then its reset counts whole (+1); b's 10, +1 across its outage
+    assert v["totals"]["lookups/get"] == (10 + 3 + 1) + (10 + 1)
 
 
-def test_down_and_departed_nodes_are_shown_not_summed() -> None:
+def test_totals_never_go_backwards_when_nodes_die_restart_or_leave() -> None:
+    """Regression (issue 16 #3): 6,729 → 4,624 blocks looked up when a node died."""
     m = ClusterModel()
-    m.update({"a": ("u", scrape_of(1, 1), ""), "b": ("u", scrape_of(1, 1), "")}, now=100.0)
-    m.update({"a": ("u", Scrape(at=0, ok=False, error="unreachable: refused"), "")}, now=101.0)
+    m.update({"a": ("u", scrape_of(1, 1), ""), "b": ("u", scrape_of(3, 1), "")}, now=100.0)
+    seen = [m.view()["totals"]["lookups/get"]]
+    m.update({"a": ("u", Scrape(at=0, ok=False, error="unreachable: refused"), "")}, now=101.0)  # a down, b left
     v = m.view()
     nodes = {n["name"]: n for n in v["nodes"]}
     assert nodes["a"]["status"] == "down" and "refused" in nodes["a"]["error"]
     assert nodes["b"]["status"] == "left"
-    assert v["totals"] == {}
-    m.update({}, now=101.0 + 1000)
-    assert m.view()["nodes"] == []  # forgotten after a while
+    seen.append(v["totals"]["lookups/get"])
+    assert v["replication"]["suspected"] == ["n1"] and v["replication"]["nodes"] == 1
+    m.update({"a": ("u", scrape_of(0, 1), "")}, now=102.0)  # a restarted: 1 lookup since
+    seen.append(m.view()["totals"]["lookups/get"])
+    m.update({"a": ("u", scrape_of(0, 1), "")}, now=101.0 + 1000)
+    v = m.view()
+    assert [n["name"] for n in v["nodes"]] == ["a"]  # b forgotten after a while, its counts kept
+    seen.append(v["totals"]["lookups/get"])
+    assert seen == [6, 6, 7, 7]
+
+
+def test_names_node_ids_and_replication_health() -> None:
+    led = Ledger()
+    led.name(b"ns-one..", "llama-3-8b")
+    led.short_copies = 4
+    s = parse(exposition(led))
+    assert s.names == {b"ns-one..".hex(): "llama-3-8b"} and s.counters["under_replicated"] == 4
+    m = ClusterModel()
+    m.update({"127.0.0.1:9400": ("http://127.0.0.1:9400/metrics", s, "")}, now=100.0, names={"ff" * 8: "from etcd"}, replication=2)
+    v = m.view()
+    assert v["names"] == {b"ns-one..".hex(): "llama-3-8b", "ff" * 8: "from etcd"}
+    assert v["nodes"][0]["title"] == "n1"  # the node id, not its metrics address
+    assert v["replication"] == {"factor": 2, "nodes": 1, "suspected": [], "under_replicated": 4}
 
 
 def test_history_since_returns_only_new_points() -> None:

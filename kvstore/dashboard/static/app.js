@@ -196,9 +196,15 @@ function renderKpis(d) {
   const last = windowSum((p) => hits(p), 60), lastN = windowSum((p) => lookups(p), 60);
   $("hit-ratio-sub").textContent = lastN.v > 0 ? `last minute ${pct(last.v / lastN.v)} · ${num(hit)} of ${num(n)} blocks` : `${num(hit)} of ${num(n)} blocks`;
   sparkline($("hit-spark"), (p, k) => hits(p) / k);
-  $("hit-tokens").textContent = num(tok);
-  $("hit-tokens").dataset.value = String(tok);
-  $("hit-tokens-sub").textContent = tok > 0 ? TIERS.filter(([k]) => tokens(c, k) > 0).map(([k, l]) => `${l} ${pct(tokens(c, k) / tok, 0)}`).join(" · ") : "no hits yet";
+  // tokens when the writers gave token counts; else the hits themselves, in blocks and bytes served
+  const served = ["local", "tcp", "grpc"].reduce((s, k) => s + get(c, `bytes/${k}/read`), 0);
+  const byTokens = tok > 0 || hit === 0;
+  $("hit-tokens-title").textContent = byTokens ? "Tokens from cache" : "Blocks from cache";
+  $("hit-tokens").textContent = num(byTokens ? tok : hit);
+  $("hit-tokens").dataset.value = String(byTokens ? tok : hit);
+  $("hit-tokens").dataset.unit = byTokens ? "tokens" : "blocks";
+  $("hit-tokens-sub").textContent = tok > 0 ? TIERS.filter(([k]) => tokens(c, k) > 0).map(([k, l]) => `${l} ${pct(tokens(c, k) / tok, 0)}`).join(" · ")
+    : hit > 0 ? `${bytes(served)} served · no token counts given` : "no hits yet";
   $("lookups").textContent = num(n);
   $("lookups").dataset.value = String(n);
   const rate = windowSum((p) => lookups(p), 10);
@@ -227,14 +233,14 @@ function renderMisses(c) {
     const v = misses(c, k);
     const share = total ? ` <small>${pct(v / total, 0)}</small>` : "";
     return barRow({ label, value: v, frac: v / max, color, text: `${num(v)}${share}`, attrs: `data-reason="${k}"`,
-      title: k === "node_down" || k === "deadline" ? "counted by cluster clients, not by nodes" : "" });
+      title: k === "node_down" || k === "deadline" ? "seen by cluster clients (an owner did not answer), reported to the nodes" : "" });
   }).join("");
 }
 
 function renderCapacity(d) {
   const rows = [];
   const up = d.nodes.filter((n) => n.tiers && n.status === "up");
-  const groups = up.length > 1 ? [["cluster", d.tiers], ...up.map((n) => [n.name, n.tiers])] : up.map((n) => [n.name, n.tiers]);
+  const groups = up.length > 1 ? [["cluster", d.tiers], ...up.map((n) => [n.title || n.name, n.tiers])] : up.map((n) => [n.title || n.name, n.tiers]);
   for (const [name, tiers] of groups) {
     rows.push(`<div class="row group">${esc(name)}</div>`);
     for (const [k, label] of TIERS) {
@@ -248,18 +254,32 @@ function renderCapacity(d) {
   $("capacity").innerHTML = rows.join("") || `<div class="note">no node answering</div>`;
 }
 
+function address(url) { return url ? url.replace(/^https?:\/\//, "").replace(/\/metrics$/, "") : ""; }
+
+function renderReplication(r) {
+  const el = $("replication");
+  if (!r) { el.innerHTML = ""; return; }
+  const parts = [`<span data-k="factor">replication ${r.factor == null ? "—" : "R = " + r.factor}</span>`];
+  parts.push(`<span data-k="suspected" data-value="${r.suspected.length}" class="${r.suspected.length ? "bad" : ""}">` +
+    (r.suspected.length ? `${r.suspected.length} suspected: ${r.suspected.map(esc).join(", ")}` : "no node suspected") + "</span>");
+  parts.push(`<span data-k="under_replicated" data-value="${r.under_replicated}" class="${r.under_replicated ? "warn" : ""}" ` +
+    `title="block copies cluster clients' puts could not write (an owner suspect or failing)">${num(r.under_replicated)} copies under-replicated</span>`);
+  el.innerHTML = parts.join("");
+}
+
 function renderNodes(d) {
   const now = d.now;
   $("nodes-note").textContent = d.source || "";
+  renderReplication(d.replication);
   $("nodes").innerHTML = d.nodes.map((n) => {
     const ratio = n.lookups > 0 ? n.hits / n.lookups : null;
     const meta = n.status === "up"
-      ? `${esc(n.node_id || "")} · v${esc(n.version || "?")} · up ${ago(now - (n.start_time || now))}`
+      ? `${esc(address(n.url))} · v${esc(n.version || "?")} · up ${ago(now - (n.start_time || now))}`
       : n.last_seen ? `last seen ${ago(now - n.last_seen)} ago` : "never answered";
     const mini = n.status === "up"
       ? `<div class="mini"><span class="track"><span style="width:${((ratio || 0) * 100).toFixed(1)}%;background:var(--good)"></span></span><span>${pct(ratio, 0)} hits · ${num(n.lookups)}</span></div>`
       : "";
-    return `<div class="node" data-node="${esc(n.name)}" data-status="${n.status}"><div class="head"><span class="dot"></span><span class="name" title="${esc(n.url || "")}">${esc(n.name)}</span>` +
+    return `<div class="node" data-node="${esc(n.name)}" data-status="${n.status}"><div class="head"><span class="dot"></span><span class="name" title="${esc(n.url || "")}">${esc(n.title || n.name)}</span>` +
       `<span class="note">${n.status === "up" ? n.scrape_ms.toFixed(0) + " ms" : n.status}</span></div><div class="meta">${meta}</div>${mini}` +
       (n.error ? `<div class="err">${esc(n.error)}</div>` : "") + `</div>`;
   }).join("") || `<div class="note">no nodes</div>`;
@@ -276,8 +296,8 @@ function renderNamespaces(d) {
   }
   const list = Object.values(rows).map((r) => ({ ...r, n: r.hits + r.misses })).filter((r) => r.n > 0).sort((a, b) => b.n - a.n).slice(0, 8);
   $("namespaces").innerHTML = list.map((r) => {
-    const special = r.ns === "other" || r.ns === "unknown";
-    const name = special ? `<em>${r.ns}</em>` : esc(d.names[r.ns] || r.ns.slice(0, 12));
+    const special = r.ns === "other" || r.ns === "unknown" || /^0+$/.test(r.ns);
+    const name = special ? `<em>${/^0+$/.test(r.ns) ? "no namespace" : r.ns}</em>` : d.names[r.ns] ? esc(d.names[r.ns]) : `<code>${esc(r.ns)}</code>`;
     return barRow({ label: name, value: r.n, frac: r.hits / r.n, color: "#34d399", text: `${pct(r.hits / r.n, 0)} <small>${num(r.n)}</small>`,
       attrs: `data-namespace="${esc(r.ns)}"`, title: `${r.ns}: ${num(r.hits)} hits, ${num(r.misses)} misses, ${num(r.tokens)} tokens from cache` });
   }).join("") || `<div class="note">no lookups yet</div>`;
