@@ -9,7 +9,14 @@ engine computes and stores it, and the decode engine's time to first token is me
 * ``dram_hit``: the KV is in the node's DRAM;
 * ``nvme_hit``: the node was restarted between prefill and decode (its DRAM blocks
   were demoted to NVMe at the stop), so every block comes back from NVMe;
-* ``partial_hit``: prefill stored only the first half of the prompt.
+* ``partial_hit``: prefill stored only the first half of the prompt;
+* ``remote_hit``: a fourth engine whose node is another member of a two-node cluster
+  (a real etcd, replication 2) finds the chunks cluster-wide, fetches them over TCP into
+  its own node and loads them from there.
+
+It also measures the connector's own data path in this process, on the same page
+geometry: saving and loading one prompt's KV through the GPU agent against a plain copy
+of the same bytes (``connector``).
 
 Every engine first serves one warm-up prompt, so no TTFT includes first-request costs.
 Run it in ``.venv-vllm`` (``./scripts/setup.sh --vllm``).
@@ -27,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-SCENARIOS = ("recompute", "dram_hit", "nvme_hit", "partial_hit")
+SCENARIOS = ("recompute", "dram_hit", "nvme_hit", "partial_hit", "remote_hit")
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -48,11 +55,16 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         d = Path(tmp)
         model = make_model(d / "model", layers=layers, hidden=hidden, max_tokens=max_tokens)
         node = None
+        remote_extra: dict[str, Any] | None = None
         if a.target:
             target = a.target
         else:
-            node = stack.enter_context(PrivateNode(d / "node", dram=a.dram, nvme=a.nvme))  # started
+            cluster = _cluster(stack, d)
+            node = stack.enter_context(PrivateNode(d / "node", dram=a.dram, nvme=a.nvme, extra=cluster[1]))  # started
             target = node.target
+            if cluster[0]:
+                other = stack.enter_context(PrivateNode(d / "other", dram=a.dram, nvme=a.nvme, extra=cluster[1]))
+                remote_extra = {"target": other.target, "lookup_target": cluster[0]}
         heads = max(2, hidden // 64)
         kv_per_token = layers * 2 * max(1, heads // 2) * 64 * 4
         kv_bytes = max(64 << 20, 2 * max_tokens * kv_per_token)
@@ -63,6 +75,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "prefill": EngineProcess(model, max_tokens=max_tokens, kv_bytes=kv_bytes, connector={"role": "kv_producer", "extra": extra}, log_path=d / "prefill.log"),
             "decode": EngineProcess(model, max_tokens=max_tokens, kv_bytes=kv_bytes, connector={"role": "kv_consumer", "extra": extra}, log_path=d / "decode.log"),
         }
+        if remote_extra is not None:
+            engines["remote"] = EngineProcess(model, max_tokens=max_tokens, kv_bytes=kv_bytes,
+                                              connector={"role": "kv_consumer", "extra": remote_extra}, log_path=d / "remote.log")
         for e in engines.values():
             stack.callback(e.close)
         for e in engines.values():
@@ -92,7 +107,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
         for rep in range(a.repeat):
             for k, name in enumerate(SCENARIOS[1:]):
-                if name == "nvme_hit" and node is None:
+                if (name == "nvme_hit" and node is None) or (name == "remote_hit" and "remote" not in engines):
                     continue
                 tokens = _prompt(n, 10 * rep + k)
                 ref = engines["plain"].generate(tokens, max_tokens=a.new_tokens)
@@ -102,15 +117,98 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 if name == "nvme_hit":
                     assert node is not None
                     node.restart()
-                record(name, engines["decode"].generate(tokens, max_tokens=a.new_tokens), ref)
+                reader = engines["remote" if name == "remote_hit" else "decode"]
+                record(name, reader.generate(tokens, max_tokens=a.new_tokens), ref)
+        overhead = connector_overhead(client, layers=layers, hidden=hidden, tokens=n)
         rec = out["recompute"]["ttft_ms"]
         for row in out.values():
             row["ttft_ratio"] = row["ttft_ms"] / rec if rec else None
         return {
             "scenarios": out, "prompt_tokens": n, "new_tokens": a.new_tokens, "model": {"layers": layers, "hidden": hidden},
             "kv_bytes_per_token": kv_per_token, "engine_start_s": start_s, "target": a.target or "private node",
+            "connector": overhead,
             "ok": all(r["tokens_equal"] for r in out.values()),
         }
+
+
+def _cluster(stack: contextlib.ExitStack, d: Path) -> tuple[str, tuple[str, ...]]:
+    """A local etcd and the flags that make a node a member of a two-node cluster at
+    replication 2 (every node owns every chunk); ("", ()) where etcd is not installed."""
+    import asyncio
+    import uuid
+
+    from kvstore.cluster.etcd import ClusterStore
+    from kvstore.cluster.local_etcd import LocalEtcd, find_etcd
+
+    if find_etcd() is None:
+        return "", ()
+    etcd = stack.enter_context(LocalEtcd(d / "etcd"))
+    name = f"demo-{uuid.uuid4().hex[:8]}"
+
+    async def replicate() -> None:
+        store = ClusterStore(etcd.endpoint, name)
+        try:
+            await store.set_config("replication", 2)
+        finally:
+            await store.close()
+
+    asyncio.run(replicate())
+    return f"etcd://{etcd.endpoint}/{name}", ("--etcd", etcd.endpoint, "--cluster", name)
+
+
+def connector_overhead(client: Any, *, layers: int, hidden: int, tokens: int, repeat: int = 5) -> dict[str, Any]:
+    """The connector's data path for one prompt, in this process: lookup, save and load of
+    its chunks through the GPU agent over vLLM's CPU page geometry, against a plain copy of
+    the same bytes (the floor any connector pays).  Best of ``repeat``."""
+    import uuid
+
+    import torch
+
+    from gpu_agent.agent import AgentConfig, GPUAgent
+    from gpu_agent.buffers import EngineBuffers
+    from gpu_agent.vllm.settings import EngineSpec
+
+    heads = max(1, max(2, hidden // 64) // 2)
+    block = 128
+    spec = EngineSpec("demo-overhead", "main", "float32", layers, heads, 64, block, "vllm:cpu:LBHNC")
+    chunk = 256
+    pages = tokens // block + 1
+    kv = torch.randn(layers, pages, heads, block, 128)
+    bufs = EngineBuffers.from_tensors(list(kv), pages)
+    ids = list(range(pages))
+    nbytes = tokens // chunk * chunk * spec.layout().token_bytes * 2 * layers
+    flat = kv.reshape(-1).view(torch.uint8)[:nbytes]
+    dst = torch.zeros_like(flat)  # mapped once, as the arena is: the reference pays no page faults
+    best: dict[str, float] = {}
+
+    def keep(name: str, dt: float) -> None:
+        best[name] = min(best.get(name, dt), dt)
+
+    agent = GPUAgent(client, spec.layout(), spec.namespace(chunk), device="cpu", config=AgentConfig(hbm_bytes=0))
+    try:
+        for _ in range(repeat):
+            ns = spec.namespace(chunk, salt=uuid.uuid4().hex)  # a fresh prefix every round
+            toks = list(range(tokens))
+            t0 = time.perf_counter()
+            agent.lookup(toks, namespace=ns)
+            keep("lookup_ms", time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            agent.save(toks, bufs, ids, namespace=ns).wait(60)
+            keep("save_ms", time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            agent.load(toks, bufs, ids, namespace=ns).wait(60)
+            keep("load_ms", time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            dst.copy_(flat)
+            keep("memcpy_ms", time.perf_counter() - t0)
+            agent.client.delete(agent.keys(toks, ns))
+    finally:
+        agent.close()
+    out = {k: v * 1e3 for k, v in best.items()}
+    out["bytes"] = nbytes
+    out["load_x_memcpy"] = out["memcpy_ms"] / out["load_ms"] if out["load_ms"] else None
+    out["save_x_memcpy"] = out["memcpy_ms"] / out["save_ms"] if out["save_ms"] else None
+    return out
 
 
 def format_table(r: dict[str, Any]) -> str:
@@ -121,6 +219,12 @@ def format_table(r: dict[str, Any]) -> str:
     ]
     for name, row in r["scenarios"].items():
         lines.append(f"{name:<14}{row['ttft_ms']:>10.1f}{row['ttft_ratio']:>13.2f}{row['hit_tokens']:>12}  {'yes' if row['tokens_equal'] else 'NO'}")
+    c = r["connector"]
+    lines.append(
+        f"connector data path for one prompt ({c['bytes'] / (1 << 20):.1f} MiB): lookup {c['lookup_ms']:.2f} ms, "
+        f"save {c['save_ms']:.1f} ms ({c['save_x_memcpy']:.2f} x memcpy), load {c['load_ms']:.1f} ms "
+        f"({c['load_x_memcpy']:.2f} x memcpy; memcpy {c['memcpy_ms']:.1f} ms)"
+    )
     return "\n".join(lines)
 
 

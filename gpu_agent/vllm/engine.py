@@ -43,13 +43,39 @@ def make_model(path: Path, *, layers: int, hidden: int, max_tokens: int, vocab: 
     return path
 
 
-def engine_kwargs(model: str, *, max_tokens: int, kv_bytes: int, connector: dict[str, Any] | None) -> dict[str, Any]:
+def make_lora(path: Path, model: Path, *, rank: int = 8, seed: int = 1) -> Path:
+    """A LoRA adapter (PEFT layout) on ``model``'s q and v projections, seeded random weights."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig.from_pretrained(model)
+    g = torch.Generator().manual_seed(seed)
+    hidden, q_out, kv_out = cfg.hidden_size, cfg.num_attention_heads * HEAD_DIM, cfg.num_key_value_heads * HEAD_DIM
+    tensors = {}
+    for i in range(cfg.num_hidden_layers):
+        for proj, out in (("q_proj", q_out), ("v_proj", kv_out)):
+            pre = f"base_model.model.model.layers.{i}.self_attn.{proj}"
+            tensors[f"{pre}.lora_A.weight"] = torch.randn(rank, hidden, generator=g) * 0.5
+            tensors[f"{pre}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.5
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj", "v_proj"],
+        "lora_dropout": 0.0, "bias": "none", "base_model_name_or_path": str(model), "task_type": "CAUSAL_LM",
+    }))
+    return path
+
+
+def engine_kwargs(model: str, *, max_tokens: int, kv_bytes: int, connector: dict[str, Any] | None, lora: bool = False) -> dict[str, Any]:
     """``vllm.LLM`` arguments for a CPU engine (offline, dummy weights, token ids in and out)."""
     kw: dict[str, Any] = dict(
         model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=max_tokens,
         gpu_memory_utilization=0.3, kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=False,
         max_num_batched_tokens=max_tokens, seed=0,
     )
+    if lora:
+        kw.update(enable_lora=True, max_lora_rank=8, max_loras=2)
     if connector is not None:
         from vllm.config import KVTransferConfig
 
@@ -70,7 +96,8 @@ def _serve(spec: dict[str, Any]) -> None:
     sys.stdout = sys.stderr
     from vllm import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs(spec["model"], max_tokens=spec["max_tokens"], kv_bytes=spec["kv_bytes"], connector=spec.get("connector")))
+    llm = LLM(**engine_kwargs(spec["model"], max_tokens=spec["max_tokens"], kv_bytes=spec["kv_bytes"], connector=spec.get("connector"),
+                              lora=bool(spec.get("lora"))))
     engine = llm.llm_engine
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
@@ -84,10 +111,15 @@ def _serve(spec: dict[str, Any]) -> None:
             prompt: dict[str, Any] = {"prompt_token_ids": req["tokens"]}
             if req.get("cache_salt"):
                 prompt["cache_salt"] = req["cache_salt"]
+            lora = None
+            if req.get("lora"):
+                from vllm.lora.request import LoRARequest
+
+                lora = LoRARequest(req["lora"]["name"], int(req["lora"]["id"]), req["lora"]["path"])
             sp = SamplingParams(max_tokens=int(req.get("max_tokens", 8)), temperature=0.0, ignore_eos=True, logprobs=0)
             rid = f"r{n}"
             t0 = time.perf_counter()
-            engine.add_request(rid, prompt, sp)
+            engine.add_request(rid, prompt, sp, lora_request=lora)
             ttft, tokens, logprobs, params = None, [], [], None
             while engine.has_unfinished_requests():
                 for o in engine.step():
@@ -107,8 +139,8 @@ class EngineProcess:
     """A vLLM engine child process (see the module docstring)."""
 
     def __init__(self, model: Path, *, max_tokens: int, kv_bytes: int, connector: dict[str, Any] | None = None,
-                 log_path: Path | None = None, env: dict[str, str] | None = None) -> None:
-        spec = {"model": str(model), "max_tokens": max_tokens, "kv_bytes": kv_bytes, "connector": connector}
+                 log_path: Path | None = None, env: dict[str, str] | None = None, lora: bool = False) -> None:
+        spec = {"model": str(model), "max_tokens": max_tokens, "kv_bytes": kv_bytes, "connector": connector, "lora": lora}
         self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
         self.proc = spawn(
             [sys.executable, "-m", "gpu_agent.vllm.engine", json.dumps(spec)],
@@ -137,9 +169,12 @@ class EngineProcess:
             raise RuntimeError(f"the engine process exited (code {self.proc.poll()})")
         return line
 
-    def generate(self, tokens: list[int], *, max_tokens: int = 8, cache_salt: str = "", timeout: float = 600.0) -> dict[str, Any]:
+    def generate(self, tokens: list[int], *, max_tokens: int = 8, cache_salt: str = "", lora: dict[str, Any] | None = None,
+                 timeout: float = 600.0) -> dict[str, Any]:
+        """Greedy tokens, their logprobs and TTFT; ``lora``: ``{"name", "id", "path"}`` of an adapter."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"cmd": "generate", "tokens": tokens, "max_tokens": max_tokens, "cache_salt": cache_salt}) + "\n")
+        self.proc.stdin.write(json.dumps({"cmd": "generate", "tokens": tokens, "max_tokens": max_tokens, "cache_salt": cache_salt,
+                                          "lora": lora}) + "\n")
         self.proc.stdin.flush()
         r: dict[str, Any] = json.loads(self._readline(timeout))
         if "error" in r:

@@ -20,7 +20,7 @@ import pytest
 
 from client import KVClient
 from gpu_agent._node import PrivateNode
-from gpu_agent.vllm.engine import EngineProcess, make_model
+from gpu_agent.vllm.engine import EngineProcess, make_lora, make_model
 from kvstore.keys import Namespace, chunk_keys
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -41,14 +41,15 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Any:
     other = PrivateNode(d / "other", dram="256MiB", nvme="256MiB").start()  # the remote decode engine's own node
     extra = {"target": node.target, "deadline_s": 2.0}
     remote_extra = {"target": other.target, "lookup_target": node.endpoints["grpc"], "deadline_s": 2.0}
-    prefill = EngineProcess(model, max_tokens=MAX, kv_bytes=64 << 20, connector={"role": "kv_producer", "extra": extra}, log_path=d / "prefill.log")
-    decode = EngineProcess(model, max_tokens=MAX, kv_bytes=64 << 20, connector={"role": "kv_consumer", "extra": extra}, log_path=d / "decode.log")
+    prefill = EngineProcess(model, max_tokens=MAX, kv_bytes=64 << 20, connector={"role": "kv_producer", "extra": extra}, log_path=d / "prefill.log", lora=True)
+    decode = EngineProcess(model, max_tokens=MAX, kv_bytes=64 << 20, connector={"role": "kv_consumer", "extra": extra}, log_path=d / "decode.log", lora=True)
     remote = EngineProcess(model, max_tokens=MAX, kv_bytes=64 << 20, connector={"role": "kv_consumer", "extra": remote_extra}, log_path=d / "remote.log")
     for e in (prefill, decode, remote):
         e.wait_ready()
     client = KVClient(node.target)
     other_client = KVClient(other.target)
-    yield {"node": node, "prefill": prefill, "decode": decode, "remote": remote, "client": client, "other": other_client, "dir": d}
+    lora = {"name": "adapter-a", "id": 1, "path": str(make_lora(d / "lora-a", model))}
+    yield {"lora": lora, "node": node, "prefill": prefill, "decode": decode, "remote": remote, "client": client, "other": other_client, "dir": d}
     client.close()
     other_client.close()
     for e in (prefill, decode, remote):
@@ -112,6 +113,20 @@ def test_a_different_cache_salt_never_hits(setup: Any) -> None:
     assert same(got, ref)
     got = setup["decode"].generate(toks, max_tokens=4, cache_salt="tenant-a")
     assert hits(setup["client"]) - before == 3 and same(got, ref)
+
+
+def test_kv_of_a_lora_adapter_never_serves_the_base_model(setup: Any) -> None:
+    toks = prompt(7)
+    lora = setup["lora"]
+    ref_lora = setup["prefill"].generate(toks, max_tokens=4, lora=lora)
+    wait_stored(setup["client"], stored_keys(ref_lora, toks))
+    assert ref_lora["kv_transfer_params"]["kvstore"]["namespace"]["lora_id"] == "adapter-a"
+    before = hits(setup["client"])
+    base = setup["decode"].generate(toks, max_tokens=4)  # no adapter: nothing under its keys
+    assert hits(setup["client"]) == before
+    assert base["tokens"] != ref_lora["tokens"]  # the adapter changes the output: sharing KV would show
+    got = setup["decode"].generate(toks, max_tokens=4, lora=lora)
+    assert hits(setup["client"]) - before == 3 and same(got, ref_lora)
 
 
 def test_corrupt_kv_in_the_store_is_recomputed_never_loaded(setup: Any) -> None:
