@@ -5,7 +5,8 @@ a first run, then about 1 run in 25): ``get_into`` sends its ``Release`` without
 and a gRPC future still running when daemon threads are frozen blocks the main thread in
 ``_Rendezvous.__del__``.  Now a client's finalizer finishes or cancels such calls on
 garbage collection and at exit.  Each script runs many times as a process under a
-timeout, against a real node.
+timeout, against a real node: the quick-start as it was (never closed), the README's own
+quick-start block (a context manager), clients dropped with calls in flight, an async client.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, NodeProcess, clean_env, start_clean, stop_clean
+from test_readme import BLOCKS
 
 RUNS = 30
 
@@ -58,13 +60,19 @@ asyncio.run(main())
 
 
 @pytest.fixture(scope="module")
-def qs_node(tmp_path_factory: pytest.TempPathFactory) -> NodeProcess:
-    n = start_clean(tmp_path_factory.mktemp("qs") / "node", "--dram", "128MiB", "--nvme", "0")
+def qs_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("home")
+
+
+@pytest.fixture(scope="module")
+def qs_node(qs_home: Path) -> NodeProcess:
+    # where the README's quick-start looks: ~/.local/share/kvstore/kvstore.sock
+    n = start_clean(qs_home / ".local" / "share" / "kvstore", "--dram", "128MiB", "--nvme", "0")
     yield n
     stop_clean(n)
 
 
-def run_many(tmp: Path, script: str, target: str, runs: int) -> list[str]:
+def run_many(tmp: Path, script: str, target: str, runs: int, home: Path | None = None) -> list[str]:
     """Run ``script`` ``runs`` times (two at a time), each under a timeout; return their stdouts."""
     path = tmp / "script.py"
     path.write_text(textwrap.dedent(script))
@@ -72,7 +80,7 @@ def run_many(tmp: Path, script: str, target: str, runs: int) -> list[str]:
     def one(_: int) -> str:
         try:
             p = subprocess.run([sys.executable, str(path), target], capture_output=True, text=True, timeout=30,
-                               cwd=ROOT, env=clean_env(PYTHONPATH=str(ROOT)))
+                               cwd=ROOT, env=clean_env(PYTHONPATH=str(ROOT), **({"HOME": str(home)} if home else {})))
         except subprocess.TimeoutExpired as e:
             raise AssertionError(f"the script hung (still running after 30 s); output so far: {e.stdout!r}") from None
         assert p.returncode == 0, p.stderr
@@ -85,6 +93,12 @@ def run_many(tmp: Path, script: str, target: str, runs: int) -> list[str]:
 def test_quickstart_never_closed_exits_every_time(qs_node: NodeProcess, tmp_path: Path) -> None:
     outs = run_many(tmp_path, NEVER_CLOSED, qs_node.unix, RUNS)
     assert outs == ["2097152 1\n"] * RUNS
+
+
+def test_readme_quickstart_exits_every_time(qs_node: NodeProcess, qs_home: Path, tmp_path: Path) -> None:
+    quick = BLOCKS[0]
+    assert "with KVClient(" in quick.code
+    assert run_many(tmp_path, quick.code, "", RUNS, home=qs_home) == [quick.expected] * RUNS
 
 
 def test_clients_dropped_with_releases_in_flight_exit(qs_node: NodeProcess, tmp_path: Path) -> None:
