@@ -234,7 +234,9 @@ class TierManager:
                       visible: Visible | None = None, refuse_over_limit: bool = True) -> list[Reserved]:
         """Reserve space for each block, or answer ``EXISTS`` for a key already stored.  A key
         stored in a namespace the caller may not see (``visible``) gets space like a new one:
-        its commit is dropped, so the answers never tell whether another tenant has it.
+        its commit is dropped, so the answers never tell whether another tenant has it.  With
+        ``write_through``, ``EXISTS`` for a block not yet on NVMe answers once it is (as a
+        commit does), so no acknowledged put depends on a copy in DRAM alone.
 
         A block that would take ``tenant``'s reserved bytes over its ``max_reserved_bytes``
         answers ``NO_SPACE``; if that left the batch without any reservation, the call raises
@@ -243,10 +245,13 @@ class TierManager:
         out: list[Reserved] = []
         deadline = self.clock() + self.reservation_ttl
         over_limit: tuple[str, BlockMeta] | None = None  # the first block refused by a limit, and which
+        undurable: list[ChunkKey] = []  # stored in DRAM alone: with write-through, EXISTS waits until they are on disk
         try:
             for meta in metas:
                 if self._find(meta.key, visible)[1] is not None:
                     self.counters["puts_deduplicated"] += 1
+                    if self.write_through and self.nvme is not None and not self.nvme.contains(meta.key):
+                        undurable.append(meta.key)
                     out.append(Reserved(Status.EXISTS))
                     continue
                 if tenant is not None:
@@ -269,6 +274,8 @@ class TierManager:
                     continue
                 rid = self.holds.reserve(meta, extents, deadline, tenant)
                 out.append(Reserved(Status.OK, rid, tuple(extents)))
+            if undurable:  # an earlier write-through put the disk refused, or one still being written
+                await self.movers.write_through(undurable)
         except BaseException:
             self.abort([r.reservation_id for r in out if r.status == Status.OK])  # nobody will learn their ids
             raise

@@ -100,3 +100,31 @@ def test_regression_node_restarted_on_a_full_disk_starts_and_serves_its_blocks(s
             assert all(kv.get(key(i)) in (None, payload(i)) for i in range(40))
     finally:
         assert again.stop(timeout=60) == 0
+
+
+@pytest.mark.timeout(120)
+def test_regression_write_through_put_of_a_block_held_in_dram_alone_is_durable_when_acknowledged(
+        small_fs: Path, node_factory: Any) -> None:
+    """Bug (found by the chaos test): with ``--write-through``, a put of a key the node held
+    in DRAM alone (its first put met a full disk, which fails open) answered ``EXISTS`` at
+    once, acknowledged, and wrote nothing, also after space was freed: kill -9 lost blocks
+    acknowledged by puts made while the disk had room.  (A put racing the first put's group
+    commit was acknowledged early the same way.)  Now such an ``EXISTS`` answers once the
+    block is on disk, as a commit does."""
+    data_dir = small_fs / "node"
+    args = ("--dram", "16MiB", "--nvme", "32MiB", "--write-through")
+    n = node_factory(*args, data_dir=data_dir)
+    with KVClient(n.unix) as kv:
+        assert kv.put(key(0), payload(0))  # the segment is preallocated
+        fill(small_fs / "filler")
+        assert all(kv.put(key(i), payload(i)) for i in range(1, 6))  # acknowledged from DRAM: the disk is full
+        assert counters(kv).get("nvme_write_failures", 0) >= 5
+        (small_fs / "filler").unlink()
+        assert all(kv.put(key(i), payload(i)) for i in range(1, 6))  # room again: these acknowledgements promise disk
+    n.kill9()
+    again = node_factory(*args, data_dir=data_dir)
+    try:
+        with KVClient(again.unix) as kv:
+            assert [kv.get(key(i)) == payload(i) for i in range(6)] == [True] * 6
+    finally:
+        assert again.stop(timeout=60) == 0
