@@ -6,7 +6,8 @@ worker, a benchmark peer) is started by :func:`spawn`:
 * in a session of its own, so a Ctrl-C at the terminal reaches only the parent, which stops
   its children in order (a node deregisters, drains and flushes before etcd goes);
 * with ``PR_SET_PDEATHSIG``: the kernel sends it SIGTERM when the parent dies, however it
-  dies (SIGKILL included).  A ``kvstore serve`` answers SIGTERM with its graceful stop, which
+  dies (SIGKILL included).  The child sets it itself, in a small trampoline that then execs
+  the command: none of the parent's Python runs between fork and exec.  A ``kvstore serve`` answers SIGTERM with its graceful stop, which
   unlinks its arena.  The signal follows the *thread* that forked: spawn from the main
   thread, or from one that lives as long as the child.
 
@@ -23,9 +24,10 @@ ServeProcess's ``output`` is appended by its one reader thread and only read els
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,30 +40,34 @@ from typing import IO, Any
 from tiers.arena import Arena
 
 PR_SET_PDEATHSIG = 1
-_libc: Any = None
 
-
-def _die_with(parent: int) -> Any:
-    """``preexec_fn``: in the child, between fork and exec, ask for SIGTERM when ``parent`` dies.
-
-    The libc handle is loaded before the fork: the child only calls into it."""
-    def preexec() -> None:
-        if _libc is not None:
-            _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent died before prctl took effect: nobody will send the signal
-            os.kill(os.getpid(), signal.SIGTERM)
-    return preexec
+# What a child runs first, in a fresh interpreter, before it execs the command (argv: the
+# parent's pid, the program, the command line).  Not a ``preexec_fn``: that runs the
+# parent's Python in the forked child, with its at-fork handlers (gRPC's among them), and in
+# a parent whose gRPC threads are busy about 1 child in 150 died of SIGABRT before exec.
+_TRAMPOLINE = """\
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+if os.getppid() != int(sys.argv[1]):  # the parent died before prctl took effect: nobody will send the signal
+    os.kill(os.getpid(), signal.SIGTERM)
+os.execv(sys.argv[2], sys.argv[3:])
+"""
 
 
 def spawn(cmd: Sequence[str], **popen: Any) -> subprocess.Popen[Any]:
     """``subprocess.Popen(cmd, **popen)`` in a new session, dying with this process (stdin: /dev/null
-    unless given)."""
-    global _libc
-    if _libc is None and sys.platform == "linux":
-        with contextlib.suppress(OSError):
-            _libc = ctypes.CDLL(None, use_errno=True)
+    unless given).  The child asks for ``PR_SET_PDEATHSIG`` (SIGTERM) itself and then execs
+    ``cmd``, keeping its PID; a program that is not found raises ``FileNotFoundError`` here, as
+    with Popen."""
+    cmd = list(cmd)
+    exe = cmd[0] if os.sep in cmd[0] else shutil.which(cmd[0], path=(popen.get("env") or os.environ).get("PATH"))
+    if exe is None:
+        raise FileNotFoundError(errno.ENOENT, f"No such file or directory: {cmd[0]!r}")
     popen.setdefault("stdin", subprocess.DEVNULL)
-    return subprocess.Popen(list(cmd), start_new_session=True, preexec_fn=_die_with(os.getpid()), **popen)
+    if sys.platform != "linux":
+        return subprocess.Popen(cmd, start_new_session=True, **popen)
+    return subprocess.Popen([sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), exe, *cmd],
+                            start_new_session=True, **popen)
 
 
 def stop(proc: subprocess.Popen[Any] | None, *, timeout: float = 30.0, sig: int = signal.SIGTERM) -> int | None:
