@@ -105,10 +105,10 @@ def test_regression_node_restarted_on_a_full_disk_starts_and_serves_its_blocks(s
 @pytest.mark.timeout(120)
 def test_regression_write_through_put_of_a_block_held_in_dram_alone_is_durable_when_acknowledged(
         small_fs: Path, node_factory: Any) -> None:
-    """Bug (found by the chaos test): with ``--write-through``, a put of a key the node held
-    in DRAM alone (its first put met a full disk, which fails open) answered ``EXISTS`` at
-    once, acknowledged, and wrote nothing, also after space was freed: kill -9 lost blocks
-    acknowledged by puts made while the disk had room.  (A put racing the first put's group
+    """Bug (found building the chaos test's durability check): with ``--write-through``, a
+    put of a key the node held in DRAM alone (its first put met a full disk, which fails
+    open) answered ``EXISTS`` at once, acknowledged, and wrote nothing, also after space was
+    freed: kill -9 lost blocks acknowledged by puts made while the disk had room.  (A put racing the first put's group
     commit was acknowledged early the same way.)  Now such an ``EXISTS`` answers once the
     block is on disk, as a commit does."""
     data_dir = small_fs / "node"
