@@ -286,7 +286,8 @@ class ClientCore:
             metas = [dataclasses.replace(m, payload_checksum=checksum(v)) for m, v in zip(metas, views)]
         for m in metas:
             if m.payload_len > self.hello.max_block_bytes:
-                raise InvalidArgument(f"block of {m.payload_len} bytes exceeds the node's max_block_bytes={self.hello.max_block_bytes}")
+                raise InvalidArgument(f"block of {m.payload_len} bytes exceeds the node's max_block_bytes={self.hello.max_block_bytes} "
+                                      "(its max_block_bytes setting, or its DRAM arena's size if smaller: a block must fit in DRAM)")
         stored = [False] * len(keys)
         budget = STREAM_BATCH_BYTES if self.path == "grpc-stream" else None
         for batch in self._batches(len(keys), [m.payload_len for m in metas], budget=budget):

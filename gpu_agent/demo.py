@@ -127,11 +127,21 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
     if importlib.util.find_spec("transformers") is None:
         raise SystemExit("the demo needs Hugging Face transformers: pip install 'kvstore[demo]' (or 'transformers>=5,<6')")
+    from kvstore.progress import Progress
+
+    repeat = max(1, a.repeat)
+    # the two engines built, the reference runs, the prefill, every scenario's runs
+    with Progress("kvstore demo pd", total=2 + repeat * (1 + (3 if a.target else 4)), unit="steps") as prog:
+        return _run(a, prog, repeat)
+
+
+def _run(a: argparse.Namespace, prog: Any, repeat: int) -> dict[str, Any]:
     from client import KVClient
     from gpu_agent._node import PrivateNode
     from gpu_agent.hf import ModelSpec
     from kvstore.keys import chunk_keys
 
+    prog.step("building the prefill and decode engines")
     spec = ModelSpec(hidden_size=a.hidden, intermediate_size=2 * a.hidden, num_layers=a.layers,
                      max_positions=a.prompt_tokens + a.new_tokens, seed=a.seed)
     prompt = make_prompt(a.prompt_tokens, spec.vocab_size, a.seed)
@@ -157,6 +167,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             node = PrivateNode(Path(tmp.name) / "node", dram=a.dram, nvme=a.nvme).start()
             target = node.target
         pinfo, dinfo = prefill.recv(), decode.recv()
+        prog.update(note="full recompute (the reference)")
 
         def tiers() -> list[str]:
             with KVClient(target) as kv:
@@ -173,18 +184,23 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "device": dinfo["device"], "prefill_pid": pinfo["pid"], "decode_pid": dinfo["pid"], "scenarios": {},
         }
         sc: dict[str, Any] = out["scenarios"]
-        repeat = max(1, a.repeat)
-        refs = [decode.call("reference", prompt=prompt, new_tokens=a.new_tokens) for _ in range(repeat)]
+        refs = []
+        for _ in range(repeat):
+            refs.append(decode.call("reference", prompt=prompt, new_tokens=a.new_tokens))
+            prog.update()
         reference = refs[0]["tokens"]
         out["reference_tokens"] = reference
         sc["full recompute"] = {"ttft_s": min(r["ttft_s"] for r in refs), "cached_tokens": 0, "tier": "-",
                                 "tokens": reference if all(r["tokens"] == reference for r in refs) else None}
 
+        prog.step("prefill: saving the prompt's KV")
         saved = prefill.call("prefill", target=target, prompt=prompt)
+        prog.update()
         out["prefill"] = {k: saved[k] for k in ("prefill_s", "save_s", "stored", "existed", "failed")}
 
         def scenario(name: str, before: Any = None, **kw: Any) -> None:
             runs = []
+            prog.step(name)
             for _ in range(repeat):
                 if before is not None:
                     before()
@@ -192,6 +208,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 r = decode.call("decode", target=target, prompt=prompt, new_tokens=a.new_tokens, **kw)
                 runs.append({"ttft_s": r["ttft_s"], "cached_tokens": r["cached_tokens"], "tier": "hbm" if r["hbm_chunks"] else where,
                              "load_s": r["load_s"], "tokens": r["tokens"]})
+                prog.update()
             best = min(runs, key=lambda x: x["ttft_s"])
             if any(x["tokens"] != best["tokens"] for x in runs):
                 best["tokens"] = None

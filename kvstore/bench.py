@@ -51,6 +51,7 @@ from kvstore.benchrefs import DirectIOFile, Redis, SocketPeer, drop_caches, memc
 from kvstore.children import ServeProcess
 from kvstore.config import default_data_dir, parse_size
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+from kvstore.progress import Progress
 
 REF_SIZE = 4 * MiB  # ratios and targets are stated at 4 MiB (DESIGN §10)
 TARGETS = {  # DESIGN §10, as ratios against references measured in the same run
@@ -356,12 +357,14 @@ def run_sdk(a: argparse.Namespace) -> dict[str, Any]:
             paths.append((tls_path, set(sizes)))
         results: dict[str, dict[str, Any]] = {p.name: {} for p, _ in paths}
         refs: dict[str, dict[str, Any]] = {}
+        prog = Progress("kvstore bench", total=len(sizes) * reps, unit="rounds")
+        cleanup.append(prog.close)
         for size in sizes:
             n = max(1, ws_goal // size)
             ws, batch = n * size, max(1, a.batch_bytes // size)
             src, dst = blocks(src_all, size)[:n], blocks(dst_all, size)[:n]
             check = [xxhash.xxh3_64_intdigest(s) for s in src]
-            log(f"sdk: {n} x {label(size)} in batches of {batch}, best of {reps} ...")
+            prog.step(f"{n} x {label(size)} in batches of {batch}")
             here = [p for p, at in paths if size in at]
             best = {k: Best() for k in ["memcpy", "socket_get", "socket_put", "redis_put", "redis_get", "tls_socket_get", "tls_socket_put"]
                     + [f"{p.name}_{op}" for p in here for op in ("put", "get")]}
@@ -381,6 +384,7 @@ def run_sdk(a: argparse.Namespace) -> dict[str, Any]:
                     tp, tg = p.rep(src, dst, batch, check if rep == 0 else None)
                     best[f"{p.name}_put"].add(tp)
                     best[f"{p.name}_get"].add(tg)
+                prog.update()
             refs[label(size)] = {"memcpy_gbps": best["memcpy"].gbps(ws), "socket_gbps": best["socket_get"].gbps(ws),
                                  "socket_put_gbps": best["socket_put"].gbps(ws), "redis_put_gbps": best["redis_put"].gbps(ws),
                                  "redis_get_gbps": best["redis_get"].gbps(ws), "blocks": n, "batch": batch,

@@ -34,6 +34,7 @@ import dataclasses
 import math
 import random
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -42,6 +43,9 @@ from kvstore.optimal import optimal
 from kvstore.policy import DEFAULT_POLICY, _PrefixHeapPolicy
 from kvstore.simulator import DEFAULT_PUT_BATCH, simulate
 from kvstore.trace import Trace
+
+if TYPE_CHECKING:
+    from kvstore.progress import Progress
 
 _DEAD = -(1 << 62)  # priority of a block known never to be used again: first to go
 
@@ -164,18 +168,27 @@ class BoundsReport:
 R2_LEVELS = (0.25, 0.5)
 
 
-def bounds(trace: Trace, capacity_blocks: int, policy: str = DEFAULT_POLICY, *, batch: int = DEFAULT_PUT_BATCH) -> BoundsReport:
-    """LRU, ``policy``, the oracles and the optimum at one capacity, and :func:`predictability`."""
+def bounds(trace: Trace, capacity_blocks: int, policy: str = DEFAULT_POLICY, *, batch: int = DEFAULT_PUT_BATCH,
+           progress: "Progress | None" = None) -> BoundsReport:
+    """LRU, ``policy``, the oracles and the optimum at one capacity, and :func:`predictability`.
+    ``progress`` counts each replay as it ends."""
+    def done(name: str, h: float) -> float:
+        if progress is not None:
+            progress.update(note=f"{name}: {100 * h:.2f}%")
+        return h
+
+    if progress is not None:
+        progress.total = 3 + (policy != "lru") + 3 + len(R2_LEVELS)  # lru, optimum, policy, oracles, predictability
     future = FutureUses(trace)
-    lru = simulate(trace, capacity_blocks, "lru", batch=batch).hit_ratio
-    opt = optimal(trace, capacity_blocks).hit_ratio
+    lru = done("lru", simulate(trace, capacity_blocks, "lru", batch=batch).hit_ratio)
+    opt = done("optimal", optimal(trace, capacity_blocks).hit_ratio)
 
     def closed(h: float) -> float | None:
         return (h - lru) / (opt - lru) if opt - lru > 1e-9 else None
 
     rows = [Bound("lru", lru, closed(lru), "baseline")]
     if policy != "lru":
-        h = simulate(trace, capacity_blocks, policy, batch=batch).hit_ratio
+        h = done(policy, simulate(trace, capacity_blocks, policy, batch=batch).hit_ratio)
         rows.append(Bound(policy, h, closed(h), "the policy (what the node runs)"))
     oracles: list[tuple[_OraclePolicy, str]] = [
         (OracleDeadLRU(future), "LRU that knows which blocks are never used again"),
@@ -184,10 +197,13 @@ def bounds(trace: Trace, capacity_blocks: int, policy: str = DEFAULT_POLICY, *, 
         (OracleNextUse(future), "knows every next use (Belady's order, no bypass)"),
     ]
     for pol, what in oracles:
-        h = simulate(trace, capacity_blocks, pol, batch=batch, before_request=pol.advance).hit_ratio
+        h = done(pol.name, simulate(trace, capacity_blocks, pol, batch=batch, before_request=pol.advance).hit_ratio)
         rows.append(Bound(pol.name, h, closed(h), what))
     rows.append(Bound("optimal", opt, closed(opt), "Belady's MIN with bypass"))
-    return BoundsReport(capacity_blocks, tuple(rows), predictability(trace, future))
+    pred = predictability(trace, future)
+    if progress is not None:
+        progress.update(note="predictability")
+    return BoundsReport(capacity_blocks, tuple(rows), pred)
 
 
 def _auc(score: np.ndarray, label: np.ndarray) -> float:

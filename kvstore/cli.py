@@ -94,7 +94,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _serve_args(s)
     s.set_defaults(fn=_cmd_serve)
     st = sub.add_parser("stats", help="print a node's tiers and counters as JSON")
-    st.add_argument("--target", default=os.environ.get("KVSTORE_TARGET", "127.0.0.1:50151"), help="unix:///path or host:port")
+    st.add_argument("--target", default=os.environ.get("KVSTORE_TARGET", "127.0.0.1:50151"),
+                    help="unix:///path or host:port (default: $KVSTORE_TARGET, else 127.0.0.1:50151, the default node)")
     from kvstore.tls import add_client_arguments
 
     add_client_arguments(st)
@@ -124,6 +125,7 @@ _PLUGINS: list[tuple[str, str, str]] = [
     ("dashboard", "kvstore.dashboard.cli", "live cache-hit dashboard (web page) for one node or a whole cluster"),
     ("health", "kvstore.health", "one gRPC health check of a node (exit 0: SERVING), for container probes"),
     ("certs", "kvstore.localca", "a throwaway CA and node certificate for trying TLS (needs the 'tls' extra)"),
+    ("wipe", "kvstore.wipe", "remove a stopped node's data: its data directory (NVMe tier, owners, socket) and its arena"),
 ]
 
 

@@ -144,7 +144,8 @@ class NodeConfig(BaseModel):
     data_dir: Path = Field(default_factory=default_data_dir, description="NVMe tier directory (segments + lmdb index); locked while in use.")
     dram: int = Field(1 << 30, description="DRAM arena size in bytes (accepts 4GiB-style strings).")
     nvme: int = Field(4 << 30, description="NVMe tier size in bytes; 0 disables the tier.")
-    arena_path: str = Field("", description="Shared-memory file of the DRAM arena; empty: /dev/shm/kvstore-<node_id>.arena.")
+    arena_path: str = Field("", description="Shared-memory file of the DRAM arena; empty: /dev/shm/kvstore-<node_id>-<hash>.arena "
+                            "(<hash>: of the data directory, so nodes of one id in different directories never share one).")
     eviction_policy: str = Field("prefix-reuse", description="DRAM and NVMe eviction policy (see kvstore.policy.POLICIES).")
     write_through: bool = Field(False, description="Persist every commit to NVMe at once instead of on eviction.")
     direct_io: bool | None = Field(None, description="O_DIRECT on NVMe segment files; unset: use it where the filesystem allows.")

@@ -32,6 +32,7 @@ from kvstore.block import DTYPES
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KVLayout
 from kvstore.policy import DEFAULT_POLICY, POLICIES
+from kvstore.progress import Progress
 from kvstore.replay import positive_int, gap_closed
 from kvstore.simulator import DEFAULT_PUT_BATCH, check_policy
 from kvstore.sweep import DEFAULT_FRACTIONS, OPTIMAL, SweepPoint, capacities_for, smallest_capacity, sweep
@@ -100,17 +101,27 @@ def bytes_per_token(a: argparse.Namespace) -> int:
     return layout.bytes_per_token(DTYPES[a.dtype][1])
 
 
-def _needed(trace: Trace, points: list[SweepPoint], name: str, target: float, batch: int) -> int | None:
+def _needed(trace: Trace, points: list[SweepPoint], name: str, target: float, batch: int,
+            progress: Progress | None = None) -> int | None:
     """Smallest capacity (blocks) at which ``name`` reaches ``target``; None if even all unique blocks do not."""
     prev = 0
     for p in points:
         if p.hit_ratio[name] >= target:
-            return smallest_capacity(trace, name, target, prev, p.capacity_blocks, batch=batch)
+            return smallest_capacity(trace, name, target, prev, p.capacity_blocks, batch=batch, progress=progress)
         prev = p.capacity_blocks
     top = trace.unique_blocks  # no eviction at all: the unlimited hit ratio
     if prev >= top or trace.summary()["unlimited_hit_ratio"] < target:  # type: ignore[operator]
         return None
-    return smallest_capacity(trace, name, target, prev, top, batch=batch)
+    return smallest_capacity(trace, name, target, prev, top, batch=batch, progress=progress)
+
+
+def _plan(trace: Trace, points: list[SweepPoint], a: argparse.Namespace, target: float,
+          prog: Progress) -> tuple[int | None, int | None, int]:
+    """The capacities that reach ``target``: the policy's, the optimum's, and the policy's DRAM share."""
+    need = _needed(trace, points, a.policy, target, a.put_batch, prog)
+    need_opt = _needed(trace, points, OPTIMAL, target, a.put_batch, prog)
+    dram = (_needed(trace, points, a.policy, a.dram_share * target, a.put_batch, prog) or need) if need is not None else 0
+    return need, need_opt, dram
 
 
 def _gib(blocks: int, block_bytes: int) -> float:
@@ -131,7 +142,11 @@ def main(a: argparse.Namespace) -> int:
     summary = trace.summary()
     block_bytes = a.block_tokens * bpt
     target = a.target_hit_ratio
-    points = sweep(trace, capacities_for(trace, a.fractions), policies, batch=a.put_batch, jobs=a.jobs)
+    prog = Progress("kvstore plan", unit="replays")  # the sweep's count, then the bisections' (open-ended)
+    with prog:
+        points = sweep(trace, capacities_for(trace, a.fractions), policies, batch=a.put_batch, jobs=a.jobs, progress=prog)
+        prog.total = None  # bisections: as many as it takes
+        need, need_opt, dram = _plan(trace, points, a, target, prog)
     out: dict[str, Any] = {
         "trace": a.trace, **summary, "target_hit_ratio": target, "policy": a.policy,
         "bytes_per_token": bpt, "block_tokens": a.block_tokens, "block_bytes": block_bytes,
@@ -140,11 +155,8 @@ def main(a: argparse.Namespace) -> int:
                    "gap_closed": {n: gap_closed(p.hit_ratio[n], p.hit_ratio["lru"], p.hit_ratio[OPTIMAL]) for n in policies}
                    if "lru" in p.hit_ratio else None} for p in points],
     }
-    need = _needed(trace, points, a.policy, target, a.put_batch)
-    need_opt = _needed(trace, points, OPTIMAL, target, a.put_batch)
     out["reachable"] = need is not None
     if need is not None:
-        dram = _needed(trace, points, a.policy, a.dram_share * target, a.put_batch) or need
         out["plan"] = {
             "capacity_blocks": need, "total_bytes": need * block_bytes,
             "dram_bytes": dram * block_bytes, "dram_blocks": dram, "nvme_bytes": need * block_bytes,

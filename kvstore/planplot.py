@@ -15,6 +15,12 @@ from kvstore.sweep import OPTIMAL, SweepPoint
 GiB = 1 << 30
 
 
+def pct_label(fraction: float) -> str:
+    """A tick's percentage to two significant digits: capacities are whole blocks, so 1% of a
+    trace's blocks is 0.9995% or 1.0065% of them, and a tick says "1%" (not "0.999%")."""
+    return f"{float(f'{100 * fraction:.2g}'):g}%"
+
+
 def plot_sweep(
     points: Sequence[SweepPoint],
     path: str | os.PathLike[str],
@@ -53,7 +59,7 @@ def plot_sweep(
         ax.axvline(blocks, color="tab:red", linestyle=":", linewidth=1)
         ax.annotate(label, (blocks, 2), rotation=90, fontsize=8, color="tab:red", ha="right", va="bottom")
     ax.set_xscale("log")
-    ax.set_xticks(caps, [f"{c:,}\n{100 * c / unique_blocks:.3g}%" for c in caps])
+    ax.set_xticks(caps, [f"{c:,}\n{pct_label(c / unique_blocks)}" for c in caps])
     ax.xaxis.set_minor_formatter(ticker.NullFormatter())
     ax.set_xlabel(f"capacity in blocks, and % of the trace's {unique_blocks:,} unique blocks")
     ax.set_ylabel("prefix hit ratio (% of blocks)")

@@ -206,8 +206,10 @@ def main(a: argparse.Namespace) -> int:
     )
     if a.bounds:
         from kvstore.bounds import bounds
+        from kvstore.progress import Progress
 
-        out["oracle_bounds"] = bounds(trace, capacity, a.policy, batch=a.put_batch).to_json()
+        with Progress("kvstore replay --bounds", unit="replays") as prog:
+            out["oracle_bounds"] = bounds(trace, capacity, a.policy, batch=a.put_batch, progress=prog).to_json()
     if a.json:
         print(json.dumps(out))
     else:

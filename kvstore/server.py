@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -84,6 +85,27 @@ def lock_data_dir(data_dir: Path) -> int:
     return fd
 
 
+def check_port_free(listen: str, flag: str) -> None:
+    """Refuse a TCP listener whose port is taken before anything is created (the data directory,
+    the arena), and before gRPC's core logs its own bind error: a failed start leaves nothing."""
+    host, _, port = listen.rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except OSError:
+        return  # an unresolvable host fails later, with gRPC's own message
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT does not count as taken
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise InvalidArgument(f"cannot listen on {listen}: {e.strerror or e}; pick another {flag} HOST:PORT "
+                                  "(port 0: any free port)") from None
+
+
 class Node:
     """One running node.  Owns every component it builds; ``stop`` releases them."""
 
@@ -105,11 +127,18 @@ class Node:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> dict[str, Any]:
-        self._lock_fd = lock_data_dir(Path(self.cfg.data_dir))
+        check_port_free(self.cfg.listen, "--listen")
+        if self.cfg.data_listen:
+            check_port_free(self.cfg.data_listen, "--data-listen")
+        data_dir = Path(self.cfg.data_dir)
+        created = not data_dir.exists()
+        self._lock_fd = lock_data_dir(data_dir)
         try:
             return await self._start()
         except BaseException:
             await self._release()
+            if created:  # made by this start, which failed: nothing in it is anyone's data
+                shutil.rmtree(data_dir, ignore_errors=True)
             raise
 
     async def _release(self) -> None:
@@ -154,6 +183,9 @@ class Node:
         if cfg.dram < (1 << 20):
             raise InvalidArgument(f"dram={cfg.dram} bytes is too small; give at least 1MiB (e.g. --dram 1GiB)")
         if cfg.max_block_bytes > cfg.dram:
+            # a block must fit in the DRAM arena: say so, since errors will name the lowered limit
+            log.info("max_block_bytes lowered from %d to %d, the DRAM arena's size (a block must fit in DRAM; a larger "
+                     "--dram allows larger blocks)", cfg.max_block_bytes, cfg.dram)
             cfg = cfg.model_copy(update={"max_block_bytes": cfg.dram})
             self.cfg = cfg
         if cfg.tls_cert_file:  # unreadable or invalid files fail here, before the arena is built

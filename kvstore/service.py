@@ -260,8 +260,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         metas = [meta_from_pb(b) for b in blocks]
         for m in metas:
             if m.payload_len > self.cfg.max_block_bytes:
+                why = (" (the DRAM arena's size, to which the node lowered it: a block must fit in DRAM; start the node "
+                       "with a larger --dram)" if self.cfg.max_block_bytes == self.cfg.dram else "")
                 raise errors.InvalidArgument(
-                    f"block of {m.payload_len} bytes exceeds max_block_bytes={self.cfg.max_block_bytes}"
+                    f"block of {m.payload_len} bytes exceeds max_block_bytes={self.cfg.max_block_bytes}{why}"
                 )
         return metas
 

@@ -180,6 +180,13 @@ class LocalCluster:
         self.dashboard: Any = None
 
     def start(self) -> dict[str, Any]:
+        from kvstore.progress import Progress
+
+        # etcd, its settings, every node ready, the dashboard
+        with Progress("kvstore up", total=3 + self.a.nodes, unit="steps") as prog:
+            return self._start(prog)
+
+    def _start(self, prog: Any) -> dict[str, Any]:
         a = self.a
         self.dir.mkdir(parents=True, exist_ok=True)
         if self.tls is not None and self.tls.generated:
@@ -187,16 +194,20 @@ class LocalCluster:
 
             certs = make(self.dir / "tls", advertised_hosts(a.host), name=f"kvstore up {a.cluster}", overwrite=True)
             self.tls = dataclasses.replace(self.tls, cert_file=certs.cert, key_file=certs.key, ca_file=certs.ca)
+        prog.step("starting etcd")
         self.etcd = LocalEtcd(self.dir / "etcd", host=a.host, binary=a.etcd_bin, name="kvstore-up").start()
+        prog.update(note="setting the replication factor")
         asyncio.run(self._configure())
+        prog.update(note=f"starting {a.nodes} node{'s' if a.nodes != 1 else ''}")
         self.nodes = [NodeChild(i, a.cluster, self.etcd.endpoint, self.dir / f"n{i}", a, self.tls) for i in range(a.nodes)]
         for n in self.nodes:
             n.spawn()
         threads = [threading.Thread(target=n.wait_ready, args=(120.0,), daemon=True) for n in self.nodes]
         for t in threads:
             t.start()
-        for t in threads:
+        for t, n in zip(threads, self.nodes):
             t.join()
+            prog.update(note=f"node {n.node_id} {'failed' if n.error else 'ready'}")
         failed = [n.error for n in self.nodes if n.error]
         if failed:
             raise KVStoreError("; ".join(failed))
@@ -207,6 +218,7 @@ class LocalCluster:
 
             self.dashboard = Dashboard(EtcdNodes(self.etcd.endpoint, a.cluster), host=a.host, port=a.dashboard_port,
                                        tls=self.tls.dashboard_tls() if self.tls is not None else None).start()
+        prog.update(note="ready")
         return self.describe()
 
     def _check_tls(self, files: TLSFiles) -> None:
