@@ -7,7 +7,8 @@ hit can be checked byte for byte, whoever wrote it and whenever.  A read may mis
 with other bytes is *wrong bytes*, the one thing that must never happen.
 
 Owner: one :class:`Ledger` per run, shared by the load threads (each with its own cluster
-client and seeded RNG) and the fault driver, under the ledger's one lock.  It records
+client and seeded RNG) and the fault driver, under the ledger's one lock (the
+:class:`Workload` is not changed once the load begins).  The ledger records
 
 * every put that acknowledged a block (its key and the put's start and end times),
 * the windows during which a node's disk was full (the driver opens and closes them),
@@ -52,18 +53,24 @@ FULL_DISK_MARGIN_S = 1.0  # a put that ended this soon after a full disk was fre
 class Workload:
     """``n_chains`` chains of ``chain_len`` keys, blocks of 1 to 48 KiB (key-derived).
 
-    Puts start a chain nobody wrote yet (the *frontier*) now and then, so new blocks keep
-    arriving all through the run, and otherwise rewrite a chain below it; reads ask for
-    chains below it and a few past it (misses).  ``frontier`` is shared by the load
-    threads, under ``_lock``; it stops at ``n_chains``, so the working set is bounded."""
+    The chains in play grow with time (the *frontier*: all of them ``seconds`` after
+    :meth:`begin`), so new blocks keep arriving all through the run while the working set
+    stays bounded.  Half the picks go to the newest tenth of the chains in play (mostly new
+    keys for a put); reads also ask for two chains past the frontier (misses)."""
 
     MAX_SIZE = 48 * KIB
 
-    def __init__(self, n_chains: int, chain_len: int, *, salt: bytes, fresh: float = 0.05) -> None:
+    def __init__(self, n_chains: int, chain_len: int, *, salt: bytes) -> None:
         self.chains = [worker.chain_keys(c, chain_len, salt=salt) for c in range(n_chains)]
-        self.fresh = fresh
-        self.frontier = 1
-        self._lock = threading.Lock()
+        self.t0, self.seconds = time.monotonic(), 1.0
+
+    def begin(self, seconds: float) -> None:
+        """Start the frontier now; every chain is in play after ``seconds``."""
+        self.t0, self.seconds = time.monotonic(), seconds
+
+    def frontier(self) -> int:
+        n = len(self.chains)
+        return min(n, 1 + int(n * (time.monotonic() - self.t0) / self.seconds))
 
     @classmethod
     def size_of(cls, key: bytes) -> int:
@@ -77,15 +84,9 @@ class Workload:
         return sum(record_bytes(self.size_of(k)) for ch in self.chains for k in ch)
 
     def pick(self, rng: random.Random, *, put: bool) -> list[bytes]:
-        """A chain prefix to put or to read: half the picks go to the newest tenth of the chains written."""
-        with self._lock:
-            if put and self.frontier < len(self.chains) and rng.random() < self.fresh:
-                self.frontier += 1
-                c = self.frontier - 1
-            else:
-                top = self.frontier if put else min(len(self.chains), self.frontier + 2)
-                recent = max(1, top // 10)
-                c = top - 1 - rng.randrange(recent) if rng.random() < 0.5 else rng.randrange(top)
+        """A chain prefix to put (a chain in play) or to read (in play or just past it)."""
+        top = self.frontier() if put else min(len(self.chains), self.frontier() + 2)
+        c = top - 1 - rng.randrange(max(1, top // 10)) if rng.random() < 0.5 else rng.randrange(top)
         chain = self.chains[c]
         return chain[: rng.randint(1, len(chain))]
 

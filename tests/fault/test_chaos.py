@@ -26,6 +26,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from chaos_checker import Ledger, Workload, load
@@ -71,8 +72,39 @@ def held_by(kv: object, keys: list[bytes], ledger: Ledger, where: str) -> set[by
     return held
 
 
-@pytest.mark.timeout(300)
-def test_chaos_cluster_never_serves_wrong_bytes_nor_loses_acknowledged_blocks(disk: Path, cluster: NetCluster) -> None:
+def chaos(cluster: NetCluster, ledger: Ledger, driver: Driver, clients: list[Any]) -> float:
+    """The load threads run while the driver plays the seed's schedule; then every fault is
+    undone and the load stops.  Returns the seconds it took."""
+    stop = threading.Event()
+    threads = [threading.Thread(target=load, args=(kv, ledger, SEED * 100 + i, stop), daemon=True, name=f"chaos-load-{i}")
+               for i, kv in enumerate(clients)]
+    ledger.workload.begin(0.9 * SECONDS)
+    for t in threads:
+        t.start()
+    t0 = time.monotonic()
+    try:
+        driver.run(schedule(SEED, SECONDS, NODES, DISK_NODE), deadline=t0 + SECONDS)
+    finally:
+        driver.repair()
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not any(t.is_alive() for t in threads), "a load thread did not stop within 30 s: a call hangs"
+    return time.monotonic() - t0
+
+
+def restart_from_disk(cluster: NetCluster, kv: Any) -> None:
+    """Kill -9 every node and start them all again: only what is on disk survives."""
+    for node in NODES:
+        cluster.nodes[node].kill9()
+    cluster.start(*NODES, extra=NODE_ARGS)
+    wait_until(lambda: all((info := kv.snapshot().nodes.get(n)) and info.pid == cluster.nodes[n].proc.pid for n in NODES),
+               15, "every restarted node to register")
+
+
+@pytest.mark.timeout(180)
+def test_chaos_cluster_never_serves_wrong_bytes_nor_loses_acknowledged_blocks(disk: Path, cluster: NetCluster,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
     t_start = time.monotonic()
     workload = Workload(300, 8, salt=b"chaos/%d" % SEED)
     # with room to spare (rewrites of damaged records, fragmentation): nothing is evicted from NVMe
@@ -82,32 +114,11 @@ def test_chaos_cluster_never_serves_wrong_bytes_nor_loses_acknowledged_blocks(di
     cluster.start(*NODES, extra=NODE_ARGS)
     clients = [cluster.client() for _ in range(CLIENTS)]
     assert clients[0].wait_for_nodes(len(NODES), 15)
-    faults = schedule(SEED, SECONDS, NODES, DISK_NODE)
     driver = Driver(cluster, ledger, seed=SEED, node_args=NODE_ARGS, disk_dir=disk)
+    chaos_s = chaos(cluster, ledger, driver, clients)
+    c = Counter(ledger.c)  # the figures of the chaos itself
 
-    stop = threading.Event()
-    threads = [threading.Thread(target=load, args=(kv, ledger, SEED * 100 + i, stop), daemon=True, name=f"chaos-load-{i}")
-               for i, kv in enumerate(clients)]
-    for t in threads:
-        t.start()
-    t_chaos = time.monotonic()
-    try:
-        driver.run(faults, deadline=t_chaos + SECONDS)
-    finally:
-        driver.repair()
-        stop.set()
-        for t in threads:
-            t.join(30)
-    chaos_s = time.monotonic() - t_chaos
-    during = Counter(ledger.c)
-    assert not any(t.is_alive() for t in threads), "a load thread did not stop within 30 s: a call hangs"
-
-    # only what is on disk survives: kill -9 every node, start them all again
-    for node in NODES:
-        cluster.nodes[node].kill9()
-    cluster.start(*NODES, extra=NODE_ARGS)
-    wait_until(lambda: all((info := clients[0].snapshot().nodes.get(n)) and info.pid == cluster.nodes[n].proc.pid
-                           for n in NODES), 15, "every restarted node to register")
+    restart_from_disk(cluster, clients[0])
     durable = ledger.durable_keys()
     found: set[bytes] = set()
     for node in NODES:
@@ -116,16 +127,15 @@ def test_chaos_cluster_never_serves_wrong_bytes_nor_loses_acknowledged_blocks(di
     acked = sorted(ledger.acks)
     routed = held_by(cluster.client(), acked, ledger, "after restart, through the cluster")
 
-    c = during
-    faults_by_kind = " ".join(f"{k}={v}" for k, v in sorted(driver.injected.items()))
+    faults = " ".join(f"{k}={v}" for k, v in sorted(driver.injected.items()))
     errors = " ".join(f"{k[len('errors_'):]}={v}" for k, v in sorted(c.items()) if k.startswith("errors_"))
-    print(f"\nchaos seed={SEED}: {chaos_s:.0f}s of chaos, {time.monotonic() - t_start:.0f}s in all; "
-          f"ops={c['ops']} (put={c['ops_put']} get={c['ops_get']} get_into={c['ops_get_into']} match={c['ops_match']}); "
-          f"faults: {faults_by_kind}; blocks acked={c['blocks_acked']} refused={c['blocks_refused']}; "
-          f"reads={c['reads']} hits={c['hits']} misses={c['misses']} (of acked {c['misses_of_acked']}); "
-          f"wrong_bytes={len(ledger.wrong)}; durable={len(durable)} of {len(acked)} acked keys, "
-          f"lost={len(lost)}; after restart the cluster SDK found {len(routed)} of them; max_op_ms={c['max_op_ms']}; typed errors: {errors or 'none'}")
-    print("schedule: " + "; ".join(map(str, faults)))
+    with capsys.disabled():  # the figures belong in every CI log, not only a failure's
+        print(f"\nchaos seed={SEED}: {chaos_s:.0f}s of chaos, {time.monotonic() - t_start:.0f}s in all; ops={c['ops']} "
+              f"(put={c['ops_put']} get={c['ops_get']} get_into={c['ops_get_into']} match={c['ops_match']}); faults: {faults}; "
+              f"blocks acked={c['blocks_acked']} refused={c['blocks_refused']}; reads={c['reads']} hits={c['hits']} "
+              f"misses={c['misses']} (of acked blocks {c['misses_of_acked']}); wrong_bytes={len(ledger.wrong)}; "
+              f"acknowledged-durable lost={len(lost)} of {len(durable)} ({len(acked)} keys acked; after restarting every "
+              f"node the cluster SDK read {len(routed)}); max_op_ms={c['max_op_ms']}; typed errors: {errors or 'none'}")
     print("driver: " + "; ".join(driver.log))
     assert not ledger.wrong, f"{len(ledger.wrong)} reads returned wrong bytes: {ledger.wrong[:5]}"
     assert not ledger.errors, f"{len(ledger.errors)} calls raised untyped exceptions: {ledger.errors[:2]}"
