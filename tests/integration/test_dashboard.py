@@ -145,6 +145,8 @@ def test_node_list_from_etcd_membership(etcd: LocalEtcd, tmp_path: Path, dashboa
         d = dashboard(EtcdNodes(etcd.endpoint, "dash", metrics_port=port))
         wait_for(lambda: [(x["name"], x["status"]) for x in api(d)["nodes"]] == [("dash-n1", "up")], 15, "the node from etcd")
         assert api(d)["source_status"] == ""
+        # replication health from the cluster's settings in etcd (issue 16 #3)
+        assert api(d)["replication"] == {"factor": 1, "nodes": 1, "suspected": [], "under_replicated": 0}
     finally:
         assert n.stop(timeout=30) == 0
         Path(f"/dev/shm/kvstore-test-{n.node_id}.arena").unlink(missing_ok=True)
