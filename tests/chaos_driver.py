@@ -58,7 +58,7 @@ FILLER = "chaos.filler"
 class Fault:
     at: float  # seconds after the chaos starts
     kind: str
-    node: str | None
+    node: str  # "" for etcd
     hold: float  # seconds until it is undone (0: instantaneous)
     detail: str = ""  # partition: which paths are cut
 
@@ -76,19 +76,16 @@ def schedule(seed: int, seconds: float, nodes: tuple[str, ...], disk_node: str) 
     out: list[Fault] = []
     t = 2.0
     while True:
-        if forced:
-            kind = forced.pop(0)
-        else:
-            kind = rng.choices(KINDS, WEIGHTS)[0]
-            if LANE[kind] is not None and free[LANE[kind]] > t:  # type: ignore[index]
-                t += rng.uniform(0.5, 1.5)  # its lane is busy: draw again a little later
-                continue
+        kind = forced.pop(0) if forced else rng.choices(KINDS, WEIGHTS)[0]
         lane = LANE[kind]
+        if len(out) >= len(KINDS) and lane is not None and free[lane] > t:
+            t += rng.uniform(0.5, 1.5)  # a drawn kind whose lane is busy: draw again a little later
+            continue
         start = max(t, free[lane]) if lane else t
         hold = round(rng.uniform(*HOLD_S[kind]), 1)
         if start + hold > seconds - 2.0:
             break
-        node = disk_node if kind == "disk_full" else None if kind == "etcd" else rng.choice(nodes)
+        node = disk_node if kind == "disk_full" else "" if kind == "etcd" else rng.choice(nodes)
         detail = rng.choice(PARTITIONS) if kind == "partition" else ""
         out.append(Fault(round(start, 1), kind, node, hold, detail))
         if lane:
@@ -139,9 +136,7 @@ class Driver:
         self.rng = random.Random(seed ^ 0x5EED)  # which records a corrupt fault damages
         self.injected: Counter[str] = Counter()
         self.errors: list[str] = []
-        self.down: set[str] = set()  # killed, not yet restarted
-        self.cut: set[str] = set()
-        self.log: list[str] = []
+        self.log: list[str] = []  # every step, with the seconds it took
 
     def _step(self, what: str, fn: Callable[[], object]) -> None:
         t = time.monotonic()
@@ -151,38 +146,30 @@ class Driver:
             self.errors.append(f"{what}: {traceback.format_exc()}")
         self.log.append(f"{what} ({time.monotonic() - t:.1f}s)")
 
-    def _restart(self, node: str) -> None:
-        self.cluster.start(node, extra=self.node_args)
-        self.down.discard(node)
-
     def _inject(self, f: Fault) -> None:
-        c, node = self.cluster, f.node
-        assert node is not None or f.kind == "etcd"
+        c = self.cluster
         if f.kind == "kill":
-            c.nodes[node].kill9()  # type: ignore[index]
-            self.down.add(node)  # type: ignore[arg-type]
+            c.nodes[f.node].kill9()
         elif f.kind == "etcd":
             c.etcd.stop()
         elif f.kind == "partition":
-            c.net.cut(node, clients=f.detail != "etcd", etcd=f.detail != "clients")  # type: ignore[arg-type]
-            self.cut.add(node)  # type: ignore[arg-type]
+            c.net.cut(f.node, clients=f.detail != "etcd", etcd=f.detail != "clients")
         elif f.kind == "disk_full":
             self.ledger.disk_full(True)  # before the first byte: a put from now on may meet a full disk
             fill(self.disk_dir / FILLER)
         elif f.kind == "corrupt":
-            keys = damage_records(c.tmp / node, self.rng, CORRUPT_RECORDS)  # type: ignore[operator]
+            keys = damage_records(c.tmp / f.node, self.rng, CORRUPT_RECORDS)
             self.ledger.corrupt(keys)
             self.injected["corrupted_records"] += len(keys)
         self.injected[f.kind] += 1
 
     def _undo(self, f: Fault) -> None:
         if f.kind == "kill":
-            self._restart(f.node)  # type: ignore[arg-type]
+            self.cluster.start(f.node, extra=self.node_args)  # same id, same data directory
         elif f.kind == "etcd":
             self.cluster.etcd.start(timeout=30)
         elif f.kind == "partition":
-            self.cluster.net.heal(f.node)  # type: ignore[arg-type]
-            self.cut.discard(f.node)  # type: ignore[arg-type]
+            self.cluster.net.heal(f.node)
         elif f.kind == "disk_full":
             (self.disk_dir / FILLER).unlink(missing_ok=True)
             self.ledger.disk_full(False)
@@ -206,11 +193,10 @@ class Driver:
     def repair(self) -> None:
         """Undo whatever is still in place: heal, etcd up, disk freed, every node running."""
         self._step("repair: heal", self.cluster.net.heal_all)
-        self.cut.clear()
         if not self.cluster.etcd.running():
             self._step("repair: etcd", lambda: self.cluster.etcd.start(timeout=30))
         if (self.disk_dir / FILLER).exists():
-            self._step("repair: disk", lambda: self._undo(Fault(0, "disk_full", None, 0)))
+            self._step("repair: disk", lambda: self._undo(Fault(0, "disk_full", "", 0)))
         for node, p in list(self.cluster.nodes.items()):
             if p.proc is None or p.proc.poll() is not None:
-                self._step(f"repair: start {node}", lambda node=node: self._restart(node))
+                self._step(f"repair: start {node}", lambda node=node: self.cluster.start(node, extra=self.node_args))
