@@ -221,7 +221,9 @@ class Node:
         self.manager = TierManager(
             dram, nvme, write_through=cfg.write_through,
             reservation_ttl=cfg.reservation_ttl_s, lease_ttl=cfg.lease_ttl_s, max_pin_ttl=cfg.max_pin_ttl_s,
-            tenant_limits={name: TenantLimits(t.max_reserved_bytes, t.max_pinned_bytes) for name, t in cfg.tenants.items()},
+            tenant_limits={name: TenantLimits(t.max_reserved_bytes, t.max_pinned_bytes, t.max_dram_bytes, t.max_nvme_bytes)
+                           for name, t in cfg.tenants.items()},
+            owner_of=self.owners.owner if self.owners is not None else None,  # blocks kept across a restart keep their owner
         )
         loop = self._loop = asyncio.get_running_loop()
         from kvstore import __version__
