@@ -48,6 +48,10 @@ and re-exported here.  What the manager adds on top of the tiers:
   block the caller may not see is absent to it; reservations and leases carry the tenant
   that made them.  Under one key there is only ever one namespace's block: a commit that
   would replace another namespace's block is dropped (and reported ``OK``, as if stored).
+* **Session hints** (``kvstore/sessions.py``, ``sessions``): lookups, reads and puts may name
+  the caller's session; ``close_session`` marks the blocks only closed sessions used as
+  the first victims of both tiers (their policies are wrapped in ``SessionHinted`` by
+  whoever builds the tiers: ``server.py``, the simulator); ``reap`` closes idle sessions.
 * **Cache-hit accounting** (``kvstore/misses.py``): every lookup key is counted as a hit
   (per tier, with its tokens) or a miss with its reason; ``history`` remembers, in
   bounded memory, why keys left (evicted, invalidated, corrupt).  Executor threads report
@@ -76,6 +80,7 @@ from kvstore.misses import CORRUPT, INVALIDATED, NEVER_STORED, TIER_LABEL, KeyHi
 from kvstore.movers import TierMovers
 from kvstore.outcomes import Leased, Reserved, Status
 from kvstore.quotas import Occupancy, OwnerOf, QuotaNVMe, TenantQuotas, caps_of
+from kvstore.sessions import Sessions
 from tiers.allocator import Extent
 from tiers.base import TierKind
 from tiers.dram import DRAMTier
@@ -101,8 +106,10 @@ class TierManager:
         tenant_limits: Mapping[str, TenantLimits] | None = None,
         max_pin_ttl: float = 3600.0,
         owner_of: OwnerOf | None = None,
+        sessions: Sessions | None = None,
     ) -> None:
         self.dram = dram
+        self.sessions = sessions
         self.clock = clock
         self.write_through = write_through
         self.reservation_ttl = reservation_ttl
@@ -198,7 +205,25 @@ class TierManager:
         return self.history.lookup(key) or (NEVER_STORED, 0)
 
     # -- lookups --------------------------------------------------------------------
-    def exists(self, keys: Sequence[ChunkKey], *, visible: Visible | None = None) -> list[TierKind | None]:
+    def _used(self, tenant: str | None, session: str | None, keys: Sequence[ChunkKey]) -> None:
+        """Tell the session hints that ``keys`` (found, or being written) were used."""
+        if self.sessions is not None and keys:
+            self.sessions.touch(tenant, session, keys)
+
+    def close_session(self, session: str, *, tenant: str | None = None) -> int | None:
+        """The caller's ``session`` will send no more requests: blocks no open session used
+        become the first eviction candidates.  Their number, or None for a session the caller
+        has not open (unknown, closed already, or expired).  ``PermissionDenied`` if only
+        another tenant has it open."""
+        if self.sessions is None:
+            return None
+        n = self.sessions.close(tenant, session)
+        if n is None:
+            self.counters["sessions_close_unknown"] += 1
+        return n
+
+    def exists(self, keys: Sequence[ChunkKey], *, visible: Visible | None = None, tenant: str | None = None,
+               session: str | None = None) -> list[TierKind | None]:
         out: list[TierKind | None] = []
         hits: list[tuple[str, BlockMeta]] = []
         misses: list[tuple[str, int]] = []
@@ -210,9 +235,11 @@ class TierManager:
             else:
                 misses.append(self._reason(k))
         self.ledger.record("exists", hits, misses)
+        self._used(tenant, session, [k for k, t in zip(keys, out) if t is not None])
         return out
 
-    def match_prefix(self, keys: Sequence[ChunkKey], *, visible: Visible | None = None) -> tuple[int, list[TierKind]]:
+    def match_prefix(self, keys: Sequence[ChunkKey], *, visible: Visible | None = None, tenant: str | None = None,
+                     session: str | None = None) -> tuple[int, list[TierKind]]:
         tiers: list[TierKind] = []
         hits: list[tuple[str, BlockMeta]] = []
         for k in keys:
@@ -227,11 +254,12 @@ class TierManager:
         # the keys after the first gap miss for the gap's reason (a chunk is useless without its ancestors)
         gap = (*self._reason(keys[len(tiers)]), len(keys) - len(tiers)) if len(tiers) < len(keys) else None
         self.ledger.record("match_prefix", hits, extra_misses=gap)
+        self._used(tenant, session, keys[: len(tiers)])
         return len(tiers), tiers
 
     # -- two-phase writes -----------------------------------------------------------
     async def reserve(self, metas: Sequence[BlockMeta], *, tenant: str | None = None,
-                      visible: Visible | None = None, refuse_over_limit: bool = True) -> list[Reserved]:
+                      visible: Visible | None = None, refuse_over_limit: bool = True, session: str | None = None) -> list[Reserved]:
         """Reserve space for each block, or answer ``EXISTS`` for a key already stored.  A key
         stored in a namespace the caller may not see (``visible``) gets space like a new one:
         its commit is dropped, so the answers never tell whether another tenant has it.  With
@@ -282,6 +310,8 @@ class TierManager:
         if over_limit is not None and refuse_over_limit and not any(r.status == Status.OK for r in out):
             assert tenant is not None
             raise CapacityExceeded(self._over_limit(tenant, *over_limit))
+        # before the commits: a block its session holds is never dead when it lands
+        self._used(tenant, session, [m.key for m, r in zip(metas, out) if r.status in (Status.OK, Status.EXISTS)])
         return out
 
     def _over_limit(self, tenant: str, name: str, meta: BlockMeta) -> str:
@@ -394,7 +424,7 @@ class TierManager:
 
     # -- leased reads ---------------------------------------------------------------
     async def acquire(self, keys: Sequence[ChunkKey], *, request: bool = True, tenant: str | None = None,
-                      visible: Visible | None = None) -> list[Leased]:
+                      visible: Visible | None = None, session: str | None = None) -> list[Leased]:
         """Lease every key that is stored, promoting NVMe hits into DRAM.  A block the caller
         may not see (``visible``) is a miss, and is not promoted.
 
@@ -413,6 +443,8 @@ class TierManager:
                 meta = self._locate(k)[1]
                 if meta is not None and not visible(meta.namespace):
                     hidden.add(i)
+        # before promotions land in DRAM: a block this session reads is alive there
+        self._used(tenant, session, [k for i, k in enumerate(keys) if i not in hidden and self.where(k) is not None])
         for i, k in enumerate(keys):
             if self.dram.contains(k) and i not in hidden:
                 out[i] = self._lease(k, TierKind.DRAM, deadline, tenant)
@@ -588,6 +620,8 @@ class TierManager:
         expired_l = self.holds.expire(now)
         self.counters["reservations_reclaimed"] += len(expired_r)
         self.counters["leases_expired"] += expired_l
+        if self.sessions is not None:
+            self.sessions.expire(now)
         return {"reservations": len(expired_r), "leases": expired_l}
 
     async def run_reaper(self, interval: float = 1.0) -> None:
@@ -621,6 +655,7 @@ class TierManager:
             "reservations": len(self.holds.reservations),
             "leases": len(self.holds.leases),
             "pins": len(self.holds.pins),
+            "sessions": self.sessions.stats() if self.sessions is not None else {},
             # per tenant: what its reservations and pins hold now (what eviction cannot reclaim)
             "tenant_holds": {t: {"reserved_bytes": self.holds.reserved_bytes[t], "pinned_bytes": self.holds.pinned_bytes[t]}
                              for t in sorted(set(self.holds.limits) | set(self.holds.reserved_bytes) | set(self.holds.pinned_bytes))},
@@ -628,7 +663,7 @@ class TierManager:
             "tenant_occupancy": {t: {"dram_bytes": self.quotas.use.used[t],
                                      "nvme_bytes": self.nvme.use.used[t] if isinstance(self.nvme, QuotaNVMe) else 0}
                                  for t in sorted(self.holds.limits)} if self.quotas is not None else {},
-            "counters": dict(self.counters),
+            "counters": {**self.counters, **(self.sessions.counters if self.sessions is not None else {})},
         }
 
     def close(self) -> None:

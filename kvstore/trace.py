@@ -6,6 +6,12 @@ One JSON object per line, one request each (``tests/data/README.md``; the format
 be partial).  Two requests that share an id at the same position share that block and
 every block before it.
 
+Session hints (``kvstore/sessions.py``): a request line may carry ``"session_id"`` (a
+string), and an event line ``{"timestamp": T, "close_session": ID}`` says that session
+sends no more requests from time ``T`` on.  A close of a session no request has opened
+(or one closed already, with no request since), or a session id that is not a string,
+is a bad line: fatal by default, or skipped and reported by line (``bad_lines="skip"``).
+
 Keys: a block's 16-byte key is chained like a real chunk key (DESIGN §1)::
 
     key_{-1} = namespace fingerprint (8 bytes; the namespace is salted per replay)
@@ -26,7 +32,7 @@ import functools
 import json
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import xxhash
 
@@ -43,12 +49,42 @@ class Request:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    session_id: str | None = None
 
     def to_json(self) -> str:
-        ts: float | int = int(self.timestamp) if float(self.timestamp).is_integer() else self.timestamp
-        return json.dumps(
-            {"timestamp": ts, "input_length": self.input_length, "output_length": self.output_length, "hash_ids": list(self.hash_ids)}
-        )
+        obj: dict[str, object] = {"timestamp": _ts(self.timestamp), "input_length": self.input_length,
+                                  "output_length": self.output_length, "hash_ids": list(self.hash_ids)}
+        if self.session_id is not None:
+            obj["session_id"] = self.session_id
+        return json.dumps(obj)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Close:
+    """A ``close_session`` event: ``session_id`` ends at ``timestamp`` (ms), before request ``before``."""
+
+    timestamp: float
+    session_id: str
+    before: int  # index of the first request after it in the file
+
+    def to_json(self) -> str:
+        return json.dumps({"timestamp": _ts(self.timestamp), "close_session": self.session_id})
+
+
+def _ts(t: float) -> float | int:
+    return int(t) if float(t).is_integer() else t
+
+
+def _session_field(v: object, where: str, field: str) -> str:
+    from kvstore.sessions import check_session_id
+
+    if not isinstance(v, str) or not v:
+        raise InvalidArgument(f"{where}: {field!r} must be a non-empty string, got {v!r:.60}")
+    try:
+        check_session_id(v)
+    except InvalidArgument as e:
+        raise InvalidArgument(f"{where}: {e}") from None
+    return v
 
 
 def _int_field(obj: dict[str, object], name: str, where: str, *, required: bool = True) -> int:
@@ -63,7 +99,15 @@ def _int_field(obj: dict[str, object], name: str, where: str, *, required: bool 
 
 
 def parse_request(line: str, where: str, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> Request:
-    """One trace line → :class:`Request`; ``where`` (``"trace.jsonl line 7"``) prefixes every error."""
+    """One request line → :class:`Request`; ``where`` (``"trace.jsonl line 7"``) prefixes every error."""
+    r = parse_line(line, where, block_tokens)
+    if not isinstance(r, Request):
+        raise InvalidArgument(f"{where}: expected a request, got a close_session event")
+    return r
+
+
+def parse_line(line: str, where: str, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> "Request | Close":
+    """One trace line → :class:`Request` or :class:`Close` (``before`` left 0 for the caller)."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -75,6 +119,9 @@ def parse_request(line: str, where: str, block_tokens: int = DEFAULT_BLOCK_TOKEN
     ts = obj["timestamp"]
     if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
         raise InvalidArgument(f"{where}: 'timestamp' must be a non-negative number of milliseconds, got {ts!r}")
+    if "close_session" in obj:
+        return Close(float(ts), _session_field(obj["close_session"], where, "close_session"), 0)
+    session = _session_field(obj["session_id"], where, "session_id") if "session_id" in obj else None
     input_length = _int_field(obj, "input_length", where)
     output_length = _int_field(obj, "output_length", where, required=False)
     if "hash_ids" not in obj:
@@ -91,23 +138,30 @@ def parse_request(line: str, where: str, block_tokens: int = DEFAULT_BLOCK_TOKEN
             f"{where}: input_length {input_length} makes {need} blocks of {block_tokens} tokens but the line has "
             f"{len(ids)} hash_ids (is --block-tokens {block_tokens} the trace's block size?)"
         )
-    return Request(float(ts), input_length, output_length, tuple(ids))
+    return Request(float(ts), input_length, output_length, tuple(ids), session)
 
 
 class Trace:
     """The requests of one trace, in file order, with their keys and dense block ids."""
 
-    def __init__(self, requests: Sequence[Request], *, block_tokens: int = DEFAULT_BLOCK_TOKENS, name: str = "trace", salt: str = "") -> None:
+    def __init__(self, requests: Sequence[Request], *, block_tokens: int = DEFAULT_BLOCK_TOKENS, name: str = "trace", salt: str = "",
+                 closes: Sequence[Close] = (), skipped: Sequence[str] = ()) -> None:
         if block_tokens <= 0:
             raise InvalidArgument(f"--block-tokens must be positive, got {block_tokens}")
         self.requests: tuple[Request, ...] = tuple(requests)
+        self.closes: tuple[Close, ...] = tuple(sorted(closes, key=lambda c: c.before))  # stable: file order within a gap
+        self.skipped: tuple[str, ...] = tuple(skipped)  # bad lines skipped at load, each naming its line
         self.block_tokens = block_tokens
         self.name = name
         self.salt = salt
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], *, block_tokens: int = DEFAULT_BLOCK_TOKENS, limit: int | None = None, salt: str = "") -> "Trace":
-        """Read a JSON-lines trace; blank lines are skipped, anything else malformed is an error naming the line."""
+    def load(cls, path: str | os.PathLike[str], *, block_tokens: int = DEFAULT_BLOCK_TOKENS, limit: int | None = None, salt: str = "",
+             bad_lines: str = "fail") -> "Trace":
+        """Read a JSON-lines trace; blank lines are skipped, anything else malformed is an error
+        naming the line (``bad_lines="skip"``: skipped, and listed in ``skipped``)."""
+        if bad_lines not in ("fail", "skip"):
+            raise InvalidArgument(f"bad_lines must be 'fail' or 'skip', got {bad_lines!r}")
         if block_tokens <= 0:
             raise InvalidArgument(f"--block-tokens must be positive, got {block_tokens}")
         if limit is not None and limit <= 0:
@@ -118,19 +172,39 @@ class Trace:
         except OSError as e:
             raise InvalidArgument(f"cannot read trace {name}: {e.strerror or e}") from None
         reqs: list[Request] = []
+        closes: list[Close] = []
+        skipped: list[str] = []
+        open_sessions: set[str] = set()
         with f:
             try:
                 for lineno, line in enumerate(f, 1):
                     if not line.strip():
                         continue
-                    reqs.append(parse_request(line, f"{name} line {lineno}", block_tokens))
                     if limit is not None and len(reqs) >= limit:
                         break
+                    where = f"{name} line {lineno}"
+                    try:
+                        item = parse_line(line, where, block_tokens)
+                        if isinstance(item, Close):
+                            if item.session_id not in open_sessions:
+                                raise InvalidArgument(f"{where}: close_session {item.session_id!r} names no open session "
+                                                      "(no request of it yet, or closed already)")
+                            open_sessions.discard(item.session_id)
+                            closes.append(dataclasses.replace(item, before=len(reqs)))
+                            continue
+                    except InvalidArgument as e:
+                        if bad_lines == "fail":
+                            raise
+                        skipped.append(str(e))
+                        continue
+                    if item.session_id is not None:
+                        open_sessions.add(item.session_id)
+                    reqs.append(item)
             except UnicodeDecodeError as e:
                 raise InvalidArgument(f"{name}: not a UTF-8 text file ({e.reason})") from None
         if not reqs:
             raise InvalidArgument(f"trace {name} holds no requests")
-        return cls(reqs, block_tokens=block_tokens, name=name, salt=salt)
+        return cls(reqs, block_tokens=block_tokens, name=name, salt=salt, closes=closes, skipped=skipped)
 
     @classmethod
     def from_hash_ids(cls, chains: Iterable[Sequence[int]], *, block_tokens: int = DEFAULT_BLOCK_TOKENS, salt: str = "") -> "Trace":
@@ -139,12 +213,32 @@ class Trace:
         return cls(reqs, block_tokens=block_tokens, name="inline", salt=salt)
 
     def with_salt(self, salt: str) -> "Trace":
-        return Trace(self.requests, block_tokens=self.block_tokens, name=self.name, salt=salt)
+        return Trace(self.requests, block_tokens=self.block_tokens, name=self.name, salt=salt, closes=self.closes, skipped=self.skipped)
+
+    def without_sessions(self) -> "Trace":
+        """The same requests with no session ids and no close events (the unhinted replay)."""
+        reqs = [dataclasses.replace(r, session_id=None) for r in self.requests]
+        return Trace(reqs, block_tokens=self.block_tokens, name=self.name, salt=self.salt)
+
+    @functools.cached_property
+    def has_sessions(self) -> bool:
+        return bool(self.closes) or any(r.session_id is not None for r in self.requests)
+
+    def events(self) -> Iterator[tuple[int, Request | Close]]:
+        """Requests (with their index) and close events in file order; a close has index -1."""
+        c = 0
+        for i, r in enumerate(self.requests):
+            while c < len(self.closes) and self.closes[c].before <= i:
+                yield -1, self.closes[c]
+                c += 1
+            yield i, r
+        for close in self.closes[c:]:
+            yield -1, close
 
     def write(self, path: str | os.PathLike[str]) -> None:
         with open(path, "w", encoding="utf-8") as f:
-            for r in self.requests:
-                f.write(r.to_json() + "\n")
+            for _, item in self.events():
+                f.write(item.to_json() + "\n")
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -224,6 +318,8 @@ class Trace:
             "tokens": self.total_tokens,
             "duration_s": round(span, 3),
             "unlimited_hit_ratio": hits / self.total_blocks if self.total_blocks else 0.0,
+            "sessions": len({r.session_id for r in self.requests if r.session_id is not None}),
+            "session_closes": len(self.closes),
         }
 
 

@@ -13,7 +13,13 @@ The model (every draw from one ``random.Random(seed)``, so a seed names a trace)
   an earlier turn of the same conversation (an edit or a regenerate);
 * a ``one_shot`` fraction of requests are single, unrelated prompts (~``user_tokens``);
 * requests arrive at ``rate`` per second on average (the conversation start rate is
-  set so the total matches) and are written sorted by timestamp.
+  set so the total matches) and are written sorted by timestamp;
+* session hints (``sessions``): each conversation is a session (``"session_id"`` on its
+  requests; its length is its number of turns, mean ``turns``), and so is each one-shot
+  request.  A ``close_share`` of sessions that end within the trace send a
+  ``close_session`` event ``close_after_s`` after their last turn (the rest are left to
+  the node's idle TTL, like a client that forgets).  These draws come from a second
+  generator, so the requests are the same with or without sessions.
 
 Block ids follow the format's rule: full ``block_tokens`` blocks of a prompt keep their
 id from the request that first had them; a trailing partial block always gets a fresh
@@ -23,13 +29,14 @@ system prompt ends and the conversation's own tokens begin.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import math
 import random
 
 from kvstore.errors import InvalidArgument
-from kvstore.trace import DEFAULT_BLOCK_TOKENS, Request
+from kvstore.trace import DEFAULT_BLOCK_TOKENS, Close, Request
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,6 +56,9 @@ class GenParams:
     rate: float = 4.0
     max_tokens: int = 128_000
     block_tokens: int = DEFAULT_BLOCK_TOKENS
+    sessions: bool = True
+    close_after_s: float = 60.0
+    close_share: float = 1.0
 
     def check(self) -> "GenParams":
         def need(ok: bool, flag: str, what: str, v: object) -> None:
@@ -69,6 +79,8 @@ class GenParams:
         need(self.rate > 0, "rate", "positive", self.rate)
         need(self.block_tokens > 0, "block-tokens", "positive", self.block_tokens)
         need(self.max_tokens >= self.block_tokens, "max-tokens", "at least one block", self.max_tokens)
+        need(self.close_after_s >= 0 and math.isfinite(self.close_after_s), "close-after", "zero or more seconds", self.close_after_s)
+        need(0 <= self.close_share <= 1, "close-share", "in [0, 1]", self.close_share)
         return self
 
 
@@ -97,6 +109,12 @@ def _lognormal(rng: random.Random, mean: float, sigma: float = 0.8) -> int:
 
 
 def generate(p: GenParams) -> list[Request]:
+    """The requests of the trace ``p`` names (with session ids if ``p.sessions``)."""
+    return generate_events(p)[0]
+
+
+def generate_events(p: GenParams) -> tuple[list[Request], list[Close]]:
+    """The requests and the ``close_session`` events of the trace ``p`` names."""
     p.check()
     rng = random.Random(p.seed)
     ids = _Ids()
@@ -124,17 +142,21 @@ def generate(p: GenParams) -> list[Request]:
     convs: dict[int, _Conversation] = {}
     next_conv = 0
     out: list[Request] = []
+    ended: list[tuple[float, str]] = []  # (time of the last turn, session) of sessions that ended
+    one_shots = 0
 
-    def request(t: float, full: list[int], tokens: int, output: int) -> Request:
+    def request(t: float, full: list[int], tokens: int, output: int, session: str) -> Request:
         tail = [] if tokens % bt == 0 else ids.fresh(1)  # a partial last block: fresh every time
-        return Request(round(t * 1000, 3), tokens, output, tuple(full[: tokens // bt] + tail))
+        return Request(round(t * 1000, 3), tokens, output, tuple(full[: tokens // bt] + tail), session if p.sessions else None)
 
     while len(out) < p.requests:
         t, _, what = heapq.heappop(events)
         out_tokens = _lognormal(rng, p.output_tokens) if p.output_tokens else 0
         if what == -2:
             tokens = min(_lognormal(rng, p.user_tokens), p.max_tokens)
-            out.append(request(t, ids.fresh(tokens // bt), tokens, out_tokens))
+            one_shots += 1
+            out.append(request(t, ids.fresh(tokens // bt), tokens, out_tokens, f"o{one_shots}"))
+            ended.append((t, f"o{one_shots}"))
             push(t + rng.expovariate(one_shot_rate), -2)
             continue
         if what == -1:
@@ -163,12 +185,31 @@ def generate(p: GenParams) -> list[Request]:
             keep = conv.tokens // bt  # full blocks of the previous prompt stay; the rest is new
             conv.ids = conv.ids[:keep] + ids.fresh(grown // bt - keep)
             conv.tokens = grown
-        out.append(request(t, conv.ids, conv.tokens, out_tokens))
+        out.append(request(t, conv.ids, conv.tokens, out_tokens, f"c{what}"))
         conv.history.append((list(conv.ids), conv.tokens))
         conv.turns_left -= 1
         if conv.turns_left > 0 and conv.tokens < p.max_tokens:
             push(t + rng.expovariate(1 / p.think_s), what)
         else:
             del convs[what]
+            ended.append((t, f"c{what}"))
     t0 = out[0].timestamp
-    return [dataclasses.replace(r, timestamp=round(r.timestamp - t0, 3)) for r in out]
+    reqs = [dataclasses.replace(r, timestamp=round(r.timestamp - t0, 3)) for r in out]
+    return reqs, _closes(p, reqs, ended, t0) if p.sessions else []
+
+
+def _closes(p: GenParams, reqs: list[Request], ended: list[tuple[float, str]], t0: float) -> list[Close]:
+    """A close ``close_after_s`` after each ended session's last turn (a ``close_share`` of them),
+    placed among the requests by time; closes after the trace's last request are left out."""
+    rng = random.Random(f"{p.seed}/closes")  # its own draws: the requests do not depend on these
+    last = reqs[-1].timestamp
+    times = [r.timestamp for r in reqs]
+    out = []
+    for t, session in ended:
+        if rng.random() >= p.close_share:
+            continue
+        at = round(round(t * 1000, 3) - t0 + p.close_after_s * 1000, 3)  # t0: the first request's ms, unshifted
+        if at <= last:
+            out.append(Close(at, session, bisect.bisect_right(times, at)))
+    out.sort(key=lambda c: (c.before, c.timestamp))
+    return out
