@@ -39,8 +39,8 @@ from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved,
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from gpu_agent.vllm.settings import ConnectorSettings, EngineSpec
-from kvstore.errors import Incompatible, KVStoreError
+from gpu_agent.vllm.settings import RETRY_S, ConnectorSettings, EngineSpec
+from kvstore.errors import Incompatible, InvalidArgument, KVStoreError
 from kvstore.keys import Namespace, chunk_keys, parent_keys
 
 if TYPE_CHECKING:
@@ -175,12 +175,21 @@ class _SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._deferred: set[str] = set()
         self._events: KVStoreEvents | None = None
+        self._down_until = 0.0
         self.counters: dict[str, int] = {"lookups": 0, "lookup_errors": 0, "hit_tokens": 0, "lookup_us": 0}
 
     def client(self) -> Any:
         if self._client is None:
             self._client = self.settings.client(self.settings.lookup_target or None)
         return self._client
+
+    def _drop_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # closing a broken client is best effort
+                pass
 
     def matched(self, request: "Request", num_computed: int) -> tuple[int, bool]:
         if not self.consume:
@@ -193,12 +202,16 @@ class _SchedulerSide:
             return 0, False
         ns = request_namespace(self.spec, self.settings, self.chunk, request)
         keys = chunk_keys(tokens[: usable * self.chunk], ns)[first:]
+        if time.monotonic() < self._down_until:
+            return 0, False  # the store failed a moment ago: no request waits on it for RETRY_S
         t0 = time.perf_counter()
         try:
             n, tiers = self.client().match_prefix_tiers(keys)
         except KVStoreError as e:
             self.counters["lookup_errors"] += 1
-            log.warning("kvstore lookup failed (%s): request %s recomputes", e, request.request_id)
+            log.warning("kvstore lookup failed (%s): request %s recomputes; next try in %.0f s", e, request.request_id, RETRY_S)
+            self._down_until = time.monotonic() + RETRY_S
+            self._drop_client()  # a fresh channel then, not one parked in reconnect back-off
             return 0, False
         self.counters["lookups"] += 1
         self.counters["lookup_us"] += int((time.perf_counter() - t0) * 1e6)
@@ -340,10 +353,14 @@ class _WorkerSide:
         self.counters: dict[str, int] = {"loads": 0, "load_tokens": 0, "load_errors": 0, "saves": 0, "load_us": 0, "save_us": 0,
                                          "pulled_blocks": 0, "pull_us": 0}
         self._remote: Any = None  # a client of lookup_target, for chunks only other nodes hold
+        self._make_agent: Any = None
+        self._next_try = 0.0
+        self._store_errors = 0  # the agent's store_errors counter when last checked
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from gpu_agent.agent import AgentConfig, GPUAgent
         from gpu_agent.buffers import EngineBuffers
+        from gpu_agent.layout import PagedAdapter
 
         self.spec = engine_spec(self.vllm_config, self.kv_cache_config, worker=True, model_id=self.settings.model_id)
         names = [n for n in self.kv_cache_config.kv_cache_groups[0].layer_names if n in kv_caches]
@@ -354,18 +371,40 @@ class _WorkerSide:
         self.buffers = EngineBuffers.from_tensors(tensors, self.kv_cache_config.num_blocks)
         layout = self.spec.layout()
         ns = self.spec.namespace(self.chunk, salt=self.settings.salt)
+        PagedAdapter(layout, self.chunk).check_geometry(self.buffers.geometry)
         cfg = AgentConfig(hbm_bytes=self.settings.hbm_bytes, verify_loads=self.settings.verify_loads)
-        client = self.settings.client()
-        try:
-            self.agent = GPUAgent(client, layout, ns, device=tensors[0].device, config=cfg)
-        except KVStoreError as e:
-            raise Incompatible(
-                f"KVStoreConnector needs the kvstore node on this machine (kv_connector_extra_config.target="
-                f"{self.settings.target!r}): {e}"
-            ) from e
-        self.agent.adapter.check_geometry(self.buffers.geometry)
+        self._make_agent = lambda client: GPUAgent(client, layout, ns, device=tensors[0].device, config=cfg)
+        self._connect()
         log.info("KVStoreConnector: %d layers, page geometry %s, chunks of %d tokens, namespace %s",
                  len(names), self.buffers.geometry, self.chunk, ns.fingerprint.hex())
+
+    def _connect(self) -> bool:
+        """Attach to the node; a node that is not up (yet) is not an engine failure: the
+        engine serves without the cache and this is retried every ``RETRY_S``.  A target
+        that can never work here (not a local ``unix://`` node) is a configuration error."""
+        if self.agent is not None:
+            return True
+        now = time.monotonic()
+        if now < self._next_try:
+            return False
+        self._next_try = now + RETRY_S
+        client = None
+        try:
+            client = self.settings.client()
+            self.agent = self._make_agent(client)
+            log.info("KVStoreConnector: attached to %s", self.settings.target)
+            return True
+        except InvalidArgument as e:
+            raise Incompatible(
+                f"KVStoreConnector loads and saves through the kvstore node on this machine "
+                f"(kv_connector_extra_config.target={self.settings.target!r} must be its unix:// socket): {e}"
+            ) from e
+        except (KVStoreError, OSError) as e:
+            if client is not None:
+                client.close()
+            log.warning("KVStoreConnector: kvstore node at %s unreachable (%s); serving without the cache, retrying every %.0f s",
+                        self.settings.target, e, RETRY_S)
+            return False
 
     def _pull_remote(self, spec: LoadSpec) -> None:
         """Chunks the scheduler found through ``lookup_target`` (another node, a cluster)
@@ -399,6 +438,10 @@ class _WorkerSide:
             self.counters["pull_us"] += int((time.perf_counter() - t0) * 1e6)
 
     def start_load(self, meta: KVStoreMeta) -> None:
+        if not self._connect():
+            for spec in meta.loads:  # no node: every promised block is recomputed
+                self._fail(spec, spec.first_page * self.spec.block_size)  # type: ignore[union-attr]
+            return
         for spec in meta.loads:
             bs = self.spec.block_size  # type: ignore[union-attr]
             if self.settings.lookup_target:
@@ -417,6 +460,39 @@ class _WorkerSide:
             self._loads.append((spec, h))
             self.counters["loads"] += 1
             self.counters["load_tokens"] += max(0, got - spec.first_page * bs)
+        self._check_agent()
+
+    def _check_agent(self) -> None:
+        """An agent whose store calls failed is dropped (after its transfers end) and
+        attached afresh in RETRY_S: a restarted node has a new arena and socket."""
+        if self.agent is None:
+            return
+        errors = int(self.agent.stats()["counters"].get("store_errors", 0))
+        if errors > self._store_errors:
+            log.warning("KVStoreConnector: the node at %s failed; re-attaching in %.0f s", self.settings.target, RETRY_S)
+            self._retire_agent()
+            self._next_try = time.monotonic() + RETRY_S
+        self._store_errors = errors if self.agent is not None else 0
+
+    def _retire_agent(self) -> None:
+        agent, self.agent = self.agent, None
+        if agent is None:
+            return
+        for _, h in self._loads:
+            if h is not None:
+                try:
+                    h.wait(timeout=self.settings.load_timeout_s)
+                except Exception:  # the load is already counted as failed
+                    pass
+        for handle, _ in list(self._saving.values()):
+            if handle is not None:
+                try:
+                    handle.wait(self.settings.load_timeout_s)
+                except Exception:  # a failed save is a future miss
+                    pass
+        client = agent.client
+        agent.close()
+        client.close()
 
     def _fail(self, spec: LoadSpec, from_token: int) -> None:
         bs = self.spec.block_size  # type: ignore[union-attr]
@@ -448,6 +524,8 @@ class _WorkerSide:
                 ok = False
             if not ok:
                 self._fail(spec, spec.first_page * self.spec.block_size)  # type: ignore[union-attr]
+        if meta.saves and not self._connect():
+            return  # no node: nothing saved, later requests miss
         for s in meta.saves:
             t0 = time.perf_counter()
             try:
@@ -458,6 +536,8 @@ class _WorkerSide:
             self.counters["save_us"] += int((time.perf_counter() - t0) * 1e6)
             self.counters["saves"] += 1
             self._saving[s.req_id] = (handle, s)
+        if meta.saves:
+            self._check_agent()
 
     def finished(self, finished_req_ids: set[str]) -> set[str] | None:
         """Requests vLLM has finished whose save is committed (each reported once)."""
@@ -511,11 +591,7 @@ class _WorkerSide:
         if self._remote is not None:
             self._remote.close()
             self._remote = None
-        if self.agent is not None:
-            client = self.agent.client
-            self.agent.close()
-            client.close()
-            self.agent = None
+        self._retire_agent()
 
 
 # -- the connector ------------------------------------------------------------------------

@@ -20,6 +20,8 @@ from kvstore.errors import Incompatible, InvalidArgument
 from kvstore.keys import Namespace
 
 DEFAULT_TARGET = "unix://~/.local/share/kvstore/kvstore.sock"
+RETRY_S = 5.0
+"""After a failed store call, how long the connector serves without the store before trying it again."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ import pytest
 from client import KVClient
 from gpu_agent._node import PrivateNode
 from gpu_agent.vllm.engine import EngineProcess, make_lora, make_model
+from gpu_agent.vllm.settings import RETRY_S
 from kvstore.keys import Namespace, chunk_keys
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -164,13 +165,29 @@ def test_a_stopped_node_turns_into_recompute_within_the_deadline(setup: Any) -> 
         os.kill(node.proc.pid, signal.SIGCONT)
 
 
-def test_a_killed_node_turns_into_recompute(setup: Any) -> None:
+def test_a_killed_node_turns_into_recompute_and_a_restarted_one_serves_again(setup: Any) -> None:
     toks = prompt(5)
     ref = setup["prefill"].generate(toks, max_tokens=4)
     wait_stored(setup["client"], stored_keys(ref, toks))
-    setup["node"].proc.kill()
-    setup["node"].proc.wait()
+    node = setup["node"]
+    node.proc.kill()
+    node.proc.wait()
     t0 = time.monotonic()
     got = setup["decode"].generate(toks, max_tokens=4, timeout=120)
     assert time.monotonic() - t0 < 60
     assert same(got, ref)
+    node.start()  # a new process and arena on the same socket: the engines re-attach
+    toks = prompt(8)
+    end = time.monotonic() + 60
+    while True:
+        ref = setup["prefill"].generate(toks, max_tokens=4)
+        if (ref["kv_transfer_params"] or {}).get("kvstore", {}).get("saved"):
+            break
+        assert time.monotonic() < end, "the prefill engine never saved to the restarted node"
+        toks = prompt(int(time.monotonic()))
+    with KVClient(node.target) as client:
+        wait_stored(client, stored_keys(ref, toks))
+        time.sleep(RETRY_S + 1)  # the decode engine's lookups failed a moment ago: it tries again after RETRY_S
+        before = hits(client)
+        got = setup["decode"].generate(toks, max_tokens=4)
+        assert hits(client) - before == 3 and same(got, ref)
