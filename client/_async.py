@@ -133,14 +133,20 @@ class AsyncKVClient(AsyncBlockCalls):
             return stop.value  # type: ignore[no-any-return]
 
 
-    async def lookup(self, keys: Sequence[bytes]) -> list[str | None]:
-        return await self._run(self._core.lookup(as_key_list(keys)))
+    async def lookup(self, keys: Sequence[bytes], *, session: str | None = None) -> list[str | None]:
+        return await self._run(self._core.lookup(as_key_list(keys), session=session))
 
-    async def match_prefix(self, keys: Sequence[bytes]) -> int:
-        return (await self._run(self._core.match_prefix(as_key_list(keys))))[0]
+    async def match_prefix(self, keys: Sequence[bytes], *, session: str | None = None) -> int:
+        return (await self._run(self._core.match_prefix(as_key_list(keys), session=session)))[0]
 
-    async def match_prefix_tiers(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
-        return await self._run(self._core.match_prefix(as_key_list(keys)))
+    async def match_prefix_tiers(self, keys: Sequence[bytes], *, session: str | None = None) -> tuple[int, list[str]]:
+        return await self._run(self._core.match_prefix(as_key_list(keys), session=session))
+
+    async def close_session(self, session_id: str) -> bool:
+        """Session hints: ``session_id`` sends no more requests, so the blocks only it (and other
+        closed sessions) used are the node's first eviction candidates.  False if the node has
+        no such session of this caller open; ``PermissionDenied`` if another tenant's."""
+        return await self._run(self._core.close_session(session_id)) is not None
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         return await self._run(self._core.simple("Delete", pb.KeysRequest(keys=[check_key(k) for k in as_key_list(keys)])))

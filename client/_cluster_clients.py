@@ -27,6 +27,20 @@ _CLIENT_OPTIONS = ("token", "token_file", "timeouts", "transport", "verify",
                    "tls", "tls_ca_file", "tls_cert_file", "tls_key_file", "tls_server_name")
 
 
+def _close_request(session_id: str) -> pb.CloseSessionRequest:
+    from client._core import session_field
+
+    sid = session_field(session_id)
+    if not sid:
+        raise InvalidArgument("close_session needs a session id")
+    return pb.CloseSessionRequest(session_id=sid)
+
+
+def _closed_anywhere(results: dict[str, Any]) -> bool:
+    """A close fanned out to every node: whether one had the session open (nodes that failed count as not)."""
+    return any(r is True for r in results.values())
+
+
 class _ClusterBase:
     """The API both drivers share: argument handling and the calls that need no I/O."""
 
@@ -235,6 +249,11 @@ class ClusterClient(_ClusterBase, BlockCalls):
     def stats(self) -> dict[str, Any]:
         return self._run(self._core.stats())
 
+    def close_session(self, session_id: str) -> bool:
+        """Session hints: end ``session_id`` on every live node (its blocks may be on any).
+        True if some node had it open; ``PermissionDenied`` if another tenant's."""
+        return _closed_anywhere(self._run(self._core.to_all("CloseSession", _close_request(session_id), field="closed")))
+
     def acquire(self, keys: Sequence[bytes]) -> Any:
         raise self._no_views()
 
@@ -353,6 +372,10 @@ class AsyncClusterClient(_ClusterBase, AsyncBlockCalls):
 
     async def stats(self) -> dict[str, Any]:
         return await self._run(self._core.stats())
+
+    async def close_session(self, session_id: str) -> bool:
+        """See :meth:`ClusterClient.close_session`."""
+        return _closed_anywhere(await self._run(self._core.to_all("CloseSession", _close_request(session_id), field="closed")))
 
     def acquire(self, keys: Sequence[bytes]) -> Any:
         raise self._no_views()

@@ -16,6 +16,10 @@ drive the core with any transport.  Errors raised by a driver are thrown back in
 the generator, which cleans up (aborts reservations, releases leases) before they
 propagate.
 
+Session hints: ``session`` (a string, or None) on puts, reads and lookups goes to the node
+in each request's ``session_id``, so the blocks stay valuable while the session is open;
+``close_session`` ends it (``kvstore/sessions.py``).
+
 No request exceeds the node's ``max_batch`` (learnt from ``Hello``): batch operations go
 in batches that fit, so a caller never meets the limit, whatever it passes.
 
@@ -40,6 +44,7 @@ from client._datachannel import DataChannelPool
 from kvstore.block import DTYPES, BlockMeta, checksum, verify_payload
 from kvstore.errors import BlockFormatError, InvalidArgument, Unavailable
 from kvstore.keys import NO_PARENT, ChunkKey, check_key
+from kvstore.sessions import check_session_id
 from kvstore.wire import TIER_NAMES, extents_from_pb, meta_from_pb, meta_to_pb
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from tiers.arena import Arena, as_bytes_view
@@ -47,7 +52,7 @@ from tiers.arena import Arena, as_bytes_view
 T = TypeVar("T")
 Op = Generator[tuple[Any, ...], Any, T]
 
-IDEMPOTENT = {"Hello", "Lookup", "MatchPrefix", "Stats", "Delete", "Pin", "Unpin", "Invalidate", "Release", "Abort"}
+IDEMPOTENT = {"Hello", "Lookup", "MatchPrefix", "Stats", "Delete", "Pin", "Unpin", "Invalidate", "Release", "Abort", "CloseSession"}
 STREAM_CHUNK = 1 << 20
 # A put stream's blocks are all reserved until the stream ends (the node commits them
 # together): this many bytes per stream keep it far inside the reservation deadline.
@@ -104,6 +109,11 @@ class Target:
         return cls(target, False, host.strip("[]"))
 
 
+def session_field(session: object) -> str:
+    """A ``session`` argument as the ``session_id`` field carries it ("" for none); bad ones raise InvalidArgument."""
+    return check_session_id(session) or ""
+
+
 def fingerprint(namespace: object) -> bytes:
     """The 8-byte fingerprint of a :class:`~kvstore.keys.Namespace`, or the fingerprint itself."""
     fp = getattr(namespace, "fingerprint", namespace)
@@ -155,6 +165,8 @@ class ClientCore:
     Owned by one client object; the arena mapping and the data-channel pool are
     thread-safe for the disjoint copies the operations make.
     """
+
+    SESSION_HINTS = True  # its calls take session= (client/_api.py: with_session)
 
     def __init__(self, target: str, *, transport: str = "auto", timeouts: Timeouts | None = None, verify: bool = True,
                  tls: Any = None) -> None:
@@ -264,7 +276,9 @@ class ClientCore:
         namespace: bytes | None = None,
         parents: Sequence[bytes | None] | None = None,
         token_counts: Sequence[int] | None = None,
+        session: str | None = None,
     ) -> Op[list[bool]]:
+        sid = session_field(session)
         if len(keys) != len(datas):
             raise InvalidArgument(f"{len(keys)} keys but {len(datas)} payloads")
         if parents is not None and len(parents) != len(keys):
@@ -294,19 +308,19 @@ class ClientCore:
             bm = [metas[i] for i in batch]
             bv = [views[i] for i in batch]
             if self.path == "shm":
-                ok = yield from self._put_shm(bm, bv)
+                ok = yield from self._put_shm(bm, bv, sid)
             elif self.path == "data-channel":
-                ok = yield from self._put_tcp(bm, bv)
+                ok = yield from self._put_tcp(bm, bv, sid)
             else:
-                ok = yield from self._put_stream(bm, bv)
+                ok = yield from self._put_stream(bm, bv, sid)
             for i, good in zip(batch, ok):
                 stored[i] = good
         return stored
 
-    def _put_shm(self, metas: list[BlockMeta], views: list[memoryview]) -> Op[list[bool]]:
+    def _put_shm(self, metas: list[BlockMeta], views: list[memoryview], sid: str = "") -> Op[list[bool]]:
         assert self.arena is not None
         t0 = time.monotonic()
-        resp = yield ("rpc", "Reserve", pb.ReserveRequest(blocks=[meta_to_pb(m) for m in metas]))
+        resp = yield ("rpc", "Reserve", pb.ReserveRequest(blocks=[meta_to_pb(m) for m in metas], session_id=sid))
         # The node started the reservations' deadline after t0.  Past it, their space may
         # already be another block's: a block whose copy would start that late is not copied.
         stop_at = t0 + resp.ttl_s - min(1.0, 0.1 * resp.ttl_s)
@@ -347,9 +361,9 @@ class ClientCore:
             out[i] = st == pb.KEY_STATUS_OK
         return out
 
-    def _put_tcp(self, metas: list[BlockMeta], views: list[memoryview]) -> Op[list[bool]]:
+    def _put_tcp(self, metas: list[BlockMeta], views: list[memoryview], sid: str = "") -> Op[list[bool]]:
         assert self.pool is not None
-        resp = yield ("rpc", "StartPut", pb.ReserveRequest(blocks=[meta_to_pb(m) for m in metas]))
+        resp = yield ("rpc", "StartPut", pb.ReserveRequest(blocks=[meta_to_pb(m) for m in metas], session_id=sid))
         out = [s == pb.KEY_STATUS_EXISTS for s in resp.statuses]
         send = [i for i, s in enumerate(resp.statuses) if s == pb.KEY_STATUS_OK]
         if not send:
@@ -360,13 +374,13 @@ class ClientCore:
             out[i] = st == pb.KEY_STATUS_OK
         return out
 
-    def _put_stream(self, metas: list[BlockMeta], views: list[memoryview]) -> Op[list[bool]]:
+    def _put_stream(self, metas: list[BlockMeta], views: list[memoryview], sid: str = "") -> Op[list[bool]]:
         def chunks() -> Any:
             for m, v in zip(metas, views):
                 first = True
                 for off in range(0, max(v.nbytes, 1), STREAM_CHUNK):
                     data = bytes(v[off : off + STREAM_CHUNK])
-                    yield pb.BlockChunk(block=meta_to_pb(m), data=data) if first else pb.BlockChunk(data=data)
+                    yield pb.BlockChunk(block=meta_to_pb(m), data=data, session_id=sid) if first else pb.BlockChunk(data=data)
                     first = False
 
         resp = yield ("put_stream", chunks, len(metas))
@@ -374,8 +388,9 @@ class ClientCore:
 
     # -- reads --------------------------------------------------------------------------
     @_relearn_node_on_unavailable
-    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object] | None) -> Op[list[Any]]:
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object] | None, *, session: str | None = None) -> Op[list[Any]]:
         """With ``outs``: bytes written per key (``None`` for a miss).  Without: ``bytes | None`` per key."""
+        sid = session_field(session)
         ks = [check_key(k) for k in keys]
         out_views = [as_bytes_view(o, writable=True) for o in outs] if outs is not None else None
         if out_views is not None and len(out_views) != len(ks):
@@ -391,11 +406,11 @@ class ClientCore:
                 bk = [ks[i] for i in idx]
                 bo = [out_views[i] for i in idx] if out_views is not None else None
                 if self.path == "shm":
-                    got = yield from self._get_shm(bk, bo)
+                    got = yield from self._get_shm(bk, bo, sid)
                 elif self.path == "data-channel":
-                    got = yield from self._get_tcp(bk, bo)
+                    got = yield from self._get_tcp(bk, bo, sid)
                 else:
-                    got = yield from self._get_stream(bk, bo)
+                    got = yield from self._get_stream(bk, bo, sid)
                 for i, g in zip(idx, got):
                     if g is _RETRY:
                         retry.append(i)
@@ -416,10 +431,10 @@ class ClientCore:
             raise InvalidArgument(f"output buffer holds {out.nbytes} bytes; block {meta.key.hex()} has {meta.payload_len}")
         return out[: meta.payload_len]
 
-    def _get_shm(self, keys: list[ChunkKey], outs: list[memoryview] | None) -> Op[list[Any]]:
+    def _get_shm(self, keys: list[ChunkKey], outs: list[memoryview] | None, sid: str = "") -> Op[list[Any]]:
         assert self.arena is not None
         t0 = time.monotonic()
-        resp = yield ("rpc", "Acquire", pb.KeysRequest(keys=keys))
+        resp = yield ("rpc", "Acquire", pb.KeysRequest(keys=keys, session_id=sid))
         ids = [x.lease_id for x in resp.leases if x.status == pb.KEY_STATUS_OK]
         result: list[Any] = [None] * len(keys)
         arena = yield from self._live_arena(ids, "Release", pb.ReleaseRequest(lease_ids=ids))
@@ -462,9 +477,9 @@ class ClientCore:
                 result[i] = value
         return result
 
-    def _get_tcp(self, keys: list[ChunkKey], outs: list[memoryview] | None) -> Op[list[Any]]:
+    def _get_tcp(self, keys: list[ChunkKey], outs: list[memoryview] | None, sid: str = "") -> Op[list[Any]]:
         assert self.pool is not None
-        resp = yield ("rpc", "StartGet", pb.KeysRequest(keys=keys))
+        resp = yield ("rpc", "StartGet", pb.KeysRequest(keys=keys, session_id=sid))
         plan = []
         result: list[Any] = [None] * len(keys)
         try:
@@ -492,8 +507,8 @@ class ClientCore:
             result[i] = meta.payload_len if outs is not None else bytes(dest)
         return result
 
-    def _get_stream(self, keys: list[ChunkKey], outs: list[memoryview] | None) -> Op[list[Any]]:
-        chunks = yield ("get_stream", pb.KeysRequest(keys=keys))
+    def _get_stream(self, keys: list[ChunkKey], outs: list[memoryview] | None, sid: str = "") -> Op[list[Any]]:
+        chunks = yield ("get_stream", pb.KeysRequest(keys=keys, session_id=sid))
         result: list[Any] = [None] * len(keys)
         idx = -1
         meta: BlockMeta | None = None
@@ -529,28 +544,40 @@ class ClientCore:
 
     # -- small calls --------------------------------------------------------------------
     @_relearn_node_on_unavailable
-    def lookup(self, keys: Sequence[bytes]) -> Op[list[str | None]]:
+    def lookup(self, keys: Sequence[bytes], *, session: str | None = None) -> Op[list[str | None]]:
+        sid = session_field(session)
         ks = [check_key(k) for k in keys]
         limit = yield from self._limit(len(ks))
         out: list[str | None] = []
         for span in self._spans(len(ks), limit):
-            resp = yield ("rpc", "Lookup", pb.KeysRequest(keys=ks[span]))
+            resp = yield ("rpc", "Lookup", pb.KeysRequest(keys=ks[span], session_id=sid))
             out += [TIER_NAMES.get(t) for t in resp.tiers]
         return out
 
     @_relearn_node_on_unavailable
-    def match_prefix(self, keys: Sequence[bytes]) -> Op[tuple[int, list[str]]]:
+    def match_prefix(self, keys: Sequence[bytes], *, session: str | None = None) -> Op[tuple[int, list[str]]]:
+        sid = session_field(session)
         ks = [check_key(k) for k in keys]
         limit = yield from self._limit(len(ks))
         matched, tiers = 0, []
         for span in self._spans(len(ks), limit):
             part = ks[span]
-            resp = yield ("rpc", "MatchPrefix", pb.KeysRequest(keys=part))
+            resp = yield ("rpc", "MatchPrefix", pb.KeysRequest(keys=part, session_id=sid))
             matched += resp.matched
             tiers += [TIER_NAMES.get(t, "?") for t in resp.tiers]
             if resp.matched < len(part):  # a gap: the prefix ends in this batch
                 break
         return matched, tiers
+
+    @_relearn_node_on_unavailable
+    def close_session(self, session: str) -> Op[int | None]:
+        """End ``session`` on this node: how many blocks no open session holds now, or None
+        if it had no such session open."""
+        sid = session_field(session)
+        if not sid:
+            raise InvalidArgument("close_session needs a session id")
+        resp = yield ("rpc", "CloseSession", pb.CloseSessionRequest(session_id=sid))
+        return resp.blocks if resp.closed else None
 
     def call(self, method: str, request: Any) -> Op[Any]:
         """One unary call; the response as is."""
@@ -613,8 +640,9 @@ class ClientCore:
         }
 
     # -- zero-copy views (client/_zerocopy.py) --------------------------------------------
-    def acquire_views(self, keys: Sequence[bytes]) -> Op[tuple[list[int], list[Any], list[Any]]]:
+    def acquire_views(self, keys: Sequence[bytes], *, session: str | None = None) -> Op[tuple[list[int], list[Any], list[Any]]]:
         """Lease keys; return (lease ids, metas or None, arena views or None) per key."""
+        sid = session_field(session)
         yield from self.ensure_hello()
         if self.path != "shm" or self.arena is None:
             raise InvalidArgument("zero-copy views need a unix:// target whose arena this process can map")
@@ -627,7 +655,7 @@ class ClientCore:
         views: list[Any] = []
         try:
             for span in self._spans(len(ks), limit):
-                resp = yield ("rpc", "Acquire", pb.KeysRequest(keys=ks[span]))
+                resp = yield ("rpc", "Acquire", pb.KeysRequest(keys=ks[span], session_id=sid))
                 granted = [x.lease_id for x in resp.leases if x.status == pb.KEY_STATUS_OK]
                 arena = yield from self._live_arena(granted, "Release", pb.ReleaseRequest(lease_ids=granted))
                 for x in resp.leases:
@@ -646,8 +674,9 @@ class ClientCore:
             raise
         return ids, metas, views
 
-    def reserve_views(self, metas: Sequence[BlockMeta]) -> Op[tuple[list[int], list[Any], list[bool]]]:
+    def reserve_views(self, metas: Sequence[BlockMeta], *, session: str | None = None) -> Op[tuple[list[int], list[Any], list[bool]]]:
         """Reserve space; return (reservation ids of the writable ones, views or None, existed) per meta."""
+        sid = session_field(session)
         yield from self.ensure_hello()
         if self.path != "shm" or self.arena is None:
             raise InvalidArgument("zero-copy views need a unix:// target whose arena this process can map")
@@ -660,7 +689,7 @@ class ClientCore:
         try:
             for span in self._spans(len(metas), limit):
                 part = list(metas[span])
-                resp = yield ("rpc", "Reserve", pb.ReserveRequest(blocks=[meta_to_pb(m) for m in part]))
+                resp = yield ("rpc", "Reserve", pb.ReserveRequest(blocks=[meta_to_pb(m) for m in part], session_id=sid))
                 granted = [r.reservation_id for r in resp.reservations if r.status == pb.KEY_STATUS_OK]
                 arena = yield from self._live_arena(granted, "Abort", pb.AbortRequest(reservation_ids=granted))
                 for m, r in zip(part, resp.reservations):

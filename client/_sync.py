@@ -225,16 +225,25 @@ class KVClient(BlockCalls):
             return stop.value  # type: ignore[no-any-return]
 
     # -- API (put / get / exists: client._api.BlockCalls) -----------------------------------
-    def lookup(self, keys: Sequence[bytes]) -> list[str | None]:
+    def lookup(self, keys: Sequence[bytes], *, session: str | None = None) -> list[str | None]:
         """The tier (``"dram"``, ``"nvme"``) holding each key, or None."""
-        return self._run(self._core.lookup(as_key_list(keys)))
+        return self._run(self._core.lookup(as_key_list(keys), session=session))
 
-    def match_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many leading keys are stored without a gap."""
-        return self._run(self._core.match_prefix(as_key_list(keys)))[0]
+    def match_prefix(self, keys: Sequence[bytes], *, session: str | None = None) -> int:
+        """How many leading keys are stored without a gap.  ``session``: the caller's session
+        (session hints): the blocks found stay valuable while it is open."""
+        return self._run(self._core.match_prefix(as_key_list(keys), session=session))[0]
 
-    def match_prefix_tiers(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
-        return self._run(self._core.match_prefix(as_key_list(keys)))
+    def match_prefix_tiers(self, keys: Sequence[bytes], *, session: str | None = None) -> tuple[int, list[str]]:
+        return self._run(self._core.match_prefix(as_key_list(keys), session=session))
+
+    def close_session(self, session_id: str) -> bool:
+        """Session hints: ``session_id`` sends no more requests, so the blocks only it (and other
+        closed sessions) used are the node's first eviction candidates (demoted from DRAM first,
+        dropped from NVMe first); blocks open sessions share stay.  False if the node has no
+        such session of this caller open (never used, closed already, or idle past the node's
+        session_idle_ttl_s); ``PermissionDenied`` if only another tenant has it open."""
+        return self._run(self._core.close_session(session_id)) is not None
 
     def delete(self, keys: Sequence[bytes]) -> int:
         return self._run(self._core.simple("Delete", pb.KeysRequest(keys=[check_key(k) for k in as_key_list(keys)])))
@@ -270,13 +279,13 @@ class KVClient(BlockCalls):
             raise InvalidArgument("this client could not map the node's arena (is the node on this machine, sharing /dev/shm?)")
         return self._core.arena.buf
 
-    def acquire(self, keys: Sequence[bytes]) -> "LeasedBlocks":
+    def acquire(self, keys: Sequence[bytes], *, session: str | None = None) -> "LeasedBlocks":
         """Lease blocks and get read-only views of their arena bytes (no copy).  Use as a
         context manager; the views must not be used after it exits."""
         from client._zerocopy import LeasedBlocks
 
         ks = [check_key(k) for k in as_key_list(keys)]
-        ids, metas, views = self._run(self._core.acquire_views(ks))
+        ids, metas, views = self._run(self._core.acquire_views(ks, session=session))
 
         def release() -> list[bool]:
             if not ids:
@@ -285,13 +294,13 @@ class KVClient(BlockCalls):
 
         return LeasedBlocks(ks, metas, views, release)
 
-    def reserve(self, metas: Sequence["BlockMeta"]) -> "ReservedBlocks":
+    def reserve(self, metas: Sequence["BlockMeta"], *, session: str | None = None) -> "ReservedBlocks":
         """Reserve arena space for blocks described by ``metas`` and get writable views.
         Fill them, then ``commit(checksums)``; leaving the context without commit aborts."""
         from client._zerocopy import ReservedBlocks
 
         ms = list(metas)
-        ids, views, existed = self._run(self._core.reserve_views(ms))
+        ids, views, existed = self._run(self._core.reserve_views(ms, session=session))
 
         def commit(checksums: list[int] | None) -> list[bool]:
             if not ids:

@@ -41,6 +41,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reservation-ttl", dest="reservation_ttl_s", type=float, metavar="S", help="unfinished writes are reclaimed after S seconds")
     p.add_argument("--max-pin-ttl", dest="max_pin_ttl_s", type=float, metavar="S",
                    help="longest pin in seconds (default 3600); pins asking for more, or forever, are cut to it")
+    p.add_argument("--session-idle-ttl", dest="session_idle_ttl_s", type=float, metavar="S",
+                   help="session hints: close sessions idle this long (default 1800)")
     p.add_argument("--max-batch", type=int, metavar="N", help="most keys or blocks in one request (default 4096); larger requests are refused, the SDK splits its batches to fit")
     p.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, metavar="S",
                    help="on SIGTERM, running calls and transfers get S seconds to finish before they are cancelled (default 10)")
@@ -62,7 +64,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {
         k: getattr(a, k)
         for k in ("listen", "data_listen", "socket", "data_dir", "dram", "nvme", "node_id", "arena_path", "eviction_policy",
-                  "write_through", "token_file", "tenants", "lease_ttl_s", "reservation_ttl_s", "max_pin_ttl_s", "max_batch", "drain_timeout_s", "metrics_port",
+                  "write_through", "token_file", "tenants", "lease_ttl_s", "reservation_ttl_s", "max_pin_ttl_s", "session_idle_ttl_s", "max_batch", "drain_timeout_s", "metrics_port",
                   "metrics_tls", "etcd", "cluster", "zone", "etcd_lease_ttl_s", "tls_cert_file", "tls_key_file", "tls_client_ca_file")
     }
     cfg = load_config(a.config, overrides=overrides)
@@ -77,6 +79,18 @@ def _cmd_stats(a: argparse.Namespace) -> int:
     with KVClient(a.target, **client_kwargs(a)) as kv:
         print(json.dumps(kv.stats(), indent=2, sort_keys=True))
     return 0
+
+
+def _cmd_close_session(a: argparse.Namespace) -> int:
+    """Exit 0: closed (on some node); 1: no such session open for this caller."""
+    from client import KVClient
+
+    from kvstore.tls import client_kwargs
+
+    with KVClient(a.target, token_file=a.token_file, **client_kwargs(a)) as kv:
+        closed = kv.close_session(a.session_id)
+    print(f"session {a.session_id!r} {'closed' if closed else 'was not open (never used, closed already, or idle past the TTL)'}")
+    return 0 if closed else 1
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
@@ -100,6 +114,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     add_client_arguments(st)
     st.set_defaults(fn=_cmd_stats)
+    cs = sub.add_parser("close-session", help="session hints: a session sends no more requests (its own blocks are evicted first)")
+    cs.add_argument("session_id", metavar="SESSION_ID")
+    cs.add_argument("--target", default=os.environ.get("KVSTORE_TARGET", "127.0.0.1:50151"),
+                    help="unix:///path, host:port or etcd://HOST:PORT/CLUSTER (default: $KVSTORE_TARGET, else 127.0.0.1:50151)")
+    cs.add_argument("--token-file", metavar="FILE", help="bearer token of the tenant whose session it is")
+    add_client_arguments(cs)
+    cs.set_defaults(fn=_cmd_close_session)
     b = sub.add_parser("bench", help="data-path benchmark against references measured in the same run")
     from kvstore import bench as _bench
 

@@ -46,6 +46,7 @@ from kvstore.holds import TenantLimits
 from kvstore.manager import TierManager
 from kvstore.metrics import MetricsServer, NodeMetrics, manager_snapshot
 from kvstore.policy import make_policy
+from kvstore.sessions import Sessions, hinted
 from kvstore.service import AuthInterceptor, DecodeGuard, KVStoreService
 from kvstore.tenants import Callers, Ownership
 from kvstore.tls import ServerTLS
@@ -206,12 +207,15 @@ class Node:
         for stale in Arena.reclaim_stale(cfg.own_arena_files()):
             log.warning("removed %s: an arena of node %s that no running node holds (left by a node that died)", stale, cfg.node_id)
         self.arena = Arena.create(arena_file, cfg.dram, prefault=cfg.prefault, mode=int(cfg.arena_mode, 8))
-        dram = DRAMTier(self.arena, policy=make_policy(cfg.eviction_policy))
+        # session hints (kvstore/sessions.py): both tiers' policies put closed sessions' blocks first
+        sessions = Sessions(idle_ttl=cfg.session_idle_ttl_s, max_sessions=cfg.max_sessions, max_keys=cfg.max_session_blocks)
+        dram = DRAMTier(self.arena, policy=hinted(make_policy(cfg.eviction_policy), sessions))
         nvme = None
         if cfg.nvme > 0:
             from tiers.nvme import NVMeTier
 
-            nvme = self._nvme = NVMeTier(data_dir / "nvme", cfg.nvme, policy=make_policy(cfg.eviction_policy), direct_io=cfg.direct_io)
+            nvme = self._nvme = NVMeTier(data_dir / "nvme", cfg.nvme, policy=hinted(make_policy(cfg.eviction_policy), sessions),
+                                          direct_io=cfg.direct_io)
             if self.owners is not None and self.owners.created and len(nvme):
                 # blocks kept from before, but no record of who owns them (tenants just enabled,
                 # or owners.lmdb lost): every tenant can read them until one writes their namespace
@@ -224,6 +228,7 @@ class Node:
             tenant_limits={name: TenantLimits(t.max_reserved_bytes, t.max_pinned_bytes, t.max_dram_bytes, t.max_nvme_bytes)
                            for name, t in cfg.tenants.items()},
             owner_of=self.owners.owner if self.owners is not None else None,  # blocks kept across a restart keep their owner
+            sessions=sessions,
         )
         loop = self._loop = asyncio.get_running_loop()
         from kvstore import __version__

@@ -14,6 +14,10 @@ and pins are limited by ``[tenants.NAME] max_reserved_bytes`` and ``max_pinned_b
 (the tier manager enforces them: over-limit answers are ``NO_SPACE`` per block, or
 ``RESOURCE_EXHAUSTED`` when nothing of the call could be done); they count only blocks the
 tenant may see, so a refusal tells nothing about other tenants.
+
+Session hints (``kvstore/sessions.py``): lookups, reads and puts may name the caller's
+session (``session_id``); ``CloseSession`` ends one.  Sessions are the caller's tenant's:
+closing an id only another tenant has open is ``PERMISSION_DENIED``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from kvstore.datachannel import OP_GET, OP_PUT, Transfer, TransferTable
 from kvstore.keys import ChunkKey, check_key
 from kvstore.manager import Status, TierManager
 from kvstore.metrics import NodeMetrics
+from kvstore.sessions import check_session_id
 from kvstore.tenants import ADMIN, Caller, Callers, Ownership, authorization
 from kvstore.wire import BLOCKS_METADATA_KEY, ERROR_METADATA_KEY, extents_to_pb, meta_from_pb, meta_to_pb, status_for, tier_to_pb
 from protos.kvstore.v1 import kvstore_pb2 as pb
@@ -283,19 +288,31 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Lookup(self, request: pb.KeysRequest, context: Any) -> pb.LookupResponse:
-        found = self.m.exists(self._keys(request.keys), visible=self._visible(self._caller()))
+        caller = self._caller()
+        found = self.m.exists(self._keys(request.keys), visible=self._visible(caller), tenant=caller.tenant,
+                              session=check_session_id(request.session_id))
         return pb.LookupResponse(tiers=[tier_to_pb(t) for t in found])
 
     @_rpc
     async def MatchPrefix(self, request: pb.KeysRequest, context: Any) -> pb.MatchPrefixResponse:
-        n, tiers = self.m.match_prefix(self._keys(request.keys), visible=self._visible(self._caller()))
+        caller = self._caller()
+        n, tiers = self.m.match_prefix(self._keys(request.keys), visible=self._visible(caller), tenant=caller.tenant,
+                                       session=check_session_id(request.session_id))
         return pb.MatchPrefixResponse(matched=n, tiers=[int(t) for t in tiers])
+
+    @_rpc
+    async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> pb.CloseSessionResponse:
+        session = check_session_id(request.session_id)
+        if session is None:
+            raise errors.InvalidArgument("CloseSession needs a session_id")
+        n = self.m.close_session(session, tenant=self._caller().tenant)
+        return pb.CloseSessionResponse(closed=n is not None, blocks=n or 0)
 
     @_rpc
     async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:
         metas, caller = self._metas(request.blocks), self._caller()
         await self._claim(caller, metas)
-        res = await self.m.reserve(metas, tenant=caller.tenant, visible=self._visible(caller))
+        res = await self.m.reserve(metas, tenant=caller.tenant, visible=self._visible(caller), session=check_session_id(request.session_id))
         return pb.ReserveResponse(
             reservations=[pb.Reservation(status=int(r.status), reservation_id=r.reservation_id, extents=extents_to_pb(r.extents)) for r in res],
             ttl_s=self.m.reservation_ttl,
@@ -328,7 +345,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_rpc
     async def Acquire(self, request: pb.KeysRequest, context: Any) -> pb.AcquireResponse:
         caller = self._caller()
-        leased = await self.m.acquire(self._keys(request.keys), tenant=caller.tenant, visible=self._visible(caller))
+        leased = await self.m.acquire(self._keys(request.keys), tenant=caller.tenant, visible=self._visible(caller),
+                                      session=check_session_id(request.session_id))
         self.m.counters["local_bytes_out"] += sum(x.meta.payload_len for x in leased if x.status == Status.OK)
         return pb.AcquireResponse(leases=[self._lease_pb(x) for x in leased], ttl_s=self.m.lease_ttl)
 
@@ -342,7 +360,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_rpc
     async def StartGet(self, request: pb.KeysRequest, context: Any) -> pb.StartGetResponse:
         caller = self._caller()
-        leased = await self.m.acquire(self._keys(request.keys), tenant=caller.tenant, visible=self._visible(caller))
+        leased = await self.m.acquire(self._keys(request.keys), tenant=caller.tenant, visible=self._visible(caller),
+                                      session=check_session_id(request.session_id))
         items = [(x.lease_id, x.meta, list(x.extents)) for x in leased if x.status == Status.OK]
         tid = self.transfers.add(Transfer(OP_GET, self.m.clock() + self.m.lease_ttl, items)) if items else b""
         return pb.StartGetResponse(transfer_id=tid, leases=[self._lease_pb(x) for x in leased], ttl_s=self.m.lease_ttl)
@@ -351,7 +370,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def StartPut(self, request: pb.ReserveRequest, context: Any) -> pb.StartPutResponse:
         metas, caller = self._metas(request.blocks), self._caller()
         await self._claim(caller, metas)
-        res = await self.m.reserve(metas, tenant=caller.tenant, visible=self._visible(caller))
+        res = await self.m.reserve(metas, tenant=caller.tenant, visible=self._visible(caller), session=check_session_id(request.session_id))
         items = []
         for meta, r in zip(metas, res):
             if r.status == Status.OK:
@@ -456,7 +475,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     (meta,) = self._metas([chunk.block])
                     await self._claim(caller, [meta])
                     # over the tenant's max_reserved_bytes: NO_SPACE for this block, the stream goes on
-                    (r,) = await self.m.reserve([meta], tenant=caller.tenant, visible=visible, refuse_over_limit=False)
+                    (r,) = await self.m.reserve([meta], tenant=caller.tenant, visible=visible, refuse_over_limit=False,
+                                                session=check_session_id(chunk.session_id))
                     statuses.append(int(r.status))
                     current = (meta, r.reservation_id if r.status == Status.OK else 0, list(r.extents), 0)
                 if current is None:
@@ -509,6 +529,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             if isinstance(request, Malformed):
                 raise request.invalid()
             keys = self._keys(request.keys)
+            session = check_session_id(request.session_id)
             caller = self._identify(context)
         except errors.KVStoreError as e:
             context.set_trailing_metadata(((ERROR_METADATA_KEY, type(e).__name__),))
@@ -517,7 +538,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         visible = self._visible(caller)
         for i, key in enumerate(keys):
             # one request, however many keys
-            (x,) = await self.m.acquire([key], request=i == 0, tenant=caller.tenant, visible=visible)
+            (x,) = await self.m.acquire([key], request=i == 0, tenant=caller.tenant, visible=visible, session=session)
             if x.status != Status.OK:
                 yield pb.BlockChunk(block=pb.BlockInfo(key=key), status=int(x.status))
                 continue

@@ -90,10 +90,12 @@ class HelloResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_size: _Optional[int] = ..., data_port: _Optional[int] = ..., max_block_bytes: _Optional[int] = ..., max_batch: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., reservation_ttl_s: _Optional[float] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "session_id")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    session_id: str
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("tiers",)
@@ -110,10 +112,12 @@ class MatchPrefixResponse(_message.Message):
     def __init__(self, matched: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("blocks",)
+    __slots__ = ("blocks", "session_id")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     blocks: _containers.RepeatedCompositeFieldContainer[BlockInfo]
-    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ...) -> None: ...
+    session_id: str
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class Reservation(_message.Message):
     __slots__ = ("status", "reservation_id", "extents")
@@ -212,14 +216,16 @@ class StartPutResponse(_message.Message):
     def __init__(self, transfer_id: _Optional[bytes] = ..., statuses: _Optional[_Iterable[_Union[KeyStatus, str]]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class BlockChunk(_message.Message):
-    __slots__ = ("block", "data", "status")
+    __slots__ = ("block", "data", "status", "session_id")
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     block: BlockInfo
     data: bytes
     status: KeyStatus
-    def __init__(self, block: _Optional[_Union[BlockInfo, _Mapping]] = ..., data: _Optional[bytes] = ..., status: _Optional[_Union[KeyStatus, str]] = ...) -> None: ...
+    session_id: str
+    def __init__(self, block: _Optional[_Union[BlockInfo, _Mapping]] = ..., data: _Optional[bytes] = ..., status: _Optional[_Union[KeyStatus, str]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class DeleteResponse(_message.Message):
     __slots__ = ("count",)
@@ -297,3 +303,17 @@ class ReportHitsRequest(_message.Message):
     short_copies: int
     namespace_name: str
     def __init__(self, op: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., blocks: _Optional[int] = ..., tokens: _Optional[int] = ..., namespace: _Optional[bytes] = ..., remote: _Optional[bool] = ..., miss_reason: _Optional[str] = ..., short_copies: _Optional[int] = ..., namespace_name: _Optional[str] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("closed", "blocks")
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    closed: bool
+    blocks: int
+    def __init__(self, closed: _Optional[bool] = ..., blocks: _Optional[int] = ...) -> None: ...

@@ -124,6 +124,11 @@ class KVStoreStub:
                 request_serializer=protos_dot_kvstore_dot_v1_dot_kvstore__pb2.ReportHitsRequest.SerializeToString,
                 response_deserializer=protos_dot_kvstore_dot_v1_dot_kvstore__pb2.Empty.FromString,
                 _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/kvstore.v1.KVStore/CloseSession',
+                request_serializer=protos_dot_kvstore_dot_v1_dot_kvstore__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=protos_dot_kvstore_dot_v1_dot_kvstore__pb2.CloseSessionResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -237,6 +242,12 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CloseSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -329,6 +340,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.ReportHits,
                     request_deserializer=protos_dot_kvstore_dot_v1_dot_kvstore__pb2.ReportHitsRequest.FromString,
                     response_serializer=protos_dot_kvstore_dot_v1_dot_kvstore__pb2.Empty.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=protos_dot_kvstore_dot_v1_dot_kvstore__pb2.CloseSessionRequest.FromString,
+                    response_serializer=protos_dot_kvstore_dot_v1_dot_kvstore__pb2.CloseSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -817,6 +833,33 @@ class KVStore:
             '/kvstore.v1.KVStore/ReportHits',
             protos_dot_kvstore_dot_v1_dot_kvstore__pb2.ReportHitsRequest.SerializeToString,
             protos_dot_kvstore_dot_v1_dot_kvstore__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/CloseSession',
+            protos_dot_kvstore_dot_v1_dot_kvstore__pb2.CloseSessionRequest.SerializeToString,
+            protos_dot_kvstore_dot_v1_dot_kvstore__pb2.CloseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
