@@ -20,6 +20,12 @@ the policy under test, and replay into an empty node.  The capacity is read from
 node (DRAM bytes ÷ rounded block bytes), and each run salts its keys (a fresh namespace
 salt) so a second run against the same node shares nothing with the first.
 
+Session hints: each request's ``session_id`` goes with its calls and each ``close_session``
+event of the trace is a ``close_session`` call at its place, so the node's own session code
+decides (its ``session_idle_ttl_s`` runs on its wall clock: for the simulator's figures to
+match, the replay must not leave a session idle that long).  A cluster target's puts cannot
+carry a session yet: there the trace's sessions are dropped, with a warning.
+
 Owner of state: one :class:`LiveReplay` per run, single-threaded.
 """
 
@@ -158,24 +164,34 @@ def replay_live(
         if resident:
             warn(f"the node already holds {resident} blocks: they take room the simulator does not model")
         per_batch = put_batch(cap, batch)
+        hints = trace.has_sessions
+        if hints and target.startswith("etcd://"):
+            warn("a cluster client's puts cannot carry session ids yet: the trace's sessions and closes are not sent")
+            hints = False
         hits: list[int] = []
         start = clock()
-        for i, (req, keys) in enumerate(zip(trace.requests, trace.keys)):
+        for i, req in trace.events():
             if speedup:
                 delay = req.timestamp / 1000.0 / speedup - (clock() - start)
                 if delay > 0:
                     sleep(delay)
-            n = kv.match_prefix(keys) if keys else 0
+            if i < 0:  # a close_session event
+                if hints:
+                    kv.close_session(req.session_id)
+                continue
+            keys = trace.keys[i]
+            hint = {"session": req.session_id} if hints else {}  # type: ignore[union-attr]  # cluster clients take none
+            n = kv.match_prefix(keys, **hint) if keys else 0
             if n:
                 outs = [scratch[j * block_bytes : (j + 1) * block_bytes] for j in range(n)]
-                got = kv.get_many_into(keys[:n], outs)
+                got = kv.get_many_into(keys[:n], outs, **hint)
                 if any(g is None for g in got):
                     warn(f"request {i}: {sum(g is None for g in got)} of {n} matched blocks vanished before the read")
             parents = trace.parents(i)
-            tokens = trace.block_token_counts(req)
+            tokens = trace.block_token_counts(req)  # type: ignore[arg-type]
             for s in range(n, len(keys), per_batch):
                 e = min(s + per_batch, len(keys))
-                kv.put_many(keys[s:e], [payload] * (e - s), namespace=ns, parents=parents[s:e], token_counts=tokens[s:e])
+                kv.put_many(keys[s:e], [payload] * (e - s), namespace=ns, parents=parents[s:e], token_counts=tokens[s:e], **hint)
             hits.append(n)
         elapsed = clock() - start
         after = kv.stats()

@@ -109,8 +109,8 @@ def _lognormal(rng: random.Random, mean: float, sigma: float = 0.8) -> int:
 
 
 def generate(p: GenParams) -> list[Request]:
-    """The requests of the trace ``p`` names (with session ids if ``p.sessions``)."""
-    return generate_events(p)[0]
+    """The requests of the trace ``p`` names, without session hints (:func:`generate_events` gives them)."""
+    return generate_events(dataclasses.replace(p, sessions=False))[0]
 
 
 def generate_events(p: GenParams) -> tuple[list[Request], list[Close]]:

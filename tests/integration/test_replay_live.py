@@ -18,7 +18,7 @@ from kvstore.cli import main as cli_main
 from kvstore.livereplay import new_salt, replay_live
 from kvstore.simulator import simulate
 from kvstore.trace import Request, Trace
-from kvstore.tracegen import GenParams, generate
+from kvstore.tracegen import GenParams, generate, generate_events
 
 BLOCK = 64 << 10
 CAPACITY = 48
@@ -107,3 +107,17 @@ def test_live_over_a_cluster(cluster: Any, trace: Trace) -> None:
     assert live.per_request_hits == simulate(salted, live.capacity_blocks, "prefix-reuse").per_request_hits
     assert live.events["dram_evictions"] == 0
     assert live.bytes_moved["client_to_dram"] == (live.blocks - live.hit_blocks) * BLOCK
+
+
+def test_live_session_hints_match_the_simulator(node_factory: Any) -> None:
+    # sessions close 2 s after their last turn: the node's own session code decides, as the simulator's does
+    reqs, closes = generate_events(GenParams(requests=120, seed=12, system_prompts=4, system_tokens=3000, user_tokens=1200,
+                                             turns=4, think_s=5, rate=8, close_after_s=2))
+    salted = Trace(reqs, closes=closes).with_salt(new_salt())
+    assert salted.has_sessions and len(salted.closes) > 10
+    node = node_factory("--dram", str(CAPACITY * BLOCK), "--nvme", "0", "--eviction-policy", "prefix-reuse")
+    live = replay_live(salted, node.unix, block_bytes=BLOCK, batch=16, log=None)
+    hinted = simulate(salted, CAPACITY, "prefix-reuse", sessions=True)
+    plain = simulate(salted, CAPACITY, "prefix-reuse")
+    assert live.per_request_hits == hinted.per_request_hits
+    assert hinted.per_request_hits != plain.per_request_hits  # the hints changed what was kept
