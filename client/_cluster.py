@@ -2,7 +2,9 @@
 
 The client watches the cluster's membership in etcd (a
 :class:`~kvstore.cluster.membership.Membership` thread) and computes each key's owners
-itself with rendezvous hashing (:mod:`kvstore.cluster.placement`): no metadata hop.
+itself (:mod:`kvstore.cluster.placement`, the scheme the cluster's ``placement`` setting
+names): no metadata hop.  The placement table of a membership is built once, on the view's
+thread when the membership changes, and shared by every call (``Plan``).
 Per node it uses an ordinary single-node client (``KVClient`` / ``AsyncKVClient``,
 unchanged), through the node's Unix socket and shared memory when the node runs on
 this machine, over TCP otherwise.
@@ -21,8 +23,9 @@ Routing rules:
 * **Reads** go to the owners in rank order, one round per rank, each round one batched
   call per node in parallel; the first owner that has the block answers.  After the
   owners, a key may be tried on its *previous* owners (the owners under a membership
-  this client saw before a node joined, for ``handoff_window_s``): on a hit there the
-  block is copied to the current owners (a hand-off read).
+  this client saw before the membership or the placement scheme changed, for
+  ``handoff_window_s``): on a hit there the block is copied to the current owners (a
+  hand-off read).
 * **Failures**: a node that answers ``Unavailable`` or ``DeadlineExceeded`` (every call
   has a deadline) counts as a miss (in :meth:`ClusterClient.miss_counts`, reasons
   ``node_down`` / ``deadline``: nodes cannot count what never reached them) and is marked *suspect*: calls skip it for
@@ -61,7 +64,7 @@ from client._core import (
 )
 from kvstore.block import BlockMeta, verify_payload
 from kvstore.cluster.membership import Membership
-from kvstore.cluster.placement import Ring
+from kvstore.cluster.placement import Placement, group_keys, placement
 from kvstore.cluster.state import ClusterSnapshot, NodeInfo, effective_fingerprint, parse_target
 from kvstore.errors import (
     BlockFormatError, CapacityExceeded, DeadlineExceeded, InvalidArgument, OwnershipUnavailable, PermissionDenied, Unauthenticated,
@@ -99,12 +102,18 @@ class Plan:
 
     snapshot: ClusterSnapshot
     nodes: Mapping[str, NodeInfo]
-    ring: Ring
+    ring: Placement
     r: int
-    previous: tuple[Ring, ...]  # memberships before recent joins, newest first
+    previous: tuple[Placement, ...]  # placements before recent membership changes, newest first
 
     def owners(self, key: bytes) -> list[str]:
         return self.ring.owners(key, self.r)
+
+    def owners_many(self, keys: Sequence[bytes]) -> list[list[str]]:
+        many = getattr(self.ring, "owners_many", None)
+        if many is not None:
+            return many(keys, self.r)  # type: ignore[no-any-return]
+        return [self.ring.owners(k, self.r) for k in keys]
 
     def handoff(self, key: bytes, owners: Sequence[str]) -> list[str]:
         out: list[str] = []
@@ -245,8 +254,9 @@ class ClusterCore:
         self._registered: set[bytes] = set()
         self._registrations: Mapping[str, tuple[int, int]] = {}  # the latest view's, for ``_seen`` and ``failed``
         self._plan: tuple[int, float, Plan] | None = None
-        self._history: list[tuple[float, frozenset[str]]] = []  # (when, node set before a join)
-        self._last_nodes: frozenset[str] = frozenset()
+        # (when, placement spec before a change): membership (node -> weight) or scheme
+        self._history: list[tuple[float, tuple[str, tuple[tuple[str, int], ...]]]] = []
+        self._last_spec: tuple[str, tuple[tuple[str, int], ...]] | None = None
         self._hist_lock = threading.Lock()
         self.membership = Membership(endpoints, self.cluster, timeout=min(2.0, self.timeouts.rpc), on_change=self._seen)
         self.membership.start(wait=wait_s)
@@ -262,8 +272,9 @@ class ClusterCore:
 
     # -- membership and placement ----------------------------------------------------------
     def _seen(self, snap: ClusterSnapshot) -> None:
-        """Clear nodes that registered again from the suspect list, and remember the membership
-        before each join (for hand-off reads); runs on the view's thread, before the view swaps."""
+        """Clear nodes that registered again from the suspect list, remember the placement before
+        each change (for hand-off reads) and build the new one; runs on the view's thread,
+        before the view swaps, so no call pays for a placement table."""
         if snap.loaded:
             last, self._registrations = self._registrations, snap.registrations
             for node, reg in snap.registrations.items():
@@ -273,12 +284,19 @@ class ClusterCore:
                     self.suspects.clear(node)
         if not snap.nodes:
             return
-        nodes = frozenset(snap.nodes)
+        spec = (snap.config.placement, tuple(sorted(snap.members().items())))
         with self._hist_lock:
-            if self._last_nodes and not nodes <= self._last_nodes:
-                self._history.insert(0, (time.monotonic(), self._last_nodes))
+            if self._last_spec is not None and spec != self._last_spec:
+                self._history.insert(0, (time.monotonic(), self._last_spec))
                 del self._history[4:]
-            self._last_nodes = nodes
+            self._last_spec = spec
+        try:
+            ring = placement(spec[0], dict(spec[1]))
+            ring_ranks = getattr(ring, "ranks", None)
+            if ring_ranks is not None:
+                ring_ranks(self.replication or snap.config.replication)
+        except (InvalidArgument, ValueError) as e:  # cannot happen for records that parsed; never kill the view
+            log.error("cannot build the placement of cluster %s: %s", self.cluster, e)
 
     def plan(self) -> Plan:
         snap = self.membership.snapshot()
@@ -290,8 +308,10 @@ class ClusterCore:
         r = self.replication or snap.config.replication
         window = snap.config.handoff_window_s
         with self._hist_lock:
-            previous = tuple(Ring(s & set(nodes)) for t, s in self._history if now - t < window and s & set(nodes))
-        plan = Plan(snap, nodes, Ring(nodes), r, previous)
+            history = [spec for t, spec in self._history if now - t < window]
+        previous = tuple(placement(scheme, dict(members)) for scheme, members in history
+                         if any(n in nodes for n, _ in members))
+        plan = Plan(snap, nodes, placement(snap.config.placement, {n: i.weight for n, i in nodes.items()}), r, previous)
         self._plan = (id(snap), now, plan)
         return plan
 
@@ -329,7 +349,9 @@ class ClusterCore:
     def chunk_keys(self, tokens: Any, namespace: Namespace) -> list[ChunkKey]:
         if not isinstance(namespace, Namespace):
             raise InvalidArgument(f"chunk_keys needs a Namespace, got {type(namespace).__name__}")
-        return chunk_keys(tokens, _Seeded(self.effective(namespace), namespace.chunk_tokens))  # type: ignore[arg-type]
+        keys = chunk_keys(tokens, _Seeded(self.effective(namespace), namespace.chunk_tokens))  # type: ignore[arg-type]
+        group = self.membership.snapshot().config.chunk_group
+        return keys if group == 1 else [ChunkKey(k) for k in group_keys(keys, group)]
 
     # -- outcome of one node call ------------------------------------------------------------
     def failed(self, node: str, result: object, plan: Plan) -> bool:
@@ -368,8 +390,8 @@ class ClusterCore:
         plan = self.plan()
         groups: dict[str, list[int]] = {}
         skipped = 0
-        for i, k in enumerate(ks):
-            for n in plan.owners(k):
+        for i, own in enumerate(plan.owners_many(ks)):
+            for n in own:
                 if n not in self.suspects:
                     groups.setdefault(n, []).append(i)
                 else:  # no substitute owner: the block has one copy fewer until it is written again
@@ -483,7 +505,7 @@ class ClusterCore:
         if outs is not None and len(outs) != len(ks):
             raise InvalidArgument(f"{len(ks)} keys but {len(outs)} output buffers")
         plan = self.plan()
-        owners = [plan.owners(k) for k in ks]
+        owners = plan.owners_many(ks)
         # 1) the owners, in rank order
         why: list[str | None] = [None] * len(ks)
         result, _ = yield from self._rounds(
@@ -528,10 +550,9 @@ class ClusterCore:
         """Tier and node of each key: owners first, then previous owners (a later get hands it off)."""
         ks = [check_key(k) for k in as_key_list(keys)]
         plan = self.plan()
-        cands = []
-        for k in ks:
-            o = plan.owners(k)
-            cands.append(o + plan.handoff(k, o) if plan.previous else o)
+        cands = plan.owners_many(ks)
+        if plan.previous:
+            cands = [o + plan.handoff(k, o) for k, o in zip(ks, cands)]
         why: list[str | None] = [None] * len(ks)
         tiers, where = yield from self._rounds(
             plan, ks, cands, lambda idx: lambda core: core.lookup([ks[i] for i in idx]), hit=lambda t: t is not None, prefix=prefix,
@@ -549,8 +570,8 @@ class ClusterCore:
         ks = [check_key(k) for k in as_key_list(keys)]
         plan = self.plan()
         groups: dict[str, list[ChunkKey]] = {}
-        for k in ks:
-            for n in plan.owners(k):
+        for k, own in zip(ks, plan.owners_many(ks)):
+            for n in own:
                 if n not in self.suspects:
                     groups.setdefault(n, []).append(k)
         calls = [(n, lambda core, sub=sub: core.simple(method, make(sub))) for n, sub in groups.items()]

@@ -181,6 +181,7 @@ class NodeConfig(BaseModel):
     cluster: str = Field("default", description="Cluster name: membership, config and namespaces live under /kvstore/<cluster>/ in etcd.")
     zone: str = Field("", description="Failure zone of this node, published in its membership record.")
     etcd_lease_ttl_s: float = Field(10.0, ge=1, description="TTL of the etcd lease that holds this node's membership record (whole seconds, rounded up).")
+    placement_weight: int = Field(100, ge=1, le=10_000, description="This node's share of keys in its cluster relative to others (100: an ordinary node; 200: twice the keys), published in its membership record; bounded-v1 placement only.")
     tls_cert_file: str = Field("", description="PEM certificate (chain) of the TCP listeners (gRPC and data channel); with tls_key_file, they serve TLS 1.2+ only. The Unix socket stays plaintext.")
     tls_key_file: str = Field("", description="PEM private key (unencrypted) of tls_cert_file.")
     tls_client_ca_file: str = Field("", description="PEM CA certificate(s): when set, TCP clients must present a certificate it signed (mutual TLS).")

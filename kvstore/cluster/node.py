@@ -54,6 +54,7 @@ class NodeAgent:
             data_dir=str(endpoints.get("data_dir", cfg.data_dir)),
             started_at=time.time(),
             metrics=str(endpoints.get("metrics") or ""),
+            weight=cfg.placement_weight,
         )
         self.registration = Registration(cfg.etcd, cfg.cluster, self.info, ttl_s=cfg.etcd_lease_ttl_s)
         # with tenants: the ownership table caches etcd's owners/ records (claims go to the registry)

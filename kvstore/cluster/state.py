@@ -35,6 +35,7 @@ from typing import Any
 
 import xxhash
 
+from kvstore.cluster import placement as _placement
 from kvstore.errors import InvalidArgument
 
 ROOT = "/kvstore"
@@ -94,11 +95,18 @@ class Setting:
     default: Any
     minimum: float
     doc: str
+    maximum: float = math.inf
+    choices: tuple[str, ...] = ()  # for str settings: the values allowed
 
 
 CONFIG: dict[str, Setting] = {
-    "replication": Setting(int, 1, 1, "copies of each block: the top R nodes of the rendezvous order own it"),
-    "handoff_window_s": Setting(float, 300.0, 0, "for this long after a node joins, a miss on a new owner is retried on the previous owner (hand-off read)"),
+    "replication": Setting(int, 1, 1, "copies of each block: the first R owners of the placement own it"),
+    "handoff_window_s": Setting(float, 300.0, 0, "for this long after the membership changes, a miss on a new owner is retried on the previous owners (hand-off read)"),
+    "placement": Setting(str, _placement.DEFAULT_SCHEME, 0, "how keys map to owners: bounded-v1 (O(1) table, weighted) or rendezvous-v1 "
+                         "(the original scheme, for fleets with clients older than bounded-v1; see kvstore.cluster.placement)",
+                         choices=_placement.SCHEMES),
+    "chunk_group": Setting(int, 1, 1, "consecutive chunks of one prefix that share owners in keys from ClusterClient.chunk_keys "
+                           "(1: every chunk placed alone); changing it re-keys every prefix, like an invalidation", maximum=4096),
 }
 
 
@@ -107,6 +115,16 @@ def parse_setting(name: str, raw: object) -> Any:
     s = CONFIG.get(name)
     if s is None:
         raise InvalidArgument(f"unknown cluster setting {name!r}; known: {', '.join(sorted(CONFIG))}")
+    if s.kind is str:
+        text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+        if isinstance(text, str) and text.startswith('"'):
+            try:
+                text = json.loads(text)
+            except ValueError:
+                pass
+        if text not in s.choices:
+            raise InvalidArgument(f"cluster setting {name} must be one of {', '.join(s.choices)}; got {raw!r}")
+        return text
     try:
         value = s.kind(json.loads(raw) if isinstance(raw, (str, bytes)) else raw)
         if s.kind is int and isinstance(raw, (str, bytes)) and not float(json.loads(raw)).is_integer():
@@ -115,6 +133,8 @@ def parse_setting(name: str, raw: object) -> Any:
         raise InvalidArgument(f"cluster setting {name} must be {s.kind.__name__}, got {raw!r}") from None
     if isinstance(value, float) and not math.isfinite(value) or value < s.minimum:
         raise InvalidArgument(f"cluster setting {name} must be >= {s.minimum}, got {value}")
+    if value > s.maximum:
+        raise InvalidArgument(f"cluster setting {name} must be <= {s.maximum:g}, got {value}")
     return value
 
 
@@ -122,6 +142,8 @@ def parse_setting(name: str, raw: object) -> Any:
 class ClusterConfig:
     replication: int = 1
     handoff_window_s: float = 300.0
+    placement: str = _placement.DEFAULT_SCHEME
+    chunk_group: int = 1
 
     @classmethod
     def from_raw(cls, raw: Mapping[str, bytes]) -> "ClusterConfig":
@@ -156,15 +178,31 @@ class NodeInfo:
     data_dir: str = ""
     started_at: float = 0.0  # unix seconds when this incarnation registered
     metrics: str = ""  # http://host:port/metrics when the node serves Prometheus metrics
+    # share of keys relative to other nodes (_placement.DEFAULT_WEIGHT = one ordinary node's);
+    # added with bounded-v1 placement: records without it (older nodes) count the default
+    weight: int = _placement.DEFAULT_WEIGHT
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> "NodeInfo":
+        """A record from etcd; ValueError if it does not parse (the watcher then ignores it, logged)."""
         d = json.loads(raw)
+        if not isinstance(d, dict):
+            raise ValueError(f"a node record is a JSON object, got {type(d).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})  # newer nodes may add fields
+        try:
+            info = cls(**{k: v for k, v in d.items() if k in names})  # newer nodes may add fields
+        except TypeError as e:  # a required field missing
+            raise ValueError(f"not a node record: {e}") from None
+        if not isinstance(info.node_id, str) or not info.node_id or not isinstance(info.grpc, str):
+            raise ValueError("a node record needs a node_id and a grpc address")
+        try:
+            _placement.check_weight(info.weight, f"weight of node {info.node_id!r}")
+        except InvalidArgument as e:
+            raise ValueError(str(e)) from None
+        return info
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -232,6 +270,10 @@ class ClusterSnapshot:
     registrations: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     connected: bool = False  # False: etcd unreachable, this is the last view we had
     loaded: bool = False  # False: never reached etcd (the view is empty, not known-empty)
+
+    def members(self) -> dict[str, int]:
+        """Live nodes and their placement weights (what placement is a function of)."""
+        return {n: i.weight for n, i in self.nodes.items()}
 
     def epoch(self, fingerprint: bytes) -> int:
         rec = self.namespaces.get(bytes(fingerprint))

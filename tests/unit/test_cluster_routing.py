@@ -7,6 +7,7 @@ the watcher calls) and drives the core's sans-I/O operations by hand, feeding no
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -247,3 +248,43 @@ def test_regression_handoff_calls_fit_the_nodes_max_batch() -> None:
     sizes.clear()
     assert run(_put_blocks([m for m, _ in got], [p for _, p in got])(node)) == [True] * len(keys)
     assert stored == payloads and sizes == [4, 4, 4, 1]
+
+
+def test_handoff_covers_leaves_and_placement_scheme_changes(core: ClusterCore) -> None:
+    """bounded-v1 may move a few keys between nodes that stayed (its bounded overflow), and a
+    switch of the placement setting moves most: reads then try the previous owners too."""
+    from kvstore.cluster.placement import BoundedTable, Ring
+
+    regs = {n: (i + 1, 100 + i) for i, n in enumerate("abcd")}
+    publish(core, view(10, regs, replication=1))
+    assert isinstance(core.plan().ring, BoundedTable)
+    before = core.plan()
+    publish(core, view(11, {n: r for n, r in regs.items() if n != "d"}, replication=1))  # d leaves
+    plan = core.plan()
+    assert len(plan.previous) == 1 and set(plan.previous[0].nodes) == set("abcd")  # the full previous membership
+    for k in KEYS:
+        old, new = before.owners(k), plan.owners(k)
+        assert plan.handoff(k, new) == [n for n in old if n not in new and n != "d"]
+    snap = view(12, {n: r for n, r in regs.items() if n != "d"}, replication=1)
+    publish(core, dataclasses.replace(snap, config=ClusterConfig(replication=1, placement="rendezvous-v1")))
+    plan = core.plan()
+    assert isinstance(plan.ring, Ring) and isinstance(plan.previous[0], BoundedTable)
+
+
+def test_chunk_keys_follow_the_cluster_chunk_group(core: ClusterCore) -> None:
+    import numpy as np
+
+    from kvstore.keys import Namespace, chunk_keys
+
+    ns = Namespace("grouped", chunk_tokens=4)
+    tokens = np.arange(4 * 40)
+    publish(core, view(10, {"a": (1, 1), "b": (2, 2), "c": (3, 3)}))
+    plain = core.chunk_keys(tokens, ns)
+    assert plain == chunk_keys(tokens, ns)  # chunk_group 1 (the default): the plain keys
+    snap = view(11, {"a": (1, 1), "b": (2, 2), "c": (3, 3)})
+    publish(core, dataclasses.replace(snap, config=ClusterConfig(replication=2, chunk_group=8)))
+    grouped = core.chunk_keys(tokens, ns)
+    assert [k[4:] for k in grouped] == [k[4:] for k in plain] and len(set(grouped)) == len(grouped)
+    plan = core.plan()
+    assert len({tuple(plan.owners(k)) for k in grouped[:8]}) == 1  # one group, one set of owners
+    assert len({tuple(o) for o in plan.owners_many(grouped)}) <= 5  # 40 chunks, 5 groups
