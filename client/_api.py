@@ -5,7 +5,7 @@
 cluster) and in how they run its operations (``_run``); both cores answer ``put_many`` and
 ``get_many_into`` alike, so the calls built on them are written once here.  Owns no state.
 
-``session=`` (session hints, ``kvstore/sessions.py``) names the caller's session on a put
+``session_id=`` (session hints, ``kvstore/sessions.py``) names the caller's session on a put
 or read; a core that cannot carry it (the cluster core, for now) refuses it rather than
 drop it.
 """
@@ -39,28 +39,28 @@ class BlockCalls:
         def lookup(self, keys: Sequence[bytes]) -> list[str | None]: ...
 
     def put(self, key: bytes, data: object, *, namespace: bytes | Namespace | None = None, parent: bytes | None = None, token_count: int = 0,
-            session: str | None = None) -> bool:
+            session_id: str | None = None) -> bool:
         """Store one block; True if it is stored (or already was), False if the node had no room."""
         return self._run(self._core.put_many([key], [data], namespace=namespace, parents=[parent], token_counts=[token_count],  # type: ignore[no-any-return]
-                                             **with_session(self._core, session)))[0]
+                                             **with_session(self._core, session_id)))[0]
 
     def put_many(self, keys: Sequence[bytes], datas: Sequence[object], *, namespace: bytes | Namespace | None = None,
-                 parents: Sequence[bytes | None] | None = None, token_counts: Sequence[int] | None = None, session: str | None = None) -> list[bool]:
+                 parents: Sequence[bytes | None] | None = None, token_counts: Sequence[int] | None = None, session_id: str | None = None) -> list[bool]:
         return self._run(self._core.put_many(list(keys), list(datas), namespace=namespace, parents=parents, token_counts=token_counts,  # type: ignore[no-any-return]
-                                             **with_session(self._core, session)))
+                                             **with_session(self._core, session_id)))
 
-    def get(self, key: bytes, *, session: str | None = None) -> bytes | None:
-        return self._run(self._core.get_many_into([key], None, **with_session(self._core, session)))[0]  # type: ignore[no-any-return]
+    def get(self, key: bytes, *, session_id: str | None = None) -> bytes | None:
+        return self._run(self._core.get_many_into([key], None, **with_session(self._core, session_id)))[0]  # type: ignore[no-any-return]
 
-    def get_into(self, key: bytes, out: object, *, session: str | None = None) -> int | None:
+    def get_into(self, key: bytes, out: object, *, session_id: str | None = None) -> int | None:
         """Copy a block into ``out`` (bytes-like, numpy array or CPU tensor); bytes written, or None on a miss."""
-        return self._run(self._core.get_many_into([key], [out], **with_session(self._core, session)))[0]  # type: ignore[no-any-return]
+        return self._run(self._core.get_many_into([key], [out], **with_session(self._core, session_id)))[0]  # type: ignore[no-any-return]
 
-    def get_many(self, keys: Sequence[bytes], *, session: str | None = None) -> list[bytes | None]:
-        return self._run(self._core.get_many_into(list(keys), None, **with_session(self._core, session)))  # type: ignore[no-any-return]
+    def get_many(self, keys: Sequence[bytes], *, session_id: str | None = None) -> list[bytes | None]:
+        return self._run(self._core.get_many_into(list(keys), None, **with_session(self._core, session_id)))  # type: ignore[no-any-return]
 
-    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object], *, session: str | None = None) -> list[int | None]:
-        return self._run(self._core.get_many_into(list(keys), list(outs), **with_session(self._core, session)))  # type: ignore[no-any-return]
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object], *, session_id: str | None = None) -> list[int | None]:
+        return self._run(self._core.get_many_into(list(keys), list(outs), **with_session(self._core, session_id)))  # type: ignore[no-any-return]
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return [t is not None for t in self.lookup(keys)]
@@ -76,27 +76,27 @@ class AsyncBlockCalls:
         async def lookup(self, keys: Sequence[bytes]) -> list[str | None]: ...
 
     async def put(self, key: bytes, data: object, *, namespace: bytes | Namespace | None = None, parent: bytes | None = None, token_count: int = 0,
-                  session: str | None = None) -> bool:
+                  session_id: str | None = None) -> bool:
         return (await self._run(self._core.put_many([key], [data], namespace=namespace, parents=[parent], token_counts=[token_count],  # type: ignore[no-any-return]
-                                                    **with_session(self._core, session))))[0]
+                                                    **with_session(self._core, session_id))))[0]
 
     async def put_many(self, keys: Sequence[bytes], datas: Sequence[object], *, namespace: bytes | Namespace | None = None,
                        parents: Sequence[bytes | None] | None = None, token_counts: Sequence[int] | None = None,
-                       session: str | None = None) -> list[bool]:
+                       session_id: str | None = None) -> list[bool]:
         return await self._run(self._core.put_many(list(keys), list(datas), namespace=namespace, parents=parents, token_counts=token_counts,  # type: ignore[no-any-return]
-                                                   **with_session(self._core, session)))
+                                                   **with_session(self._core, session_id)))
 
-    async def get(self, key: bytes, *, session: str | None = None) -> bytes | None:
-        return (await self._run(self._core.get_many_into([key], None, **with_session(self._core, session))))[0]  # type: ignore[no-any-return]
+    async def get(self, key: bytes, *, session_id: str | None = None) -> bytes | None:
+        return (await self._run(self._core.get_many_into([key], None, **with_session(self._core, session_id))))[0]  # type: ignore[no-any-return]
 
-    async def get_into(self, key: bytes, out: object, *, session: str | None = None) -> int | None:
-        return (await self._run(self._core.get_many_into([key], [out], **with_session(self._core, session))))[0]  # type: ignore[no-any-return]
+    async def get_into(self, key: bytes, out: object, *, session_id: str | None = None) -> int | None:
+        return (await self._run(self._core.get_many_into([key], [out], **with_session(self._core, session_id))))[0]  # type: ignore[no-any-return]
 
-    async def get_many(self, keys: Sequence[bytes], *, session: str | None = None) -> list[bytes | None]:
-        return await self._run(self._core.get_many_into(list(keys), None, **with_session(self._core, session)))  # type: ignore[no-any-return]
+    async def get_many(self, keys: Sequence[bytes], *, session_id: str | None = None) -> list[bytes | None]:
+        return await self._run(self._core.get_many_into(list(keys), None, **with_session(self._core, session_id)))  # type: ignore[no-any-return]
 
-    async def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object], *, session: str | None = None) -> list[int | None]:
-        return await self._run(self._core.get_many_into(list(keys), list(outs), **with_session(self._core, session)))  # type: ignore[no-any-return]
+    async def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object], *, session_id: str | None = None) -> list[int | None]:
+        return await self._run(self._core.get_many_into(list(keys), list(outs), **with_session(self._core, session_id)))  # type: ignore[no-any-return]
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return [t is not None for t in await self.lookup(keys)]

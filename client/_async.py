@@ -133,14 +133,14 @@ class AsyncKVClient(AsyncBlockCalls):
             return stop.value  # type: ignore[no-any-return]
 
 
-    async def lookup(self, keys: Sequence[bytes], *, session: str | None = None) -> list[str | None]:
-        return await self._run(self._core.lookup(as_key_list(keys), session=session))
+    async def lookup(self, keys: Sequence[bytes], *, session_id: str | None = None) -> list[str | None]:
+        return await self._run(self._core.lookup(as_key_list(keys), session=session_id))
 
-    async def match_prefix(self, keys: Sequence[bytes], *, session: str | None = None) -> int:
-        return (await self._run(self._core.match_prefix(as_key_list(keys), session=session)))[0]
+    async def match_prefix(self, keys: Sequence[bytes], *, session_id: str | None = None) -> int:
+        return (await self._run(self._core.match_prefix(as_key_list(keys), session=session_id)))[0]
 
-    async def match_prefix_tiers(self, keys: Sequence[bytes], *, session: str | None = None) -> tuple[int, list[str]]:
-        return await self._run(self._core.match_prefix(as_key_list(keys), session=session))
+    async def match_prefix_tiers(self, keys: Sequence[bytes], *, session_id: str | None = None) -> tuple[int, list[str]]:
+        return await self._run(self._core.match_prefix(as_key_list(keys), session=session_id))
 
     async def close_session(self, session_id: str) -> bool:
         """Session hints: ``session_id`` sends no more requests, so the blocks only it (and other

@@ -16,7 +16,7 @@ drive the core with any transport.  Errors raised by a driver are thrown back in
 the generator, which cleans up (aborts reservations, releases leases) before they
 propagate.
 
-Session hints: ``session`` (a string, or None) on puts, reads and lookups goes to the node
+Session hints: ``session`` (the SDK's ``session_id=``; a string, or None) on puts, reads and lookups goes to the node
 in each request's ``session_id``, so the blocks stay valuable while the session is open;
 ``close_session`` ends it (``kvstore/sessions.py``).
 

@@ -225,17 +225,17 @@ class KVClient(BlockCalls):
             return stop.value  # type: ignore[no-any-return]
 
     # -- API (put / get / exists: client._api.BlockCalls) -----------------------------------
-    def lookup(self, keys: Sequence[bytes], *, session: str | None = None) -> list[str | None]:
+    def lookup(self, keys: Sequence[bytes], *, session_id: str | None = None) -> list[str | None]:
         """The tier (``"dram"``, ``"nvme"``) holding each key, or None."""
-        return self._run(self._core.lookup(as_key_list(keys), session=session))
+        return self._run(self._core.lookup(as_key_list(keys), session=session_id))
 
-    def match_prefix(self, keys: Sequence[bytes], *, session: str | None = None) -> int:
-        """How many leading keys are stored without a gap.  ``session``: the caller's session
+    def match_prefix(self, keys: Sequence[bytes], *, session_id: str | None = None) -> int:
+        """How many leading keys are stored without a gap.  ``session_id``: the caller's session
         (session hints): the blocks found stay valuable while it is open."""
-        return self._run(self._core.match_prefix(as_key_list(keys), session=session))[0]
+        return self._run(self._core.match_prefix(as_key_list(keys), session=session_id))[0]
 
-    def match_prefix_tiers(self, keys: Sequence[bytes], *, session: str | None = None) -> tuple[int, list[str]]:
-        return self._run(self._core.match_prefix(as_key_list(keys), session=session))
+    def match_prefix_tiers(self, keys: Sequence[bytes], *, session_id: str | None = None) -> tuple[int, list[str]]:
+        return self._run(self._core.match_prefix(as_key_list(keys), session=session_id))
 
     def close_session(self, session_id: str) -> bool:
         """Session hints: ``session_id`` sends no more requests, so the blocks only it (and other
@@ -279,13 +279,13 @@ class KVClient(BlockCalls):
             raise InvalidArgument("this client could not map the node's arena (is the node on this machine, sharing /dev/shm?)")
         return self._core.arena.buf
 
-    def acquire(self, keys: Sequence[bytes], *, session: str | None = None) -> "LeasedBlocks":
+    def acquire(self, keys: Sequence[bytes], *, session_id: str | None = None) -> "LeasedBlocks":
         """Lease blocks and get read-only views of their arena bytes (no copy).  Use as a
         context manager; the views must not be used after it exits."""
         from client._zerocopy import LeasedBlocks
 
         ks = [check_key(k) for k in as_key_list(keys)]
-        ids, metas, views = self._run(self._core.acquire_views(ks, session=session))
+        ids, metas, views = self._run(self._core.acquire_views(ks, session=session_id))
 
         def release() -> list[bool]:
             if not ids:
@@ -294,13 +294,13 @@ class KVClient(BlockCalls):
 
         return LeasedBlocks(ks, metas, views, release)
 
-    def reserve(self, metas: Sequence["BlockMeta"], *, session: str | None = None) -> "ReservedBlocks":
+    def reserve(self, metas: Sequence["BlockMeta"], *, session_id: str | None = None) -> "ReservedBlocks":
         """Reserve arena space for blocks described by ``metas`` and get writable views.
         Fill them, then ``commit(checksums)``; leaving the context without commit aborts."""
         from client._zerocopy import ReservedBlocks
 
         ms = list(metas)
-        ids, views, existed = self._run(self._core.reserve_views(ms, session=session))
+        ids, views, existed = self._run(self._core.reserve_views(ms, session=session_id))
 
         def commit(checksums: list[int] | None) -> list[bool]:
             if not ids:

@@ -180,7 +180,7 @@ def replay_live(
                     kv.close_session(req.session_id)
                 continue
             keys = trace.keys[i]
-            hint = {"session": req.session_id} if hints else {}  # type: ignore[union-attr]  # cluster clients take none
+            hint = {"session_id": req.session_id} if hints else {}  # type: ignore[union-attr]  # cluster clients take none
             n = kv.match_prefix(keys, **hint) if keys else 0
             if n:
                 outs = [scratch[j * block_bytes : (j + 1) * block_bytes] for j in range(n)]

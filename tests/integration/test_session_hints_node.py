@@ -34,10 +34,10 @@ def test_a_closed_sessions_blocks_go_first(node_factory, path: str) -> None:  # 
     with KVClient(target, transport="grpc-stream" if path == "grpc-stream" else "auto") as kv:
         ns_a, a = blocks("a", 8)
         ns_b, b = blocks("b", 8)
-        assert all(kv.put_many(b, [payload] * 8, namespace=ns_b, session="chat-b"))
-        assert all(kv.put_many(a, [payload] * 8, namespace=ns_a, session="chat-a"))
-        assert kv.match_prefix(a, session="chat-a") == 8
-        assert all(x is not None for x in kv.get_many(a, session="chat-a"))  # a is the most recently used
+        assert all(kv.put_many(b, [payload] * 8, namespace=ns_b, session_id="chat-b"))
+        assert all(kv.put_many(a, [payload] * 8, namespace=ns_a, session_id="chat-a"))
+        assert kv.match_prefix(a, session_id="chat-a") == 8
+        assert all(x is not None for x in kv.get_many(a, session_id="chat-a"))  # a is the most recently used
         assert kv.close_session("chat-a") is True
         assert kv.close_session("chat-a") is False  # closed already
         ns_c, c = blocks("c", 4)
@@ -47,7 +47,7 @@ def test_a_closed_sessions_blocks_go_first(node_factory, path: str) -> None:  # 
         counters = kv.stats()["counters"]
         assert counters["sessions_closed"] == 1 and counters["session_blocks_dead"] == 8
         with pytest.raises(InvalidArgument, match="session id"):
-            kv.put(c[0], payload, namespace=ns_c, session="bad\nid")
+            kv.put(c[0], payload, namespace=ns_c, session_id="bad\nid")
 
 
 def test_async_client_and_cli_verb(node_factory) -> None:  # type: ignore[no-untyped-def]
@@ -56,8 +56,8 @@ def test_async_client_and_cli_verb(node_factory) -> None:  # type: ignore[no-unt
 
     async def go() -> None:
         async with AsyncKVClient(node.unix) as kv:
-            assert all(await kv.put_many(keys, [b"x" * 100] * 2, namespace=ns, session="s1"))
-            assert await kv.match_prefix(keys, session="s2") == 2
+            assert all(await kv.put_many(keys, [b"x" * 100] * 2, namespace=ns, session_id="s1"))
+            assert await kv.match_prefix(keys, session_id="s2") == 2
             assert await kv.close_session("s1") is True
             assert await kv.close_session("never-opened") is False
 
@@ -80,12 +80,12 @@ def test_a_tenant_cannot_close_another_tenants_session(tmp_path: Path) -> None:
         ns, keys = blocks("alice", 1)
         with KVClient(node.tcp, token="alice-t") as alice, KVClient(node.tcp, token="bob-t") as bob, \
                 KVClient(node.tcp, token="admin-t") as admin:
-            assert alice.put(keys[0], b"a" * 100, namespace=ns, session="conv-1")
+            assert alice.put(keys[0], b"a" * 100, namespace=ns, session_id="conv-1")
             with pytest.raises(PermissionDenied, match="not one of tenant 'bob'"):
                 bob.close_session("conv-1")
             assert bob.close_session("conv-2") is False  # nobody's: unknown, not refused
             assert alice.close_session("conv-1") is True
-            assert alice.put(keys[0], b"a" * 100, namespace=ns, session="conv-3")
+            assert alice.put(keys[0], b"a" * 100, namespace=ns, session_id="conv-3")
             assert admin.close_session("conv-3") is True  # the admin closes any tenant's session
     finally:
         node.stop(timeout=30)
