@@ -37,6 +37,7 @@ POINTS: dict[str, str] = {
     "nvme.write": "writing a record (header and payload) to its segment; 'short' writes half of it",
     "nvme.sync": "fdatasync of the segments a group commit wrote, before its index entries",
     "nvme.index.commit": "the lmdb transaction that adds index entries and removes deleted ones",
+    "node.acquire": "answering an Acquire once its leases are granted ('kill': the node dies in the middle of a reader's load)",
 }
 _ERRNO = {"eio": errno.EIO, "enospc": errno.ENOSPC, "edquot": errno.EDQUOT}
 ACTIONS = (*_ERRNO, "short", "kill")

@@ -33,7 +33,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvstore import __version__, errors
+from kvstore import __version__, errors, failpoints
 from kvstore.block import BlockMeta
 from kvstore.config import NodeConfig
 from kvstore.datachannel import OP_GET, OP_PUT, Transfer, TransferTable
@@ -348,6 +348,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         leased = await self.m.acquire(self._keys(request.keys), tenant=caller.tenant, visible=self._visible(caller),
                                       session=check_session_id(request.session_id))
         self.m.counters["local_bytes_out"] += sum(x.meta.payload_len for x in leased if x.status == Status.OK)
+        failpoints.hit("node.acquire")
         return pb.AcquireResponse(leases=[self._lease_pb(x) for x in leased], ttl_s=self.m.lease_ttl)
 
     @_rpc

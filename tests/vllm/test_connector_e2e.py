@@ -191,3 +191,21 @@ def test_a_killed_node_turns_into_recompute_and_a_restarted_one_serves_again(set
         before = hits(client)
         got = setup["decode"].generate(toks, max_tokens=4)
         assert hits(client) - before == 3 and same(got, ref)
+
+
+def test_a_node_that_dies_in_the_middle_of_a_load_turns_into_recompute(setup: Any) -> None:
+    """The scheduler finds the chunks; the node then dies answering the worker's Acquire
+    (failure point ``node.acquire``): the engine recomputes, equal tokens, no hang."""
+    toks = prompt(9)
+    node = setup["node"]
+    ref = setup["prefill"].generate(toks, max_tokens=4)
+    with KVClient(node.target) as client:
+        wait_stored(client, stored_keys(ref, toks))
+    node.stop()  # graceful: the chunks come back from NVMe
+    node.env["KVSTORE_FAILPOINTS"] = "node.acquire=kill"
+    node.start()
+    t0 = time.monotonic()
+    got = setup["decode"].generate(toks, max_tokens=4, timeout=120)
+    assert time.monotonic() - t0 < 60
+    assert node.proc.wait(timeout=30) == -signal.SIGKILL  # it died at the Acquire of this load
+    assert same(got, ref)
