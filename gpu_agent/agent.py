@@ -377,6 +377,7 @@ class GPUAgent:
         block_ids: Sequence[int],
         *,
         namespace: Namespace | None = None,
+        session_id: str | None = None,
     ) -> LoadHandle:
         """Load the cached leading chunks of ``tokens`` into the pages ``block_ids`` (as far as
         ``block_ids`` reach; a negative id leaves that page alone, for tokens the engine
@@ -392,7 +393,7 @@ class GPUAgent:
         leased = None
         if need:
             try:
-                leased = self.client.acquire(need)
+                leased = self.client.acquire(need, session_id=session_id) if session_id else self.client.acquire(need)
             except KVStoreError as e:
                 self._count("store_errors", 1)
                 log.warning("kvstore acquire for load failed (%s); loading only what HBM holds", e)
@@ -521,6 +522,7 @@ class GPUAgent:
         *,
         namespace: Namespace | None = None,
         skip_chunks: int = 0,
+        session_id: str | None = None,
     ) -> SaveHandle:
         """Offload ``tokens``' full chunks (their KV in pages ``block_ids``) to the store.
 
@@ -544,7 +546,8 @@ class GPUAgent:
         step = max(1, self.config.batch_blocks)
         for lo in range(0, len(metas), step):
             try:
-                res = self.client.reserve(metas[lo : lo + step])
+                batch = metas[lo : lo + step]
+                res = self.client.reserve(batch, session_id=session_id) if session_id else self.client.reserve(batch)
             except KVStoreError as e:
                 self._count("store_errors", 1)
                 log.warning("kvstore reserve failed (%s); %d blocks not saved", e, len(metas) - lo)

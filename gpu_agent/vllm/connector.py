@@ -69,6 +69,7 @@ class LoadSpec:
     first_page: int
     num_tokens: int
     namespace: Namespace
+    session_id: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -80,6 +81,7 @@ class SaveSpec:
     block_ids: list[int]
     skip_chunks: int
     namespace: Namespace
+    session_id: str | None = None
 
 
 @dataclasses.dataclass
@@ -147,6 +149,14 @@ def engine_spec(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | Non
     )
 
 
+def request_session(request: Any) -> str | None:
+    """The session a request belongs to (``kv_transfer_params["session_id"]``), for the
+    store's eviction hints: blocks only closed sessions used go first."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    sid = params.get("session_id") if isinstance(params, dict) else None
+    return sid if isinstance(sid, str) and sid else None
+
+
 def request_namespace(spec: EngineSpec, settings: ConnectorSettings, chunk: int, request: Any) -> Namespace:
     lora = getattr(request, "lora_request", None)
     return spec.namespace(chunk, lora=lora.lora_name if lora is not None else "", cache_salt=getattr(request, "cache_salt", None) or "", salt=settings.salt)
@@ -158,6 +168,7 @@ class _Tracked:
     tokens: list[int]
     namespace: Namespace
     block_ids: list[int]
+    session_id: str | None = None
     hit_chunks: int = 0  # chunks the store already holds (loaded or found): not saved again
     saved: bool = False
 
@@ -206,7 +217,9 @@ class _SchedulerSide:
             return 0, False  # the store failed a moment ago: no request waits on it for RETRY_S
         t0 = time.perf_counter()
         try:
-            n, tiers = self.client().match_prefix_tiers(keys)
+            # cluster clients carry no sessions: hints go to the node itself
+            sid = None if (self.settings.lookup_target or "").startswith("etcd://") else request_session(request)
+            n, tiers = self.client().match_prefix_tiers(keys, session_id=sid) if sid else self.client().match_prefix_tiers(keys)
         except KVStoreError as e:
             self.counters["lookup_errors"] += 1
             log.warning("kvstore lookup failed (%s): request %s recomputes; next try in %.0f s", e, request.request_id, RETRY_S)
@@ -240,14 +253,15 @@ class _SchedulerSide:
         rid = request.request_id
         ns = request_namespace(self.spec, self.settings, self.chunk, request)
         if rid not in self._tracked:
-            self._tracked[rid] = _Tracked(list(request.prompt_token_ids or []), ns, [])
+            self._tracked[rid] = _Tracked(list(request.prompt_token_ids or []), ns, [], session_id=request_session(request))
         if num_external <= 0:
             return
         computed = request.num_computed_tokens
         end = computed + num_external
         self._tracked[rid].hit_chunks = end // self.chunk
         block_ids = list(blocks.get_block_ids()[0])
-        self._loads[rid] = LoadSpec(rid, self._tracked[rid].tokens[:end], block_ids, computed // self.spec.block_size, end, ns)
+        self._loads[rid] = LoadSpec(rid, self._tracked[rid].tokens[:end], block_ids, computed // self.spec.block_size, end, ns,
+                                    self._tracked[rid].session_id)
         self._report_local_hits(ns, computed)
 
     def _report_local_hits(self, ns: Namespace, tokens: int) -> None:
@@ -295,7 +309,7 @@ class _SchedulerSide:
         full = len(t.tokens) // self.chunk
         pages = full * self.chunk // self.spec.block_size
         if full > t.hit_chunks and len(t.block_ids) >= pages:
-            meta.saves.append(SaveSpec(rid, t.tokens[: full * self.chunk], t.block_ids[:pages], t.hit_chunks, t.namespace))
+            meta.saves.append(SaveSpec(rid, t.tokens[: full * self.chunk], t.block_ids[:pages], t.hit_chunks, t.namespace, t.session_id))
             self._deferred.add(rid)
 
     def finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
@@ -449,7 +463,7 @@ class _WorkerSide:
             ids = [-1 if j < spec.first_page else b for j, b in enumerate(spec.block_ids[: -(-spec.num_tokens // bs)])]
             t0 = time.perf_counter()
             try:
-                h = self.agent.load(spec.tokens, self.buffers, ids, namespace=spec.namespace)
+                h = self.agent.load(spec.tokens, self.buffers, ids, namespace=spec.namespace, session_id=spec.session_id)
             except Exception as e:  # never a failed step: the engine recomputes what did not load
                 log.warning("kvstore load for %s failed (%s); recomputing", spec.req_id, e)
                 h = None
@@ -529,7 +543,8 @@ class _WorkerSide:
         for s in meta.saves:
             t0 = time.perf_counter()
             try:
-                handle = self.agent.save(s.tokens, self.buffers, s.block_ids, namespace=s.namespace, skip_chunks=s.skip_chunks)
+                handle = self.agent.save(s.tokens, self.buffers, s.block_ids, namespace=s.namespace, skip_chunks=s.skip_chunks,
+                                         session_id=s.session_id)
             except Exception as e:  # a save that cannot run is a future miss, never a failed step
                 log.warning("kvstore save for %s failed (%s)", s.req_id, e)
                 handle = None

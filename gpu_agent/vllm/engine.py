@@ -116,7 +116,8 @@ def _serve(spec: dict[str, Any]) -> None:
                 from vllm.lora.request import LoRARequest
 
                 lora = LoRARequest(req["lora"]["name"], int(req["lora"]["id"]), req["lora"]["path"])
-            sp = SamplingParams(max_tokens=int(req.get("max_tokens", 8)), temperature=0.0, ignore_eos=True, logprobs=0)
+            extra = {"kv_transfer_params": {"session_id": req["session_id"]}} if req.get("session_id") else None
+            sp = SamplingParams(max_tokens=int(req.get("max_tokens", 8)), temperature=0.0, ignore_eos=True, logprobs=0, extra_args=extra)
             rid = f"r{n}"
             t0 = time.perf_counter()
             engine.add_request(rid, prompt, sp, lora_request=lora)
@@ -170,11 +171,12 @@ class EngineProcess:
         return line
 
     def generate(self, tokens: list[int], *, max_tokens: int = 8, cache_salt: str = "", lora: dict[str, Any] | None = None,
-                 timeout: float = 600.0) -> dict[str, Any]:
-        """Greedy tokens, their logprobs and TTFT; ``lora``: ``{"name", "id", "path"}`` of an adapter."""
+                 session_id: str = "", timeout: float = 600.0) -> dict[str, Any]:
+        """Greedy tokens, their logprobs and TTFT; ``lora``: ``{"name", "id", "path"}`` of an adapter;
+        ``session_id``: passed as ``kv_transfer_params["session_id"]`` (the store's session hints)."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"cmd": "generate", "tokens": tokens, "max_tokens": max_tokens, "cache_salt": cache_salt,
-                                          "lora": lora}) + "\n")
+                                          "lora": lora, "session_id": session_id}) + "\n")
         self.proc.stdin.flush()
         r: dict[str, Any] = json.loads(self._readline(timeout))
         if "error" in r:

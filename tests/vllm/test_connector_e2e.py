@@ -104,6 +104,17 @@ def test_a_decode_engine_on_another_node_pulls_the_kv_over_tcp(setup: Any) -> No
     assert (got["kv_transfer_params"] or {}).get("kvstore", {}).get("hit_chunks") == 3
 
 
+def test_a_session_id_in_kv_transfer_params_reaches_the_store(setup: Any) -> None:
+    toks = prompt(10)
+    ref = setup["prefill"].generate(toks, max_tokens=4, session_id="chat-1")
+    wait_stored(setup["client"], stored_keys(ref, toks))
+    got = setup["decode"].generate(toks, max_tokens=4, session_id="chat-2")
+    assert same(got, ref)
+    assert setup["client"].close_session("chat-1")  # the producer's saves opened it
+    assert setup["client"].close_session("chat-2")  # the consumer's lookup and load did
+    assert not setup["client"].close_session("chat-3")
+
+
 def test_a_different_cache_salt_never_hits(setup: Any) -> None:
     toks = prompt(2)
     ref = setup["prefill"].generate(toks, max_tokens=4, cache_salt="tenant-a")
