@@ -185,6 +185,9 @@ class QuotaNVMe:
             if meta is not None:
                 use.stored(meta, record_bytes(meta.payload_len))
 
+    def __len__(self) -> int:  # dunders bypass __getattr__: the tier's block count, as the manager's stats read it
+        return len(self._nvme)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._nvme, name)
 
