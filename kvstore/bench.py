@@ -13,6 +13,9 @@ JSON object on stdout (the table then goes to stderr):
   and a private ``redis-server`` (spoken to in RESP, replies read with ``recv_into``).
   Without ``--target`` it runs its own node process and stops it at the end.
   ``--paths ...,tls`` adds a private TLS node's data channel against a raw TLS socket (benchtls.py).
+* ``kvstore bench --engine --index-blocks N``: instead, a node whose NVMe tier holds N
+  small blocks: restart time, index bytes on disk and in memory, lookups at that size
+  (the ``index`` object; ``kvstore/benchindex.py``).
 
 Modules: this one runs the two benchmarks and reports them; the references live in
 ``kvstore/benchrefs.py``, the measurement method (buffers, best-of timing, rates) in
@@ -469,6 +472,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small and fast: 32MiB working set, 4MiB blocks, 2 reps")
     g = p.add_argument_group("--engine")
     g.add_argument("--block", type=_size, default=4 * MiB, metavar="SIZE", help="block size (default 4MiB)")
+    g.add_argument("--index-blocks", type=int, default=None, metavar="N",
+                   help="instead: fill a node's NVMe tier with N small blocks and report restart time, index size and "
+                        "lookup cost at that size (the 'index' object)")
+    g.add_argument("--index-block-bytes", type=_size, default=4 * KiB, metavar="SIZE",
+                   help="payload of each --index-blocks block (default 4KiB: 8KiB on disk)")
     g.add_argument("--dir", metavar="DIR", help="directory for the NVMe tier and the direct-I/O reference "
                    "(default: a temp dir on the data dir's filesystem, never tmpfs)")
     g = p.add_argument_group("SDK")
@@ -492,12 +500,23 @@ def main(a: argparse.Namespace) -> int:
     if a.repeat < 1:
         raise InvalidArgument("--repeat must be at least 1")
     load_before = os.getloadavg()[0]
-    result = run_engine(a) if a.engine else run_sdk(a)
+    if a.engine and a.index_blocks is not None:
+        from kvstore import benchindex
+
+        result = {"bench": "engine", "index": benchindex.run_index(a.index_blocks, a.index_block_bytes,
+                                                                    Path(a.dir) if a.dir else engine_base_dir())}
+    else:
+        result = run_engine(a) if a.engine else run_sdk(a)
     # other processes on the machine skew every number: say how busy it was
     result["load_avg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     result["cpus"] = os.cpu_count()
     table = sys.stderr if a.json else sys.stdout
-    (print_engine if a.engine else print_sdk)(result, table)
+    if "index" in result:
+        from kvstore import benchindex
+
+        benchindex.print_index(result["index"], table)
+    else:
+        (print_engine if a.engine else print_sdk)(result, table)
     print(f"load average (1 min) before/after: {load_before:.2f}/{result['load_avg_1m'][1]:.2f} on {result['cpus']} CPUs"
           " (anything else running skews every number)", file=table, flush=True)
     if a.json:

@@ -116,6 +116,39 @@ class ExtentAllocator:
         if fs + fl > s + n:
             self._insert(s + n, fs + fl - (s + n))
 
+    def reserve_many(self, used: list[tuple[int, int]]) -> None:
+        """``reserve_exact`` of many ``(offset, length)`` ranges, sorted by offset and not
+        overlapping, in one pass (a restart reserves every stored block: O(n), not n
+        sorted-container updates).  All or nothing: ``InvalidArgument`` if one is misaligned
+        or not free, and then nothing is reserved."""
+        unit = self.unit
+        free = list(self._by_start.items())  # (start, length) in units, sorted
+        out: list[tuple[int, int]] = []
+        fi = 0
+        cur_s, cur_e = (free[0][0], free[0][0] + free[0][1]) if free else (0, 0)
+        for off, length in used:
+            s, n = off // unit, length // unit
+            if off % unit or length % unit or n <= 0:
+                raise InvalidArgument(f"extent {Extent(off, length)} is not unit-aligned")
+            while fi < len(free) and s >= cur_e:  # past this free extent: keep what is left of it
+                if cur_e > cur_s:
+                    out.append((cur_s, cur_e - cur_s))
+                fi += 1
+                if fi < len(free):
+                    cur_s, cur_e = free[fi][0], free[fi][0] + free[fi][1]
+            if fi == len(free) or s < cur_s or s + n > cur_e:
+                raise InvalidArgument(f"extent {Extent(off, length)} is not free")
+            if s > cur_s:
+                out.append((cur_s, s - cur_s))
+            cur_s = s + n
+        if fi < len(free):
+            if cur_e > cur_s:
+                out.append((cur_s, cur_e - cur_s))
+            out.extend(free[fi + 1 :])
+        self._by_start = SortedDict(out)
+        self._by_size = SortedList((n, s) for s, n in out)
+        self._free_units = sum(n for _, n in out)
+
     def free(self, extents: list[Extent]) -> None:
         for e in extents:
             s, n = e.offset // self.unit, e.length // self.unit

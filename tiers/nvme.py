@@ -63,8 +63,9 @@ from kvstore.keys import ChunkKey
 from kvstore.policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 from tiers.allocator import Extent, ExtentAllocator
 from tiers.base import MissReason, ReadResult, TierKind
-from tiers.nvme_format import (INDEX_VALUE, INDEX_VALUE_VERSION, PAGE, addr, close_stage, io_all, probe_direct_io,
-                               record_bytes, segment_name)
+from tiers.nvme_format import (INDEX_VALUE, INDEX_VALUE_V1, INDEX_VALUE_VERSION, PAGE, addr, close_stage, index_meta,
+                               index_parent, index_payload_len, index_value, io_all, probe_direct_io, record_bytes,
+                               segment_name)
 from tiers.nvme_recovery import Rebuild, finish, index_damage, move_aside, scan_segments, segment_bytes_on_disk
 
 log = logging.getLogger(__name__)
@@ -76,22 +77,34 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _MEDIA_ERRORS = (errno.EIO, errno.ENODATA, errno.EBADMSG)
 
 
-@dataclasses.dataclass(slots=True, eq=False)
 class _Entry:
-    """One stored block.  Mutable fields (``readers``, ``dead``) change under the tier lock."""
+    """One stored block.  Mutable fields (``readers``, ``dead``) change under the tier lock.
 
-    key: ChunkKey
-    meta: BlockMeta
-    seg: int
-    off: int
-    length: int
-    vaddr: int
-    seq: int
-    readers: int = 0
-    dead: bool = False
+    ``meta`` is decoded from the index entry (``raw``) on first use: an open builds no
+    :class:`BlockMeta` for the many blocks nobody asks about, which is most of its time
+    and memory per block.  Decoding twice in a race yields equal metas (harmless)."""
+
+    __slots__ = ("key", "_meta", "raw", "seg", "off", "length", "vaddr", "seq", "readers", "dead")
+
+    def __init__(self, key: ChunkKey, meta: BlockMeta | None, seg: int, off: int, length: int, vaddr: int, seq: int,
+                 raw: bytes = b"") -> None:
+        self.key, self._meta, self.raw = key, meta, raw
+        self.seg, self.off, self.length, self.vaddr, self.seq = seg, off, length, vaddr, seq
+        self.readers = 0
+        self.dead = False
+
+    @property
+    def meta(self) -> BlockMeta:
+        """The block's meta (``CorruptBlock`` if the index entry it comes from does not describe one)."""
+        m = self._meta
+        if m is None:
+            m = self._meta = index_meta(self.key, self.raw)
+        return m
 
     def value(self) -> bytes:
-        return INDEX_VALUE.pack(INDEX_VALUE_VERSION, self.seg, self.off, self.length, self.seq, self.meta.payload_checksum)
+        if self._meta is None:
+            return self.raw  # loaded from lmdb at open: still what lmdb holds
+        return index_value(self.seg, self.off, self.length, self.seq, self._meta)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -210,7 +223,7 @@ class NVMeTier:
                 seg = self._open_env(index_dir, cap, seg_hint, segment_bytes)
                 if self.rebuild is None:
                     with self._env.begin() as txn:  # type: ignore[union-attr]
-                        raw = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._db)]
+                        raw = list(txn.cursor(db=self._db))
                 break
             except lmdb.Error as e:  # damage the check did not see
                 if attempt == 2 or self.rebuild is not None:
@@ -253,7 +266,7 @@ class NVMeTier:
         # by a non-root owner), so the directory is made here first
         index_dir.mkdir(mode=0o700, exist_ok=True)
         self._env = lmdb.open(
-            str(index_dir), map_size=min(max(32 << 20, cap // (2 * PAGE) * 256), 1 << 40),
+            str(index_dir), map_size=min(max(32 << 20, cap // (2 * PAGE) * 512), 1 << 40),
             max_dbs=2, sync=self.sync, metasync=self.sync, readahead=False, mode=0o600,
         )
         self._db = self._env.open_db(b"blocks")
@@ -336,39 +349,98 @@ class NVMeTier:
         self._preallocated.add(seg)
 
     def _load_index(self, raw: list[tuple[bytes, bytes]]) -> None:
-        """Rebuild memory from lmdb's entries, checking every entry's header (not its payload)."""
+        """Rebuild memory from lmdb's entries: a scan of the index, no record read.
+
+        Version-2 entries carry their block's meta (checked for self-consistency here,
+        decoded on first use; the header on disk is checked on every read).  Version-1
+        entries (older directories) have their record's header read and are rewritten as
+        version 2.  Entries that overlap keep the newest; bad ones are dropped and counted."""
         assert self._env is not None
         drop: list[bytes] = []
-        kept: list[tuple[bytes, tuple]] = []
-        for key, value in sorted(raw, key=lambda kv: -self._seq_of(kv[1])):  # newest wins overlaps
-            fields = INDEX_VALUE.unpack(value) if len(value) == INDEX_VALUE.size else None
-            if len(key) != 16 or fields is None or fields[0] != INDEX_VALUE_VERSION:
+        kept: list[tuple[int, int, int, bytes, bytes]] = []  # (vaddr, length, seq, key, value)
+        sizes, stride, nseg = self._seg_sizes, self._stride, len(self._seg_sizes)
+        unpack, fixed = INDEX_VALUE.unpack_from, INDEX_VALUE.size
+        for key, value in raw:
+            fields = unpack(value) if len(key) == 16 and len(value) >= fixed else None
+            if fields is None or not (
+                (fields[0] == INDEX_VALUE_VERSION and (plen := index_payload_len(value)) is not None
+                 and record_bytes(plen) == fields[3])
+                or (fields[0] == INDEX_VALUE_V1 and len(value) == fixed)
+            ):
                 self.corrupt_blocks += 1
                 drop.append(key)
                 continue
-            _, seg, off, length, _, _ = fields
-            if seg >= len(self._seg_sizes) or off + length > self._seg_sizes[seg]:
+            _, seg, off, length, seq, _ = fields
+            if seg >= nseg or off + length > sizes[seg]:
                 self.dropped_on_open += 1
                 drop.append(key)
                 continue
-            try:
-                if off % PAGE or length % PAGE or length < PAGE:
-                    raise InvalidArgument("misaligned")
-                self._alloc.reserve_exact(Extent(seg * self._stride + off, length))
-            except InvalidArgument:  # misaligned, or overlapping a newer entry
+            if off % PAGE or length % PAGE or length < PAGE:
                 self.corrupt_blocks += 1
                 drop.append(key)
                 continue
-            kept.append((key, fields))
-        entries: list[_Entry] = []
+            kept.append((seg * stride + off, length, seq, key, value))
+        kept = self._reserve_extents(kept, drop)
+        migrate = [k for k in kept if k[4][0] == INDEX_VALUE_V1]
+        metas = self._read_headers(migrate, drop) if migrate else {}
+        kept.sort(key=lambda k: k[2])  # parents are mostly older: insert them first
+        index, policy = self._index, self._policy
+        for vaddr, length, seq, key, value in kept:
+            seg, off = divmod(vaddr, stride)
+            if value[0] == INDEX_VALUE_VERSION:
+                index[key] = _Entry(ChunkKey(key), None, seg, off, length, vaddr, seq, value)
+                policy.insert(ChunkKey(key), index_parent(value), length)
+            elif (meta := metas.get(key)) is not None:
+                e = index[key] = _Entry(ChunkKey(key), meta, seg, off, length, vaddr, seq)
+                policy.insert(e.key, meta.parent, length)
+        for attempt in (1, 2) if drop or metas else ():
+            try:
+                with self._env.begin(write=True) as txn:
+                    for key in drop:
+                        txn.delete(key, db=self._db)
+                    for key in metas:  # version 1 -> 2: the next open reads no header
+                        txn.put(key, index[key].value(), db=self._db)
+                break
+            except lmdb.Error as e:  # a full disk: they are only out of memory, and dropped again next time
+                if attempt == 1 and isinstance(e, lmdb.MapFullError):  # version 2 entries are longer
+                    self._env.set_mapsize(self._env.info()["map_size"] * 2)
+                    continue
+                log.warning("could not update %d entries of the NVMe index of %s: %r", len(drop) + len(metas),
+                            self.directory, e)
+        self._seq = max((self._seq_of(v) for _, v in raw), default=0)
+
+    def _reserve_extents(self, kept: list[tuple[int, int, int, bytes, bytes]],
+                         drop: list[bytes]) -> list[tuple[int, int, int, bytes, bytes]]:
+        """Reserve the entries' extents in the allocator; of overlapping ones the newest wins."""
+        kept.sort()
+        if all(kept[i - 1][0] + kept[i - 1][1] <= kept[i][0] for i in range(1, len(kept))):
+            try:
+                self._alloc.reserve_many([(k[0], k[1]) for k in kept])
+                return kept
+            except InvalidArgument:  # not free (cannot happen: gaps lie beyond every segment's end)
+                pass
+        out = []
+        for k in sorted(kept, key=lambda k: -k[2]):  # a damaged index: one at a time, newest first
+            try:
+                self._alloc.reserve_exact(Extent(k[0], k[1]))
+            except InvalidArgument:
+                self.corrupt_blocks += 1
+                drop.append(k[3])
+                continue
+            out.append(k)
+        return out
+
+    def _read_headers(self, todo: list[tuple[int, int, int, bytes, bytes]], drop: list[bytes]) -> dict[bytes, BlockMeta]:
+        """The metas of version-1 entries, from their records' headers (checked against the entry)."""
+        metas: dict[bytes, BlockMeta] = {}
         hdr = self._acquire_stage()
         try:
-            for key, (_, seg, off, length, seq, pcs) in sorted(kept, key=lambda kv: (kv[1][1], kv[1][2])):
-                vaddr = seg * self._stride + off
+            for vaddr, length, _, key, value in sorted(todo):
+                seg, off = divmod(vaddr, self._stride)
                 try:
                     io_all(os.preadv, self._fds[seg], [memoryview(hdr)[:PAGE]], off)
                     meta = decode_header(memoryview(hdr)[:HEADER_SIZE], expect_key=key)
-                    if meta.payload_checksum != pcs or record_bytes(meta.payload_len) != length:
+                    if meta.payload_checksum != INDEX_VALUE.unpack(value)[5] or record_bytes(meta.payload_len) != length:
                         raise CorruptBlock("header disagrees with the index")
                 except (BlockFormatError, OSError) as e:
                     if isinstance(e, OSError) and e.errno not in _MEDIA_ERRORS:
@@ -378,25 +450,14 @@ class NVMeTier:
                     self._alloc.free([Extent(vaddr, length)])
                     drop.append(key)
                     continue
-                entries.append(_Entry(ChunkKey(key), meta, seg, off, length, vaddr, seq))
+                metas[key] = meta
         finally:
             self._release_stage(hdr)
-        if drop:
-            try:
-                with self._env.begin(write=True) as txn:
-                    for key in drop:
-                        txn.delete(key, db=self._db)
-            except lmdb.Error as e:  # a full disk: they are only out of memory, and dropped again next time
-                log.warning("could not remove %d bad entries from the NVMe index of %s: %r", len(drop), self.directory, e)
-        entries.sort(key=lambda e: e.seq)  # parents are mostly older: insert them first
-        for e in entries:
-            self._index[e.key] = e
-            self._policy.insert(e.key, e.meta.parent, e.length)
-        self._seq = max((self._seq_of(v) for _, v in raw), default=0)
+        return metas
 
     @staticmethod
     def _seq_of(value: bytes) -> int:
-        return INDEX_VALUE.unpack(value)[4] if len(value) == INDEX_VALUE.size else -1
+        return INDEX_VALUE.unpack_from(value)[4] if len(value) >= INDEX_VALUE.size else -1
 
     # -- queries (event-loop safe: memory only) ---------------------------------------
     @property

@@ -12,6 +12,11 @@ checksum, header checksum), so a segment can be read back with no index at all.
 
 An index entry maps a 16-byte key to ``INDEX_VALUE``: format version, segment, offset,
 record length, sequence number (newer writes have larger ones) and payload checksum.
+Version 2 (:func:`index_value`) follows it with the rest of the block's header fields
+(``INDEX_META`` and the shape), so an open rebuilds every block's meta from the index alone
+and reads no record: the header on disk is still checked against it on every read.
+Version 1 entries (older directories) are read with their record's header at open and
+rewritten as version 2.
 """
 
 from __future__ import annotations
@@ -25,14 +30,69 @@ from pathlib import Path
 
 import numpy as np
 
+from kvstore.block import DTYPES, MAX_NDIM, BlockMeta
+from kvstore.errors import CorruptBlock, InvalidArgument
+from kvstore.keys import ChunkKey
+
 PAGE = 4096
 INDEX_VALUE = struct.Struct("<BxxxIQQQQ")  # version, segment, offset, record length, seq, payload checksum
-INDEX_VALUE_VERSION = 1
+INDEX_META = struct.Struct("<8s16sIBBxxQ")  # v2: namespace, parent, token count, dtype code, ndim, payload length
+INDEX_VALUE_VERSION = 2
+INDEX_VALUE_V1 = 1  # location only: the meta is in the record's header
+_META_AT = INDEX_VALUE.size
+_SHAPE_AT = INDEX_VALUE.size + INDEX_META.size
+_DIMS = [struct.Struct(f"<{n}Q") for n in range(MAX_NDIM + 1)]
+_DTYPE_BY_CODE = {code: (name, size) for name, (code, size) in DTYPES.items()}
 
 
 def record_bytes(payload_len: int) -> int:
     """Bytes one record takes on disk: a header page plus the payload padded to pages."""
     return PAGE + -(-payload_len // PAGE) * PAGE
+
+
+def index_value(seg: int, off: int, length: int, seq: int, meta: BlockMeta) -> bytes:
+    """The version-2 index entry of ``meta``'s record at ``(seg, off)``."""
+    code = DTYPES[meta.dtype][0]
+    return (INDEX_VALUE.pack(INDEX_VALUE_VERSION, seg, off, length, seq, meta.payload_checksum)
+            + INDEX_META.pack(meta.namespace, meta.parent, meta.token_count, code, len(meta.shape), meta.payload_len)
+            + _DIMS[len(meta.shape)].pack(*meta.shape))
+
+
+def index_payload_len(value: bytes) -> int | None:
+    """The payload length a version-2 entry declares, if the entry is whole and self-consistent
+    (known dtype, ndim, length, shape × itemsize == payload length); None if it is not.
+
+    Cheap (no objects beyond a few ints): run on every entry at open, so :func:`index_meta`
+    of an entry that passed cannot fail later."""
+    if len(value) < _SHAPE_AT:
+        return None
+    _, _, _, dcode, ndim, plen = INDEX_META.unpack_from(value, _META_AT)
+    dt = _DTYPE_BY_CODE.get(dcode)
+    if dt is None or ndim > MAX_NDIM or len(value) != _SHAPE_AT + 8 * ndim:
+        return None
+    if ndim:
+        n = dt[1]
+        for d in _DIMS[ndim].unpack_from(value, _SHAPE_AT):
+            n *= d
+        if n != plen:
+            return None
+    return plen
+
+
+def index_parent(value: bytes) -> ChunkKey:
+    """The parent key of a version-2 entry (the eviction policy needs it at open)."""
+    return ChunkKey(value[_META_AT + 8 : _META_AT + 24])
+
+
+def index_meta(key: ChunkKey, value: bytes) -> BlockMeta:
+    """The block meta a version-2 entry holds; ``CorruptBlock`` if it does not describe one."""
+    try:
+        _, _, _, _, _, pcs = INDEX_VALUE.unpack_from(value)
+        ns, parent, tokens, dcode, ndim, plen = INDEX_META.unpack_from(value, _META_AT)
+        shape = _DIMS[ndim].unpack_from(value, _SHAPE_AT)
+        return BlockMeta(ns, key, ChunkKey(parent), tokens, _DTYPE_BY_CODE[dcode][0], shape, plen, pcs)
+    except (struct.error, KeyError, IndexError, InvalidArgument) as e:
+        raise CorruptBlock(f"index entry of {bytes(key).hex()} does not describe a block: {e}") from None
 
 
 def segment_name(i: int) -> str:

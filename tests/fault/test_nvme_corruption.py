@@ -70,12 +70,16 @@ def test_flipped_payload_byte_in_segment_file(filled: Path) -> None:
         assert not t.contains(key(4)) and len(t) == 9 and t.corrupt_blocks == 0
 
 
-def test_flipped_header_byte_dropped_at_open(filled: Path) -> None:
+def test_flipped_header_byte_dropped_on_first_read(filled: Path) -> None:
     path, off = locations(filled)[7]
     flip(path, off + 100)  # inside the 160-byte header: its checksum fails
-    with open_tier(filled) as t:
+    with open_tier(filled) as t:  # an open scans the index only (issue 15 #3)
+        assert t.corrupt_blocks == 0 and t.contains(key(7))
+        assert t.read_into(key(7), bytearray(SIZE)).miss is MissReason.CORRUPT
         assert t.corrupt_blocks == 1 and not t.contains(key(7)) and len(t) == 9
         assert t.used_bytes == 9 * record_bytes(SIZE)
+    with open_tier(filled) as t:  # the drop was persisted
+        assert not t.contains(key(7)) and len(t) == 9
 
 
 def test_bogus_index_entries_dropped_at_open(filled: Path) -> None:
@@ -98,10 +102,34 @@ def test_truncated_segment_file(filled: Path) -> None:
     seg0 = [i for i, (p, _) in locs.items() if p.name == "seg-00000.dat"]
     assert len(seg0) > 1
     os.truncate(filled / "seg-00000.dat", 0)  # e.g. a botched copy of the directory
-    with open_tier(filled) as t:  # preallocation restores the size; the zeros fail the headers
-        assert t.corrupt_blocks == len(seg0) and len(t) == 10 - len(seg0)
+    with open_tier(filled) as t:  # preallocation restores the size; the zeros fail the headers on read
         out = bytearray(SIZE)
+        assert [t.read_into(key(i), out).miss for i in seg0] == [MissReason.CORRUPT] * len(seg0)
+        assert t.corrupt_blocks == len(seg0) and len(t) == 10 - len(seg0)
         assert all(t.read_into(key(i), out).hit for i in locs if i not in seg0)
+
+
+def test_version_1_index_read_with_headers_and_rewritten(filled: Path) -> None:
+    """An index written before issue 15 (locations only) opens by reading each record's
+    header, once: the entries are rewritten with their meta, so the next open reads none."""
+    env = lmdb.open(str(filled / "index.lmdb"), max_dbs=2)
+    db = env.open_db(b"blocks")
+    with env.begin(write=True) as txn:
+        for k, v in list(txn.cursor(db=db)):
+            txn.put(k, struct.pack("<B", 1) + v[1:40], db=db)  # the version-1 entry: location and checksum
+    env.close()
+    path, off = locations(filled)[5]  # this open migrates
+    env = lmdb.open(str(filled / "index.lmdb"), max_dbs=2)
+    with env.begin() as txn:
+        assert {v[0] for _, v in txn.cursor(db=env.open_db(b"blocks", txn=txn))} == {2}
+    env.close()
+    flip(path, off + 100)  # a damaged header is no longer read at open: found on read
+    with open_tier(filled) as t:
+        assert len(t) == 10 and t.corrupt_blocks == 0
+        assert t.meta(key(3)) == BlockMeta.for_payload(key(3), payload(3))
+        out = bytearray(SIZE)
+        assert all(t.read_into(key(i), out).hit and bytes(out) == payload(i) for i in range(10) if i != 5)
+        assert t.read_into(key(5), out).miss is MissReason.CORRUPT
 
 
 def test_lost_index_rebuilt_from_segments_drops_damaged_records(filled: Path) -> None:

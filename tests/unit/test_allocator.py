@@ -370,3 +370,23 @@ def test_single_size_workloads_stay_contiguous(name: str) -> None:
     assert statistics.mean(counts) < 2.0
     # one size: every hole is a multiple of the block, so every allocation is one extent
     assert max(counts) == 1
+
+
+def test_reserve_many_is_reserve_exact_in_one_pass() -> None:
+    """Issue 15 #3: a restart reserves every stored block at once; the result is the same
+    as one ``reserve_exact`` each, and a range that is not free reserves nothing."""
+    used = [(0, 4), (8, 4), (20, 8), (60, 4)]
+    one, many = ExtentAllocator(64 * 4, unit=4), ExtentAllocator(64 * 4, unit=4)
+    one.reserve_exact(Extent(100, 8))
+    many.reserve_exact(Extent(100, 8))
+    for off, n in used:
+        one.reserve_exact(Extent(off, n))
+    many.reserve_many(used)
+    assert list(many._by_start.items()) == list(one._by_start.items()) and many.free_bytes == one.free_bytes
+    assert list(many._by_size) == list(one._by_size)
+    before = list(many._by_start.items())
+    with pytest.raises(InvalidArgument):
+        many.reserve_many([(32, 4), (100, 4)])  # the second is taken
+    with pytest.raises(InvalidArgument):
+        many.reserve_many([(33, 4)])  # misaligned
+    assert list(many._by_start.items()) == before

@@ -293,7 +293,9 @@ def test_data_dir_locked(make, tmp_path: Path) -> None:
     make().close()  # the lock was released
 
 
-def test_corrupt_header_dropped_at_restart(make) -> None:
+def test_corrupt_header_dropped_on_first_read_not_at_restart(make) -> None:
+    """A restart scans the index and reads no record (issue 15 #3): a damaged header is
+    found by the first read of its block, which drops and counts it; the others serve."""
     t = make()
     for i in range(5):
         t.write(*block(i, 30_000))
@@ -306,6 +308,8 @@ def test_corrupt_header_dropped_at_restart(make) -> None:
         f.seek(loc.record_offset + 20)
         f.write(bytes([b[0] ^ 0xFF]))
     t2 = make()
+    assert t2.corrupt_blocks == 0 and len(t2) == 5
+    assert t2.read_into(key(2), bytearray(30_000)).miss is MissReason.CORRUPT
     assert t2.corrupt_blocks == 1 and not t2.contains(key(2)) and len(t2) == 4
     assert t2.used_bytes == 4 * record_bytes(30_000)
     assert all(read(t2, key(i)) == payload(i, 30_000) for i in (0, 1, 3, 4))
