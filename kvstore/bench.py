@@ -13,6 +13,8 @@ JSON object on stdout (the table then goes to stderr):
   and a private ``redis-server`` (spoken to in RESP, replies read with ``recv_into``).
   Without ``--target`` it runs its own node process and stops it at the end.
   ``--paths ...,tls`` adds a private TLS node's data channel against a raw TLS socket (benchtls.py).
+* ``kvstore bench --latency``: instead, p50/p99 of single-block put/get/exists/match_prefix
+  on the local and TCP paths (the ``latency`` object; ``kvstore/benchlatency.py``).
 * ``kvstore bench --engine --index-blocks N``: instead, a node whose NVMe tier holds N
   small blocks: restart time, index bytes on disk and in memory, lookups at that size
   (the ``index`` object; ``kvstore/benchindex.py``).
@@ -421,6 +423,31 @@ def run_sdk(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def run_latency(a: argparse.Namespace) -> dict[str, Any]:
+    """``--latency``: single-block calls on a private node (or ``--target``)."""
+    from kvstore import benchlatency
+
+    work = Path(tempfile.mkdtemp(prefix="kvstore-bench-"))
+    node = None
+    try:
+        if a.target:
+            unix, tcp = _split_targets(a.target)
+            where = a.target
+        else:
+            dram = -(-max(64 * MiB, int(1.25 * (a.latency_ops * 11 // 10 + 1) * max(a.sizes))) // MiB) * MiB
+            log(f"latency: starting a private node ({dram >> 20} MiB DRAM) ...")
+            node = private_node(dram, work)
+            unix, tcp = node.endpoints["unix"], node.endpoints["grpc"]
+            where = f"private (pid {node.endpoints['pid']}, {dram >> 20} MiB DRAM)"
+        targets = {name: (t, transport) for name, t, transport in (("local", unix, "shm"), ("tcp", tcp, "data-channel"))
+                   if t and name in a.paths}
+        return {"bench": "sdk", "node": where, "latency": benchlatency.run_latency(targets, a.sizes, a.latency_ops)}
+    finally:
+        if node is not None:
+            node.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def print_sdk(r: dict[str, Any], f: TextIO) -> None:
     print(f"kvstore bench: working set {label(r['working_set_bytes'])}, batches of <= {label(r['batch_bytes'])}, "
           f"best of {r['repeat']}; node: {r['node']}; redis: {r['redis']}", file=f)
@@ -488,6 +515,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "against a raw TLS socket (needs the cryptography package)")
     g.add_argument("--stream-sizes", type=_sizes, default=[4 * MiB], metavar="LIST",
                    help="sizes at which to measure the slow grpc-stream fallback (default 4MiB)")
+    g.add_argument("--latency", action="store_true",
+                   help="instead: p50/p99 of single-block put/get/exists/match_prefix on the local and tcp paths "
+                        "(--sizes default 64KiB,256KiB)")
+    g.add_argument("--latency-ops", type=int, default=None, metavar="N",
+                   help="calls per operation and size for --latency (default 1000; --quick 200)")
     g.add_argument("--redis-server", default="redis-server", metavar="PATH", help="redis-server binary ('' to skip Redis)")
 
 
@@ -495,7 +527,10 @@ def main(a: argparse.Namespace) -> int:
     a.repeat = a.repeat or (2 if a.quick else 5)
     a.working_set = a.working_set or (32 * MiB if a.quick else 256 * MiB)
     if a.sizes is None:
-        a.sizes = [4 * MiB] if a.quick else [256 * KiB, 4 * MiB, 32 * MiB]
+        a.sizes = [64 * KiB, 256 * KiB] if a.latency else [4 * MiB] if a.quick else [256 * KiB, 4 * MiB, 32 * MiB]
+    a.latency_ops = a.latency_ops or (200 if a.quick else 1000)
+    if a.latency_ops < 1:
+        raise InvalidArgument("--latency-ops must be at least 1")
     a.paths = {x.strip() for x in a.paths.split(",") if x.strip()}
     if a.repeat < 1:
         raise InvalidArgument("--repeat must be at least 1")
@@ -505,6 +540,8 @@ def main(a: argparse.Namespace) -> int:
 
         result = {"bench": "engine", "index": benchindex.run_index(a.index_blocks, a.index_block_bytes,
                                                                     Path(a.dir) if a.dir else engine_base_dir())}
+    elif a.latency and not a.engine:
+        result = run_latency(a)
     else:
         result = run_engine(a) if a.engine else run_sdk(a)
     # other processes on the machine skew every number: say how busy it was
@@ -515,6 +552,11 @@ def main(a: argparse.Namespace) -> int:
         from kvstore import benchindex
 
         benchindex.print_index(result["index"], table)
+    elif "latency" in result:
+        from kvstore import benchlatency
+
+        print(f"kvstore bench --latency; node: {result['node']}", file=table)
+        benchlatency.print_latency(result["latency"], table)
     else:
         (print_engine if a.engine else print_sdk)(result, table)
     print(f"load average (1 min) before/after: {load_before:.2f}/{result['load_avg_1m'][1]:.2f} on {result['cpus']} CPUs"

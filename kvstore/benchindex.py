@@ -133,8 +133,10 @@ def _node(work: Path, capacity: int, n: int, repeat: int) -> dict[str, Any]:
     from kvstore.children import ServeProcess
 
     arena = Path("/dev/shm") / f"kvstore-bench-index-{os.getpid()}-node.arena"
+    sock = Path(tempfile.mkdtemp(prefix="kvb-"))  # a deep --dir would make too long a socket path
     node = ServeProcess(work / "node", "--listen", "127.0.0.1:0", "--dram", "64MiB", "--nvme", str(capacity),
-                        "--log-level", "WARNING", node_id=f"bench-index-{os.getpid()}", arena_path=str(arena))
+                        "--socket", str(sock / "node.sock"), "--log-level", "WARNING",
+                        node_id=f"bench-index-{os.getpid()}", arena_path=str(arena))
     try:
         t0 = time.perf_counter()
         try:
@@ -157,6 +159,7 @@ def _node(work: Path, capacity: int, n: int, repeat: int) -> dict[str, Any]:
             ex = _best_us(lambda: kv.lookup(keys), repeat)
     finally:
         node.stop(timeout=300)
+        shutil.rmtree(sock, ignore_errors=True)
     return {"start_s": round(start_s, 3), "stop_s": round(stop_s, 3), "restart_s": round(restart_s, 3),
             "node_rss_anon_bytes": rss, "match_prefix_1000_rpc_us": mp, "exists_1000_rpc_us": ex}
 

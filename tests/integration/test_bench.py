@@ -61,3 +61,31 @@ def test_sdk_bench_quick_json() -> None:
     for key in ("local_get_vs_memcpy", "local_put_vs_memcpy", "tcp_get_vs_socket"):
         assert positive(r["ratios"][key]), key
     assert set(r["targets_met"]) == {"local_get_vs_memcpy", "local_put_vs_memcpy", "tcp_get_vs_socket", "tcp_get_vs_redis"}
+
+
+@pytest.mark.timeout(180)
+def test_index_blocks_bench_json(tmp_path: Path) -> None:
+    """Issue 15 #3: a node's NVMe tier filled with small blocks, restarted, measured."""
+    r = run_bench("--engine", "--index-blocks", "3000", "--index-block-bytes", "1KiB", "--dir", str(tmp_path), timeout=170)
+    idx = r["index"]
+    assert idx["blocks"] == 3000 and idx["block_bytes"] == 1024 and idx["record_bytes"] == 8192
+    for key in ("restart_s", "stop_s", "start_s", "open_s", "disk_bytes", "disk_used_bytes", "match_prefix_1000_us",
+                "exists_1000_us", "match_prefix_1000_rpc_us", "exists_1000_rpc_us", "node_rss_anon_bytes"):
+        assert positive(idx[key]), (key, idx[key])
+    assert idx["keys_per_lookup"] == 1000 and idx["memory_bytes"] >= 0
+    assert set(idx["targets_met"]) == {"match_prefix_1000_us", "restart_s"}
+    assert not any(tmp_path.iterdir()), "the index bench must remove its files"
+
+
+@pytest.mark.timeout(120)
+def test_latency_bench_json() -> None:
+    """Issue 15 #2: p50/p99 of single-block calls on both paths (no timing asserted)."""
+    r = run_bench("--latency", "--latency-ops", "30", "--sizes", "64KiB,256KiB")
+    lat = r["latency"]
+    assert lat["ops"] == 30 and set(lat["paths"]) == {"local", "tcp"}
+    for path, by_size in lat["paths"].items():
+        assert set(by_size) == {"64KiB", "256KiB"}, path
+        assert set(by_size["64KiB"]) == {"put", "get", "exists", "match_prefix"}
+        assert set(by_size["256KiB"]) == {"put", "get"}
+        for op, p in (*by_size["64KiB"].items(), *by_size["256KiB"].items()):
+            assert p["calls"] == 30 and positive(p["p50_us"]) and p["p99_us"] >= p["p50_us"], (path, op, p)
