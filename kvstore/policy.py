@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from kvstore.errors import InvalidArgument
@@ -29,6 +29,10 @@ class EvictionPolicy(Protocol):
     name: str
 
     def insert(self, key: ChunkKey, parent: ChunkKey, size: int) -> None: ...
+
+    def insert_many(self, items: Iterable[tuple[ChunkKey, ChunkKey, int]]) -> None:
+        """``insert`` of each ``(key, parent, size)`` in order (a tier's open: one call for all)."""
+        ...
 
     def access(self, key: ChunkKey) -> None: ...
 
@@ -59,6 +63,10 @@ class LRUPolicy:
         self._aside.pop(key, None)
         self._order[key] = None
         self._order.move_to_end(key)
+
+    def insert_many(self, items: Iterable[tuple[ChunkKey, ChunkKey, int]]) -> None:
+        for key, parent, size in items:
+            self.insert(key, parent, size)
 
     def access(self, key: ChunkKey) -> None:
         if key in self._order:
@@ -150,6 +158,26 @@ class _PrefixHeapPolicy:
             self._children[parent] = self._children.get(parent, 0) + 1
         self._inserted(key, parent)
         self._touch(key, True)
+
+    def insert_many(self, items: Iterable[tuple[ChunkKey, ChunkKey, int]]) -> None:
+        """``insert`` of each item in order, the heap built once at the end (a tier's open
+        inserts every stored block: one O(n) heapify instead of n pushes).  The policy ends
+        in the state one ``insert`` each would leave (the heap without stale entries)."""
+        prio, parents, children = self._prio, self._parent, self._children
+        for key, parent, size in items:
+            if key in prio:
+                self._touch(key, False)
+                continue
+            if parent == key or (key in children and self._is_ancestor(key, parent)):
+                parent = NO_PARENT
+            parents[key] = parent
+            if parent != NO_PARENT:
+                children[parent] = children.get(parent, 0) + 1
+            self._inserted(key, parent)
+            self._tick += 1
+            prio[key] = (self._priority(key, True), self._tick)
+        self._heap = [(p, t, k) for k, (p, t) in prio.items() if children.get(k, 0) == 0]
+        heapq.heapify(self._heap)
 
     def _is_ancestor(self, key: ChunkKey, of: ChunkKey) -> bool:
         while of != NO_PARENT:

@@ -97,6 +97,9 @@ class Sessions:
     def is_dead(self, key: ChunkKey) -> bool:
         return key in self._dead
 
+    def has_dead(self) -> bool:
+        return bool(self._dead)
+
     def shared(self, key: ChunkKey) -> bool:
         """Whether two or more open sessions hold ``key`` (read from executor threads too: one dict read)."""
         return self._holders.get(key, 0) >= 2
@@ -251,6 +254,15 @@ class SessionHinted:
         if self._sessions.is_dead(key):  # demoted to NVMe after its session closed, say
             with self._lock:
                 self._first[key] = None
+
+    def insert_many(self, items: Iterable[tuple[ChunkKey, ChunkKey, int]]) -> None:
+        items = items if isinstance(items, list) else list(items)
+        self.inner.insert_many(items)
+        dead = [k for k, _, _ in items if self._sessions.is_dead(k)] if self._sessions.has_dead() else []
+        if dead:
+            with self._lock:
+                for k in dead:
+                    self._first[k] = None
 
     def access(self, key: ChunkKey) -> None:
         self.inner.access(key)

@@ -384,15 +384,17 @@ class NVMeTier:
         migrate = [k for k in kept if k[4][0] == INDEX_VALUE_V1]
         metas = self._read_headers(migrate, drop) if migrate else {}
         kept.sort(key=lambda k: k[2])  # parents are mostly older: insert them first
-        index, policy = self._index, self._policy
+        index, order = self._index, []
         for vaddr, length, seq, key, value in kept:
             seg, off = divmod(vaddr, stride)
             if value[0] == INDEX_VALUE_VERSION:
                 index[key] = _Entry(ChunkKey(key), None, seg, off, length, vaddr, seq, value)
-                policy.insert(ChunkKey(key), index_parent(value), length)
+                order.append((ChunkKey(key), index_parent(value), length))
             elif (meta := metas.get(key)) is not None:
-                e = index[key] = _Entry(ChunkKey(key), meta, seg, off, length, vaddr, seq)
-                policy.insert(e.key, meta.parent, length)
+                index[key] = _Entry(ChunkKey(key), meta, seg, off, length, vaddr, seq)
+                order.append((ChunkKey(key), meta.parent, length))
+        self._policy.insert_many(order)
+        del order
         for attempt in (1, 2) if drop or metas else ():
             try:
                 with self._env.begin(write=True) as txn:

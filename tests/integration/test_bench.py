@@ -69,7 +69,7 @@ def test_index_blocks_bench_json(tmp_path: Path) -> None:
     r = run_bench("--engine", "--index-blocks", "3000", "--index-block-bytes", "1KiB", "--dir", str(tmp_path), timeout=170)
     idx = r["index"]
     assert idx["blocks"] == 3000 and idx["block_bytes"] == 1024 and idx["record_bytes"] == 8192
-    for key in ("restart_s", "stop_s", "start_s", "open_s", "disk_bytes", "disk_used_bytes", "match_prefix_1000_us",
+    for key in ("restart_s", "stop_s", "start_s", "open_s", "index_check_s", "disk_bytes", "disk_used_bytes", "match_prefix_1000_us",
                 "exists_1000_us", "match_prefix_1000_rpc_us", "exists_1000_rpc_us", "node_rss_anon_bytes"):
         assert positive(idx[key]), (key, idx[key])
     assert idx["keys_per_lookup"] == 1000 and idx["memory_bytes"] >= 0

@@ -463,3 +463,21 @@ def test_prefix_random_against_a_model(seed: int) -> None:
         assert len(p) == len(last)
         assert all(K(j) in p for j in last)
         assert proposals(p) == leaves(set())
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_insert_many_orders_victims_as_one_insert_each(name: str) -> None:
+    """Issue 15 #3: a tier's open inserts every stored block in one call; the policy must
+    end as one ``insert`` each would leave it (same victims, same order)."""
+    import random
+
+    rng = random.Random(7)
+    keys = [ChunkKey(bytes([i % 251, i // 251]) + bytes(14)) for i in range(600)]
+    items = [(k, NO_PARENT if i % 40 == 0 else keys[i - 1 - rng.randrange(min(i % 40, 3))], 4096) for i, k in enumerate(keys)]
+    items += [items[5], items[77]]  # a key inserted again is touched
+    one, many = POLICIES[name](), POLICIES[name]()
+    for k, p, s in items:
+        one.insert(k, p, s)
+    many.insert_many(items)
+    assert len(one) == len(many) == len(keys)
+    assert list(one.victims()) == list(many.victims())
