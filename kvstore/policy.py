@@ -308,14 +308,15 @@ class PrefixReusePolicy(_PrefixHeapPolicy):
         self._sketch.sample = max(self._sketch.sample, self.MEMORY * n)
 
     def _inserted(self, key: ChunkKey, parent: ChunkKey) -> None:
+        seen = self._sketch.estimate(key)
         if self.PRESSURE[1]:
             self._inserts += 1
-            if self._sketch.estimate(key):
+            if seen:
                 self._again += 1
             if self._inserts > 4 * max(self._peak, 64):
                 self._inserts /= 2
                 self._again /= 2
-        if not self.SHARE or parent == NO_PARENT or parent not in self._prio or self._sketch.estimate(key):
+        if not self.SHARE or parent == NO_PARENT or seen or parent not in self._prio:
             return  # only a child not seen lately counts as a new branch
         n = self._fanout.get(parent, 0) + 1
         self._fanout[parent] = n

@@ -16,6 +16,7 @@ Invariants: free extents never overlap or touch (touching ones are merged);
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from sortedcontainers import SortedDict, SortedList
 
@@ -116,17 +117,18 @@ class ExtentAllocator:
         if fs + fl > s + n:
             self._insert(s + n, fs + fl - (s + n))
 
-    def reserve_many(self, used: list[tuple[int, int]]) -> None:
-        """``reserve_exact`` of many ``(offset, length)`` ranges, sorted by offset and not
-        overlapping, in one pass (a restart reserves every stored block: O(n), not n
-        sorted-container updates).  All or nothing: ``InvalidArgument`` if one is misaligned
-        or not free, and then nothing is reserved."""
+    def reserve_many(self, used: Sequence[Sequence[int]]) -> None:
+        """``reserve_exact`` of many ranges (``(offset, length, ...)``: further items are
+        ignored), sorted by offset, in one pass (a restart reserves every stored block:
+        O(n), not n sorted-container updates).  All or nothing: ``InvalidArgument`` if one
+        is misaligned, overlaps another or is not free, and then nothing is reserved."""
         unit = self.unit
         free = list(self._by_start.items())  # (start, length) in units, sorted
         out: list[tuple[int, int]] = []
         fi = 0
         cur_s, cur_e = (free[0][0], free[0][0] + free[0][1]) if free else (0, 0)
-        for off, length in used:
+        for u in used:
+            off, length = u[0], u[1]
             s, n = off // unit, length // unit
             if off % unit or length % unit or n <= 0:
                 raise InvalidArgument(f"extent {Extent(off, length)} is not unit-aligned")

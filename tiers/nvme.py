@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
+import gc
 import logging
 import mmap
 import os
@@ -245,7 +246,15 @@ class NVMeTier:
         self._open_segments()
         if self.rebuild is not None:
             raw = self._rebuild_index(self.rebuild)
-        self._load_index(raw)
+        # millions of new objects, none in a cycle: the collector's passes over them
+        # (generation 2 several times) were a third of an open
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self._load_index(raw)
+        finally:
+            if collecting:
+                gc.enable()
         if self.rebuild is not None:
             self.rebuild.recovered = len(self._index)
             finish(self.rebuild, self.directory)
@@ -360,8 +369,11 @@ class NVMeTier:
         kept: list[tuple[int, int, int, bytes, bytes]] = []  # (vaddr, length, seq, key, value)
         sizes, stride, nseg = self._seg_sizes, self._stride, len(self._seg_sizes)
         unpack, fixed = INDEX_VALUE.unpack_from, INDEX_VALUE.size
+        top = 0
         for key, value in raw:
             fields = unpack(value) if len(key) == 16 and len(value) >= fixed else None
+            if fields is not None and fields[4] > top:
+                top = fields[4]
             if fields is None or not (
                 (fields[0] == INDEX_VALUE_VERSION and (plen := index_payload_len(value)) is not None
                  and record_bytes(plen) == fields[3])
@@ -409,18 +421,17 @@ class NVMeTier:
                     continue
                 log.warning("could not update %d entries of the NVMe index of %s: %r", len(drop) + len(metas),
                             self.directory, e)
-        self._seq = max((self._seq_of(v) for _, v in raw), default=0)
+        self._seq = top
 
     def _reserve_extents(self, kept: list[tuple[int, int, int, bytes, bytes]],
                          drop: list[bytes]) -> list[tuple[int, int, int, bytes, bytes]]:
         """Reserve the entries' extents in the allocator; of overlapping ones the newest wins."""
         kept.sort()
-        if all(kept[i - 1][0] + kept[i - 1][1] <= kept[i][0] for i in range(1, len(kept))):
-            try:
-                self._alloc.reserve_many([(k[0], k[1]) for k in kept])
-                return kept
-            except InvalidArgument:  # not free (cannot happen: gaps lie beyond every segment's end)
-                pass
+        try:
+            self._alloc.reserve_many(kept)
+            return kept
+        except InvalidArgument:  # two entries overlap (a damaged index): reserve nothing that way
+            pass
         out = []
         for k in sorted(kept, key=lambda k: -k[2]):  # a damaged index: one at a time, newest first
             try:
