@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents, KVEventAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from gpu_agent.vllm.settings import RETRY_S, ConnectorSettings, EngineSpec
@@ -118,6 +119,40 @@ class KVStoreEvents(KVConnectorKVEvents):
     def clear_events(self) -> None:
         self._agg.clear_events()
         self._agg.reset_workers()
+
+
+STAT_KEYS = ("loads", "load_tokens", "load_errors", "saves", "load_us", "save_us", "pulled_blocks", "pull_us")
+
+
+@dataclasses.dataclass
+class KVStoreStats(KVConnectorStats):
+    """The workers' counters over one interval (what vLLM logs and exports for the
+    connector): loads, tokens loaded, blocks that failed to load, saves, blocks fetched
+    from other nodes, and the host time each took."""
+
+    def __post_init__(self) -> None:
+        for k in STAT_KEYS:
+            self.data.setdefault(k, 0)
+
+    def reset(self) -> None:
+        self.data = {k: 0 for k in STAT_KEYS}
+
+    def aggregate(self, other: KVConnectorStats) -> "KVStoreStats":
+        for k in STAT_KEYS:
+            self.data[k] = self.data.get(k, 0) + int(other.data.get(k, 0))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        return {
+            "loads": d["loads"], "tokens loaded": d["load_tokens"], "blocks failed to load": d["load_errors"],
+            "saves": d["saves"], "blocks fetched from other nodes": d["pulled_blocks"],
+            "avg load ms": round(d["load_us"] / d["loads"] / 1e3, 3) if d["loads"] else 0.0,
+            "avg save ms": round(d["save_us"] / d["saves"] / 1e3, 3) if d["saves"] else 0.0,
+        }
+
+    def is_empty(self) -> bool:
+        return not (self.data["loads"] or self.data["saves"] or self.data["load_errors"])
 
 
 # -- the engine's spec --------------------------------------------------------------------
@@ -584,6 +619,14 @@ class _WorkerSide:
             return None
         return out or None
 
+    def take_stats(self) -> KVStoreStats | None:
+        """The counters since the last call (None when nothing happened)."""
+        now = {k: int(self.counters.get(k, 0)) for k in STAT_KEYS}
+        last = getattr(self, "_reported", {k: 0 for k in STAT_KEYS})
+        self._reported = now
+        delta = KVStoreStats({k: now[k] - last[k] for k in STAT_KEYS})
+        return None if delta.is_empty() else delta
+
     def take_errors(self) -> set[int]:
         out, self._errors = self._errors, set()
         return out
@@ -664,6 +707,13 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_errors() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._worker.take_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVStoreStats(dict(data or {}))
 
     def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
         return self._worker.take_events() if self._worker is not None else None
