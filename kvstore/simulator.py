@@ -61,7 +61,7 @@ from kvstore.keys import ChunkKey
 from kvstore.policy import DEFAULT_POLICY, POLICIES, EvictionPolicy, make_policy
 from kvstore.sessions import Sessions, hinted
 from kvstore.trace import HitRatios, Request, Trace
-from tiers.base import ReadResult, TierKind
+from tiers.base import MissReason, ReadResult, TierKind
 from tiers.dram import DRAMTier
 from tiers.nvme_format import record_bytes
 
@@ -162,8 +162,6 @@ class ByteslessNVMe:
     def read_into(self, key: ChunkKey, out: object, *args: Any, **kw: Any) -> ReadResult:
         meta = self._meta.get(key)
         if meta is None:
-            from tiers.base import MissReason
-
             return ReadResult(key, miss=MissReason.NOT_PRESENT)
         self.policy.access(key)
         return ReadResult(key, meta=meta, nbytes=meta.payload_len)
