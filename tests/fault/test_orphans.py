@@ -68,6 +68,19 @@ def spawned(parent: subprocess.Popen[str], *names: str) -> list[psutil.Process]:
     return wait_for(look, 120, f"children {names} of pid {parent.pid}", interval=0.2)
 
 
+def start_up(tmp_path: Path, nodes: int) -> subprocess.Popen[str]:
+    """``kvstore up`` with ``nodes`` 16 MiB nodes, no NVMe and no dashboard, under ``tmp_path / "up"``."""
+    return subprocess.Popen([sys.executable, "-m", "kvstore", "up", "--nodes", str(nodes), "--dram", "16MiB", "--nvme", "0",
+                             "--dashboard-port", "-1", "--data-dir", str(tmp_path / "up")], cwd=ROOT, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def up_ready(up: subprocess.Popen[str]) -> dict:
+    """The JSON of ``up``'s ``READY`` line."""
+    assert up.stdout is not None
+    return next(json.loads(line[6:]) for line in up.stdout if line.startswith("READY "))
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_bench_takes_its_node_and_redis_with_it(sig: int) -> None:
@@ -90,12 +103,10 @@ def test_bench_takes_its_node_and_redis_with_it(sig: int) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(find_etcd() is None, reason="needs etcd")
 def test_up_killed_with_sigkill_takes_its_nodes_and_etcd_with_it(tmp_path: Path) -> None:
-    up = subprocess.Popen([sys.executable, "-m", "kvstore", "up", "--nodes", "2", "--dram", "16MiB", "--nvme", "0",
-                           "--dashboard-port", "-1", "--data-dir", str(tmp_path / "up")], cwd=ROOT, env=clean_env(),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    up = start_up(tmp_path, 2)
     try:
+        info = up_ready(up)
         assert up.stdout is not None
-        info = next(json.loads(line[6:]) for line in up.stdout if line.startswith("READY "))
         up.stdout.close()
         kids = psutil.Process(up.pid).children()
         assert {k.pid for k in kids} == {info["etcd_pid"], *(n["pid"] for n in info["nodes"])}
@@ -109,12 +120,9 @@ def test_up_killed_with_sigkill_takes_its_nodes_and_etcd_with_it(tmp_path: Path)
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(find_etcd() is None, reason="needs etcd")
 def test_up_removes_the_arena_of_a_node_that_was_killed(tmp_path: Path) -> None:
-    up = subprocess.Popen([sys.executable, "-m", "kvstore", "up", "--nodes", "1", "--dram", "16MiB", "--nvme", "0",
-                           "--dashboard-port", "-1", "--data-dir", str(tmp_path / "up")], cwd=ROOT, env=clean_env(),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    up = start_up(tmp_path, 1)
     try:
-        assert up.stdout is not None
-        info = next(json.loads(line[6:]) for line in up.stdout if line.startswith("READY "))
+        info = up_ready(up)
         node = psutil.Process(info["nodes"][0]["pid"])
         arena = arena_of(node.cmdline())
         assert arena.exists()
