@@ -12,11 +12,10 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
-from conftest import NodeProcess
+from conftest import NodeProcess, start_clean, stop_clean
 
 from client import CapacityExceeded, KVClient, Namespace, chunk_keys
 from kvstore.block import BlockMeta
@@ -39,12 +38,9 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
         f'[tenants.mallory]\ntoken = "{TOKENS["mallory"]}"\nmax_reserved_bytes = 0\n\n'
         f'[tenants.carol]\ntoken = "{TOKENS["carol"]}"\nmax_pinned_bytes = 0\n'
     )
-    n = NodeProcess(d / "node", "--config", str(cfg), "--dram", "64MiB", "--nvme", "0")
-    n.env = {k: v for k, v in n.env.items() if not k.startswith("KVSTORE_")}
-    n.start()
+    n = start_clean(d / "node", "--config", str(cfg), "--dram", "64MiB", "--nvme", "0")
     yield n
-    assert n.stop(timeout=30) == 0
-    Path(n.arena_path).unlink(missing_ok=True)
+    stop_clean(n)
 
 
 def ns(owner: str) -> Namespace:
