@@ -393,7 +393,7 @@ class GPUAgent:
         leased = None
         if need:
             try:
-                leased = self.client.acquire(need, session_id=session_id) if session_id else self.client.acquire(need)
+                leased = self.client.acquire(need, session_id=session_id)
             except KVStoreError as e:
                 self._count("store_errors", 1)
                 log.warning("kvstore acquire for load failed (%s); loading only what HBM holds", e)
@@ -546,8 +546,7 @@ class GPUAgent:
         step = max(1, self.config.batch_blocks)
         for lo in range(0, len(metas), step):
             try:
-                batch = metas[lo : lo + step]
-                res = self.client.reserve(batch, session_id=session_id) if session_id else self.client.reserve(batch)
+                res = self.client.reserve(metas[lo : lo + step], session_id=session_id)
             except KVStoreError as e:
                 self._count("store_errors", 1)
                 log.warning("kvstore reserve failed (%s); %d blocks not saved", e, len(metas) - lo)

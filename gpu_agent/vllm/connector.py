@@ -254,7 +254,7 @@ class _SchedulerSide:
         try:
             # cluster clients carry no sessions: hints go to the node itself
             sid = None if (self.settings.lookup_target or "").startswith("etcd://") else request_session(request)
-            n, tiers = self.client().match_prefix_tiers(keys, session_id=sid) if sid else self.client().match_prefix_tiers(keys)
+            n, tiers = self.client().match_prefix_tiers(keys, session_id=sid)
         except KVStoreError as e:
             self.counters["lookup_errors"] += 1
             log.warning("kvstore lookup failed (%s): request %s recomputes; next try in %.0f s", e, request.request_id, RETRY_S)
@@ -405,6 +405,7 @@ class _WorkerSide:
         self._make_agent: Any = None
         self._next_try = 0.0
         self._store_errors = 0  # the agent's store_errors counter when last checked
+        self._reported = {k: 0 for k in STAT_KEYS}  # the counters the last take_stats reported
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from gpu_agent.agent import AgentConfig, GPUAgent
@@ -462,7 +463,8 @@ class _WorkerSide:
         chunk that cannot be fetched stays missing: the load stops before it and vLLM
         recomputes from there."""
         first = spec.first_page * self.spec.block_size // self.chunk  # type: ignore[union-attr]
-        keys = chunk_keys(spec.tokens[: spec.num_tokens], spec.namespace)[first:]
+        chain = chunk_keys(spec.tokens[: spec.num_tokens], spec.namespace)
+        keys = chain[first:]
         if not keys:
             return
         t0 = time.perf_counter()
@@ -474,7 +476,7 @@ class _WorkerSide:
             if self._remote is None:
                 self._remote = self.settings.client(self.settings.lookup_target)
             got = self._remote.get_many([keys[i] for i in missing])
-            parents = parent_keys(chunk_keys(spec.tokens[: spec.num_tokens], spec.namespace))[first:]
+            parents = parent_keys(chain)[first:]
             have = [(keys[i], parents[i], d) for i, d in zip(missing, got) if d is not None]
             if have:
                 ok = self.agent.client.put_many([k for k, _, _ in have], [d for _, _, d in have], namespace=spec.namespace,
@@ -622,9 +624,8 @@ class _WorkerSide:
     def take_stats(self) -> KVStoreStats | None:
         """The counters since the last call (None when nothing happened)."""
         now = {k: int(self.counters.get(k, 0)) for k in STAT_KEYS}
-        last = getattr(self, "_reported", {k: 0 for k in STAT_KEYS})
+        delta = KVStoreStats({k: now[k] - self._reported[k] for k in STAT_KEYS})
         self._reported = now
-        delta = KVStoreStats({k: now[k] - last[k] for k in STAT_KEYS})
         return None if delta.is_empty() else delta
 
     def take_errors(self) -> set[int]:

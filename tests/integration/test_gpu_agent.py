@@ -364,8 +364,8 @@ class SlowCommits:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
 
-    def reserve(self, metas: Any) -> Any:
-        res = self._client.reserve(metas)
+    def reserve(self, metas: Any, **kw: Any) -> Any:
+        res = self._client.reserve(metas, **kw)
         commit = res.commit
         res.commit = lambda sums=None: (self.gate.wait(30), commit(sums))[1]
         return res
