@@ -1,10 +1,10 @@
 """kvstore client SDK.
 
-    from client import KVClient, Namespace, chunk_keys
-    with KVClient("unix:///path/to/kvstore.sock") as kv:
-        keys = chunk_keys(tokens, Namespace("llama-3-8b"))
-        kv.put(keys[0], kv_block)            # numpy array, CPU tensor or bytes
-        kv.get_into(keys[0], out)            # zero-copy into your buffer; None on a miss
+from client import KVClient, Namespace, chunk_keys
+with KVClient("unix:///path/to/kvstore.sock") as kv:
+    keys = chunk_keys(tokens, Namespace("llama-3-8b"))
+    kv.put(keys[0], kv_block)            # numpy array, CPU tensor or bytes
+    kv.get_into(keys[0], out)            # zero-copy into your buffer; None on a miss
 """
 
 from client._async import AsyncKVClient

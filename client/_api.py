@@ -5,7 +5,7 @@
 cluster) and in how they run its operations (``_run``); both cores answer ``put_many`` and
 ``get_many_into`` alike, so the calls built on them are written once here.  Owns no state.
 
-``session_id=`` (session hints, ``kvstore/sessions.py``) names the caller's session on a put
+``session_id=`` (session hints, ``kvstore/node/sessions.py``) names the caller's session on a put
 or read; a core that cannot carry it (the cluster core, for now) refuses it rather than
 drop it.
 """
@@ -24,8 +24,10 @@ def with_session(core: Any, session: str | None) -> dict[str, Any]:
     if session is None:
         return {}
     if not getattr(core, "SESSION_HINTS", False):
-        raise InvalidArgument("this client's puts and reads cannot carry a session id yet (cluster clients: use close_session, "
-                              "or a node's own KVClient)")
+        raise InvalidArgument(
+            "this client's puts and reads cannot carry a session id yet (cluster clients: use close_session, "
+            "or a node's own KVClient)"
+        )
     return {"session": session}
 
 
@@ -34,20 +36,53 @@ class BlockCalls:
 
     _core: Any
     if TYPE_CHECKING:  # provided by the client class
+
         def _run(self, op: Any) -> Any: ...
 
         def lookup(self, keys: Sequence[bytes]) -> list[str | None]: ...
 
-    def put(self, key: bytes, data: object, *, namespace: bytes | Namespace | None = None, parent: bytes | None = None, token_count: int = 0,
-            session_id: str | None = None) -> bool:
+    def put(
+        self,
+        key: bytes,
+        data: object,
+        *,
+        namespace: bytes | Namespace | None = None,
+        parent: bytes | None = None,
+        token_count: int = 0,
+        session_id: str | None = None,
+    ) -> bool:
         """Store one block; True if it is stored (or already was), False if the node had no room."""
-        return self._run(self._core.put_many([key], [data], namespace=namespace, parents=[parent], token_counts=[token_count],  # type: ignore[no-any-return]
-                                             **with_session(self._core, session_id)))[0]
+        return self._run(
+            self._core.put_many(
+                [key],
+                [data],
+                namespace=namespace,
+                parents=[parent],
+                token_counts=[token_count],  # type: ignore[no-any-return]
+                **with_session(self._core, session_id),
+            )
+        )[0]
 
-    def put_many(self, keys: Sequence[bytes], datas: Sequence[object], *, namespace: bytes | Namespace | None = None,
-                 parents: Sequence[bytes | None] | None = None, token_counts: Sequence[int] | None = None, session_id: str | None = None) -> list[bool]:
-        return self._run(self._core.put_many(list(keys), list(datas), namespace=namespace, parents=parents, token_counts=token_counts,  # type: ignore[no-any-return]
-                                             **with_session(self._core, session_id)))
+    def put_many(
+        self,
+        keys: Sequence[bytes],
+        datas: Sequence[object],
+        *,
+        namespace: bytes | Namespace | None = None,
+        parents: Sequence[bytes | None] | None = None,
+        token_counts: Sequence[int] | None = None,
+        session_id: str | None = None,
+    ) -> list[bool]:
+        return self._run(
+            self._core.put_many(
+                list(keys),
+                list(datas),
+                namespace=namespace,
+                parents=parents,
+                token_counts=token_counts,  # type: ignore[no-any-return]
+                **with_session(self._core, session_id),
+            )
+        )
 
     def get(self, key: bytes, *, session_id: str | None = None) -> bytes | None:
         return self._run(self._core.get_many_into([key], None, **with_session(self._core, session_id)))[0]  # type: ignore[no-any-return]
@@ -59,7 +94,9 @@ class BlockCalls:
     def get_many(self, keys: Sequence[bytes], *, session_id: str | None = None) -> list[bytes | None]:
         return self._run(self._core.get_many_into(list(keys), None, **with_session(self._core, session_id)))  # type: ignore[no-any-return]
 
-    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object], *, session_id: str | None = None) -> list[int | None]:
+    def get_many_into(
+        self, keys: Sequence[bytes], outs: Sequence[object], *, session_id: str | None = None
+    ) -> list[int | None]:
         return self._run(self._core.get_many_into(list(keys), list(outs), **with_session(self._core, session_id)))  # type: ignore[no-any-return]
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
@@ -71,20 +108,54 @@ class AsyncBlockCalls:
 
     _core: Any
     if TYPE_CHECKING:  # provided by the client class
+
         async def _run(self, op: Any) -> Any: ...
 
         async def lookup(self, keys: Sequence[bytes]) -> list[str | None]: ...
 
-    async def put(self, key: bytes, data: object, *, namespace: bytes | Namespace | None = None, parent: bytes | None = None, token_count: int = 0,
-                  session_id: str | None = None) -> bool:
-        return (await self._run(self._core.put_many([key], [data], namespace=namespace, parents=[parent], token_counts=[token_count],  # type: ignore[no-any-return]
-                                                    **with_session(self._core, session_id))))[0]
+    async def put(
+        self,
+        key: bytes,
+        data: object,
+        *,
+        namespace: bytes | Namespace | None = None,
+        parent: bytes | None = None,
+        token_count: int = 0,
+        session_id: str | None = None,
+    ) -> bool:
+        return (
+            await self._run(
+                self._core.put_many(
+                    [key],
+                    [data],
+                    namespace=namespace,
+                    parents=[parent],
+                    token_counts=[token_count],  # type: ignore[no-any-return]
+                    **with_session(self._core, session_id),
+                )
+            )
+        )[0]
 
-    async def put_many(self, keys: Sequence[bytes], datas: Sequence[object], *, namespace: bytes | Namespace | None = None,
-                       parents: Sequence[bytes | None] | None = None, token_counts: Sequence[int] | None = None,
-                       session_id: str | None = None) -> list[bool]:
-        return await self._run(self._core.put_many(list(keys), list(datas), namespace=namespace, parents=parents, token_counts=token_counts,  # type: ignore[no-any-return]
-                                                   **with_session(self._core, session_id)))
+    async def put_many(
+        self,
+        keys: Sequence[bytes],
+        datas: Sequence[object],
+        *,
+        namespace: bytes | Namespace | None = None,
+        parents: Sequence[bytes | None] | None = None,
+        token_counts: Sequence[int] | None = None,
+        session_id: str | None = None,
+    ) -> list[bool]:
+        return await self._run(
+            self._core.put_many(
+                list(keys),
+                list(datas),
+                namespace=namespace,
+                parents=parents,
+                token_counts=token_counts,  # type: ignore[no-any-return]
+                **with_session(self._core, session_id),
+            )
+        )
 
     async def get(self, key: bytes, *, session_id: str | None = None) -> bytes | None:
         return (await self._run(self._core.get_many_into([key], None, **with_session(self._core, session_id))))[0]  # type: ignore[no-any-return]
@@ -95,7 +166,9 @@ class AsyncBlockCalls:
     async def get_many(self, keys: Sequence[bytes], *, session_id: str | None = None) -> list[bytes | None]:
         return await self._run(self._core.get_many_into(list(keys), None, **with_session(self._core, session_id)))  # type: ignore[no-any-return]
 
-    async def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object], *, session_id: str | None = None) -> list[int | None]:
+    async def get_many_into(
+        self, keys: Sequence[bytes], outs: Sequence[object], *, session_id: str | None = None
+    ) -> list[int | None]:
         return await self._run(self._core.get_many_into(list(keys), list(outs), **with_session(self._core, session_id)))  # type: ignore[no-any-return]
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:

@@ -50,8 +50,9 @@ class AsyncKVClient(AsyncBlockCalls):
         tls_key_file: str | None = None,
         tls_server_name: str | None = None,
     ) -> None:
-        self._tls = ClientTLS.from_options(tls=tls, ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file,
-                                           server_name=tls_server_name)
+        self._tls = ClientTLS.from_options(
+            tls=tls, ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file, server_name=tls_server_name
+        )
         self._core = ClientCore(target, transport=transport, timeouts=timeouts, verify=verify, tls=self._tls)
         tok = resolve_token(token, token_file)
         self._metadata = (("authorization", f"Bearer {tok}"),) if tok else ()
@@ -74,7 +75,9 @@ class AsyncKVClient(AsyncBlockCalls):
         attempts = RETRIES + 1 if method in IDEMPOTENT else 1
         for attempt in range(attempts):
             try:
-                return await getattr(self._stub, method)(request, timeout=self._core.timeouts.rpc, metadata=self._metadata)
+                return await getattr(self._stub, method)(
+                    request, timeout=self._core.timeouts.rpc, metadata=self._metadata
+                )
             except grpc.RpcError as e:
                 err = rpc_error(e, self._tls, self._core.target.grpc_target)
                 if isinstance(err, Unavailable) and attempt + 1 < attempts:
@@ -85,7 +88,9 @@ class AsyncKVClient(AsyncBlockCalls):
 
     def _fire(self, method: str, request: Any) -> None:
         """Start a call without waiting; its outcome is dropped (``close`` still delivers it)."""
-        task = asyncio.ensure_future(getattr(self._stub, method)(request, timeout=self._core.timeouts.rpc, metadata=self._metadata))
+        task = asyncio.ensure_future(
+            getattr(self._stub, method)(request, timeout=self._core.timeouts.rpc, metadata=self._metadata)
+        )
         self._inflight.add(task)
         task.add_done_callback(_forget(self._inflight))
 
@@ -109,13 +114,18 @@ class AsyncKVClient(AsyncBlockCalls):
                     elif kind == "put_stream":
                         chunks = instr[1]
                         try:
-                            result = await self._stub.PutStream(chunks(), timeout=self._core.timeouts.data,
-                                                                metadata=stream_metadata(self._metadata, instr))
+                            result = await self._stub.PutStream(
+                                chunks(),
+                                timeout=self._core.timeouts.data,
+                                metadata=stream_metadata(self._metadata, instr),
+                            )
                         except grpc.RpcError as e:
                             raise rpc_error(e, self._tls, self._core.target.grpc_target) from None
                     elif kind == "get_stream":
                         try:
-                            call = self._stub.GetStream(instr[1], timeout=self._core.timeouts.data, metadata=self._metadata)
+                            call = self._stub.GetStream(
+                                instr[1], timeout=self._core.timeouts.data, metadata=self._metadata
+                            )
                             result = [c async for c in call]
                         except grpc.RpcError as e:
                             raise rpc_error(e, self._tls, self._core.target.grpc_target) from None
@@ -132,14 +142,15 @@ class AsyncKVClient(AsyncBlockCalls):
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
 
-
     async def lookup(self, keys: Sequence[bytes], *, session_id: str | None = None) -> list[str | None]:
         return await self._run(self._core.lookup(as_key_list(keys), session=session_id))
 
     async def match_prefix(self, keys: Sequence[bytes], *, session_id: str | None = None) -> int:
         return (await self._run(self._core.match_prefix(as_key_list(keys), session=session_id)))[0]
 
-    async def match_prefix_tiers(self, keys: Sequence[bytes], *, session_id: str | None = None) -> tuple[int, list[str]]:
+    async def match_prefix_tiers(
+        self, keys: Sequence[bytes], *, session_id: str | None = None
+    ) -> tuple[int, list[str]]:
         return await self._run(self._core.match_prefix(as_key_list(keys), session=session_id))
 
     async def close_session(self, session_id: str) -> bool:
@@ -149,18 +160,32 @@ class AsyncKVClient(AsyncBlockCalls):
         return await self._run(self._core.close_session(session_id)) is not None
 
     async def delete(self, keys: Sequence[bytes]) -> int:
-        return await self._run(self._core.simple("Delete", pb.KeysRequest(keys=[check_key(k) for k in as_key_list(keys)])))
+        return await self._run(
+            self._core.simple("Delete", pb.KeysRequest(keys=[check_key(k) for k in as_key_list(keys)]))
+        )
 
     async def pin(self, keys: Sequence[bytes], ttl: float) -> int:
-        return await self._run(self._core.simple("Pin", pb.PinRequest(keys=[check_key(k) for k in as_key_list(keys)], ttl_s=ttl)))
+        return await self._run(
+            self._core.simple("Pin", pb.PinRequest(keys=[check_key(k) for k in as_key_list(keys)], ttl_s=ttl))
+        )
 
     async def unpin(self, keys: Sequence[bytes]) -> int:
-        return await self._run(self._core.simple("Unpin", pb.KeysRequest(keys=[check_key(k) for k in as_key_list(keys)])))
+        return await self._run(
+            self._core.simple("Unpin", pb.KeysRequest(keys=[check_key(k) for k in as_key_list(keys)]))
+        )
 
     async def invalidate(self, namespace: bytes | Namespace) -> int:
         return await self._run(self._core.simple("Invalidate", pb.InvalidateRequest(namespace=fingerprint(namespace))))
 
-    async def report_hits(self, blocks: int, tokens: int = 0, *, tier: str = "hbm", op: str = "get", namespace: bytes | Namespace | None = None) -> None:
+    async def report_hits(
+        self,
+        blocks: int,
+        tokens: int = 0,
+        *,
+        tier: str = "hbm",
+        op: str = "get",
+        namespace: bytes | Namespace | None = None,
+    ) -> None:
         await self._run(self._core.call("ReportHits", report_request(blocks, tokens, tier, op, namespace)))
 
     async def stats(self) -> dict[str, Any]:
@@ -173,7 +198,7 @@ class AsyncKVClient(AsyncBlockCalls):
         if self._channel is not None:
             await self._channel.close()
 
-    async def __aenter__(self) -> "AsyncKVClient":
+    async def __aenter__(self) -> AsyncKVClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -60,18 +60,30 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from client._core import (
-    STREAM_BATCH_BYTES, ClientCore, Op, Timeouts, _relearn_node_on_unavailable, as_key_list, fingerprint,
+    STREAM_BATCH_BYTES,
+    ClientCore,
+    Op,
+    Timeouts,
+    _relearn_node_on_unavailable,
+    as_key_list,
+    fingerprint,
 )
 from kvstore.block import BlockMeta, verify_payload
 from kvstore.cluster.membership import Membership
 from kvstore.cluster.placement import Placement, group_keys, placement
 from kvstore.cluster.state import ClusterSnapshot, NodeInfo, effective_fingerprint, parse_target
 from kvstore.errors import (
-    BlockFormatError, CapacityExceeded, DeadlineExceeded, InvalidArgument, OwnershipUnavailable, PermissionDenied, Unauthenticated,
+    BlockFormatError,
+    CapacityExceeded,
+    DeadlineExceeded,
+    InvalidArgument,
+    OwnershipUnavailable,
+    PermissionDenied,
+    Unauthenticated,
     Unavailable,
 )
 from kvstore.keys import ChunkKey, Namespace, check_key, chunk_keys
-from kvstore.misses import DEADLINE, NODE_DOWN
+from kvstore.node.ledger import DEADLINE, NODE_DOWN
 from kvstore.wire import meta_from_pb, meta_to_pb
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from tiers.arena import as_bytes_view
@@ -221,7 +233,11 @@ def _put_blocks(metas: list[BlockMeta], payloads: list[bytes]) -> NodeOp:
                     mv = memoryview(payloads[i])
                     for off in range(0, max(len(mv), 1), STREAM_CHUNK):
                         part = bytes(mv[off : off + STREAM_CHUNK])
-                        yield pb.BlockChunk(block=meta_to_pb(metas[i]), data=part) if off == 0 else pb.BlockChunk(data=part)
+                        yield (
+                            pb.BlockChunk(block=meta_to_pb(metas[i]), data=part)
+                            if off == 0
+                            else pb.BlockChunk(data=part)
+                        )
 
             resp = yield ("put_stream", chunks, len(batch))
             stored += [s in (pb.KEY_STATUS_OK, pb.KEY_STATUS_EXISTS) for s in resp.statuses]
@@ -237,8 +253,18 @@ class ClusterCore:
     serves every thread of a sync client.
     """
 
-    def __init__(self, target: str, *, timeouts: Timeouts | None, transport: str, verify: bool,
-                 replication: int | None, suspect_s: float, prefer_local: bool, wait_s: float) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeouts: Timeouts | None,
+        transport: str,
+        verify: bool,
+        replication: int | None,
+        suspect_s: float,
+        prefer_local: bool,
+        wait_s: float,
+    ) -> None:
         self.target = target
         endpoints, self.cluster = parse_target(target)
         if replication is not None and replication < 1:
@@ -309,8 +335,9 @@ class ClusterCore:
         window = snap.config.handoff_window_s
         with self._hist_lock:
             history = [spec for t, spec in self._history if now - t < window]
-        previous = tuple(placement(scheme, dict(members)) for scheme, members in history
-                         if any(n in nodes for n, _ in members))
+        previous = tuple(
+            placement(scheme, dict(members)) for scheme, members in history if any(n in nodes for n, _ in members)
+        )
         plan = Plan(snap, nodes, placement(snap.config.placement, {n: i.weight for n, i in nodes.items()}), r, previous)
         self._plan = (id(snap), now, plan)
         return plan
@@ -322,7 +349,12 @@ class ClusterCore:
         return self.membership.routing_nodes().get(node) or plan.nodes[node]
 
     def node_target(self, info: NodeInfo) -> str:
-        if self.prefer_local and info.unix and info.host == self.hostname and os.path.exists(info.unix.removeprefix("unix://")):
+        if (
+            self.prefer_local
+            and info.unix
+            and info.host == self.hostname
+            and os.path.exists(info.unix.removeprefix("unix://"))
+        ):
             return info.unix
         return info.grpc
 
@@ -366,7 +398,9 @@ class ClusterCore:
         if isinstance(result, FATAL):
             raise result
         if self._superseded(plan, node):
-            log.info("node %s failed (%s) but has registered again since; not routing around it", node, type(result).__name__)
+            log.info(
+                "node %s failed (%s) but has registered again since; not routing around it", node, type(result).__name__
+            )
         elif not isinstance(result, (CapacityExceeded, OwnershipUnavailable)):  # the node is up; etcd or space is not
             log.info("node %s failed (%s: %s); routing around it", node, type(result).__name__, result)
             self.suspects.mark(node)
@@ -378,8 +412,15 @@ class ClusterCore:
         return then is not None and now is not None and then != now
 
     # -- operations ----------------------------------------------------------------------------
-    def put_many(self, keys: Sequence[bytes], datas: Sequence[object], *, namespace: object, parents: Sequence[bytes | None] | None,
-                 token_counts: Sequence[int] | None) -> ClusterOp[list[bool]]:
+    def put_many(
+        self,
+        keys: Sequence[bytes],
+        datas: Sequence[object],
+        *,
+        namespace: object,
+        parents: Sequence[bytes | None] | None,
+        token_counts: Sequence[int] | None,
+    ) -> ClusterOp[list[bool]]:
         ks = [check_key(k) for k in keys]
         datas = list(datas)
         if len(ks) != len(datas):
@@ -399,10 +440,16 @@ class ClusterCore:
         stored = [False] * len(ks)
         calls = []
         for n, idx in groups.items():
+
             def op(core: ClientCore, idx: list[int] = idx) -> Op[list[bool]]:
-                return core.put_many([ks[i] for i in idx], [datas[i] for i in idx], namespace=eff,
-                                     parents=[parents[i] for i in idx] if parents is not None else None,
-                                     token_counts=[token_counts[i] for i in idx] if token_counts is not None else None)
+                return core.put_many(
+                    [ks[i] for i in idx],
+                    [datas[i] for i in idx],
+                    namespace=eff,
+                    parents=[parents[i] for i in idx] if parents is not None else None,
+                    token_counts=[token_counts[i] for i in idx] if token_counts is not None else None,
+                )
+
             calls.append((n, op))
         results = yield ("fanout", plan, calls)
         lost = 0
@@ -419,9 +466,17 @@ class ClusterCore:
                 self._unreported_short += skipped + lost
         return stored
 
-    def _rounds(self, plan: Plan, keys: list[ChunkKey], cands: list[list[str]], call: Callable[[list[int]], NodeOp], *,
-                hit: Callable[[Any], bool], prefix: bool = False,
-                why: list[str | None] | None = None) -> ClusterOp[tuple[list[Any], list[str | None]]]:
+    def _rounds(
+        self,
+        plan: Plan,
+        keys: list[ChunkKey],
+        cands: list[list[str]],
+        call: Callable[[list[int]], NodeOp],
+        *,
+        hit: Callable[[Any], bool],
+        prefix: bool = False,
+        why: list[str | None] | None = None,
+    ) -> ClusterOp[tuple[list[Any], list[str | None]]]:
         """Ask each key's candidate nodes in order until one has it: one round per rank,
         one batched call per node per round, the calls of a round in parallel.
 
@@ -459,7 +514,13 @@ class ClusterCore:
             results = yield ("fanout", plan, calls)
             for (node, _), res in zip(calls, results):
                 failed = self.failed(node, res, plan)
-                down = DEADLINE if isinstance(res, DeadlineExceeded) else NODE_DOWN if isinstance(res, Unavailable) else None
+                down = (
+                    DEADLINE
+                    if isinstance(res, DeadlineExceeded)
+                    else NODE_DOWN
+                    if isinstance(res, Unavailable)
+                    else None
+                )
                 for j, i in enumerate(groups[node]):
                     if not failed and hit(res[j]):
                         result[i], where[i] = res[j], node
@@ -490,7 +551,10 @@ class ClusterCore:
         if not live:
             return [], None
         with self._misses_lock:
-            reqs = [pb.ReportHitsRequest(op=op, miss_reason=reason, blocks=n) for (op, reason), n in self._unreported.items()]
+            reqs = [
+                pb.ReportHitsRequest(op=op, miss_reason=reason, blocks=n)
+                for (op, reason), n in self._unreported.items()
+            ]
             if self._unreported_short:
                 if reqs:
                     reqs[0].short_copies = self._unreported_short
@@ -509,9 +573,17 @@ class ClusterCore:
         # 1) the owners, in rank order
         why: list[str | None] = [None] * len(ks)
         result, _ = yield from self._rounds(
-            plan, ks, owners,
-            lambda idx: lambda core: core.get_many_into([ks[i] for i in idx], [outs[i] for i in idx] if outs is not None else None),
-            hit=lambda v: v is not None, why=why)
+            plan,
+            ks,
+            owners,
+            lambda idx: (
+                lambda core: core.get_many_into(
+                    [ks[i] for i in idx], [outs[i] for i in idx] if outs is not None else None
+                )
+            ),
+            hit=lambda v: v is not None,
+            why=why,
+        )
         # 2) hand-off: the previous owners of keys every owner missed
         missing = [i for i, v in enumerate(result) if v is None] if plan.previous else []
         cands = [plan.handoff(ks[i], owners[i]) for i in missing]
@@ -519,8 +591,13 @@ class ClusterCore:
             self._count_misses(result, why, "get")
             return result
         sub = [ks[i] for i in missing]
-        found, _ = yield from self._rounds(plan, sub, cands, lambda idx: _fetch_with_meta([sub[j] for j in idx], self.verify),
-                                           hit=lambda v: v is not None)
+        found, _ = yield from self._rounds(
+            plan,
+            sub,
+            cands,
+            lambda idx: _fetch_with_meta([sub[j] for j in idx], self.verify),
+            hit=lambda v: v is not None,
+        )
         copies: dict[str, list[tuple[BlockMeta, bytes]]] = {}
         for j, i in enumerate(missing):
             if found[j] is None:
@@ -529,7 +606,9 @@ class ClusterCore:
             if outs is not None:
                 dest = as_bytes_view(outs[i], writable=True)
                 if dest.nbytes < meta.payload_len:
-                    raise InvalidArgument(f"output buffer holds {dest.nbytes} bytes; block {meta.key.hex()} has {meta.payload_len}")
+                    raise InvalidArgument(
+                        f"output buffer holds {dest.nbytes} bytes; block {meta.key.hex()} has {meta.payload_len}"
+                    )
                 dest[: meta.payload_len] = payload
                 result[i] = meta.payload_len
             else:
@@ -546,7 +625,9 @@ class ClusterCore:
         self._count_misses(result, why, "get")
         return result
 
-    def lookup(self, keys: Sequence[bytes], *, prefix: bool = False) -> ClusterOp[tuple[list[str | None], list[str | None]]]:
+    def lookup(
+        self, keys: Sequence[bytes], *, prefix: bool = False
+    ) -> ClusterOp[tuple[list[str | None], list[str | None]]]:
         """Tier and node of each key: owners first, then previous owners (a later get hands it off)."""
         ks = [check_key(k) for k in as_key_list(keys)]
         plan = self.plan()
@@ -555,8 +636,14 @@ class ClusterCore:
             cands = [o + plan.handoff(k, o) for k, o in zip(ks, cands)]
         why: list[str | None] = [None] * len(ks)
         tiers, where = yield from self._rounds(
-            plan, ks, cands, lambda idx: lambda core: core.lookup([ks[i] for i in idx]), hit=lambda t: t is not None, prefix=prefix,
-            why=why)
+            plan,
+            ks,
+            cands,
+            lambda idx: lambda core: core.lookup([ks[i] for i in idx]),
+            hit=lambda t: t is not None,
+            prefix=prefix,
+            why=why,
+        )
         self._count_misses(tiers, why, "match_prefix" if prefix else "exists")
         return tiers, where
 
@@ -631,7 +718,6 @@ class ClusterCore:
     def close(self) -> None:
         self.closed = True
         self.membership.close()
-
 
 
 def __getattr__(name: str) -> Any:

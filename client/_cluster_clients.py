@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from client._api import AsyncBlockCalls, BlockCalls
+from client._cluster import ClusterCore, ClusterOp, NodeOp, T
 from client._core import Timeouts, fingerprint
 from kvstore.block import BlockMeta
 from kvstore.cluster.membership import Membership
@@ -19,12 +20,20 @@ from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.keys import ChunkKey, Namespace, check_key
 from kvstore.tls import ClientTLS
 from protos.kvstore.v1 import kvstore_pb2 as pb
-from client._cluster import ClusterCore, ClusterOp, NodeOp, T
-
 
 # -- drivers ---------------------------------------------------------------------------------------
-_CLIENT_OPTIONS = ("token", "token_file", "timeouts", "transport", "verify",
-                   "tls", "tls_ca_file", "tls_cert_file", "tls_key_file", "tls_server_name")
+_CLIENT_OPTIONS = (
+    "token",
+    "token_file",
+    "timeouts",
+    "transport",
+    "verify",
+    "tls",
+    "tls_ca_file",
+    "tls_cert_file",
+    "tls_key_file",
+    "tls_server_name",
+)
 
 
 def _close_request(session_id: str) -> pb.CloseSessionRequest:
@@ -46,20 +55,53 @@ class _ClusterBase:
 
     _core: ClusterCore
 
-    def _init_core(self, target: str, *, timeouts: Timeouts | None, transport: str, verify: bool, replication: int | None,
-                   suspect_s: float, prefer_local: bool, wait_s: float, token: str | None, token_file: str | None,
-                   tls: bool, tls_ca_file: str | None, tls_cert_file: str | None, tls_key_file: str | None,
-                   tls_server_name: str | None) -> None:
+    def _init_core(
+        self,
+        target: str,
+        *,
+        timeouts: Timeouts | None,
+        transport: str,
+        verify: bool,
+        replication: int | None,
+        suspect_s: float,
+        prefer_local: bool,
+        wait_s: float,
+        token: str | None,
+        token_file: str | None,
+        tls: bool,
+        tls_ca_file: str | None,
+        tls_cert_file: str | None,
+        tls_key_file: str | None,
+        tls_server_name: str | None,
+    ) -> None:
         """The routing core, and the keyword arguments of every per-node client (``_node_kw``)."""
         from client._sync import resolve_token
 
         # TLS files are read now, so a bad one fails here rather than as every node being "down"
-        ClientTLS.from_options(tls=tls, ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file, server_name=tls_server_name)
-        self._core = ClusterCore(target, timeouts=timeouts, transport=transport, verify=verify, replication=replication,
-                                 suspect_s=suspect_s, prefer_local=prefer_local, wait_s=wait_s)
-        self._node_kw = {"token": resolve_token(token, token_file) or None, "timeouts": self._core.timeouts,
-                         "transport": transport, "verify": verify, "tls": tls, "tls_ca_file": tls_ca_file,
-                         "tls_cert_file": tls_cert_file, "tls_key_file": tls_key_file, "tls_server_name": tls_server_name}
+        ClientTLS.from_options(
+            tls=tls, ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file, server_name=tls_server_name
+        )
+        self._core = ClusterCore(
+            target,
+            timeouts=timeouts,
+            transport=transport,
+            verify=verify,
+            replication=replication,
+            suspect_s=suspect_s,
+            prefer_local=prefer_local,
+            wait_s=wait_s,
+        )
+        self._node_kw = {
+            "token": resolve_token(token, token_file) or None,
+            "timeouts": self._core.timeouts,
+            "transport": transport,
+            "verify": verify,
+            "tls": tls,
+            "tls_ca_file": tls_ca_file,
+            "tls_cert_file": tls_cert_file,
+            "tls_key_file": tls_key_file,
+            "tls_server_name": tls_server_name,
+        }
         self._clients: dict[str, tuple[tuple[Any, ...], Any]] = {}
 
     @staticmethod
@@ -124,7 +166,9 @@ class _ClusterBase:
 
     @staticmethod
     def _no_views() -> InvalidArgument:
-        return InvalidArgument("zero-copy views need one node: use KVClient('unix:///path/to/kvstore.sock') of the local node")
+        return InvalidArgument(
+            "zero-copy views need one node: use KVClient('unix:///path/to/kvstore.sock') of the local node"
+        )
 
 
 def report_to_a_node(core: Any, client_for: Any, send: str) -> None:
@@ -152,17 +196,45 @@ class ClusterClient(_ClusterBase, BlockCalls):
     :class:`client.KVClient`) go to every per-node client; etcd itself is dialled as before.
     """
 
-    def __init__(self, target: str, *, token: str | None = None, token_file: str | None = None, timeouts: Timeouts | None = None,
-                 transport: str = "auto", verify: bool = True, replication: int | None = None, suspect_s: float = 2.0,
-                 prefer_local: bool = True, wait_s: float = 10.0, max_workers: int = 16,
-                 tls: bool = False, tls_ca_file: str | None = None, tls_cert_file: str | None = None,
-                 tls_key_file: str | None = None, tls_server_name: str | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        token_file: str | None = None,
+        timeouts: Timeouts | None = None,
+        transport: str = "auto",
+        verify: bool = True,
+        replication: int | None = None,
+        suspect_s: float = 2.0,
+        prefer_local: bool = True,
+        wait_s: float = 10.0,
+        max_workers: int = 16,
+        tls: bool = False,
+        tls_ca_file: str | None = None,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
+        tls_server_name: str | None = None,
+    ) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self._init_core(target, timeouts=timeouts, transport=transport, verify=verify, replication=replication,
-                        suspect_s=suspect_s, prefer_local=prefer_local, wait_s=wait_s, token=token, token_file=token_file,
-                        tls=tls, tls_ca_file=tls_ca_file, tls_cert_file=tls_cert_file, tls_key_file=tls_key_file,
-                        tls_server_name=tls_server_name)
+        self._init_core(
+            target,
+            timeouts=timeouts,
+            transport=transport,
+            verify=verify,
+            replication=replication,
+            suspect_s=suspect_s,
+            prefer_local=prefer_local,
+            wait_s=wait_s,
+            token=token,
+            token_file=token_file,
+            tls=tls,
+            tls_ca_file=tls_ca_file,
+            tls_cert_file=tls_cert_file,
+            tls_key_file=tls_key_file,
+            tls_server_name=tls_server_name,
+        )
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvstore-cluster")
 
@@ -252,7 +324,9 @@ class ClusterClient(_ClusterBase, BlockCalls):
     def close_session(self, session_id: str) -> bool:
         """Session hints: end ``session_id`` on every live node (its blocks may be on any).
         True if some node had it open; ``PermissionDenied`` if another tenant's."""
-        return _closed_anywhere(self._run(self._core.to_all("CloseSession", _close_request(session_id), field="closed")))
+        return _closed_anywhere(
+            self._run(self._core.to_all("CloseSession", _close_request(session_id), field="closed"))
+        )
 
     def acquire(self, keys: Sequence[bytes]) -> Any:
         raise self._no_views()
@@ -270,7 +344,7 @@ class ClusterClient(_ClusterBase, BlockCalls):
         for _, c in clients.values():
             c.close()
 
-    def __enter__(self) -> "ClusterClient":
+    def __enter__(self) -> ClusterClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -283,15 +357,42 @@ class AsyncClusterClient(_ClusterBase, AsyncBlockCalls):
     Use it from one event loop.  The membership view runs on its own thread either way.
     """
 
-    def __init__(self, target: str, *, token: str | None = None, token_file: str | None = None, timeouts: Timeouts | None = None,
-                 transport: str = "auto", verify: bool = True, replication: int | None = None, suspect_s: float = 2.0,
-                 prefer_local: bool = True, wait_s: float = 10.0,
-                 tls: bool = False, tls_ca_file: str | None = None, tls_cert_file: str | None = None,
-                 tls_key_file: str | None = None, tls_server_name: str | None = None) -> None:
-        self._init_core(target, timeouts=timeouts, transport=transport, verify=verify, replication=replication,
-                        suspect_s=suspect_s, prefer_local=prefer_local, wait_s=wait_s, token=token, token_file=token_file,
-                        tls=tls, tls_ca_file=tls_ca_file, tls_cert_file=tls_cert_file, tls_key_file=tls_key_file,
-                        tls_server_name=tls_server_name)
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        token_file: str | None = None,
+        timeouts: Timeouts | None = None,
+        transport: str = "auto",
+        verify: bool = True,
+        replication: int | None = None,
+        suspect_s: float = 2.0,
+        prefer_local: bool = True,
+        wait_s: float = 10.0,
+        tls: bool = False,
+        tls_ca_file: str | None = None,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
+        tls_server_name: str | None = None,
+    ) -> None:
+        self._init_core(
+            target,
+            timeouts=timeouts,
+            transport=transport,
+            verify=verify,
+            replication=replication,
+            suspect_s=suspect_s,
+            prefer_local=prefer_local,
+            wait_s=wait_s,
+            token=token,
+            token_file=token_file,
+            tls=tls,
+            tls_ca_file=tls_ca_file,
+            tls_cert_file=tls_cert_file,
+            tls_key_file=tls_key_file,
+            tls_server_name=tls_server_name,
+        )
         self._stale: list[Any] = []
 
     def _client(self, info: NodeInfo) -> Any:
@@ -326,19 +427,22 @@ class AsyncClusterClient(_ClusterBase, AsyncBlockCalls):
             while True:
                 if instr[0] == "fanout":
                     plan, calls = instr[1], instr[2]
-                    result: Any = await asyncio.gather(*(self._call(self._core.node_info(plan, n), make) for n, make in calls))
+                    result: Any = await asyncio.gather(
+                        *(self._call(self._core.node_info(plan, n), make) for n, make in calls)
+                    )
                 elif instr[0] == "etcd":
-                    result = await asyncio.wait_for(self._core.membership.run_async(instr[1]), self._core.membership.timeout * 3 + 1)
+                    result = await asyncio.wait_for(
+                        self._core.membership.run_async(instr[1]), self._core.membership.timeout * 3 + 1
+                    )
                 else:
                     raise AssertionError(f"unknown instruction {instr[0]}")
                 instr = op.send(result)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise Unavailable(f"etcd at {self._core.membership.endpoints} did not answer in time") from None
         finally:
             report_to_a_node(self._core, self._client, "_fire")
-
 
     async def lookup(self, keys: Sequence[bytes]) -> list[str | None]:
         return (await self._run(self._core.lookup(keys)))[0]
@@ -375,7 +479,9 @@ class AsyncClusterClient(_ClusterBase, AsyncBlockCalls):
 
     async def close_session(self, session_id: str) -> bool:
         """See :meth:`ClusterClient.close_session`."""
-        return _closed_anywhere(await self._run(self._core.to_all("CloseSession", _close_request(session_id), field="closed")))
+        return _closed_anywhere(
+            await self._run(self._core.to_all("CloseSession", _close_request(session_id), field="closed"))
+        )
 
     def acquire(self, keys: Sequence[bytes]) -> Any:
         raise self._no_views()
@@ -394,7 +500,7 @@ class AsyncClusterClient(_ClusterBase, AsyncBlockCalls):
             await c.close()
         self._stale = []
 
-    async def __aenter__(self) -> "AsyncClusterClient":
+    async def __aenter__(self) -> AsyncClusterClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -18,7 +18,7 @@ propagate.
 
 Session hints: ``session`` (the SDK's ``session_id=``; a string, or None) on puts, reads and lookups goes to the node
 in each request's ``session_id``, so the blocks stay valuable while the session is open;
-``close_session`` ends it (``kvstore/sessions.py``).
+``close_session`` ends it (``kvstore/node/sessions.py``).
 
 No request exceeds the node's ``max_batch`` (learnt from ``Hello``): batch operations go
 in batches that fit, so a caller never meets the limit, whatever it passes.
@@ -35,8 +35,8 @@ Paths, chosen per target:
 from __future__ import annotations
 
 import dataclasses
-import time
 import functools
+import time
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, TypeVar
 
@@ -44,7 +44,7 @@ from client._datachannel import DataChannelPool
 from kvstore.block import DTYPES, BlockMeta, checksum, verify_payload
 from kvstore.errors import BlockFormatError, InvalidArgument, Unavailable
 from kvstore.keys import NO_PARENT, ChunkKey, check_key
-from kvstore.sessions import check_session_id
+from kvstore.node.sessions import check_session_id
 from kvstore.wire import TIER_NAMES, extents_from_pb, meta_from_pb, meta_to_pb
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from tiers.arena import Arena, as_bytes_view
@@ -52,7 +52,19 @@ from tiers.arena import Arena, as_bytes_view
 T = TypeVar("T")
 Op = Generator[tuple[Any, ...], Any, T]
 
-IDEMPOTENT = {"Hello", "Lookup", "MatchPrefix", "Stats", "Delete", "Pin", "Unpin", "Invalidate", "Release", "Abort", "CloseSession"}
+IDEMPOTENT = {
+    "Hello",
+    "Lookup",
+    "MatchPrefix",
+    "Stats",
+    "Delete",
+    "Pin",
+    "Unpin",
+    "Invalidate",
+    "Release",
+    "Abort",
+    "CloseSession",
+}
 STREAM_CHUNK = 1 << 20
 # A put stream's blocks are all reserved until the stream ends (the node commits them
 # together): this many bytes per stream keep it far inside the reservation deadline.
@@ -66,7 +78,7 @@ def _relearn_node_on_unavailable(op: Callable[..., Op[T]]) -> Callable[..., Op[T
     or arena: mark what its ``Hello`` said as stale, so the next operation asks again."""
 
     @functools.wraps(op)
-    def wrapper(self: "ClientCore", *args: Any, **kwargs: Any) -> Op[T]:
+    def wrapper(self: ClientCore, *args: Any, **kwargs: Any) -> Op[T]:
         try:
             return (yield from op(self, *args, **kwargs))
         except Unavailable:
@@ -92,7 +104,7 @@ class Target:
     host: str  # for the data channel of TCP targets
 
     @classmethod
-    def parse(cls, target: str) -> "Target":
+    def parse(cls, target: str) -> Target:
         if not isinstance(target, str) or not target:
             raise InvalidArgument(f"target must be 'unix:///path' or 'host:port', got {target!r}")
         if target.startswith("unix:"):
@@ -102,7 +114,9 @@ class Target:
         if target.startswith("etcd://"):
             # KVClient/AsyncKVClient hand etcd:// targets to the cluster router (client/_cluster.py),
             # which drives one ClientCore per node; a core itself always talks to one node
-            raise InvalidArgument("an etcd:// cluster target needs KVClient or AsyncKVClient (which route over the cluster), not a single-node core")
+            raise InvalidArgument(
+                "an etcd:// cluster target needs KVClient or AsyncKVClient (which route over the cluster), not a single-node core"
+            )
         host, sep, port = target.rpartition(":")
         if not sep or not port.isdigit() or not host:
             raise InvalidArgument(f"target must be 'unix:///path' or 'host:port', got {target!r}")
@@ -148,8 +162,16 @@ def _dtype_name(dt: object) -> str:
         return str(dt).removeprefix("torch.")
 
 
-def describe(key: bytes, data: memoryview, obj: object, *, namespace: bytes | None, parent: bytes | None, token_count: int,
-             with_checksum: bool = True) -> BlockMeta:
+def describe(
+    key: bytes,
+    data: memoryview,
+    obj: object,
+    *,
+    namespace: bytes | None,
+    parent: bytes | None,
+    token_count: int,
+    with_checksum: bool = True,
+) -> BlockMeta:
     """Block metadata for a payload; dtype and shape come from numpy arrays and tensors.
 
     ``with_checksum=False`` leaves ``payload_checksum`` 0 for the caller to fill in later.
@@ -183,8 +205,15 @@ class ClientCore:
 
     SESSION_HINTS = True  # its calls take session= (client/_api.py: with_session)
 
-    def __init__(self, target: str, *, transport: str = "auto", timeouts: Timeouts | None = None, verify: bool = True,
-                 tls: Any = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        transport: str = "auto",
+        timeouts: Timeouts | None = None,
+        verify: bool = True,
+        tls: Any = None,
+    ) -> None:
         if transport not in TRANSPORTS:
             raise InvalidArgument(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.target = Target.parse(target)
@@ -226,8 +255,13 @@ class ClientCore:
                 raise InvalidArgument("transport='data-channel' needs a host:port target")
             if self.pool is not None:  # a restarted node: the old port is gone
                 self.pool.close()
-            self.pool = DataChannelPool(self.target.host, hello.data_port, connect_timeout=self.timeouts.connect, io_timeout=self.timeouts.data,
-                                        tls=self.tls)
+            self.pool = DataChannelPool(
+                self.target.host,
+                hello.data_port,
+                connect_timeout=self.timeouts.connect,
+                io_timeout=self.timeouts.data,
+                tls=self.tls,
+            )
         self.path = path
         self.hello = hello
         self.stale = False
@@ -250,8 +284,9 @@ class ClientCore:
             raise Unavailable("the node restarted (its arena file was replaced); the next call reconnects")
         return arena
 
-    def _batches(self, n: int, sizes: Sequence[int] | None = None, *, limit: int | None = None,
-                 budget: int | None = None) -> list[range]:
+    def _batches(
+        self, n: int, sizes: Sequence[int] | None = None, *, limit: int | None = None, budget: int | None = None
+    ) -> list[range]:
         """Split ``n`` items by the node's max batch and a byte budget (default 1/4 of the arena)."""
         assert self.hello is not None
         limit = max(1, min(self.hello.max_batch, limit or self.hello.max_batch))
@@ -300,8 +335,15 @@ class ClientCore:
             raise InvalidArgument(f"{len(keys)} keys but {len(parents)} parents")
         views = [as_bytes_view(d) for d in datas]
         metas = [
-            describe(k, v, d, namespace=namespace, parent=parents[i] if parents else None,
-                     token_count=token_counts[i] if token_counts else 0, with_checksum=False)
+            describe(
+                k,
+                v,
+                d,
+                namespace=namespace,
+                parent=parents[i] if parents else None,
+                token_count=token_counts[i] if token_counts else 0,
+                with_checksum=False,
+            )
             for i, (k, v, d) in enumerate(zip(keys, views, datas))
         ]
         yield from self.ensure_hello()
@@ -310,13 +352,19 @@ class ClientCore:
         if name and metas and metas[0].namespace not in self.named:
             # once per namespace: the node shows this name instead of the fingerprint (dashboard, /metrics)
             self.named.add(metas[0].namespace)
-            yield ("rpc_nowait", "ReportHits", pb.ReportHitsRequest(op="get", namespace=metas[0].namespace, namespace_name=name))
+            yield (
+                "rpc_nowait",
+                "ReportHits",
+                pb.ReportHitsRequest(op="get", namespace=metas[0].namespace, namespace_name=name),
+            )
         if self.path != "shm":  # the shm path hashes as it copies and sends the sums with Commit
             metas = [dataclasses.replace(m, payload_checksum=checksum(v)) for m, v in zip(metas, views)]
         for m in metas:
             if m.payload_len > self.hello.max_block_bytes:
-                raise InvalidArgument(f"block of {m.payload_len} bytes exceeds the node's max_block_bytes={self.hello.max_block_bytes} "
-                                      "(its max_block_bytes setting, or its DRAM arena's size if smaller: a block must fit in DRAM)")
+                raise InvalidArgument(
+                    f"block of {m.payload_len} bytes exceeds the node's max_block_bytes={self.hello.max_block_bytes} "
+                    "(its max_block_bytes setting, or its DRAM arena's size if smaller: a block must fit in DRAM)"
+                )
         stored = [False] * len(keys)
         budget = STREAM_BATCH_BYTES if self.path == "grpc-stream" else None
         for batch in self._batches(len(keys), [m.payload_len for m in metas], budget=budget):
@@ -395,7 +443,11 @@ class ClientCore:
                 first = True
                 for off in range(0, max(v.nbytes, 1), STREAM_CHUNK):
                     data = bytes(v[off : off + STREAM_CHUNK])
-                    yield pb.BlockChunk(block=meta_to_pb(m), data=data, session_id=sid) if first else pb.BlockChunk(data=data)
+                    yield (
+                        pb.BlockChunk(block=meta_to_pb(m), data=data, session_id=sid)
+                        if first
+                        else pb.BlockChunk(data=data)
+                    )
                     first = False
 
         resp = yield ("put_stream", chunks, len(metas))
@@ -403,7 +455,9 @@ class ClientCore:
 
     # -- reads --------------------------------------------------------------------------
     @_relearn_node_on_unavailable
-    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object] | None, *, session: str | None = None) -> Op[list[Any]]:
+    def get_many_into(
+        self, keys: Sequence[bytes], outs: Sequence[object] | None, *, session: str | None = None
+    ) -> Op[list[Any]]:
         """With ``outs``: bytes written per key (``None`` for a miss).  Without: ``bytes | None`` per key."""
         sid = session_field(session)
         ks = [check_key(k) for k in keys]
@@ -443,7 +497,9 @@ class ClientCore:
         if out is None:
             return memoryview(bytearray(meta.payload_len))
         if out.nbytes < meta.payload_len:
-            raise InvalidArgument(f"output buffer holds {out.nbytes} bytes; block {meta.key.hex()} has {meta.payload_len}")
+            raise InvalidArgument(
+                f"output buffer holds {out.nbytes} bytes; block {meta.key.hex()} has {meta.payload_len}"
+            )
         return out[: meta.payload_len]
 
     def _get_shm(self, keys: list[ChunkKey], outs: list[memoryview] | None, sid: str = "") -> Op[list[Any]]:
@@ -647,7 +703,14 @@ class ClientCore:
         r = yield ("rpc", "Stats", pb.Empty())
         return {
             "node_id": r.node_id,
-            "tiers": {TIER_NAMES.get(t.tier, str(t.tier)): {"capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes, "blocks": t.blocks} for t in r.tiers},
+            "tiers": {
+                TIER_NAMES.get(t.tier, str(t.tier)): {
+                    "capacity_bytes": t.capacity_bytes,
+                    "used_bytes": t.used_bytes,
+                    "blocks": t.blocks,
+                }
+                for t in r.tiers
+            },
             "counters": dict(r.counters),
             "reservations": r.reservations,
             "leases": r.leases,
@@ -655,7 +718,9 @@ class ClientCore:
         }
 
     # -- zero-copy views (client/_zerocopy.py) --------------------------------------------
-    def acquire_views(self, keys: Sequence[bytes], *, session: str | None = None) -> Op[tuple[list[int], list[Any], list[Any]]]:
+    def acquire_views(
+        self, keys: Sequence[bytes], *, session: str | None = None
+    ) -> Op[tuple[list[int], list[Any], list[Any]]]:
         """Lease keys; return (lease ids, metas or None, arena views or None) per key."""
         sid = session_field(session)
         yield from self.ensure_hello()
@@ -689,7 +754,9 @@ class ClientCore:
             raise
         return ids, metas, views
 
-    def reserve_views(self, metas: Sequence[BlockMeta], *, session: str | None = None) -> Op[tuple[list[int], list[Any], list[bool]]]:
+    def reserve_views(
+        self, metas: Sequence[BlockMeta], *, session: str | None = None
+    ) -> Op[tuple[list[int], list[Any], list[bool]]]:
         """Reserve space; return (reservation ids of the writable ones, views or None, existed) per meta."""
         sid = session_field(session)
         yield from self.ensure_hello()
@@ -752,4 +819,6 @@ def report_request(blocks: int, tokens: int, tier: str, op: str, namespace: obje
     if blocks < 0 or tokens < 0:
         raise InvalidArgument("blocks and tokens must be non-negative")
     ns = fingerprint(namespace) if namespace is not None else b""  # type: ignore[arg-type]
-    return pb.ReportHitsRequest(op=op, tier=pb.TIER_HBM, blocks=blocks, tokens=tokens, namespace=ns, remote=tier == "remote")
+    return pb.ReportHitsRequest(
+        op=op, tier=pb.TIER_HBM, blocks=blocks, tokens=tokens, namespace=ns, remote=tier == "remote"
+    )

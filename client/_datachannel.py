@@ -1,4 +1,4 @@
-"""Client side of the data channel (framing in ``kvstore/datachannel.py``).
+"""Client side of the data channel (framing in ``kvstore/node/datachannel.py``).
 
 A small pool of blocking TCP connections to one node.  Each transfer takes a
 connection, moves the bytes with ``sendall`` / ``recv_into`` straight from or into
@@ -21,14 +21,25 @@ from typing import Any
 
 import xxhash
 
-from kvstore.datachannel import COUNT, OP_GET, OP_PUT, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC, STATUS_OK, _recv_into_exact
 from kvstore.errors import DeadlineExceeded, Unavailable
+from kvstore.node.datachannel import (
+    COUNT,
+    OP_GET,
+    OP_PUT,
+    REPLY,
+    REPLY_MAGIC,
+    REQUEST,
+    REQUEST_MAGIC,
+    STATUS_OK,
+    _recv_into_exact,
+)
 from kvstore.tls import explain
 
 
 class DataChannelPool:
-    def __init__(self, host: str, port: int, *, connect_timeout: float, io_timeout: float, max_idle: int = 4,
-                 tls: Any = None) -> None:
+    def __init__(
+        self, host: str, port: int, *, connect_timeout: float, io_timeout: float, max_idle: int = 4, tls: Any = None
+    ) -> None:
         self.host, self.port = host, port
         self.tls = tls  # kvstore.tls.ClientTLS | None
         self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
@@ -53,9 +64,13 @@ class DataChannelPool:
                 s.close()
                 where = f"{self.host}:{self.port}"
                 if isinstance(e, (ssl.SSLEOFError, ConnectionResetError)):  # dropped before the handshake completed
-                    raise Unavailable(f"the data channel at {where} closed the connection during the TLS handshake "
-                                      f"(does the node serve TLS there?): {e}") from e
-                raise Unavailable(explain(f"TLS handshake on the data channel to {where} failed: {e}", self.tls, where)) from e
+                    raise Unavailable(
+                        f"the data channel at {where} closed the connection during the TLS handshake "
+                        f"(does the node serve TLS there?): {e}"
+                    ) from e
+                raise Unavailable(
+                    explain(f"TLS handshake on the data channel to {where} failed: {e}", self.tls, where)
+                ) from e
         s.settimeout(self.io_timeout)
         return s, False
 
@@ -70,7 +85,9 @@ class DataChannelPool:
                 return
         s.close()
 
-    def get(self, transfer_id: bytes, outs: Sequence[memoryview], *, hashed: bool = False, _fresh: bool = False) -> list[int]:
+    def get(
+        self, transfer_id: bytes, outs: Sequence[memoryview], *, hashed: bool = False, _fresh: bool = False
+    ) -> list[int]:
         """Receive each expected payload straight into its ``outs`` view (exact sizes).
 
         With ``hashed``, return each payload's xxh3-64, computed piece by piece as the
@@ -107,7 +124,7 @@ class DataChannelPool:
                     sums.append(h.intdigest())
             ok = True
             return sums
-        except socket.timeout as e:
+        except TimeoutError as e:
             raise DeadlineExceeded(f"data channel transfer exceeded {self.io_timeout} s") from e
         except OSError as e:
             raise Unavailable(f"data channel error: {e}") from e
@@ -137,7 +154,7 @@ class DataChannelPool:
                 raise Unavailable("the data channel closed before the statuses")
             ok = True
             return list(statuses)
-        except socket.timeout as e:
+        except TimeoutError as e:
             raise DeadlineExceeded(f"data channel transfer exceeded {self.io_timeout} s") from e
         except OSError as e:
             raise Unavailable(f"data channel error: {e}") from e

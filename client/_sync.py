@@ -155,8 +155,9 @@ class KVClient(BlockCalls):
         tls_key_file: str | None = None,
         tls_server_name: str | None = None,
     ) -> None:
-        self._tls = ClientTLS.from_options(tls=tls, ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file,
-                                           server_name=tls_server_name)
+        self._tls = ClientTLS.from_options(
+            tls=tls, ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file, server_name=tls_server_name
+        )
         self._core = ClientCore(target, transport=transport, timeouts=timeouts, verify=verify, tls=self._tls)
         tok = resolve_token(token, token_file)
         self._metadata = (("authorization", f"Bearer {tok}"),) if tok else ()
@@ -186,7 +187,9 @@ class KVClient(BlockCalls):
 
     def _start(self, method: str, request: Any) -> None:
         """Fire a call without waiting; failures are harmless (leases expire on their own)."""
-        self._inflight.add(getattr(self._stub, method).future(request, timeout=self._core.timeouts.rpc, metadata=self._metadata))
+        self._inflight.add(
+            getattr(self._stub, method).future(request, timeout=self._core.timeouts.rpc, metadata=self._metadata)
+        )
 
     def _drain(self) -> None:
         self._inflight.drain(self._core.timeouts.rpc)
@@ -206,12 +209,20 @@ class KVClient(BlockCalls):
                         result = instr[1]()
                     elif kind == "put_stream":
                         try:
-                            result = self._stub.PutStream(instr[1](), timeout=self._core.timeouts.data, metadata=stream_metadata(self._metadata, instr))
+                            result = self._stub.PutStream(
+                                instr[1](),
+                                timeout=self._core.timeouts.data,
+                                metadata=stream_metadata(self._metadata, instr),
+                            )
                         except grpc.RpcError as e:
                             raise rpc_error(e, self._tls, self._core.target.grpc_target) from None
                     elif kind == "get_stream":
                         try:
-                            result = list(self._stub.GetStream(instr[1], timeout=self._core.timeouts.data, metadata=self._metadata))
+                            result = list(
+                                self._stub.GetStream(
+                                    instr[1], timeout=self._core.timeouts.data, metadata=self._metadata
+                                )
+                            )
                         except grpc.RpcError as e:
                             raise rpc_error(e, self._tls, self._core.target.grpc_target) from None
                     else:
@@ -249,7 +260,9 @@ class KVClient(BlockCalls):
         return self._run(self._core.simple("Delete", pb.KeysRequest(keys=[check_key(k) for k in as_key_list(keys)])))
 
     def pin(self, keys: Sequence[bytes], ttl: float) -> int:
-        return self._run(self._core.simple("Pin", pb.PinRequest(keys=[check_key(k) for k in as_key_list(keys)], ttl_s=ttl)))
+        return self._run(
+            self._core.simple("Pin", pb.PinRequest(keys=[check_key(k) for k in as_key_list(keys)], ttl_s=ttl))
+        )
 
     def unpin(self, keys: Sequence[bytes]) -> int:
         return self._run(self._core.simple("Unpin", pb.KeysRequest(keys=[check_key(k) for k in as_key_list(keys)])))
@@ -258,7 +271,15 @@ class KVClient(BlockCalls):
         """Drop every block of a namespace (its 8-byte fingerprint) on this node."""
         return self._run(self._core.simple("Invalidate", pb.InvalidateRequest(namespace=fingerprint(namespace))))
 
-    def report_hits(self, blocks: int, tokens: int = 0, *, tier: str = "hbm", op: str = "get", namespace: bytes | Namespace | None = None) -> None:
+    def report_hits(
+        self,
+        blocks: int,
+        tokens: int = 0,
+        *,
+        tier: str = "hbm",
+        op: str = "get",
+        namespace: bytes | Namespace | None = None,
+    ) -> None:
         """Tell the node about hits it did not serve (``tier="hbm"``: an agent's HBM pool;
         ``"remote"``: another node), so its metrics show every tier."""
         self._run(self._core.call("ReportHits", report_request(blocks, tokens, tier, op, namespace)))
@@ -276,10 +297,12 @@ class KVClient(BlockCalls):
             raise InvalidArgument("the arena is only reachable from a unix:// target on the node's machine")
         self._run(self._core.ensure_hello())
         if self._core.arena is None:
-            raise InvalidArgument("this client could not map the node's arena (is the node on this machine, sharing /dev/shm?)")
+            raise InvalidArgument(
+                "this client could not map the node's arena (is the node on this machine, sharing /dev/shm?)"
+            )
         return self._core.arena.buf
 
-    def acquire(self, keys: Sequence[bytes], *, session_id: str | None = None) -> "LeasedBlocks":
+    def acquire(self, keys: Sequence[bytes], *, session_id: str | None = None) -> LeasedBlocks:
         """Lease blocks and get read-only views of their arena bytes (no copy).  Use as a
         context manager; the views must not be used after it exits."""
         from client._zerocopy import LeasedBlocks
@@ -294,7 +317,7 @@ class KVClient(BlockCalls):
 
         return LeasedBlocks(ks, metas, views, release)
 
-    def reserve(self, metas: Sequence["BlockMeta"], *, session_id: str | None = None) -> "ReservedBlocks":
+    def reserve(self, metas: Sequence[BlockMeta], *, session_id: str | None = None) -> ReservedBlocks:
         """Reserve arena space for blocks described by ``metas`` and get writable views.
         Fill them, then ``commit(checksums)``; leaving the context without commit aborts."""
         from client._zerocopy import ReservedBlocks
@@ -321,7 +344,7 @@ class KVClient(BlockCalls):
         self._core.close()
         self._finalizer()  # closes the channel, once
 
-    def __enter__(self) -> "KVClient":
+    def __enter__(self) -> KVClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -38,7 +38,7 @@ class LeasedBlocks:
             self.valid = self._release()
         return self.valid
 
-    def __enter__(self) -> "LeasedBlocks":
+    def __enter__(self) -> LeasedBlocks:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -68,7 +68,7 @@ class ReservedBlocks:
             self._done = True
             self._abort()
 
-    def __enter__(self) -> "ReservedBlocks":
+    def __enter__(self) -> ReservedBlocks:
         return self
 
     def __exit__(self, exc_type: Any, *exc: object) -> None:

@@ -15,7 +15,21 @@ from kvstore.children import ServeProcess
 
 
 class PrivateNode(ServeProcess):
-    def __init__(self, data_dir: Path, *, dram: str = "256MiB", nvme: str = "512MiB", extra: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, data_dir: Path, *, dram: str = "256MiB", nvme: str = "512MiB", extra: tuple[str, ...] = ()
+    ) -> None:
         node_id = f"demo-{uuid.uuid4().hex[:8]}"
-        super().__init__(data_dir, "--listen", "127.0.0.1:0", "--log-level", "WARNING", "--dram", dram, "--nvme", nvme, *extra,
-                         node_id=node_id, arena_path=f"/dev/shm/kvstore-{node_id}.arena")
+        super().__init__(
+            data_dir,
+            "--listen",
+            "127.0.0.1:0",
+            "--log-level",
+            "WARNING",
+            "--dram",
+            dram,
+            "--nvme",
+            nvme,
+            *extra,
+            node_id=node_id,
+            arena_path=f"/dev/shm/kvstore-{node_id}.arena",
+        )

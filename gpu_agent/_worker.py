@@ -29,8 +29,9 @@ class Worker:
     def __init__(self) -> None:
         self.model: Any = None
 
-    def init(self, spec: dict[str, Any], chunk_tokens: int, salt: str, max_tokens: int, device: str | None = None) -> dict[str, Any]:
-        import torch
+    def init(
+        self, spec: dict[str, Any], chunk_tokens: int, salt: str, max_tokens: int, device: str | None = None
+    ) -> dict[str, Any]:
 
         from gpu_agent.copy_engine import normalize_device
         from gpu_agent.hf import ModelSpec, PagedEngine, build_model, forward, new_cache
@@ -76,8 +77,15 @@ class Worker:
             self.engine.write_cache(cache, ids, len(prompt))
             result = agent.save(prompt, self.engine.kv, ids).wait()
             t2 = time.perf_counter()
-            return {"prefill_s": t1 - t0, "save_s": t2 - t1, "stored": result.stored, "existed": result.existed,
-                    "failed": result.failed, "pid": os.getpid(), "agent": agent.stats()}
+            return {
+                "prefill_s": t1 - t0,
+                "save_s": t2 - t1,
+                "stored": result.stored,
+                "existed": result.existed,
+                "failed": result.failed,
+                "pid": os.getpid(),
+                "agent": agent.stats(),
+            }
         finally:
             agent.close()
             client.close()
@@ -96,7 +104,9 @@ class Worker:
             load_s = 0.0
             if cached:
                 h = agent.load(prompt, self.engine.kv, ids)
-                use = min(h.num_tokens, len(prompt) - 1)  # the last prompt token is always computed: it yields the first logits
+                use = min(
+                    h.num_tokens, len(prompt) - 1
+                )  # the last prompt token is always computed: it yields the first logits
                 cache = self.engine.read_cache(ids, use, h.wait_layer)
                 ok = h.wait()
                 load_s = time.perf_counter() - t0
@@ -106,8 +116,16 @@ class Worker:
             else:
                 use, cache, hbm = 0, new_cache(), 0
             tokens = greedy(self.model, cache, prompt[use:], new_tokens, lambda: first.append(time.perf_counter() - t0))
-            return {"tokens": tokens, "ttft_s": first[0], "cached_tokens": cached, "used_tokens": use, "load_s": load_s,
-                    "hbm_chunks": hbm, "pid": os.getpid(), "agent": agent.stats()}
+            return {
+                "tokens": tokens,
+                "ttft_s": first[0],
+                "cached_tokens": cached,
+                "used_tokens": use,
+                "load_s": load_s,
+                "hbm_chunks": hbm,
+                "pid": os.getpid(),
+                "agent": agent.stats(),
+            }
         finally:
             agent.close()
             client.close()

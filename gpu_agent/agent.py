@@ -50,13 +50,22 @@ from typing import Any
 import torch
 import xxhash
 
-from gpu_agent.copy_engine import CopyEngine, DeferredEvent, DoneEvent, Event, Segmented, copy_range, host_tensor, normalize_device
 from gpu_agent.buffers import EngineBuffers
+from gpu_agent.copy_engine import (
+    CopyEngine,
+    DeferredEvent,
+    DoneEvent,
+    Event,
+    Segmented,
+    copy_range,
+    host_tensor,
+    normalize_device,
+)
+from gpu_agent.layout import KVCacheLayout, PagedAdapter
 from gpu_agent.pinned import CudaRuntime
-from gpu_agent.transfer import BatchedLoad, BatchedSave
-from gpu_agent.layout import ByteCopy, KVCacheLayout, PagedAdapter
 from gpu_agent.planner import Bandwidths, plan_prefetch, usable_prefix
 from gpu_agent.pool import HBMPool
+from gpu_agent.transfer import BatchedLoad, BatchedSave
 from kvstore.block import BlockMeta, checksum
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import ChunkKey, Namespace, chunk_keys, parent_keys
@@ -96,7 +105,7 @@ class SaveResult:
     existed: int = 0  # blocks the store already had (nothing written)
     failed: int = 0  # blocks not stored (no room, an error): the engine recomputes them next time
 
-    def __add__(self, o: "SaveResult") -> "SaveResult":
+    def __add__(self, o: SaveResult) -> SaveResult:
         return SaveResult(self.stored + o.stored, self.existed + o.existed, self.failed + o.failed)
 
 
@@ -113,7 +122,9 @@ class LoadHandle:
     loads; ``wait_layer(i)`` orders the caller after layer i's copies (on CUDA the current
     stream waits, the host does not block), so layer i+1 loads while layer i computes."""
 
-    def __init__(self, num_tokens: int, hbm_chunks: int, events: list[Event], done: "concurrent.futures.Future[bool] | None") -> None:
+    def __init__(
+        self, num_tokens: int, hbm_chunks: int, events: list[Event], done: concurrent.futures.Future[bool] | None
+    ) -> None:
         self.num_tokens = num_tokens
         self.hbm_chunks = hbm_chunks
         self._events = events
@@ -142,7 +153,7 @@ class LoadHandle:
 class SaveHandle:
     """A save in flight: ``wait()`` returns the :class:`SaveResult` once blocks are committed."""
 
-    def __init__(self, parts: list["concurrent.futures.Future[SaveResult]"], base: SaveResult = SaveResult()) -> None:
+    def __init__(self, parts: list[concurrent.futures.Future[SaveResult]], base: SaveResult = SaveResult()) -> None:
         self._parts = parts
         self._base = base
 
@@ -247,7 +258,9 @@ class GPUAgent:
         if namespace is None or namespace is self.namespace:
             return self.namespace
         if namespace.chunk_tokens != self.chunk_tokens:
-            raise InvalidArgument(f"namespace chunk_tokens={namespace.chunk_tokens}; this agent moves chunks of {self.chunk_tokens}")
+            raise InvalidArgument(
+                f"namespace chunk_tokens={namespace.chunk_tokens}; this agent moves chunks of {self.chunk_tokens}"
+            )
         self.layout.check_namespace(namespace)
         return namespace
 
@@ -260,7 +273,11 @@ class GPUAgent:
             return [None] * len(keys)
 
     def _meta_ok(self, meta: BlockMeta | None, fingerprint: bytes | None = None) -> bool:
-        ok = meta is not None and meta.namespace == (fingerprint or self._fingerprint) and meta.payload_len == self.block_bytes
+        ok = (
+            meta is not None
+            and meta.namespace == (fingerprint or self._fingerprint)
+            and meta.payload_len == self.block_bytes
+        )
         if meta is not None and not ok:
             self._count("incompatible_blocks", 1)
         return ok
@@ -280,7 +297,7 @@ class GPUAgent:
         return n * self.chunk_tokens
 
     # -- prefetch --------------------------------------------------------------------------
-    def prefetch(self, tokens: Sequence[int] | Any) -> "concurrent.futures.Future[PrefetchResult]":
+    def prefetch(self, tokens: Sequence[int] | Any) -> concurrent.futures.Future[PrefetchResult]:
         """Start bringing ``tokens``' cached prefix into HBM; returns at once."""
         keys = self.keys(tokens)
         return self._prefetcher.submit(self._prefetch, keys)
@@ -292,8 +309,14 @@ class GPUAgent:
         with self.pool.lock:
             in_hbm = [self.pool.contains(k) for k in keys]
             plan = plan_prefetch(
-                tiers, in_hbm, block_bytes=self.block_bytes, free_slots=self.pool.free_slots, entries=self.pool.entries(),
-                keys=keys, byte_budget=self.config.prefetch_bytes, time_budget_s=self.config.prefetch_seconds,
+                tiers,
+                in_hbm,
+                block_bytes=self.block_bytes,
+                free_slots=self.pool.free_slots,
+                entries=self.pool.entries(),
+                keys=keys,
+                byte_budget=self.config.prefetch_bytes,
+                time_budget_s=self.config.prefetch_seconds,
                 bandwidths=self.config.bandwidths,
             )
         if not plan.fetch:
@@ -357,7 +380,7 @@ class GPUAgent:
         return PrefetchResult(good, plan.resident, plan.prefix, plan.limit)
 
     # -- load ------------------------------------------------------------------------------
-    def _check_buffers(self, kv_buffers: "Sequence[torch.Tensor] | EngineBuffers") -> EngineBuffers:
+    def _check_buffers(self, kv_buffers: Sequence[torch.Tensor] | EngineBuffers) -> EngineBuffers:
         """The engine's buffers as byte ranges: an :class:`EngineBuffers` (any layout the
         engine has; see ``gpu_agent.buffers``) or flash-layout tensors, one per layer."""
         lay = self.layout
@@ -365,7 +388,9 @@ class GPUAgent:
         if bufs.num_layers != lay.num_layers:
             raise InvalidArgument(f"kv_buffers has {bufs.num_layers} layers; the layout has {lay.num_layers}")
         if bufs.dtype != self.dtype or bufs.device != self.device:
-            raise InvalidArgument(f"kv_buffers are {bufs.dtype} on {bufs.device}; the agent moves {self.dtype} on {self.device}")
+            raise InvalidArgument(
+                f"kv_buffers are {bufs.dtype} on {bufs.device}; the agent moves {self.dtype} on {self.device}"
+            )
         self.adapter.check_geometry(bufs.geometry)
         bufs.check()
         return bufs
@@ -373,7 +398,7 @@ class GPUAgent:
     def load(
         self,
         tokens: Sequence[int] | Any,
-        kv_buffers: "Sequence[torch.Tensor] | EngineBuffers",
+        kv_buffers: Sequence[torch.Tensor] | EngineBuffers,
         block_ids: Sequence[int],
         *,
         namespace: Namespace | None = None,
@@ -420,9 +445,12 @@ class GPUAgent:
                     else:
                         break  # a gap (evicted since lookup): load the prefix before it
             if sources:
-                layer = self._layer_copier(dst, sources, [self.adapter.chunk_pages(block_ids, c) for c in range(len(sources))])
-                first = self.engine.submit("h2d", lambda: layer(0), after=self._saves_in_flight(), after_compute=True,
-                                           uses=dst.sources[0:1])
+                layer = self._layer_copier(
+                    dst, sources, [self.adapter.chunk_pages(block_ids, c) for c in range(len(sources))]
+                )
+                first = self.engine.submit(
+                    "h2d", lambda: layer(0), after=self._saves_in_flight(), after_compute=True, uses=dst.sources[0:1]
+                )
                 rest: list[concurrent.futures.Future[Event]] = [concurrent.futures.Future() for _ in range(1, L)]
                 if rest:
                     self._issuer.submit(self._issue_layers, layer, dst, rest)
@@ -435,7 +463,9 @@ class GPUAgent:
             if leased is not None:
                 leased.release()
             raise
-        done = self._load_completer.submit(self._finish_load, events, leased, held) if leased is not None or held else None
+        done = (
+            self._load_completer.submit(self._finish_load, events, leased, held) if leased is not None or held else None
+        )
         n = len(sources) * self.chunk_tokens
         self._count("loads", 1)
         self._count("load_tokens", n)
@@ -445,7 +475,7 @@ class GPUAgent:
             self._save_completer.submit(self._report_hbm_hits, hbm)
         return LoadHandle(n, hbm, events, done)
 
-    def _issue_layers(self, layer: Any, dst: EngineBuffers, futures: list["concurrent.futures.Future[Event]"]) -> None:
+    def _issue_layers(self, layer: Any, dst: EngineBuffers, futures: list[concurrent.futures.Future[Event]]) -> None:
         """Queue layers 1.. of a load (layer 0 is queued by ``load`` itself), in order, on the
         same stream: each is ordered after the compute that ``load`` waited for."""
         for i, fut in enumerate(futures, start=1):
@@ -470,14 +500,19 @@ class GPUAgent:
         got = checksum(views[0]) if len(views) == 1 else _checksum_parts(views)
         if got != meta.payload_checksum:
             self._count("checksum_failures", 1)
-            log.error("block %s: payload checksum mismatch in the store; not loaded (the engine recomputes it)", meta.key.hex())
+            log.error(
+                "block %s: payload checksum mismatch in the store; not loaded (the engine recomputes it)",
+                meta.key.hex(),
+            )
             return False
         return True
 
     def _layer_copier(self, dst: EngineBuffers, sources: list[torch.Tensor | Segmented], pages: list[list[int]]) -> Any:
         """A function copying one layer of every chunk into its pages (called on the stream)."""
         if self._batched:
-            return BatchedLoad(self.engine, dst, dst.geometry, sources, pages, self.layer_bytes, self.config.staging_bytes).layer
+            return BatchedLoad(
+                self.engine, dst, dst.geometry, sources, pages, self.layer_bytes, self.config.staging_bytes
+            ).layer
         plans = [self.adapter.chunk_copies(p, dst.geometry) for p in pages]
 
         def copy(layer: int) -> None:
@@ -517,7 +552,7 @@ class GPUAgent:
     def save(
         self,
         tokens: Sequence[int] | Any,
-        kv_buffers: "Sequence[torch.Tensor] | EngineBuffers",
+        kv_buffers: Sequence[torch.Tensor] | EngineBuffers,
         block_ids: Sequence[int],
         *,
         namespace: Namespace | None = None,
@@ -565,21 +600,35 @@ class GPUAgent:
             deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # staged blocks the save completer drains
             try:
                 self._check_pinned([j[1] for j in jobs])
-                ev = self.engine.submit("d2h", self._save_copier(src, jobs, deferred), after_compute=True, uses=src.sources)
+                ev = self.engine.submit(
+                    "d2h", self._save_copier(src, jobs, deferred), after_compute=True, uses=src.sources
+                )
             except BaseException:
                 res.abort()
                 raise
             self._fence(ev)
             no_room = len(res.views) - existed - len(jobs)
-            parts.append(self._save_completer.submit(self._finish_save, ev, res, [j[0] for j in jobs], existed, no_room, deferred))
+            parts.append(
+                self._save_completer.submit(
+                    self._finish_save, ev, res, [j[0] for j in jobs], existed, no_room, deferred
+                )
+            )
         self._count("saves", 1)
         return SaveHandle(parts, base)
 
     def _save_copier(self, src: EngineBuffers, jobs: list[Any], deferred: list[Any]) -> Any:
         """A function copying the pages of whole chunks into their reserved extents (on the stream)."""
         if self._batched:
-            job = BatchedSave(self.engine, src, src.geometry, [j[1] for j in jobs], [j[2] for j in jobs], self.layout.num_layers,
-                              self.layer_bytes, self.config.staging_bytes)
+            job = BatchedSave(
+                self.engine,
+                src,
+                src.geometry,
+                [j[1] for j in jobs],
+                [j[2] for j in jobs],
+                self.layout.num_layers,
+                self.layer_bytes,
+                self.config.staging_bytes,
+            )
             return lambda: deferred.extend(job.run())
         plans = [self.adapter.chunk_copies(j[2], src.geometry) for j in jobs]
 
@@ -612,8 +661,15 @@ class GPUAgent:
             self._pending_saves = [e for e in self._pending_saves if not e.query()]
             return list(self._pending_saves)
 
-    def _finish_save(self, ev: Event, res: Any, views: list[list[memoryview]], existed: int, no_room: int,
-                     deferred: list[tuple[torch.Tensor, torch.Tensor]]) -> SaveResult:
+    def _finish_save(
+        self,
+        ev: Event,
+        res: Any,
+        views: list[list[memoryview]],
+        existed: int,
+        no_room: int,
+        deferred: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> SaveResult:
         try:
             ev.synchronize()
             for dst, staged in deferred:  # extents outside the registered arena: through a bounce buffer
@@ -649,7 +705,7 @@ class GPUAgent:
         self.engine.close()
         self.pool.clear()
 
-    def __enter__(self) -> "GPUAgent":
+    def __enter__(self) -> GPUAgent:
         return self
 
     def __exit__(self, *exc: object) -> None:

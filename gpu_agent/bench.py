@@ -58,8 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--blocks", type=int, default=16, help="chunks per load/save (default 16: 4096 tokens)")
     p.add_argument("--iters", type=int, default=5, help="timed repetitions; the median is reported")
-    p.add_argument("--table", choices=("scattered", "contiguous"), default="scattered",
-                   help="the engine's block table: shuffled pages (default) or pages in order")
+    p.add_argument(
+        "--table",
+        choices=("scattered", "contiguous"),
+        default="scattered",
+        help="the engine's block table: shuffled pages (default) or pages in order",
+    )
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run of the script)")
     p.add_argument("--target", help="a running node (unix:///path); default: start a private one")
     p.add_argument("--json", action="store_true")
@@ -133,15 +137,15 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     from client import KVClient
     from gpu_agent._node import PrivateNode
     from gpu_agent.agent import AgentConfig, GPUAgent
-    from gpu_agent.copy_engine import host_tensor
+    from gpu_agent.copy_engine import host_tensor, normalize_device
     from gpu_agent.layout import KVCacheLayout
     from kvstore.block import BlockMeta
     from kvstore.keys import NO_PARENT
 
-    from gpu_agent.copy_engine import normalize_device
-
     if torch.device(a.device).type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: this benchmark measures arena <-> HBM copies (use --device cpu for a dry run)")
+        raise SystemExit(
+            "no CUDA device: this benchmark measures arena <-> HBM copies (use --device cpu for a dry run)"
+        )
     device = normalize_device(a.device)
     lay = KVCacheLayout(a.layers, a.kv_heads, a.head_dim, a.dtype, 16)
     C = a.chunk_tokens
@@ -154,8 +158,17 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     dt = getattr(torch, lay.dtype)
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "block_bytes": block, "blocks": a.blocks, "bytes": total, "copy_bytes": run_bytes,
-        "layout": {"layers": a.layers, "kv_heads": a.kv_heads, "head_dim": a.head_dim, "dtype": a.dtype, "chunk_tokens": C},
+        "block_bytes": block,
+        "blocks": a.blocks,
+        "bytes": total,
+        "copy_bytes": run_bytes,
+        "layout": {
+            "layers": a.layers,
+            "kv_heads": a.kv_heads,
+            "head_dim": a.head_dim,
+            "dtype": a.dtype,
+            "chunk_tokens": C,
+        },
         "table": a.table,
     }
 
@@ -200,7 +213,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             ids = list(range(pages))
         saved = agent.save(tokens, src_kv, ids).wait(timeout=600)
         if saved.stored + saved.existed != a.blocks:
-            raise SystemExit(f"the node stored {saved.stored} of {a.blocks} blocks: give it more DRAM (--target) or fewer --blocks")
+            raise SystemExit(
+                f"the node stored {saved.stored} of {a.blocks} blocks: give it more DRAM (--target) or fewer --blocks"
+            )
         keys = agent.keys(tokens)
         with client.acquire(keys) as held:
             parts = [host_tensor(v) for vs in held.views if vs for v in vs]
@@ -213,7 +228,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     off += n
             arena = {"h2d_small": clock.time(copies_on_stream(torch, h2d, arena_pairs), a.iters)}
         # HBM -> arena: into freshly reserved (writable) extents, aborted afterwards
-        metas = [BlockMeta(ns.fingerprint, os.urandom(16), NO_PARENT, C, lay.dtype, lay.block_shape(C), block, 0) for _ in range(a.blocks)]
+        metas = [
+            BlockMeta(ns.fingerprint, os.urandom(16), NO_PARENT, C, lay.dtype, lay.block_shape(C), block, 0)
+            for _ in range(a.blocks)
+        ]
         with client.reserve(metas) as res:
             wparts = [host_tensor(v) for vs in res.views if vs for v in vs]
             back_pairs = []
@@ -252,14 +270,18 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         agent.save(tokens, src_kv, ids).wait(timeout=600)
         agent.prefetch(tokens).result(timeout=600)
         t_load_hbm = clock.time(load, a.iters)
-        results["agent_gbps"] = {"load_from_arena": total / t_load / GB, "save_to_arena": total / t_save / GB,
-                                 "load_from_hbm_pool": total / t_load_hbm / GB}
+        results["agent_gbps"] = {
+            "load_from_arena": total / t_load / GB,
+            "save_to_arena": total / t_save / GB,
+            "load_from_hbm_pool": total / t_load_hbm / GB,
+        }
         results["agent_load_byte_identical"] = same
         results["ratio_arena_to_hbm_vs_pinned"] = {
             "raw_dma": results["arena_gbps"]["h2d_small"] / results["reference_gbps"]["h2d_small"],
             "raw_dma_d2h": results["arena_gbps"].get("d2h_small", 0.0) / results["reference_gbps"]["d2h_small"],
             "agent_load": results["agent_gbps"]["load_from_arena"] / results["reference_gbps"]["h2d_small"],
-            "agent_load_vs_whole_blocks": results["agent_gbps"]["load_from_arena"] / results["reference_gbps"]["h2d_block"],
+            "agent_load_vs_whole_blocks": results["agent_gbps"]["load_from_arena"]
+            / results["reference_gbps"]["h2d_block"],
             "agent_save_vs_pinned_d2h": results["agent_gbps"]["save_to_arena"] / results["reference_gbps"]["d2h_small"],
         }
 
@@ -291,8 +313,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         t_overlap = clock.time(overlapped, a.iters)
         hidden = max(0.0, t_load + t_compute - t_overlap)
         results["overlap"] = {
-            "matmul_n": n, "t_load_s": t_load, "t_compute_s": t_compute, "t_overlap_s": t_overlap, "hidden_s": hidden,
-            "hidden_over_load": hidden / t_load, "hidden_over_total": hidden / (t_load + t_compute),
+            "matmul_n": n,
+            "t_load_s": t_load,
+            "t_compute_s": t_compute,
+            "t_overlap_s": t_overlap,
+            "hidden_s": hidden,
+            "hidden_over_load": hidden / t_load,
+            "hidden_over_total": hidden / (t_load + t_compute),
         }
         results["agent_stats"] = agent.stats()
         agent.close()
@@ -308,24 +335,26 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 def format_report(r: dict[str, Any]) -> str:
     ref, arena, ag, ov = r["reference_gbps"], r["arena_gbps"], r["agent_gbps"], r["overlap"]
     lay = r["layout"]
-    return "\n".join([
-        f"gpu_agent bench on {r['device']}: {r['blocks']} blocks of {r['block_bytes'] / (1 << 20):.1f} MiB "
-        f"({lay['layers']} layers, {lay['kv_heads']} KV heads x {lay['head_dim']}, {lay['dtype']}, {lay['chunk_tokens']} tokens), "
-        f"copies of {r['copy_bytes'] / 1024:.0f} KiB; {r['table']} block table; arena pinned: {r['arena_pinned']}",
-        f"  pinned cudaMemcpyAsync   H2D {ref['h2d_small']:.1f} GB/s  D2H {ref['d2h_small']:.1f} GB/s  "
-        f"(whole blocks: H2D {ref['h2d_block']:.1f}, D2H {ref['d2h_block']:.1f})",
-        f"  arena DMA (registered)   H2D {arena['h2d_small']:.1f} GB/s  ({r['ratio_arena_to_hbm_vs_pinned']['raw_dma']:.2f}x pinned)  "
-        f"D2H {arena.get('d2h_small', 0.0):.1f} GB/s  ({r['ratio_arena_to_hbm_vs_pinned']['raw_dma_d2h']:.2f}x pinned)",
-        f"  agent load (arena->HBM)  {ag['load_from_arena']:.1f} GB/s  ({r['ratio_arena_to_hbm_vs_pinned']['agent_load']:.2f}x pinned; "
-        f"{r['ratio_arena_to_hbm_vs_pinned']['agent_load_vs_whole_blocks']:.2f}x whole blocks; target >= 0.8x)  "
-        f"byte-identical: {r['agent_load_byte_identical']}",
-        f"  agent save (HBM->arena)  {ag['save_to_arena']:.1f} GB/s  ({r['ratio_arena_to_hbm_vs_pinned']['agent_save_vs_pinned_d2h']:.2f}x pinned D2H; "
-        f"includes checksums and commit; the delete round trip, {r['delete_round_trip_s'] * 1e3:.1f} ms, is not)",
-        f"  agent load (HBM pool)    {ag['load_from_hbm_pool']:.1f} GB/s",
-        f"  layer-wise overlap: load {ov['t_load_s'] * 1e3:.1f} ms, compute {ov['t_compute_s'] * 1e3:.1f} ms "
-        f"(matmul {ov['matmul_n']}^2 per layer), overlapped {ov['t_overlap_s'] * 1e3:.1f} ms: "
-        f"hidden {ov['hidden_over_load']:.0%} of the load, {ov['hidden_over_total']:.0%} of the total",
-    ])
+    return "\n".join(
+        [
+            f"gpu_agent bench on {r['device']}: {r['blocks']} blocks of {r['block_bytes'] / (1 << 20):.1f} MiB "
+            f"({lay['layers']} layers, {lay['kv_heads']} KV heads x {lay['head_dim']}, {lay['dtype']}, {lay['chunk_tokens']} tokens), "
+            f"copies of {r['copy_bytes'] / 1024:.0f} KiB; {r['table']} block table; arena pinned: {r['arena_pinned']}",
+            f"  pinned cudaMemcpyAsync   H2D {ref['h2d_small']:.1f} GB/s  D2H {ref['d2h_small']:.1f} GB/s  "
+            f"(whole blocks: H2D {ref['h2d_block']:.1f}, D2H {ref['d2h_block']:.1f})",
+            f"  arena DMA (registered)   H2D {arena['h2d_small']:.1f} GB/s  ({r['ratio_arena_to_hbm_vs_pinned']['raw_dma']:.2f}x pinned)  "
+            f"D2H {arena.get('d2h_small', 0.0):.1f} GB/s  ({r['ratio_arena_to_hbm_vs_pinned']['raw_dma_d2h']:.2f}x pinned)",
+            f"  agent load (arena->HBM)  {ag['load_from_arena']:.1f} GB/s  ({r['ratio_arena_to_hbm_vs_pinned']['agent_load']:.2f}x pinned; "
+            f"{r['ratio_arena_to_hbm_vs_pinned']['agent_load_vs_whole_blocks']:.2f}x whole blocks; target >= 0.8x)  "
+            f"byte-identical: {r['agent_load_byte_identical']}",
+            f"  agent save (HBM->arena)  {ag['save_to_arena']:.1f} GB/s  ({r['ratio_arena_to_hbm_vs_pinned']['agent_save_vs_pinned_d2h']:.2f}x pinned D2H; "
+            f"includes checksums and commit; the delete round trip, {r['delete_round_trip_s'] * 1e3:.1f} ms, is not)",
+            f"  agent load (HBM pool)    {ag['load_from_hbm_pool']:.1f} GB/s",
+            f"  layer-wise overlap: load {ov['t_load_s'] * 1e3:.1f} ms, compute {ov['t_compute_s'] * 1e3:.1f} ms "
+            f"(matmul {ov['matmul_n']}^2 per layer), overlapped {ov['t_overlap_s'] * 1e3:.1f} ms: "
+            f"hidden {ov['hidden_over_load']:.0%} of the load, {ov['hidden_over_total']:.0%} of the total",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,12 +34,18 @@ def learn_geometry(t: torch.Tensor, num_pages: int, *, block_dim: int | None = N
     if block_dim is None:
         cands = [d for d, n in enumerate(shape) if n == num_pages]
         if len(cands) != 1:
-            raise Incompatible(f"cannot tell which dimension of a KV tensor of shape {shape} indexes its {num_pages} pages")
+            raise Incompatible(
+                f"cannot tell which dimension of a KV tensor of shape {shape} indexes its {num_pages} pages"
+            )
         block_dim = cands[0]
     if shape[block_dim] != num_pages:
-        raise Incompatible(f"KV tensor of shape {shape}: dimension {block_dim} has {shape[block_dim]} pages, expected {num_pages}")
+        raise Incompatible(
+            f"KV tensor of shape {shape}: dimension {block_dim} has {shape[block_dim]} pages, expected {num_pages}"
+        )
     page = strides[block_dim]
-    inner = sorted((strides[d], shape[d]) for d in range(len(shape)) if d != block_dim and strides[d] < page and shape[d] > 1)
+    inner = sorted(
+        (strides[d], shape[d]) for d in range(len(shape)) if d != block_dim and strides[d] < page and shape[d] > 1
+    )
     outer = [d for d in range(len(shape)) if d != block_dim and strides[d] >= page and shape[d] > 1]
     run = 1
     for stride, n in inner:
@@ -47,11 +53,19 @@ def learn_geometry(t: torch.Tensor, num_pages: int, *, block_dim: int | None = N
             raise Incompatible(f"KV tensor of shape {shape}, strides {strides}: a page's bytes are not one dense run")
         run *= n
     if len(outer) > 1:
-        raise Incompatible(f"KV tensor of shape {shape}, strides {strides}: pages are split along more than one dimension")
+        raise Incompatible(
+            f"KV tensor of shape {shape}, strides {strides}: pages are split along more than one dimension"
+        )
     planes, plane_stride = (shape[outer[0]], strides[outer[0]]) if outer else (1, 0)
     if planes > 1 and plane_stride < (num_pages - 1) * page + run:
         raise Incompatible(f"KV tensor of shape {shape}, strides {strides}: runs of different pages overlap")
-    return PageGeometry(planes=planes, plane_bytes=run * item, page_stride=page * item, plane_stride=plane_stride * item, num_pages=num_pages)
+    return PageGeometry(
+        planes=planes,
+        plane_bytes=run * item,
+        page_stride=page * item,
+        plane_stride=plane_stride * item,
+        num_pages=num_pages,
+    )
 
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -73,7 +87,9 @@ class EngineBuffers:
     """The engine's own tensors (for ``record_stream``)."""
 
     @classmethod
-    def from_tensors(cls, tensors: Sequence[torch.Tensor], num_pages: int, *, block_dim: int | None = None) -> "EngineBuffers":
+    def from_tensors(
+        cls, tensors: Sequence[torch.Tensor], num_pages: int, *, block_dim: int | None = None
+    ) -> EngineBuffers:
         """Learn the geometry from ``tensors`` (one per layer; all alike)."""
         if not tensors:
             raise InvalidArgument("no KV tensors")
@@ -88,7 +104,7 @@ class EngineBuffers:
         return cls(layers, geos.pop(), t0.dtype, t0.device, tuple(tensors))
 
     @classmethod
-    def flash(cls, tensors: Sequence[torch.Tensor], layout: KVCacheLayout) -> "EngineBuffers":
+    def flash(cls, tensors: Sequence[torch.Tensor], layout: KVCacheLayout) -> EngineBuffers:
         """Contiguous ``layout.buffer_shape(num_pages)`` tensors (the agent's default layout)."""
         n = tensors[0].shape[1] if tensors and tensors[0].dim() == 5 else 0
         for i, b in enumerate(tensors):
@@ -116,7 +132,9 @@ class EngineBuffers:
         """Every layer's pages lie inside its storage."""
         for i, (flat, base) in enumerate(self.layers):
             if base < 0 or base + self.span() > flat.numel():
-                raise InvalidArgument(f"layer {i}'s pages reach past its storage ({base} + {self.span()} > {flat.numel()} bytes)")
+                raise InvalidArgument(
+                    f"layer {i}'s pages reach past its storage ({base} + {self.span()} > {flat.numel()} bytes)"
+                )
 
 
 def page_layout_name(prefix: str, t: torch.Tensor, block_dim: int) -> str:

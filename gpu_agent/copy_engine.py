@@ -64,7 +64,7 @@ class CudaEvent(Event):
     """A recorded ``torch.cuda.Event`` and the device it was recorded on: ``wait`` makes
     *that* device's current stream wait, whatever the calling thread's default device."""
 
-    def __init__(self, ev: "torch.cuda.Event", device: torch.device) -> None:
+    def __init__(self, ev: torch.cuda.Event, device: torch.device) -> None:
         self.ev = ev
         self.device = device
 
@@ -79,7 +79,7 @@ class CudaEvent(Event):
 
 
 class FutureEvent(Event):
-    def __init__(self, fut: "concurrent.futures.Future[None]") -> None:
+    def __init__(self, fut: concurrent.futures.Future[None]) -> None:
         self.fut = fut
 
     def query(self) -> bool:
@@ -96,7 +96,7 @@ class DeferredEvent(Event):
     """The event of a transfer that another thread issues (a load's later layers): a wait
     first blocks the host until it is issued (a matter of microseconds), then waits on it."""
 
-    def __init__(self, fut: "concurrent.futures.Future[Event]") -> None:
+    def __init__(self, fut: concurrent.futures.Future[Event]) -> None:
         self.fut = fut
 
     def resolve(self) -> Event:
@@ -185,7 +185,9 @@ class Segmented:
         return out
 
 
-def copy_range(dst: Segmented | torch.Tensor, dst_off: int, src: Segmented | torch.Tensor, src_off: int, nbytes: int) -> None:
+def copy_range(
+    dst: Segmented | torch.Tensor, dst_off: int, src: Segmented | torch.Tensor, src_off: int, nbytes: int
+) -> None:
     """Copy ``nbytes`` between byte tensors or segmented blocks (asynchronously on CUDA)."""
     if isinstance(src, Segmented):
         for rel, piece in src.pieces(src_off, nbytes):
@@ -239,7 +241,9 @@ class CopyEngine:
     CUDA, none on CPU); a fake one runs the registration bookkeeping anywhere (tests).
     ``bounce_bytes``: size of each pinned bounce buffer (allocated on first use)."""
 
-    def __init__(self, device: str | torch.device, *, cudart: CudaRuntime | None = None, bounce_bytes: int = 16 << 20) -> None:
+    def __init__(
+        self, device: str | torch.device, *, cudart: CudaRuntime | None = None, bounce_bytes: int = 16 << 20
+    ) -> None:
         self.device = normalize_device(device)
         device = self.device
         self.is_cuda = device.type == "cuda"
@@ -250,7 +254,9 @@ class CopyEngine:
             self._workers: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
         else:
             self._streams = {}
-            self._workers = {d: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kv-{d}") for d in DIRECTIONS}
+            self._workers = {
+                d: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kv-{d}") for d in DIRECTIONS
+            }
         if cudart is None and self.is_cuda:
             cudart = cuda_runtime()
         self.host = ArenaPin(HostRegistry.shared(cudart) if cudart is not None else None, self.fences)

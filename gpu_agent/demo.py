@@ -40,15 +40,23 @@ from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("scenario", choices=["pd", "vllm"], help="pd: prefill -> decode handoff through the store; "
-                   "vllm: the same with real vLLM engine processes and the vLLM connector (in .venv-vllm)")
+    p.add_argument(
+        "scenario",
+        choices=["pd", "vllm"],
+        help="pd: prefill -> decode handoff through the store; "
+        "vllm: the same with real vLLM engine processes and the vLLM connector (in .venv-vllm)",
+    )
     p.add_argument("--prompt-tokens", type=int, default=4096, help="prompt length (default 4096)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens to generate (default 32)")
-    p.add_argument("--chunk-tokens", type=int, default=256, help="store chunk size in tokens, a multiple of 16 (default 256)")
+    p.add_argument(
+        "--chunk-tokens", type=int, default=256, help="store chunk size in tokens, a multiple of 16 (default 256)"
+    )
     p.add_argument("--seed", type=int, default=0, help="model weights and prompt seed (default 0)")
     p.add_argument("--layers", type=int, help="transformer layers of the demo model (default 4)")
     p.add_argument("--hidden", type=int, help="hidden size of the demo model (default: pd 256, vllm 512)")
-    p.add_argument("--target", help="use this running node (unix:///path) instead of a private one; skips the NVMe scenario")
+    p.add_argument(
+        "--target", help="use this running node (unix:///path) instead of a private one; skips the NVMe scenario"
+    )
     p.add_argument("--dram", default="256MiB", help="DRAM tier of the private node (default 256MiB)")
     p.add_argument("--nvme", default="512MiB", help="NVMe tier of the private node (default 512MiB)")
     p.add_argument("--device", help="torch device of the workers (default: cuda if available, else cpu)")
@@ -62,17 +70,25 @@ class WorkerProcess:
     def __init__(self, name: str) -> None:
         self.name = name
         env = {
-            **os.environ, "PYTHONUNBUFFERED": "1", "TRANSFORMERS_VERBOSITY": "error",
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "TRANSFORMERS_VERBOSITY": "error",
             # keep freed memory in the process: without it every large activation is a fresh mmap
             # whose first touch runs at 0.4-0.9 GB/s (DESIGN §9) and TTFTs measure page faults
-            "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=4294967296"),
+            "GLIBC_TUNABLES": os.environ.get(
+                "GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=4294967296"
+            ),
         }
         self.stderr: list[str] = []
         from kvstore.children import spawn  # dies with the demo
 
         self.proc = spawn(
             [sys.executable, "-m", "gpu_agent._worker"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         threading.Thread(target=self._drain, daemon=True).start()
 
@@ -126,7 +142,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     import importlib.util
 
     if importlib.util.find_spec("transformers") is None:
-        raise SystemExit("the demo needs Hugging Face transformers: pip install 'kvstore[demo]' (or 'transformers>=5,<6')")
+        raise SystemExit(
+            "the demo needs Hugging Face transformers: pip install 'kvstore[demo]' (or 'transformers>=5,<6')"
+        )
     from kvstore.progress import Progress
 
     repeat = max(1, a.repeat)
@@ -142,8 +160,13 @@ def _run(a: argparse.Namespace, prog: Any, repeat: int) -> dict[str, Any]:
     from kvstore.keys import chunk_keys
 
     prog.step("building the prefill and decode engines")
-    spec = ModelSpec(hidden_size=a.hidden, intermediate_size=2 * a.hidden, num_layers=a.layers,
-                     max_positions=a.prompt_tokens + a.new_tokens, seed=a.seed)
+    spec = ModelSpec(
+        hidden_size=a.hidden,
+        intermediate_size=2 * a.hidden,
+        num_layers=a.layers,
+        max_positions=a.prompt_tokens + a.new_tokens,
+        seed=a.seed,
+    )
     prompt = make_prompt(a.prompt_tokens, spec.vocab_size, a.seed)
     salt = uuid.uuid4().hex  # a namespace of this run's own: blocks of earlier runs never count
     layout = spec.layout()
@@ -156,8 +179,13 @@ def _run(a: argparse.Namespace, prog: Any, repeat: int) -> dict[str, Any]:
     try:
         prefill, decode = WorkerProcess("prefill"), WorkerProcess("decode")
         workers += [prefill, decode]
-        init = {"spec": {f: getattr(spec, f) for f in spec.__dataclass_fields__}, "chunk_tokens": a.chunk_tokens,
-                "salt": salt, "max_tokens": a.prompt_tokens + a.new_tokens, "device": a.device}
+        init = {
+            "spec": {f: getattr(spec, f) for f in spec.__dataclass_fields__},
+            "chunk_tokens": a.chunk_tokens,
+            "salt": salt,
+            "max_tokens": a.prompt_tokens + a.new_tokens,
+            "device": a.device,
+        }
         for w in workers:  # both import torch and build the model at the same time
             w.send("init", **init)
         if a.target:
@@ -178,10 +206,22 @@ def _run(a: argparse.Namespace, prog: Any, repeat: int) -> dict[str, Any]:
             return ",".join(sorted(set(lead))) if lead else "-"
 
         out: dict[str, Any] = {
-            "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens, "chunk_tokens": a.chunk_tokens,
-            "model": {"layers": spec.num_layers, "hidden": spec.hidden_size, "kv_heads": spec.num_kv_heads,
-                      "head_dim": spec.head_dim, "vocab": spec.vocab_size, "dtype": "float32", "seed": spec.seed},
-            "device": dinfo["device"], "prefill_pid": pinfo["pid"], "decode_pid": dinfo["pid"], "scenarios": {},
+            "prompt_tokens": a.prompt_tokens,
+            "new_tokens": a.new_tokens,
+            "chunk_tokens": a.chunk_tokens,
+            "model": {
+                "layers": spec.num_layers,
+                "hidden": spec.hidden_size,
+                "kv_heads": spec.num_kv_heads,
+                "head_dim": spec.head_dim,
+                "vocab": spec.vocab_size,
+                "dtype": "float32",
+                "seed": spec.seed,
+            },
+            "device": dinfo["device"],
+            "prefill_pid": pinfo["pid"],
+            "decode_pid": dinfo["pid"],
+            "scenarios": {},
         }
         sc: dict[str, Any] = out["scenarios"]
         refs = []
@@ -190,8 +230,12 @@ def _run(a: argparse.Namespace, prog: Any, repeat: int) -> dict[str, Any]:
             prog.update()
         reference = refs[0]["tokens"]
         out["reference_tokens"] = reference
-        sc["full recompute"] = {"ttft_s": min(r["ttft_s"] for r in refs), "cached_tokens": 0, "tier": "-",
-                                "tokens": reference if all(r["tokens"] == reference for r in refs) else None}
+        sc["full recompute"] = {
+            "ttft_s": min(r["ttft_s"] for r in refs),
+            "cached_tokens": 0,
+            "tier": "-",
+            "tokens": reference if all(r["tokens"] == reference for r in refs) else None,
+        }
 
         prog.step("prefill: saving the prompt's KV")
         saved = prefill.call("prefill", target=target, prompt=prompt)
@@ -206,8 +250,15 @@ def _run(a: argparse.Namespace, prog: Any, repeat: int) -> dict[str, Any]:
                     before()
                 where = tier_summary(tiers())
                 r = decode.call("decode", target=target, prompt=prompt, new_tokens=a.new_tokens, **kw)
-                runs.append({"ttft_s": r["ttft_s"], "cached_tokens": r["cached_tokens"], "tier": "hbm" if r["hbm_chunks"] else where,
-                             "load_s": r["load_s"], "tokens": r["tokens"]})
+                runs.append(
+                    {
+                        "ttft_s": r["ttft_s"],
+                        "cached_tokens": r["cached_tokens"],
+                        "tier": "hbm" if r["hbm_chunks"] else where,
+                        "load_s": r["load_s"],
+                        "tokens": r["tokens"],
+                    }
+                )
                 prog.update()
             best = min(runs, key=lambda x: x["ttft_s"])
             if any(x["tokens"] != best["tokens"] for x in runs):
@@ -259,7 +310,11 @@ def format_table(r: dict[str, Any]) -> str:
             f"{'= reference' if s['tokens_equal'] else 'DIFFER'}"
         )
     lines.append("")
-    lines.append("greedy tokens equal the single-process reference in every scenario" if r["ok"] else "MISMATCH: some scenario's tokens differ")
+    lines.append(
+        "greedy tokens equal the single-process reference in every scenario"
+        if r["ok"]
+        else "MISMATCH: some scenario's tokens differ"
+    )
     return "\n".join(lines)
 
 

@@ -85,7 +85,9 @@ def forward(model: Any, input_ids: list[int], cache: Any) -> torch.Tensor:
 
 
 @torch.no_grad()
-def greedy(model: Any, cache: Any, input_ids: list[int], new_tokens: int, on_first: Callable[[], None] | None = None) -> list[int]:
+def greedy(
+    model: Any, cache: Any, input_ids: list[int], new_tokens: int, on_first: Callable[[], None] | None = None
+) -> list[int]:
     """Feed ``input_ids`` (the uncached rest of the prompt) then generate ``new_tokens`` greedily."""
     out: list[int] = []
     logits = forward(model, input_ids, cache)
@@ -106,7 +108,10 @@ class PagedEngine:
         self.layout = layout
         self.num_pages = -(-max_tokens // layout.page_size)
         dtype = getattr(torch, layout.dtype)
-        self.kv = [torch.zeros(layout.buffer_shape(self.num_pages), dtype=dtype, device=device) for _ in range(layout.num_layers)]
+        self.kv = [
+            torch.zeros(layout.buffer_shape(self.num_pages), dtype=dtype, device=device)
+            for _ in range(layout.num_layers)
+        ]
 
     def block_ids(self, num_tokens: int) -> list[int]:
         """The pages of a request of ``num_tokens`` (reversed, so the paged adapter's
@@ -122,7 +127,11 @@ class PagedEngine:
         for i, layer in enumerate(cache.layers):
             for kv, t in ((0, layer.keys), (1, layer.values)):
                 # [1, H, S, D] -> [S, H, D] -> [pages, page_size, H, D]
-                tokens = t[0, :, : full * lay.page_size].transpose(0, 1).reshape(full, lay.page_size, lay.num_kv_heads, lay.head_dim)
+                tokens = (
+                    t[0, :, : full * lay.page_size]
+                    .transpose(0, 1)
+                    .reshape(full, lay.page_size, lay.num_kv_heads, lay.head_dim)
+                )
                 self.kv[i][kv].index_copy_(0, ids, tokens)
 
     def read_cache(self, block_ids: list[int], num_tokens: int, wait_layer: Callable[[int], None] | None = None) -> Any:

@@ -72,7 +72,10 @@ class KVCacheLayout:
 
     def kv_layout(self) -> KVLayout:
         return KVLayout(
-            num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, kv_split=True,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            kv_split=True,
             page_layout=self.page_layout,
         )
 
@@ -116,10 +119,15 @@ class KVCacheLayout:
         """Shape of one layer's engine buffer in the flash-attention layout."""
         return (2, num_pages, self.page_size, self.num_kv_heads, self.head_dim)
 
-    def flash_geometry(self, num_pages: int) -> "PageGeometry":
+    def flash_geometry(self, num_pages: int) -> PageGeometry:
         """The geometry of a contiguous ``buffer_shape(num_pages)`` buffer."""
-        return PageGeometry(planes=2, plane_bytes=self.page_bytes, page_stride=self.page_bytes,
-                            plane_stride=num_pages * self.page_bytes, num_pages=num_pages)
+        return PageGeometry(
+            planes=2,
+            plane_bytes=self.page_bytes,
+            page_stride=self.page_bytes,
+            plane_stride=num_pages * self.page_bytes,
+            num_pages=num_pages,
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -195,7 +203,9 @@ class PagedAdapter:
 
     def __init__(self, layout: KVCacheLayout, chunk_tokens: int) -> None:
         if chunk_tokens <= 0 or chunk_tokens % layout.page_size:
-            raise Incompatible(f"chunk_tokens={chunk_tokens} must be a positive multiple of page_size={layout.page_size}")
+            raise Incompatible(
+                f"chunk_tokens={chunk_tokens} must be a positive multiple of page_size={layout.page_size}"
+            )
         self.layout = layout
         self.chunk_tokens = chunk_tokens
         self.pages_per_chunk = chunk_tokens // layout.page_size
@@ -222,12 +232,16 @@ class PagedAdapter:
                 f"{2 * lay.page_bytes} (K and V of {lay.page_size} tokens x {lay.num_kv_heads} heads x {lay.head_dim} x {lay.itemsize} B)"
             )
 
-    def chunk_copies(self, page_ids: Sequence[int], num_buffer_pages: "int | PageGeometry") -> list[ByteCopy]:
+    def chunk_copies(self, page_ids: Sequence[int], num_buffer_pages: int | PageGeometry) -> list[ByteCopy]:
         """Copies moving one chunk between a block's layer range and one layer's engine
         buffer (its :class:`PageGeometry`, or a page count for the flash layout).  Block
         offsets are relative to the layer's range, buffer offsets to the layer's base;
         pages with a negative id are skipped."""
-        g = num_buffer_pages if isinstance(num_buffer_pages, PageGeometry) else self.layout.flash_geometry(num_buffer_pages)
+        g = (
+            num_buffer_pages
+            if isinstance(num_buffer_pages, PageGeometry)
+            else self.layout.flash_geometry(num_buffer_pages)
+        )
         if len(page_ids) != self.pages_per_chunk:
             raise InvalidArgument(f"a chunk spans {self.pages_per_chunk} pages, got {len(page_ids)}")
         for p in page_ids:

@@ -136,7 +136,7 @@ def cuda_runtime() -> CudaRuntime:
 class HostRegistry:
     """Process-wide, reference-counted ``cudaHostRegister`` ranges of one runtime."""
 
-    _shared: dict[int, "HostRegistry"] = {}
+    _shared: dict[int, HostRegistry] = {}
     _shared_lock = threading.Lock()
 
     def __init__(self, runtime: CudaRuntime) -> None:
@@ -145,7 +145,7 @@ class HostRegistry:
         self._ranges: dict[int, list[int]] = {}  # ptr -> [nbytes, refs, owned (we registered it)]
 
     @classmethod
-    def shared(cls, runtime: CudaRuntime) -> "HostRegistry":
+    def shared(cls, runtime: CudaRuntime) -> HostRegistry:
         """The one registry of ``runtime`` in this process."""
         with cls._shared_lock:
             reg = cls._shared.get(id(runtime))
@@ -167,7 +167,11 @@ class HostRegistry:
                 self._ranges[ptr] = [nbytes, 1, 0]
                 return True
             if code != 0:
-                log.warning("cudaHostRegister of %d bytes failed (error %d): copies are staged through a pinned bounce buffer", nbytes, code)
+                log.warning(
+                    "cudaHostRegister of %d bytes failed (error %d): copies are staged through a pinned bounce buffer",
+                    nbytes,
+                    code,
+                )
                 return False
             self._ranges[ptr] = [nbytes, 1, 1]
             return True
@@ -286,5 +290,8 @@ class ArenaPin:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {"pinned_registrations": int(self.registered), "pinned_retired": len(self._retired),
-                    "pinned_registered_total": self.registrations}
+            return {
+                "pinned_registrations": int(self.registered),
+                "pinned_retired": len(self._retired),
+                "pinned_registered_total": self.registrations,
+            }

@@ -129,7 +129,9 @@ class HBMPool:
         """A free slot's index (evicting the LRU entry outside ``protect`` if none is free),
         or None.  It stays invisible to lookups until :meth:`publish`.  Call under :attr:`lock`."""
         if not self._free:
-            victims = plan_evictions([e for e in self.entries() if not self._holds.get(self._entries[e.key].index)], 1, protect)
+            victims = plan_evictions(
+                [e for e in self.entries() if not self._holds.get(self._entries[e.key].index)], 1, protect
+            )
             if not victims:
                 return None
             self.evict(victims)

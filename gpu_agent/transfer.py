@@ -47,8 +47,12 @@ def page_view(flat: torch.Tensor, origin: int, g: PageGeometry) -> torch.Tensor:
             words = flat.view(dt)
         except RuntimeError:
             continue  # the storage's size or offset is not a multiple of w
-        return torch.as_strided(words, (g.planes, g.num_pages, g.plane_bytes // w), (g.plane_stride // w, g.page_stride // w, 1),
-                                words.storage_offset() + origin // w)
+        return torch.as_strided(
+            words,
+            (g.planes, g.num_pages, g.plane_bytes // w),
+            (g.plane_stride // w, g.page_stride // w, 1),
+            words.storage_offset() + origin // w,
+        )
     raise AssertionError("uint8 always fits")  # pragma: no cover
 
 
@@ -87,8 +91,16 @@ class BatchedLoad:
     """Blocks' layer ranges (HBM pool slots or host segments) into the engine's pages,
     one layer per :meth:`layer` call (each inside a submitted function, in layer order)."""
 
-    def __init__(self, engine: CopyEngine, buffers: Any, geometry: PageGeometry, sources: Sequence[torch.Tensor | Segmented],
-                 pages: Sequence[Sequence[int]], layer_bytes: int, group_bytes: int) -> None:
+    def __init__(
+        self,
+        engine: CopyEngine,
+        buffers: Any,
+        geometry: PageGeometry,
+        sources: Sequence[torch.Tensor | Segmented],
+        pages: Sequence[Sequence[int]],
+        layer_bytes: int,
+        group_bytes: int,
+    ) -> None:
         self.engine = engine
         self.buffers = buffers  # EngineBuffers: .layers[i] = (flat bytes, origin)
         self.geometry = geometry
@@ -130,8 +142,17 @@ class BatchedSave:
     block (segment).  :meth:`run` returns the (host segment, device bytes) pairs it could
     not copy by DMA (not registered): the caller drains them once the event completed."""
 
-    def __init__(self, engine: CopyEngine, buffers: Any, geometry: PageGeometry, dests: Sequence[Segmented],
-                 pages: Sequence[Sequence[int]], num_layers: int, layer_bytes: int, group_bytes: int) -> None:
+    def __init__(
+        self,
+        engine: CopyEngine,
+        buffers: Any,
+        geometry: PageGeometry,
+        dests: Sequence[Segmented],
+        pages: Sequence[Sequence[int]],
+        num_layers: int,
+        layer_bytes: int,
+        group_bytes: int,
+    ) -> None:
         self.engine = engine
         self.buffers = buffers
         self.geometry = geometry

@@ -119,7 +119,7 @@ class BlockMeta:
         dtype: str = "uint8",
         shape: tuple[int, ...] | None = None,
         payload_checksum: int | None = None,
-    ) -> "BlockMeta":
+    ) -> BlockMeta:
         """Describe ``payload`` (any contiguous buffer), computing its checksum unless given."""
         mv = memoryview(payload).cast("B")  # type: ignore[arg-type]
         n = mv.nbytes
@@ -181,7 +181,9 @@ def decode_header(
     if expect_key is not None and key != expect_key:
         raise NamespaceMismatch(f"block is for key {key.hex()}, expected {bytes(expect_key).hex()}")
     try:
-        return BlockMeta(ns, ChunkKey(key), ChunkKey(parent), tokens, _DTYPE_BY_CODE[dcode], tuple(shape[:ndim]), plen, pcs)
+        return BlockMeta(
+            ns, ChunkKey(key), ChunkKey(parent), tokens, _DTYPE_BY_CODE[dcode], tuple(shape[:ndim]), plen, pcs
+        )
     except InvalidArgument as e:  # a header that passed its checksum but is self-contradictory
         raise CorruptBlock(str(e)) from e
 

@@ -66,8 +66,9 @@ def spawn(cmd: Sequence[str], **popen: Any) -> subprocess.Popen[Any]:
     popen.setdefault("stdin", subprocess.DEVNULL)
     if sys.platform != "linux":
         return subprocess.Popen(cmd, start_new_session=True, **popen)
-    return subprocess.Popen([sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), exe, *cmd],
-                            start_new_session=True, **popen)
+    return subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), exe, *cmd], start_new_session=True, **popen
+    )
 
 
 def stop(proc: subprocess.Popen[Any] | None, *, timeout: float = 30.0, sig: int = signal.SIGTERM) -> int | None:
@@ -88,6 +89,7 @@ def stop(proc: subprocess.Popen[Any] | None, *, timeout: float = 30.0, sig: int 
 def exit_on_sigterm() -> None:
     """From now on SIGTERM raises ``SystemExit(143)`` in the main thread, which unwinds it
     (``finally`` blocks and context managers stop children and remove temporary files)."""
+
     def _exit(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
 
@@ -103,14 +105,29 @@ class ServeProcess:
     a full pipe; ``start`` is both.  ``stop`` (SIGTERM: drain, demote, flush) waits, kills if
     it must, and reclaims the arena file the child may have left."""
 
-    def __init__(self, data_dir: Path, *args: str, node_id: str | None = None, arena_path: str | None = None,
-                 env: Mapping[str, str] | None = None, log_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        *args: str,
+        node_id: str | None = None,
+        arena_path: str | None = None,
+        env: Mapping[str, str] | None = None,
+        log_path: Path | None = None,
+    ) -> None:
         self.data_dir = Path(data_dir)
         self.node_id = node_id
         self.arena_path = arena_path
-        self.cmd = [sys.executable, "-m", "kvstore", "serve", "--data-dir", str(self.data_dir),
-                    *(["--node-id", node_id] if node_id else []), *(["--arena-path", arena_path] if arena_path else []),
-                    *args]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "serve",
+            "--data-dir",
+            str(self.data_dir),
+            *(["--node-id", node_id] if node_id else []),
+            *(["--arena-path", arena_path] if arena_path else []),
+            *args,
+        ]
         self.env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
         self.log_path = log_path
         self.proc: subprocess.Popen[str] | None = None
@@ -123,7 +140,7 @@ class ServeProcess:
         """The node's Unix-socket target."""
         return str(self.endpoints["unix"])
 
-    def spawn(self) -> "ServeProcess":
+    def spawn(self) -> ServeProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if self.log_path is not None and self._log is None:
             self._log = open(self.log_path, "a")
@@ -131,7 +148,7 @@ class ServeProcess:
         self.proc = spawn(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env)
         return self
 
-    def wait_ready(self, timeout: float = 60.0) -> "ServeProcess":
+    def wait_ready(self, timeout: float = 60.0) -> ServeProcess:
         """Read output up to the READY line; raise ``RuntimeError`` (with the output) if the node
         exits first or is not ready within ``timeout`` s (then it is stopped)."""
         assert self.proc is not None and self.proc.stdout is not None
@@ -143,7 +160,7 @@ class ServeProcess:
             for line in self.proc.stdout:
                 self._keep(line)
                 if line.startswith("READY "):
-                    self.endpoints = json.loads(line[len("READY "):])
+                    self.endpoints = json.loads(line[len("READY ") :])
                     threading.Thread(target=self._drain, args=(self.proc,), daemon=True).start()
                     return self
                 if time.monotonic() > deadline:
@@ -151,10 +168,12 @@ class ServeProcess:
         finally:
             timer.cancel()
         rc = self.stop(timeout=10)
-        raise RuntimeError(f"kvstore node {self.node_id or self.data_dir} did not become ready (rc={rc}):\n"
-                           + "".join(self.output[-30:]))
+        raise RuntimeError(
+            f"kvstore node {self.node_id or self.data_dir} did not become ready (rc={rc}):\n"
+            + "".join(self.output[-30:])
+        )
 
-    def start(self, timeout: float = 60.0) -> "ServeProcess":
+    def start(self, timeout: float = 60.0) -> ServeProcess:
         return self.spawn().wait_ready(timeout)
 
     def _kill_if_not_ready(self) -> None:
@@ -191,7 +210,7 @@ class ServeProcess:
             Arena.reclaim_stale([Path(arena)], min_age_s=0)  # a node killed before its own stop left it
         return rc if rc is not None else 0
 
-    def restart(self, timeout: float = 60.0) -> "ServeProcess":
+    def restart(self, timeout: float = 60.0) -> ServeProcess:
         """Stop (it must exit 0: every dirty block demoted) and start again on the same data directory."""
         rc = self.stop()
         if rc != 0:
@@ -205,7 +224,7 @@ class ServeProcess:
                 self._log.close()
             self._log = None
 
-    def __enter__(self) -> "ServeProcess":
+    def __enter__(self) -> ServeProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

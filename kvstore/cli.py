@@ -1,7 +1,7 @@
 """The ``kvstore`` command line: ``serve``, ``stats``, ``bench``.
 
 Parsing only: each subcommand builds its typed inputs and calls one function that
-does the work (``kvstore.server.serve``, ``kvstore.bench.main``, ...).
+does the work (``kvstore.node.server.serve``, ``kvstore.bench.run.main``, ...).
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from kvstore.errors import KVStoreError
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="TOML config file ([node] table); KVSTORE_* env and flags override it")
+    p.add_argument(
+        "--config", metavar="FILE", help="TOML config file ([node] table); KVSTORE_* env and flags override it"
+    )
     p.add_argument("--listen", metavar="HOST:PORT", help="gRPC TCP listener (default 127.0.0.1:50151; port 0 = any)")
     p.add_argument("--data-listen", metavar="HOST:PORT", help="TCP data channel (default: listen host, any free port)")
     p.add_argument("--socket", metavar="PATH", help="Unix socket for local clients (default <data-dir>/kvstore.sock)")
@@ -26,46 +28,134 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dram", metavar="SIZE", help="DRAM arena size, e.g. 4GiB (default 1GiB)")
     p.add_argument("--nvme", metavar="SIZE", help="NVMe tier size, e.g. 100GiB; 0 disables (default 4GiB)")
     p.add_argument("--node-id", metavar="ID", help="node name (default: hostname)")
-    p.add_argument("--arena-path", metavar="PATH", help="shared-memory file of the arena (default /dev/shm/kvstore-<id>-<hash>.arena)")
-    p.add_argument("--eviction-policy", metavar="NAME", help="eviction policy (default prefix-reuse; see `kvstore replay`)")
+    p.add_argument(
+        "--arena-path",
+        metavar="PATH",
+        help="shared-memory file of the arena (default /dev/shm/kvstore-<id>-<hash>.arena)",
+    )
+    p.add_argument(
+        "--eviction-policy", metavar="NAME", help="eviction policy (default prefix-reuse; see `kvstore replay`)"
+    )
     p.add_argument("--write-through", action="store_true", default=None, help="persist every block to NVMe at commit")
     p.add_argument("--token-file", metavar="FILE", help="require this bearer token on every call")
-    p.add_argument("--tenant", dest="tenants", action="append", metavar="NAME=TOKEN_FILE",
-                   help="a tenant and the file holding its token (repeat for more tenants or tokens); tenants own the namespaces they write")
-    p.add_argument("--read-lease-ttl", dest="lease_ttl_s", type=float, metavar="S", help="read lease lifetime in seconds (default 30)")
-    p.add_argument("--etcd", metavar="HOST:PORT[,HOST:PORT]", help="join the cluster whose membership lives in this etcd")
+    p.add_argument(
+        "--tenant",
+        dest="tenants",
+        action="append",
+        metavar="NAME=TOKEN_FILE",
+        help="a tenant and the file holding its token (repeat for more tenants or tokens); tenants own the namespaces they write",
+    )
+    p.add_argument(
+        "--read-lease-ttl",
+        dest="lease_ttl_s",
+        type=float,
+        metavar="S",
+        help="read lease lifetime in seconds (default 30)",
+    )
+    p.add_argument(
+        "--etcd", metavar="HOST:PORT[,HOST:PORT]", help="join the cluster whose membership lives in this etcd"
+    )
     p.add_argument("--cluster", metavar="NAME", help="cluster name in etcd (default 'default')")
     p.add_argument("--zone", metavar="ZONE", help="failure zone published in this node's membership record")
-    p.add_argument("--lease-ttl", dest="etcd_lease_ttl_s", type=float, metavar="S",
-                   help="TTL of this node's etcd membership lease in seconds (default 10; kept alive every TTL/3)")
-    p.add_argument("--reservation-ttl", dest="reservation_ttl_s", type=float, metavar="S", help="unfinished writes are reclaimed after S seconds")
-    p.add_argument("--max-pin-ttl", dest="max_pin_ttl_s", type=float, metavar="S",
-                   help="longest pin in seconds (default 3600); pins asking for more, or forever, are cut to it")
-    p.add_argument("--session-idle-ttl", dest="session_idle_ttl_s", type=float, metavar="S",
-                   help="session hints: close sessions idle this long (default 1800)")
-    p.add_argument("--max-batch", type=int, metavar="N", help="most keys or blocks in one request (default 4096); larger requests are refused, the SDK splits its batches to fit")
-    p.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, metavar="S",
-                   help="on SIGTERM, running calls and transfers get S seconds to finish before they are cancelled (default 10)")
+    p.add_argument(
+        "--lease-ttl",
+        dest="etcd_lease_ttl_s",
+        type=float,
+        metavar="S",
+        help="TTL of this node's etcd membership lease in seconds (default 10; kept alive every TTL/3)",
+    )
+    p.add_argument(
+        "--reservation-ttl",
+        dest="reservation_ttl_s",
+        type=float,
+        metavar="S",
+        help="unfinished writes are reclaimed after S seconds",
+    )
+    p.add_argument(
+        "--max-pin-ttl",
+        dest="max_pin_ttl_s",
+        type=float,
+        metavar="S",
+        help="longest pin in seconds (default 3600); pins asking for more, or forever, are cut to it",
+    )
+    p.add_argument(
+        "--session-idle-ttl",
+        dest="session_idle_ttl_s",
+        type=float,
+        metavar="S",
+        help="session hints: close sessions idle this long (default 1800)",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        metavar="N",
+        help="most keys or blocks in one request (default 4096); larger requests are refused, the SDK splits its batches to fit",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        dest="drain_timeout_s",
+        type=float,
+        metavar="S",
+        help="on SIGTERM, running calls and transfers get S seconds to finish before they are cancelled (default 10)",
+    )
     p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics on this port")
-    p.add_argument("--metrics-tls", action=argparse.BooleanOptionalAction, default=None,
-                   help="serve /metrics over HTTPS with --tls-cert-file (default: whenever the node serves TLS); "
-                        "--no-metrics-tls: plain HTTP even then")
-    p.add_argument("--tls-cert-file", metavar="FILE", help="PEM certificate: serve TLS on the TCP listeners (gRPC and data channel); needs --tls-key-file")
+    p.add_argument(
+        "--metrics-tls",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="serve /metrics over HTTPS with --tls-cert-file (default: whenever the node serves TLS); "
+        "--no-metrics-tls: plain HTTP even then",
+    )
+    p.add_argument(
+        "--tls-cert-file",
+        metavar="FILE",
+        help="PEM certificate: serve TLS on the TCP listeners (gRPC and data channel); needs --tls-key-file",
+    )
     p.add_argument("--tls-key-file", metavar="FILE", help="PEM private key of --tls-cert-file")
-    p.add_argument("--tls-client-ca-file", metavar="FILE", help="PEM CA: require TCP clients to present a certificate it signed (mutual TLS)")
+    p.add_argument(
+        "--tls-client-ca-file",
+        metavar="FILE",
+        help="PEM CA: require TCP clients to present a certificate it signed (mutual TLS)",
+    )
     p.add_argument("--log-level", default="INFO")
 
 
 def _cmd_serve(a: argparse.Namespace) -> int:
-    from kvstore.config import load_config
-    from kvstore.server import serve
+    from kvstore.node.config import load_config
+    from kvstore.node.server import serve
 
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides: dict[str, Any] = {
         k: getattr(a, k)
-        for k in ("listen", "data_listen", "socket", "data_dir", "dram", "nvme", "node_id", "arena_path", "eviction_policy",
-                  "write_through", "token_file", "tenants", "lease_ttl_s", "reservation_ttl_s", "max_pin_ttl_s", "session_idle_ttl_s", "max_batch", "drain_timeout_s", "metrics_port",
-                  "metrics_tls", "etcd", "cluster", "zone", "etcd_lease_ttl_s", "tls_cert_file", "tls_key_file", "tls_client_ca_file")
+        for k in (
+            "listen",
+            "data_listen",
+            "socket",
+            "data_dir",
+            "dram",
+            "nvme",
+            "node_id",
+            "arena_path",
+            "eviction_policy",
+            "write_through",
+            "token_file",
+            "tenants",
+            "lease_ttl_s",
+            "reservation_ttl_s",
+            "max_pin_ttl_s",
+            "session_idle_ttl_s",
+            "max_batch",
+            "drain_timeout_s",
+            "metrics_port",
+            "metrics_tls",
+            "etcd",
+            "cluster",
+            "zone",
+            "etcd_lease_ttl_s",
+            "tls_cert_file",
+            "tls_key_file",
+            "tls_client_ca_file",
+        )
     }
     cfg = load_config(a.config, overrides=overrides)
     return asyncio.run(serve(cfg))
@@ -73,7 +163,6 @@ def _cmd_serve(a: argparse.Namespace) -> int:
 
 def _cmd_stats(a: argparse.Namespace) -> int:
     from client import KVClient
-
     from kvstore.tls import client_kwargs
 
     with KVClient(a.target, **client_kwargs(a)) as kv:
@@ -84,17 +173,18 @@ def _cmd_stats(a: argparse.Namespace) -> int:
 def _cmd_close_session(a: argparse.Namespace) -> int:
     """Exit 0: closed (on some node); 1: no such session open for this caller."""
     from client import KVClient
-
     from kvstore.tls import client_kwargs
 
     with KVClient(a.target, token_file=a.token_file, **client_kwargs(a)) as kv:
         closed = kv.close_session(a.session_id)
-    print(f"session {a.session_id!r} {'closed' if closed else 'was not open (never used, closed already, or idle past the TTL)'}")
+    print(
+        f"session {a.session_id!r} {'closed' if closed else 'was not open (never used, closed already, or idle past the TTL)'}"
+    )
     return 0 if closed else 1
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
-    from kvstore import bench
+    from kvstore.bench import run as bench
 
     return bench.main(a)
 
@@ -108,21 +198,29 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _serve_args(s)
     s.set_defaults(fn=_cmd_serve)
     st = sub.add_parser("stats", help="print a node's tiers and counters as JSON")
-    st.add_argument("--target", default=os.environ.get("KVSTORE_TARGET", "127.0.0.1:50151"),
-                    help="unix:///path or host:port (default: $KVSTORE_TARGET, else 127.0.0.1:50151, the default node)")
+    st.add_argument(
+        "--target",
+        default=os.environ.get("KVSTORE_TARGET", "127.0.0.1:50151"),
+        help="unix:///path or host:port (default: $KVSTORE_TARGET, else 127.0.0.1:50151, the default node)",
+    )
     from kvstore.tls import add_client_arguments
 
     add_client_arguments(st)
     st.set_defaults(fn=_cmd_stats)
-    cs = sub.add_parser("close-session", help="session hints: a session sends no more requests (its own blocks are evicted first)")
+    cs = sub.add_parser(
+        "close-session", help="session hints: a session sends no more requests (its own blocks are evicted first)"
+    )
     cs.add_argument("session_id", metavar="SESSION_ID")
-    cs.add_argument("--target", default=os.environ.get("KVSTORE_TARGET", "127.0.0.1:50151"),
-                    help="unix:///path, host:port or etcd://HOST:PORT/CLUSTER (default: $KVSTORE_TARGET, else 127.0.0.1:50151)")
+    cs.add_argument(
+        "--target",
+        default=os.environ.get("KVSTORE_TARGET", "127.0.0.1:50151"),
+        help="unix:///path, host:port or etcd://HOST:PORT/CLUSTER (default: $KVSTORE_TARGET, else 127.0.0.1:50151)",
+    )
     cs.add_argument("--token-file", metavar="FILE", help="bearer token of the tenant whose session it is")
     add_client_arguments(cs)
     cs.set_defaults(fn=_cmd_close_session)
     b = sub.add_parser("bench", help="data-path benchmark against references measured in the same run")
-    from kvstore import bench as _bench
+    from kvstore.bench import run as _bench
 
     _bench.add_arguments(b)
     b.set_defaults(fn=_cmd_bench)
@@ -138,15 +236,35 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 # (subcommand, module with add_arguments(parser) and main(args) -> int, help)
 _PLUGINS: list[tuple[str, str, str]] = [
-    ("replay", "kvstore.replay", "replay a Mooncake-format request trace through the eviction policies or a live store"),
-    ("plan", "kvstore.plan", "capacity planner: DRAM and NVMe sizes that reach a target hit ratio on a trace"),
-    ("demo", "gpu_agent.demo", "end-to-end demos with a real transformer (e.g. `kvstore demo pd`: prefill -> decode handoff)"),
-    ("up", "kvstore.up", "a whole local cluster in the foreground: a private etcd and N nodes (Ctrl-C stops it all)"),
-    ("cluster", "kvstore.cluster.cli", "cluster configuration and namespaces in etcd: set, show, invalidate, owners, release"),
+    (
+        "replay",
+        "kvstore.traces.replay",
+        "replay a Mooncake-format request trace through the eviction policies or a live store",
+    ),
+    ("plan", "kvstore.traces.plan", "capacity planner: DRAM and NVMe sizes that reach a target hit ratio on a trace"),
+    (
+        "demo",
+        "gpu_agent.demo",
+        "end-to-end demos with a real transformer (e.g. `kvstore demo pd`: prefill -> decode handoff)",
+    ),
+    (
+        "up",
+        "kvstore.local.up",
+        "a whole local cluster in the foreground: a private etcd and N nodes (Ctrl-C stops it all)",
+    ),
+    (
+        "cluster",
+        "kvstore.cluster.cli",
+        "cluster configuration and namespaces in etcd: set, show, invalidate, owners, release",
+    ),
     ("dashboard", "kvstore.dashboard.cli", "live cache-hit dashboard (web page) for one node or a whole cluster"),
-    ("health", "kvstore.health", "one gRPC health check of a node (exit 0: SERVING), for container probes"),
-    ("certs", "kvstore.localca", "a throwaway CA and node certificate for trying TLS (needs the 'tls' extra)"),
-    ("wipe", "kvstore.wipe", "remove a stopped node's data: its data directory (NVMe tier, owners, socket) and its arena"),
+    ("health", "kvstore.node.health", "one gRPC health check of a node (exit 0: SERVING), for container probes"),
+    ("certs", "kvstore.local.ca", "a throwaway CA and node certificate for trying TLS (needs the 'tls' extra)"),
+    (
+        "wipe",
+        "kvstore.node.wipe",
+        "remove a stopped node's data: its data directory (NVMe tier, owners, socket) and its arena",
+    ),
 ]
 
 

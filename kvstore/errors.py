@@ -4,7 +4,7 @@ A cache miss is never an exception: lookups return ``None`` or a result object.
 These exceptions are for contract violations (bad input), capacity, transport
 and corruption.  The SDK maps gRPC status codes onto them in exactly one place
 (``client/_errors.py``); the node maps them back onto status codes in one place
-(``kvstore/service.py``).
+(``kvstore/node/service.py``).
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ class Namespace:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, object]) -> "Namespace":
+    def from_dict(cls, d: dict[str, object]) -> Namespace:
         d = dict(d)
         unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
         if unknown:

@@ -18,8 +18,15 @@ class Progress:
 
     ``total`` may be set later (``p.total = n``) or stay None (an open-ended count)."""
 
-    def __init__(self, what: str, total: int | None = None, *, unit: str = "steps", stream: IO[str] | None = None,
-                 tty: bool | None = None) -> None:
+    def __init__(
+        self,
+        what: str,
+        total: int | None = None,
+        *,
+        unit: str = "steps",
+        stream: IO[str] | None = None,
+        tty: bool | None = None,
+    ) -> None:
         self.what = what
         self.unit = unit
         self.stream = stream if stream is not None else sys.stderr
@@ -73,7 +80,7 @@ class Progress:
         except (OSError, ValueError):  # a closed stderr must not fail the command
             pass
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, exc_type: object, *_: object) -> None:

@@ -10,7 +10,7 @@ checked on top of TLS exactly as without it.
 
 This module only reads PEM files, once, and builds credentials and contexts; it owns
 no state.  What it returns belongs to the caller: the node's wiring function
-(``kvstore/server.py``) holds one :class:`ServerTLS` for the node's life, and each
+(``kvstore/node/server.py``) holds one :class:`ServerTLS` for the node's life, and each
 client holds one :class:`ClientTLS` (immutable, shared by its gRPC channel and its
 data-channel pool; ``ssl.SSLContext`` is safe to use from several threads).
 
@@ -78,14 +78,18 @@ class ServerTLS:
     mutual: bool  # client certificates are required and verified
 
     @classmethod
-    def load(cls, cert_file: str, key_file: str, client_ca_file: str = "") -> "ServerTLS":
+    def load(cls, cert_file: str, key_file: str, client_ca_file: str = "") -> ServerTLS:
         import grpc
 
         cert = read_pem(cert_file, "tls_cert_file")
         key = read_pem(key_file, "tls_key_file")
         mode = os.stat(key_file).st_mode & 0o777
         if mode & 0o007:  # anyone on the machine can read the node's private key and impersonate it
-            log.warning("tls_key_file %s is readable by other users (mode %04o): chmod 600 it (or 640 for a group)", key_file, mode)
+            log.warning(
+                "tls_key_file %s is readable by other users (mode %04o): chmod 600 it (or 640 for a group)",
+                key_file,
+                mode,
+            )
         ca = read_pem(client_ca_file, "tls_client_ca_file") if client_ca_file else None
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = MIN_VERSION
@@ -116,13 +120,22 @@ class ClientTLS:
     describe: str  # for error messages: where the trust roots came from
 
     @classmethod
-    def from_options(cls, *, tls: bool = False, ca_file: str | None = None, cert_file: str | None = None,
-                     key_file: str | None = None, server_name: str | None = None) -> "ClientTLS | None":
+    def from_options(
+        cls,
+        *,
+        tls: bool = False,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+        server_name: str | None = None,
+    ) -> ClientTLS | None:
         """None when no option asks for TLS (a plaintext client, as before)."""
         if not (tls or ca_file or cert_file or key_file or server_name):
             return None
         if bool(cert_file) != bool(key_file):
-            raise InvalidArgument("tls_cert_file and tls_key_file go together (a client certificate needs its key); pass both or neither")
+            raise InvalidArgument(
+                "tls_cert_file and tls_key_file go together (a client certificate needs its key); pass both or neither"
+            )
         ca = read_pem(ca_file, "tls_ca_file") if ca_file else None
         cert = read_pem(cert_file, "tls_cert_file") if cert_file else None
         key = read_pem(key_file, "tls_key_file") if key_file else None
@@ -140,7 +153,9 @@ class ClientTLS:
     def channel_credentials(self) -> Any:
         import grpc
 
-        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert)
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
+        )
 
     def channel_options(self) -> list[tuple[str, Any]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
@@ -170,31 +185,53 @@ def explain(message: str, tls: ClientTLS | None, target: str) -> str:
     if target.startswith("unix:"):
         return message
     low = message.lower()
-    closed = any(s in low for s in ("socket closed", "connection reset", "end of file", "eof occurred", "unexpected eof"))
+    closed = any(
+        s in low for s in ("socket closed", "connection reset", "end of file", "eof occurred", "unexpected eof")
+    )
     if tls is None:
         if closed:
-            return (f"{message} (a node that serves TLS closes plaintext connections: if {target} uses TLS, "
-                    "pass tls_ca_file= / --tls-ca-file, and a client certificate if it requires one)")
+            return (
+                f"{message} (a node that serves TLS closes plaintext connections: if {target} uses TLS, "
+                "pass tls_ca_file= / --tls-ca-file, and a client certificate if it requires one)"
+            )
         return message
-    if "wrong_version_number" in low or "wrong version number" in low or "packet length too long" in low \
-            or "record layer failure" in low or "http request" in low:
+    if (
+        "wrong_version_number" in low
+        or "wrong version number" in low
+        or "packet length too long" in low
+        or "record layer failure" in low
+        or "http request" in low
+    ):
         return f"{message} (the node at {target} does not serve TLS: drop the TLS options, or start the node with tls_cert_file and tls_key_file)"
-    if "alert unknown ca" in low or "alert bad certificate" in low or "alert_unknown_ca" in low:  # the node's verdict on ours
-        return (f"{message} (the node did not accept this client certificate: it must be signed by the CA in the "
-                "node's tls_client_ca_file)")
-    if "certificate verify failed" in low or "certificate_verify_failed" in low \
-            or "self signed" in low or "self-signed" in low or "unable to get local issuer" in low:
+    if (
+        "alert unknown ca" in low or "alert bad certificate" in low or "alert_unknown_ca" in low
+    ):  # the node's verdict on ours
+        return (
+            f"{message} (the node did not accept this client certificate: it must be signed by the CA in the "
+            "node's tls_client_ca_file)"
+        )
+    if (
+        "certificate verify failed" in low
+        or "certificate_verify_failed" in low
+        or "self signed" in low
+        or "self-signed" in low
+        or "unable to get local issuer" in low
+    ):
         return f"{message} (the node's certificate is not signed by {tls.describe}: pass the CA that signed it as tls_ca_file=)"
     if "hostname" in low or "ip address mismatch" in low or "doesn't match" in low:
         if tls.server_name:
             return f"{message} (the node's certificate does not name {tls.server_name!r}, the tls_server_name given)"
         return f"{message} (the node's certificate does not name the host dialled in {target}: dial a name it lists, or pass tls_server_name=)"
     if "certificate required" in low or "peer did not return a certificate" in low or (closed and tls.cert is None):
-        return (f"{message} (the node closed the TLS handshake: it requires a client certificate; "
-                "pass tls_cert_file= and tls_key_file= signed by the CA in its tls_client_ca_file)")
+        return (
+            f"{message} (the node closed the TLS handshake: it requires a client certificate; "
+            "pass tls_cert_file= and tls_key_file= signed by the CA in its tls_client_ca_file)"
+        )
     if closed or "ssl" in low or "handshake" in low or "bad certificate" in low:
-        return (f"{message} (the TLS handshake with {target} failed: the node may not accept this client certificate "
-                "(it must be signed by the CA in the node's tls_client_ca_file), or check tls_ca_file=)")
+        return (
+            f"{message} (the TLS handshake with {target} failed: the node may not accept this client certificate "
+            "(it must be signed by the CA in the node's tls_client_ca_file), or check tls_ca_file=)"
+        )
     return message
 
 
@@ -202,10 +239,19 @@ def explain(message: str, tls: ClientTLS | None, target: str) -> str:
 def add_client_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("TLS (host:port targets of a node started with --tls-cert-file)")
     g.add_argument("--tls-ca-file", metavar="FILE", help="PEM CA certificate(s) that signed the node's certificate")
-    g.add_argument("--tls-cert-file", metavar="FILE", help="PEM client certificate, for nodes that require one (mutual TLS)")
+    g.add_argument(
+        "--tls-cert-file", metavar="FILE", help="PEM client certificate, for nodes that require one (mutual TLS)"
+    )
     g.add_argument("--tls-key-file", metavar="FILE", help="PEM private key of --tls-cert-file")
-    g.add_argument("--tls-server-name", metavar="NAME", help="name to verify in the node's certificate (default: the host dialled)")
-    g.add_argument("--tls", action="store_true", default=False, help="use TLS with the system trust roots (implied by the flags above)")
+    g.add_argument(
+        "--tls-server-name", metavar="NAME", help="name to verify in the node's certificate (default: the host dialled)"
+    )
+    g.add_argument(
+        "--tls",
+        action="store_true",
+        default=False,
+        help="use TLS with the system trust roots (implied by the flags above)",
+    )
 
 
 def client_kwargs(a: argparse.Namespace) -> dict[str, Any]:

@@ -119,7 +119,9 @@ def tier_from_pb(v: int) -> TierKind | None:
     try:
         return TierKind(v)
     except ValueError:
-        raise errors.Incompatible(f"unknown tier {v} in a reply: the peer speaks a newer protocol; upgrade this client") from None
+        raise errors.Incompatible(
+            f"unknown tier {v} in a reply: the peer speaks a newer protocol; upgrade this client"
+        ) from None
 
 
 TIER_NAMES = {pb.TIER_HBM: "hbm", pb.TIER_DRAM: "dram", pb.TIER_NVME: "nvme"}

@@ -25,8 +25,10 @@ from collections.abc import Callable, Sequence
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
-def has_nvidia_gpu(run: Callable[..., subprocess.CompletedProcess[bytes]] = subprocess.run,
-                   which: Callable[[str], str | None] = shutil.which) -> bool:
+def has_nvidia_gpu(
+    run: Callable[..., subprocess.CompletedProcess[bytes]] = subprocess.run,
+    which: Callable[[str], str | None] = shutil.which,
+) -> bool:
     """True when ``nvidia-smi -L`` runs and lists a GPU (a driver without a device does not count)."""
     if which("nvidia-smi") is None:
         return False
@@ -37,8 +39,9 @@ def has_nvidia_gpu(run: Callable[..., subprocess.CompletedProcess[bytes]] = subp
     return p.returncode == 0 and b"GPU" in p.stdout
 
 
-def index_reachable(url: str = CPU_INDEX, timeout: float = 5.0,
-                    urlopen: Callable[..., object] = urllib.request.urlopen) -> bool:
+def index_reachable(
+    url: str = CPU_INDEX, timeout: float = 5.0, urlopen: Callable[..., object] = urllib.request.urlopen
+) -> bool:
     """True when the index answers for torch within ``timeout`` s (pip itself would retry for minutes)."""
     try:
         resp = urlopen(f"{url}/torch/", timeout=timeout)
@@ -69,8 +72,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     gpu = has_nvidia_gpu()
     reachable = not gpu and index_reachable()
     args = pip_args(a.requirements, gpu=gpu, cpu_index_reachable=reachable, extra=a.extra)
-    build = "CUDA (a GPU is present)" if gpu else ("CPU, from " + CPU_INDEX if reachable
-                                                   else "as pip resolves it (the CPU index is unreachable)")
+    build = (
+        "CUDA (a GPU is present)"
+        if gpu
+        else ("CPU, from " + CPU_INDEX if reachable else "as pip resolves it (the CPU index is unreachable)")
+    )
     print(f"setup.sh: torch build: {build}", file=sys.stderr)
     print("\n".join(args))
     return 0

@@ -161,8 +161,11 @@ class Ledger:
         """Keys acknowledged by a put that overlapped no full disk, and not corrupted by the driver."""
         with self._lock:
             windows = [(a, b + FULL_DISK_MARGIN_S) for a, b in self.full_disk]
-            return [k for k, puts in self.acks.items()
-                    if k not in self.corrupted and any(all(t1 < a or t0 > b for a, b in windows) for t0, t1 in puts)]
+            return [
+                k
+                for k, puts in self.acks.items()
+                if k not in self.corrupted and any(all(t1 < a or t0 > b for a, b in windows) for t0, t1 in puts)
+            ]
 
 
 def load(kv: Any, ledger: Ledger, seed: int, stop: threading.Event) -> None:
@@ -177,8 +180,9 @@ def load(kv: Any, ledger: Ledger, seed: int, stop: threading.Event) -> None:
         t0, unexpected = time.monotonic(), None
         try:
             if op == "put":
-                stored = kv.put_many(keys, [wl.payload(k) for k in keys], namespace=worker.NAMESPACE,
-                                     parents=worker.parents_of(keys))
+                stored = kv.put_many(
+                    keys, [wl.payload(k) for k in keys], namespace=worker.NAMESPACE, parents=worker.parents_of(keys)
+                )
                 ledger.acked(keys, stored, t0, time.monotonic())
             elif op == "get":
                 ledger.check("get_many", keys, kv.get_many(keys))

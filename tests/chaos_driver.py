@@ -48,7 +48,13 @@ from tiers.nvme_format import PAGE
 KINDS = ("kill", "etcd", "partition", "disk_full", "corrupt")
 LANE = {"kill": "node", "partition": "node", "etcd": "etcd", "disk_full": "disk", "corrupt": None}
 WEIGHTS = (5, 2, 3, 2, 1)
-HOLD_S = {"kill": (0.5, 5.0), "etcd": (1.0, 6.0), "partition": (2.0, 6.0), "disk_full": (3.0, 8.0), "corrupt": (0.0, 0.0)}
+HOLD_S = {
+    "kill": (0.5, 5.0),
+    "etcd": (1.0, 6.0),
+    "partition": (2.0, 6.0),
+    "disk_full": (3.0, 8.0),
+    "corrupt": (0.0, 0.0),
+}
 PARTITIONS = ("both", "clients", "etcd")
 CORRUPT_RECORDS = 3  # records damaged per corrupt fault (some may be stale copies nobody reads)
 FILLER = "chaos.filler"
@@ -128,7 +134,9 @@ def damage_records(data_dir: Path, rng: random.Random, n: int) -> list[bytes]:
 class Driver:
     """Plays a schedule against ``cluster``; ``disk_dir`` is ``disk_node``'s data directory (a small tmpfs)."""
 
-    def __init__(self, cluster: NetCluster, ledger: Ledger, *, seed: int, node_args: tuple[str, ...], disk_dir: Path) -> None:
+    def __init__(
+        self, cluster: NetCluster, ledger: Ledger, *, seed: int, node_args: tuple[str, ...], disk_dir: Path
+    ) -> None:
         self.cluster = cluster
         self.ledger = ledger
         self.node_args = node_args
@@ -177,8 +185,11 @@ class Driver:
     def run(self, faults: list[Fault], deadline: float) -> None:
         """Inject and undo ``faults`` in schedule order (late steps run at once, never
         skipped, so the order is the seed's); stop injecting at ``deadline`` (monotonic)."""
-        steps = sorted([(f.at, 0, i, f) for i, f in enumerate(faults)] +
-                       [(f.at + f.hold, 1, i, f) for i, f in enumerate(faults) if f.hold], key=lambda s: s[:3])
+        steps = sorted(
+            [(f.at, 0, i, f) for i, f in enumerate(faults)]
+            + [(f.at + f.hold, 1, i, f) for i, f in enumerate(faults) if f.hold],
+            key=lambda s: s[:3],
+        )
         t0 = time.monotonic()
         injected: set[int] = set()
         for at, undo, i, f in steps:

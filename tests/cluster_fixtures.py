@@ -27,7 +27,9 @@ from kvstore.cluster.local_etcd import LocalEtcd, find_etcd
 LEASE_TTL = 2  # seconds; etcd's minimum is about 1.5
 FAST = {"rpc": 1.0, "data": 2.0, "connect": 1.0}  # client deadlines for fault tests
 
-needs_etcd = pytest.mark.skipif(find_etcd() is None, reason="etcd is not installed (Debian: apt-get install etcd-server)")
+needs_etcd = pytest.mark.skipif(
+    find_etcd() is None, reason="etcd is not installed (Debian: apt-get install etcd-server)"
+)
 
 
 @pytest.fixture
@@ -59,8 +61,19 @@ class Cluster:
         return f"etcd://{self.etcd.endpoint}/{self.name}"
 
     def node_args(self, *extra: str) -> tuple[str, ...]:
-        return ("--etcd", self.etcd.endpoint, "--cluster", self.name, "--lease-ttl", str(LEASE_TTL),
-                "--dram", "64MiB", "--nvme", "128MiB", *extra)
+        return (
+            "--etcd",
+            self.etcd.endpoint,
+            "--cluster",
+            self.name,
+            "--lease-ttl",
+            str(LEASE_TTL),
+            "--dram",
+            "64MiB",
+            "--nvme",
+            "128MiB",
+            *extra,
+        )
 
     def arena(self, node_id: str) -> str:
         # unique per test run: a node of a concurrent run with the same id must never
@@ -69,7 +82,9 @@ class Cluster:
 
     def process(self, node_id: str, extra: tuple[str, ...]) -> NodeProcess:
         """The node's process, not yet started (a subclass may run it elsewhere: tests/fault/test_partition_netns.py)."""
-        return NodeProcess(self.tmp / node_id, *self.node_args("--arena-path", self.arena(node_id), *extra), node_id=node_id)
+        return NodeProcess(
+            self.tmp / node_id, *self.node_args("--arena-path", self.arena(node_id), *extra), node_id=node_id
+        )
 
     def start(self, *node_ids: str, extra: tuple[str, ...] = ()) -> list[NodeProcess]:
         """Start nodes in parallel (each with its own data dir; a node id reuses its dir)."""

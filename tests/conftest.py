@@ -18,7 +18,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-
 def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
     """Poll ``pred`` until it returns something truthy (returned), or fail naming ``what``."""
     deadline = time.monotonic() + timeout
@@ -30,25 +29,30 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without ``KVSTORE_*`` settings (a node reads only its flags), unbuffered."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     return {**env, "PYTHONUNBUFFERED": "1", **extra}
 
 
-def start_clean(data_dir: Path, *args: str, node_id: str | None = None, prefix: Sequence[str] = (),
-                env: dict[str, str] | None = None) -> "NodeProcess":
+def start_clean(
+    data_dir: Path,
+    *args: str,
+    node_id: str | None = None,
+    prefix: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> NodeProcess:
     """A node started with ``args`` in :func:`clean_env` (plus ``env``), after ``prefix`` (see :class:`NodeProcess`)."""
     n = NodeProcess(data_dir, *args, node_id=node_id, prefix=prefix)
     n.env = clean_env(**(env or {}))
     return n.start()
 
 
-def stop_clean(n: "NodeProcess") -> None:
+def stop_clean(n: NodeProcess) -> None:
     """Stop ``n`` (it must exit 0) and remove its arena file."""
     assert n.stop(timeout=30) == 0
     Path(n.arena_path).unlink(missing_ok=True)
+
 
 class FakeClock:
     """A monotonic clock the test moves by hand (``advance``), for TierManager scenarios."""
@@ -69,8 +73,15 @@ class NodeProcess:
     ``prefix`` goes before the command line (``ip netns exec NS``: it execs, so the PID
     stays the node's); ``listen`` is the gRPC listener."""
 
-    def __init__(self, data_dir: Path, *args: str, env: dict[str, str] | None = None, node_id: str | None = None,
-                 prefix: Sequence[str] = (), listen: str = "127.0.0.1:0") -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        *args: str,
+        env: dict[str, str] | None = None,
+        node_id: str | None = None,
+        prefix: Sequence[str] = (),
+        listen: str = "127.0.0.1:0",
+    ) -> None:
         self.data_dir = data_dir
         self.prefix = list(prefix)
         self.listen = listen
@@ -82,16 +93,26 @@ class NodeProcess:
         self.endpoints: dict[str, Any] = {}
         self.output: list[str] = []
 
-    def start(self, timeout: float = 60.0) -> "NodeProcess":
+    def start(self, timeout: float = 60.0) -> NodeProcess:
         cmd = [
-            *self.prefix, sys.executable, "-m", "kvstore", "serve",
-            "--data-dir", str(self.data_dir),
-            "--listen", self.listen,
-            "--node-id", self.node_id,
-            "--arena-path", self.arena_path,
+            *self.prefix,
+            sys.executable,
+            "-m",
+            "kvstore",
+            "serve",
+            "--data-dir",
+            str(self.data_dir),
+            "--listen",
+            self.listen,
+            "--node-id",
+            self.node_id,
+            "--arena-path",
+            self.arena_path,
             *self.args,
         ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env, cwd=ROOT)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env, cwd=ROOT
+        )
         deadline = time.monotonic() + timeout
         assert self.proc.stdout is not None
         while time.monotonic() < deadline:
@@ -100,7 +121,7 @@ class NodeProcess:
                 raise RuntimeError(f"node exited before READY (rc={self.proc.wait()}):\n{''.join(self.output)}")
             self.output.append(line)
             if line.startswith("READY "):
-                self.endpoints = json.loads(line[len("READY "):])
+                self.endpoints = json.loads(line[len("READY ") :])
                 # keep draining output so the child never blocks on a full pipe
                 import threading
 
@@ -142,7 +163,9 @@ def node_factory(tmp_path: Path) -> Iterator[Any]:
     """Start nodes with ``node_factory(*extra_args, data_dir=..., env=...)``; all are stopped at teardown."""
     nodes: list[NodeProcess] = []
 
-    def make(*args: str, data_dir: Path | None = None, env: dict[str, str] | None = None, node_id: str | None = None) -> NodeProcess:
+    def make(
+        *args: str, data_dir: Path | None = None, env: dict[str, str] | None = None, node_id: str | None = None
+    ) -> NodeProcess:
         d = data_dir or tmp_path / f"node{len(nodes)}"
         n = NodeProcess(d, *args, env=env, node_id=node_id).start()
         nodes.append(n)

@@ -31,11 +31,17 @@ from typing import Any
 import pytest
 
 from kvstore.cli import build_parser
-from kvstore.config import NodeConfig
+from kvstore.node.config import NodeConfig
 
 # the Kubernetes API's patchMergeKey of each list this repository's patches touch
-MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "volumes": "name",
-              "volumeMounts": "mountPath", "ports": "containerPort"}
+MERGE_KEYS = {
+    "containers": "name",
+    "initContainers": "name",
+    "env": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+    "ports": "containerPort",
+}
 REPLACED_LISTS = {"args", "command"}
 
 
@@ -128,13 +134,16 @@ PRIVATE_SETTINGS = ("tls_cert_file", "tls_key_file", "tls_client_ca_file")  # an
 
 def private_files(cfg: NodeConfig) -> list[str]:
     """Files only the node may read: its TLS material and the tenants' tokens."""
-    return [*filter(None, (getattr(cfg, k) for k in PRIVATE_SETTINGS)), *(f for t in cfg.tenants.values() for f in t.token_file)]
+    return [
+        *filter(None, (getattr(cfg, k) for k in PRIVATE_SETTINGS)),
+        *(f for t in cfg.tenants.values() for f in t.token_file),
+    ]
 
 
 def materialize(cfg: NodeConfig, content: Callable[[str], bytes], tmp: Path) -> NodeConfig:
     """``cfg`` with every file it names replaced by a copy, under ``tmp``, of what the
     deployment puts at that path (``content``), then the node's own start-up checks of
-    those files (kvstore/server.py): TLS credentials loaded, every token file read."""
+    those files (kvstore/node/server.py): TLS credentials loaded, every token file read."""
     from kvstore.tls import ServerTLS
 
     mapped: dict[str, str] = {}
@@ -145,17 +154,23 @@ def materialize(cfg: NodeConfig, content: Callable[[str], bytes], tmp: Path) -> 
         mapped[path] = str(local)
     data = cfg.model_dump()
     data.update({k: mapped[v] for k in (*PRIVATE_SETTINGS, "token_file") if (v := data[k])})
-    data["tenants"] = {n: {"token": t["token"], "token_file": [mapped[f] for f in t["token_file"]]} for n, t in data["tenants"].items()}
+    data["tenants"] = {
+        n: {"token": t["token"], "token_file": [mapped[f] for f in t["token_file"]]} for n, t in data["tenants"].items()
+    }
     node = NodeConfig(**data)
     if node.tls_cert_file:
-        assert ServerTLS.load(node.tls_cert_file, node.tls_key_file, node.tls_client_ca_file).mutual == bool(node.tls_client_ca_file)
+        assert ServerTLS.load(node.tls_cert_file, node.tls_key_file, node.tls_client_ca_file).mutual == bool(
+            node.tls_client_ca_file
+        )
     assert set(node.tenant_tokens().values()) == set(node.tenants)
     return node
 
 
-def health_target(check: list[str], config_text: str, environ: dict[str, str], tmp: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+def health_target(
+    check: list[str], config_text: str, environ: dict[str, str], tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> str:
     """What ``kvstore health`` (``check``) dials inside the container: its config file and environment."""
-    from kvstore.health import resolve_target
+    from kvstore.node.health import resolve_target
 
     args = build_parser(check[1]).parse_args(check[1:])
     assert check[0] == "kvstore" and args.command == "health" and args.target is None

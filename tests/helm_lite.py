@@ -125,7 +125,9 @@ def parse(src: str, name: str = "template") -> list[_Node]:
         elif word == "range":
             m = re.fullmatch(r"(\$\w+)(?:\s*,\s*(\$\w+))?\s*:=\s*(.+)", rest.strip())
             if not m:
-                raise TemplateError(f"{name}: only `range $k, $v := PIPELINE` or `range $v := PIPELINE` is supported, got {body!r}")
+                raise TemplateError(
+                    f"{name}: only `range $k, $v := PIPELINE` or `range $v := PIPELINE` is supported, got {body!r}"
+                )
             key, value = (m.group(1), m.group(2)) if m.group(2) else (None, m.group(1))
             node = _Range(key, value, m.group(3))
             cur.append(node)
@@ -206,7 +208,9 @@ def _check_number(v: int | float) -> str:
     """How Helm prints a number from values.yaml (a float64, %v): refuse what it would
     print differently from Python (exponent form from 1e6 up, fractions)."""
     if abs(v) >= 1_000_000 or (isinstance(v, float) and v and abs(v) < 1e-4):
-        raise TemplateError(f"{v} would print as {v:.6g} in Helm (values are float64): keep it in [1e-4, 1e6) or quote it")
+        raise TemplateError(
+            f"{v} would print as {v:.6g} in Helm (values are float64): keep it in [1e-4, 1e6) or quote it"
+        )
     if isinstance(v, float) and v.is_integer():
         return str(int(v))
     return repr(v) if isinstance(v, float) else str(v)  # both shortest round-trip digits in this range
@@ -313,8 +317,16 @@ def _fn_fail(message: Any, *rest: Any) -> str:
     raise ChartFailed(message)
 
 
-FUNCS = {"quote": _fn_quote, "toJson": _fn_to_json, "toYaml": _fn_to_yaml, "indent": _fn_indent,
-         "nindent": _fn_nindent, "add": _fn_add, "default": _fn_default, "fail": _fn_fail}
+FUNCS = {
+    "quote": _fn_quote,
+    "toJson": _fn_to_json,
+    "toYaml": _fn_to_yaml,
+    "indent": _fn_indent,
+    "nindent": _fn_nindent,
+    "add": _fn_add,
+    "default": _fn_default,
+    "fail": _fn_fail,
+}
 
 
 class Renderer:
@@ -412,8 +424,13 @@ def merge_values(base: Any, override: Any) -> Any:
     return override
 
 
-def render_chart(chart_dir: str | Path, values: Mapping[str, Any] | None = None, *,
-                 release: str = "kvstore", namespace: str = "default") -> dict[str, str]:
+def render_chart(
+    chart_dir: str | Path,
+    values: Mapping[str, Any] | None = None,
+    *,
+    release: str = "kvstore",
+    namespace: str = "default",
+) -> dict[str, str]:
     """{template path: rendered text} for every manifest template, as ``helm template`` does."""
     chart_dir = Path(chart_dir)
     meta = yaml.safe_load((chart_dir / "Chart.yaml").read_text())

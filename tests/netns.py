@@ -139,7 +139,9 @@ class Network:
         self._namespaces: list[str] = []
         self._anchor: Host | None = None
         # under a lock, so that a parallel run sees this network's address before it picks its own
-        with open("/run/lock/kvstore-test-netns.lock" if os.path.isdir("/run/lock") else "/tmp/kvstore-test-netns.lock", "w") as lock:
+        with open(
+            "/run/lock/kvstore-test-netns.lock" if os.path.isdir("/run/lock") else "/tmp/kvstore-test-netns.lock", "w"
+        ) as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             sweep_orphans()
             used = _subnets_in_use()
@@ -171,9 +173,18 @@ class Network:
         ip("link", "add", root_if, "type", "veth", "peer", "name", ns_if, "netns", ns)
         ip("link", "set", "lo", "up", ns=ns)
         base = 16 * index
-        h = Host(name, ns, root_if, ns_if, gateway=self._addr(base + 1), ip=self._addr(base + 2),
-                 control_ip=self._addr(base + 3), etcd_gateway=self._addr(base + 14),
-                 root_mac=_mac(root_if), ns_mac=_mac(ns_if, ns))
+        h = Host(
+            name,
+            ns,
+            root_if,
+            ns_if,
+            gateway=self._addr(base + 1),
+            ip=self._addr(base + 2),
+            control_ip=self._addr(base + 3),
+            etcd_gateway=self._addr(base + 14),
+            root_mac=_mac(root_if),
+            ns_mac=_mac(ns_if, ns),
+        )
         ip("link", "set", root_if, "up")
         ip("link", "set", ns_if, "up", ns=ns)
         return h
@@ -240,7 +251,7 @@ def probe(host: str, port: int, timeout: float = 0.5) -> str:
             return "open"
     except ConnectionRefusedError:
         return "refused"
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         return "timeout"
     except OSError as e:
         return type(e).__name__

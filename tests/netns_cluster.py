@@ -63,8 +63,14 @@ class NetCluster(Cluster):
 
     def process(self, node_id: str, extra: tuple[str, ...]) -> NodeProcess:
         host = self.net.hosts.get(node_id) or self.net.add_host(node_id)
-        return NodeProcess(self.tmp / node_id, *self.node_args("--arena-path", self.arena(node_id), *extra), node_id=node_id,
-                           prefix=host.exec_prefix, listen="0.0.0.0:0", env={"KVSTORE_ADVERTISE_HOST": host.ip})
+        return NodeProcess(
+            self.tmp / node_id,
+            *self.node_args("--arena-path", self.arena(node_id), *extra),
+            node_id=node_id,
+            prefix=host.exec_prefix,
+            listen="0.0.0.0:0",
+            env={"KVSTORE_ADVERTISE_HOST": host.ip},
+        )
 
     def client(self, **kw: Any) -> Any:
         kw.setdefault("prefer_local", False)

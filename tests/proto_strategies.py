@@ -17,10 +17,16 @@ from hypothesis import strategies as st
 
 _F = FieldDescriptor
 _INT_RANGES = {
-    _F.TYPE_INT32: (-(2**31), 2**31 - 1), _F.TYPE_SINT32: (-(2**31), 2**31 - 1), _F.TYPE_SFIXED32: (-(2**31), 2**31 - 1),
-    _F.TYPE_INT64: (-(2**63), 2**63 - 1), _F.TYPE_SINT64: (-(2**63), 2**63 - 1), _F.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
-    _F.TYPE_UINT32: (0, 2**32 - 1), _F.TYPE_FIXED32: (0, 2**32 - 1),
-    _F.TYPE_UINT64: (0, 2**64 - 1), _F.TYPE_FIXED64: (0, 2**64 - 1),
+    _F.TYPE_INT32: (-(2**31), 2**31 - 1),
+    _F.TYPE_SINT32: (-(2**31), 2**31 - 1),
+    _F.TYPE_SFIXED32: (-(2**31), 2**31 - 1),
+    _F.TYPE_INT64: (-(2**63), 2**63 - 1),
+    _F.TYPE_SINT64: (-(2**63), 2**63 - 1),
+    _F.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
+    _F.TYPE_UINT32: (0, 2**32 - 1),
+    _F.TYPE_FIXED32: (0, 2**32 - 1),
+    _F.TYPE_UINT64: (0, 2**64 - 1),
+    _F.TYPE_FIXED64: (0, 2**64 - 1),
 }
 
 

@@ -24,8 +24,12 @@ def small_tmpfs(mnt: Path, size_mib: int) -> Iterator[Path]:
     mnt.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
         pytest.skip("mounting a small filesystem needs root (CI runs the fault suite as root)")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(mnt)], capture_output=True, text=True,
-                       timeout=30)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     try:

@@ -38,30 +38,55 @@ def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
-def make_pki(directory: Path, name: str = "kvstore-test", *, server_names: tuple[str, ...] = ("localhost", "127.0.0.1")) -> PKI:
+def make_pki(
+    directory: Path, name: str = "kvstore-test", *, server_names: tuple[str, ...] = ("localhost", "127.0.0.1")
+) -> PKI:
     """A CA, a server certificate for ``server_names`` (DNS names or IP addresses) and a
     client certificate, all signed by the CA, written as PEM files under ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1)
     ca_key = _key()
     ca_name = _name(f"{name} CA")
     ca = (
-        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                                     key_encipherment=False, data_encipherment=False, key_agreement=False,
-                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
 
-    def leaf(cn: str, usage: x509.ObjectIdentifier, sans: list[x509.GeneralName]) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    def leaf(
+        cn: str, usage: x509.ObjectIdentifier, sans: list[x509.GeneralName]
+    ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
         key = _key()
         b = (
-            x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(ca_name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
+            x509.CertificateBuilder()
+            .subject_name(_name(cn))
+            .issuer_name(ca_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(start)
+            .not_valid_after(end)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
@@ -83,16 +108,28 @@ def make_pki(directory: Path, name: str = "kvstore-test", *, server_names: tuple
         return c.public_bytes(serialization.Encoding.PEM)
 
     def key_pem(k: ec.EllipticCurvePrivateKey) -> bytes:
-        return k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        return k.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
 
-    files = {"ca.pem": cert_pem(ca), "server.pem": cert_pem(server), "server.key": key_pem(server_key),
-             "client.pem": cert_pem(client), "client.key": key_pem(client_key)}
+    files = {
+        "ca.pem": cert_pem(ca),
+        "server.pem": cert_pem(server),
+        "server.key": key_pem(server_key),
+        "client.pem": cert_pem(client),
+        "client.key": key_pem(client_key),
+    }
     for fname, data in files.items():
         (directory / fname).write_bytes(data)
         (directory / fname).chmod(0o600)
     p = lambda f: str(directory / f)  # noqa: E731
-    return PKI(ca=p("ca.pem"), server_cert=p("server.pem"), server_key=p("server.key"),
-               client_cert=p("client.pem"), client_key=p("client.key"))
+    return PKI(
+        ca=p("ca.pem"),
+        server_cert=p("server.pem"),
+        server_key=p("server.key"),
+        client_cert=p("client.pem"),
+        client_key=p("client.key"),
+    )
 
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,7 @@ class Arena:
         self._ident: tuple[int, int] | None = None  # (st_dev, st_ino) of the file mapped
 
     @classmethod
-    def create(cls, path: str | os.PathLike[str], size: int, *, prefault: bool = True, mode: int = 0o600) -> "Arena":
+    def create(cls, path: str | os.PathLike[str], size: int, *, prefault: bool = True, mode: int = 0o600) -> Arena:
         p = Path(path)
         if size <= 0:
             raise InvalidArgument(f"arena size must be positive, got {size}")
@@ -91,7 +91,7 @@ class Arena:
         return gone
 
     @classmethod
-    def attach(cls, path: str | os.PathLike[str], size: int) -> "Arena":
+    def attach(cls, path: str | os.PathLike[str], size: int) -> Arena:
         p = Path(path)
         try:
             fd = os.open(p, os.O_RDWR)
@@ -242,7 +242,9 @@ def as_bytes_view(obj: object, *, writable: bool = False) -> memoryview:
         try:
             mv = memoryview(obj)  # type: ignore[arg-type]
         except TypeError as e:
-            raise InvalidArgument(f"{type(obj).__name__} is not a buffer (bytes, bytearray, numpy array or CPU tensor)") from e
+            raise InvalidArgument(
+                f"{type(obj).__name__} is not a buffer (bytes, bytearray, numpy array or CPU tensor)"
+            ) from e
     if not mv.contiguous:
         raise InvalidArgument("buffer must be contiguous")
     if writable and mv.readonly:

@@ -3,7 +3,7 @@
 A tier stores whole blocks (payload bytes plus their :class:`~kvstore.block.BlockMeta`)
 under 16-byte chunk keys.  It owns its own key → location map, its allocator and its
 eviction-policy instance; it knows nothing of leases, pins or other tiers (that is the
-tier manager's job in ``kvstore/manager.py``).  A miss is a result, never an exception.
+tier manager's job in ``kvstore/node/manager.py``).  A miss is a result, never an exception.
 
 Eviction is split in two so the manager can demote a victim before it disappears:
 ``victims(can_evict)`` proposes keys in the policy's order, the manager copies what it
@@ -111,7 +111,7 @@ def count_prefix(tier: Tier, keys: Sequence[ChunkKey]) -> int:
 
 
 class TierWatch(Protocol):
-    """Who occupies a tier, told by the tier as blocks come and go (``kvstore/quotas.py``).
+    """Who occupies a tier, told by the tier as blocks come and go (``kvstore/node/quotas.py``).
 
     ``first`` orders eviction: keys it accepts are proposed before all others (see
     :func:`victims_first`); ``any_first`` says cheaply whether any key would be.

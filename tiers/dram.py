@@ -13,7 +13,7 @@ deleted while a reader still holds a lease.
 
 ``watch`` (optional, ``tiers.base.TierWatch``) is told of every block stored and dropped,
 with the bytes it occupies, and may move some keys to the front of eviction (the
-per-tenant capacity quotas of ``kvstore/quotas.py``).
+per-tenant capacity quotas of ``kvstore/node/quotas.py``).
 
 Invariants: ``used_bytes <= capacity_bytes`` always (the allocator cannot hand out
 more); a key is in ``_blocks`` iff it is in the policy (and, with a ``watch``, iff the
@@ -27,10 +27,10 @@ from collections.abc import Callable, Iterator, Sequence
 from kvstore.block import BlockMeta
 from kvstore.errors import CapacityExceeded, InvalidArgument
 from kvstore.keys import ChunkKey
-from kvstore.policy import EvictionPolicy, make_policy, DEFAULT_POLICY
 from tiers.allocator import Extent, ExtentAllocator
 from tiers.arena import Arena, as_bytes_view
 from tiers.base import MissReason, ReadResult, TierKind, TierWatch, victims_first
+from tiers.policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 
 DEFAULT_UNIT = 64 * 1024
 
@@ -157,7 +157,9 @@ class DRAMTier:
         self.allocator.free(extents)
         return True
 
-    def victims(self, can_evict: Callable[[ChunkKey], bool] = lambda k: True, *, by_policy: bool = False) -> Iterator[ChunkKey]:
+    def victims(
+        self, can_evict: Callable[[ChunkKey], bool] = lambda k: True, *, by_policy: bool = False
+    ) -> Iterator[ChunkKey]:
         """Keys to evict, in the policy's order; with a ``watch``, those it puts first
         before the others (``by_policy``: the policy's order alone)."""
         if not by_policy and self.watch is not None and self.watch.any_first():

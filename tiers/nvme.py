@@ -37,7 +37,7 @@ Invariants:
 * A write that fails (full disk, failing media, an index that cannot grow) raises
   ``CapacityExceeded`` or ``OSError``, never an lmdb error, and leaves nothing indexed:
   its space is freed and queued deletes stay queued.  The steps of a write are named
-  failure points (``kvstore/failpoints.py``: ``nvme.preallocate``, ``nvme.write``,
+  failure points (``kvstore/node/failpoints.py``: ``nvme.preallocate``, ``nvme.write``,
   ``nvme.sync``, ``nvme.index.commit``).
 """
 
@@ -57,17 +57,30 @@ from pathlib import Path
 
 import lmdb
 
-from kvstore import failpoints
 from kvstore.block import HEADER_SIZE, BlockMeta, checksum, decode_header, encode_header, verify_payload
 from kvstore.errors import BlockFormatError, CapacityExceeded, CorruptBlock, DataDirLocked, InvalidArgument, Unavailable
 from kvstore.keys import ChunkKey
-from kvstore.policy import DEFAULT_POLICY, EvictionPolicy, make_policy
+from kvstore.node import failpoints
 from tiers.allocator import Extent, ExtentAllocator
 from tiers.base import MissReason, ReadResult, TierKind
-from tiers.nvme_format import (INDEX_VALUE, INDEX_VALUE_V1, INDEX_VALUE_VERSION, PAGE, addr, close_stage, index_meta,
-                               index_parent, index_payload_len, index_value, io_all, probe_direct_io, record_bytes,
-                               segment_name)
+from tiers.nvme_format import (
+    INDEX_VALUE,
+    INDEX_VALUE_V1,
+    INDEX_VALUE_VERSION,
+    PAGE,
+    addr,
+    close_stage,
+    index_meta,
+    index_parent,
+    index_payload_len,
+    index_value,
+    io_all,
+    probe_direct_io,
+    record_bytes,
+    segment_name,
+)
 from tiers.nvme_recovery import Rebuild, finish, index_damage, move_aside, scan_segments, segment_bytes_on_disk
+from tiers.policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +100,17 @@ class _Entry:
 
     __slots__ = ("key", "_meta", "raw", "seg", "off", "length", "vaddr", "seq", "readers", "dead")
 
-    def __init__(self, key: ChunkKey, meta: BlockMeta | None, seg: int, off: int, length: int, vaddr: int, seq: int,
-                 raw: bytes = b"") -> None:
+    def __init__(
+        self,
+        key: ChunkKey,
+        meta: BlockMeta | None,
+        seg: int,
+        off: int,
+        length: int,
+        vaddr: int,
+        seq: int,
+        raw: bytes = b"",
+    ) -> None:
         self.key, self._meta, self.raw = key, meta, raw
         self.seg, self.off, self.length, self.vaddr, self.seq = seg, off, length, vaddr, seq
         self.readers = 0
@@ -201,8 +223,11 @@ class NVMeTier:
     def _open(self, cap: int, segment_bytes: int, direct_io: bool | None) -> None:
         probe = probe_direct_io(self.directory) if direct_io is not False else False
         if probe is None:  # a full disk fails open: the node starts and serves what it holds
-            log.warning("cannot probe O_DIRECT on %s: the filesystem is full; using %s I/O", self.directory,
-                        "direct" if direct_io else "buffered")
+            log.warning(
+                "cannot probe O_DIRECT on %s: the filesystem is full; using %s I/O",
+                self.directory,
+                "direct" if direct_io else "buffered",
+            )
         can_direct = bool(probe)
         if direct_io and probe is False:
             raise InvalidArgument(
@@ -265,8 +290,13 @@ class NVMeTier:
         if any(p.stat().st_size for p in self.directory.glob("seg-*.dat")):
             self.rebuild = Rebuild(reason=damage)
         if moved is not None:
-            log.error("the NVMe index %s cannot be used (%s): moved it to %s%s", index_dir, damage, moved,
-                      "; rebuilding it from the segment files" if self.rebuild else "")
+            log.error(
+                "the NVMe index %s cannot be used (%s): moved it to %s%s",
+                index_dir,
+                damage,
+                moved,
+                "; rebuilding it from the segment files" if self.rebuild else "",
+            )
 
     def _open_env(self, index_dir: Path, cap: int, seg_hint: int, asked: int) -> int:
         """Open (or create) the lmdb index; its stored segment size, else ``seg_hint`` (stored)."""
@@ -275,8 +305,13 @@ class NVMeTier:
         # by a non-root owner), so the directory is made here first
         index_dir.mkdir(mode=0o700, exist_ok=True)
         self._env = lmdb.open(
-            str(index_dir), map_size=min(max(32 << 20, cap // (2 * PAGE) * 512), 1 << 40),
-            max_dbs=2, sync=self.sync, metasync=self.sync, readahead=False, mode=0o600,
+            str(index_dir),
+            map_size=min(max(32 << 20, cap // (2 * PAGE) * 512), 1 << 40),
+            max_dbs=2,
+            sync=self.sync,
+            metasync=self.sync,
+            readahead=False,
+            mode=0o600,
         )
         self._db = self._env.open_db(b"blocks")
         config = self._env.open_db(b"config")
@@ -285,7 +320,9 @@ class NVMeTier:
             if stored is None:
                 txn.put(b"segment_bytes", struct.pack("<Q", seg_hint), db=config)
                 return seg_hint
-        seg = int(struct.unpack("<Q", stored)[0])  # locations are (segment, offset): the layout of an existing directory wins
+        seg = int(
+            struct.unpack("<Q", stored)[0]
+        )  # locations are (segment, offset): the layout of an existing directory wins
         if seg != asked:
             log.info("%s keeps its segment_bytes=%d (asked for %d)", self.directory, seg, asked)
         return seg
@@ -299,8 +336,10 @@ class NVMeTier:
             found = scan_segments(used, memoryview(stage), report)
         finally:
             self._release_stage(stage)
-        raw = [(bytes(r.meta.key), _Entry(r.meta.key, r.meta, seg, r.offset, r.length, 0, seq).value())
-               for seq, (seg, r) in enumerate(found, start=1)]
+        raw = [
+            (bytes(r.meta.key), _Entry(r.meta.key, r.meta, seg, r.offset, r.length, 0, seq).value())
+            for seq, (seg, r) in enumerate(found, start=1)
+        ]
         with self._env.begin(write=True) as txn:
             for k, v in raw:
                 txn.put(k, v, db=self._db)
@@ -375,8 +414,11 @@ class NVMeTier:
             if fields is not None and fields[4] > top:
                 top = fields[4]
             if fields is None or not (
-                (fields[0] == INDEX_VALUE_VERSION and (plen := index_payload_len(value)) is not None
-                 and record_bytes(plen) == fields[3])
+                (
+                    fields[0] == INDEX_VALUE_VERSION
+                    and (plen := index_payload_len(value)) is not None
+                    and record_bytes(plen) == fields[3]
+                )
                 or (fields[0] == INDEX_VALUE_V1 and len(value) == fixed)
             ):
                 self.corrupt_blocks += 1
@@ -419,12 +461,14 @@ class NVMeTier:
                 if attempt == 1 and isinstance(e, lmdb.MapFullError):  # version 2 entries are longer
                     self._env.set_mapsize(self._env.info()["map_size"] * 2)
                     continue
-                log.warning("could not update %d entries of the NVMe index of %s: %r", len(drop) + len(metas),
-                            self.directory, e)
+                log.warning(
+                    "could not update %d entries of the NVMe index of %s: %r", len(drop) + len(metas), self.directory, e
+                )
         self._seq = top
 
-    def _reserve_extents(self, kept: list[tuple[int, int, int, bytes, bytes]],
-                         drop: list[bytes]) -> list[tuple[int, int, int, bytes, bytes]]:
+    def _reserve_extents(
+        self, kept: list[tuple[int, int, int, bytes, bytes]], drop: list[bytes]
+    ) -> list[tuple[int, int, int, bytes, bytes]]:
         """Reserve the entries' extents in the allocator; of overlapping ones the newest wins."""
         kept.sort()
         try:
@@ -443,7 +487,9 @@ class NVMeTier:
             out.append(k)
         return out
 
-    def _read_headers(self, todo: list[tuple[int, int, int, bytes, bytes]], drop: list[bytes]) -> dict[bytes, BlockMeta]:
+    def _read_headers(
+        self, todo: list[tuple[int, int, int, bytes, bytes]], drop: list[bytes]
+    ) -> dict[bytes, BlockMeta]:
         """The metas of version-1 entries, from their records' headers (checked against the entry)."""
         metas: dict[bytes, BlockMeta] = {}
         hdr = self._acquire_stage()
@@ -453,7 +499,10 @@ class NVMeTier:
                 try:
                     io_all(os.preadv, self._fds[seg], [memoryview(hdr)[:PAGE]], off)
                     meta = decode_header(memoryview(hdr)[:HEADER_SIZE], expect_key=key)
-                    if meta.payload_checksum != INDEX_VALUE.unpack(value)[5] or record_bytes(meta.payload_len) != length:
+                    if (
+                        meta.payload_checksum != INDEX_VALUE.unpack(value)[5]
+                        or record_bytes(meta.payload_len) != length
+                    ):
                         raise CorruptBlock("header disagrees with the index")
                 except (BlockFormatError, OSError) as e:
                     if isinstance(e, OSError) and e.errno not in _MEDIA_ERRORS:
@@ -855,8 +904,12 @@ class NVMeTier:
                 if self.sync:
                     self._env.sync(True)
         except (CapacityExceeded, OSError, lmdb.Error) as e:  # a full or failing disk must not stop a shutdown
-            log.error("closing %s: could not commit %d index deletes (%r); those blocks may be back after a restart",
-                      self.directory, len(self._pending), e)
+            log.error(
+                "closing %s: could not commit %d index deletes (%r); those blocks may be back after a restart",
+                self.directory,
+                len(self._pending),
+                e,
+            )
         finally:
             self._release()
 
@@ -875,7 +928,7 @@ class NVMeTier:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = -1
 
-    def __enter__(self) -> "NVMeTier":
+    def __enter__(self) -> NVMeTier:
         return self
 
     def __exit__(self, *exc: object) -> None:

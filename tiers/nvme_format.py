@@ -53,9 +53,11 @@ def record_bytes(payload_len: int) -> int:
 def index_value(seg: int, off: int, length: int, seq: int, meta: BlockMeta) -> bytes:
     """The version-2 index entry of ``meta``'s record at ``(seg, off)``."""
     code = DTYPES[meta.dtype][0]
-    return (INDEX_VALUE.pack(INDEX_VALUE_VERSION, seg, off, length, seq, meta.payload_checksum)
-            + INDEX_META.pack(meta.namespace, meta.parent, meta.token_count, code, len(meta.shape), meta.payload_len)
-            + _DIMS[len(meta.shape)].pack(*meta.shape))
+    return (
+        INDEX_VALUE.pack(INDEX_VALUE_VERSION, seg, off, length, seq, meta.payload_checksum)
+        + INDEX_META.pack(meta.namespace, meta.parent, meta.token_count, code, len(meta.shape), meta.payload_len)
+        + _DIMS[len(meta.shape)].pack(*meta.shape)
+    )
 
 
 def index_payload_len(value: bytes) -> int | None:

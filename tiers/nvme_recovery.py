@@ -92,8 +92,9 @@ def index_damage(index_dir: Path) -> str | None:
     if reason is not None:
         return reason
     try:
-        r = subprocess.run([sys.executable, "-c", _PROBE, str(index_dir)], capture_output=True, text=True,
-                           timeout=PROBE_TIMEOUT_S)
+        r = subprocess.run(
+            [sys.executable, "-c", _PROBE, str(index_dir)], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S
+        )
     except subprocess.TimeoutExpired:
         return f"reading {index_dir} did not finish within {PROBE_TIMEOUT_S:.0f} s"
     except OSError as e:  # no child process to be had: trust the meta pages alone
@@ -144,10 +145,13 @@ class Rebuild:
     started: float = dataclasses.field(default_factory=time.monotonic)
 
     @staticmethod
-    def counts(r: "Rebuild | None") -> dict[str, int]:
+    def counts(r: Rebuild | None) -> dict[str, int]:
         """``index_rebuilds`` (0 or 1), ``recovered_blocks``, ``dropped_records`` of ``r`` (None: no rebuild)."""
-        return {"index_rebuilds": int(r is not None), "recovered_blocks": r.recovered if r else 0,
-                "dropped_records": r.dropped if r else 0}
+        return {
+            "index_rebuilds": int(r is not None),
+            "recovered_blocks": r.recovered if r else 0,
+            "dropped_records": r.dropped if r else 0,
+        }
 
 
 Reader = Callable[[int, memoryview], None]
@@ -193,7 +197,9 @@ def scan_segment(read: Reader, size: int, stage: memoryview, report: Rebuild) ->
         pos += length
 
 
-def scan_segments(segments: Sequence[tuple[int, int, int]], stage: memoryview, report: Rebuild) -> list[tuple[int, Found]]:
+def scan_segments(
+    segments: Sequence[tuple[int, int, int]], stage: memoryview, report: Rebuild
+) -> list[tuple[int, Found]]:
     """Every verified record of ``segments`` (``(number, fd, size)``), one per key: a second
     whole copy of a key (rewritten after a delete) is counted in ``report.duplicates``."""
     found: dict[bytes, tuple[int, Found]] = {}
@@ -230,11 +236,25 @@ def finish(report: Rebuild, directory: Path) -> Rebuild:
     log.warning(
         "rebuilt the NVMe index of %s from its segments (%s): %d blocks recovered, %d damaged records dropped, "
         "%d duplicate copies ignored, %.1f MiB scanned in %.2f s",
-        directory, report.reason, report.recovered, report.dropped, report.duplicates,
-        report.scanned_bytes / (1 << 20), report.seconds,
+        directory,
+        report.reason,
+        report.recovered,
+        report.dropped,
+        report.duplicates,
+        report.scanned_bytes / (1 << 20),
+        report.seconds,
     )
     return report
 
 
-__all__ = ["DAMAGED_SUFFIX", "Found", "Rebuild", "finish", "index_damage", "move_aside", "scan_segment", "scan_segments",
-           "segment_bytes_on_disk"]
+__all__ = [
+    "DAMAGED_SUFFIX",
+    "Found",
+    "Rebuild",
+    "finish",
+    "index_damage",
+    "move_aside",
+    "scan_segment",
+    "scan_segments",
+    "segment_bytes_on_disk",
+]

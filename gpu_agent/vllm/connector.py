@@ -35,7 +35,15 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents, KVEventAggregator
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVConnectorKVEvents,
+    KVEventAggregator,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -100,7 +108,7 @@ class KVStoreEvents(KVConnectorKVEvents):
     def add_events(self, events: list[KVCacheEvent]) -> None:
         self._agg.add_events(events)
 
-    def aggregate(self) -> "KVStoreEvents":
+    def aggregate(self) -> KVStoreEvents:
         common = self._agg.get_common_events()
         self._agg.clear_events()
         self._agg.add_events(common)
@@ -137,7 +145,7 @@ class KVStoreStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {k: 0 for k in STAT_KEYS}
 
-    def aggregate(self, other: KVConnectorStats) -> "KVStoreStats":
+    def aggregate(self, other: KVConnectorStats) -> KVStoreStats:
         for k in STAT_KEYS:
             self.data[k] = self.data.get(k, 0) + int(other.data.get(k, 0))
         return self
@@ -145,8 +153,11 @@ class KVStoreStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         d = self.data
         return {
-            "loads": d["loads"], "tokens loaded": d["load_tokens"], "blocks failed to load": d["load_errors"],
-            "saves": d["saves"], "blocks fetched from other nodes": d["pulled_blocks"],
+            "loads": d["loads"],
+            "tokens loaded": d["load_tokens"],
+            "blocks failed to load": d["load_errors"],
+            "saves": d["saves"],
+            "blocks fetched from other nodes": d["pulled_blocks"],
             "avg load ms": round(d["load_us"] / d["loads"] / 1e3, 3) if d["loads"] else 0.0,
             "avg save ms": round(d["save_us"] / d["saves"] / 1e3, 3) if d["saves"] else 0.0,
         }
@@ -156,17 +167,28 @@ class KVStoreStats(KVConnectorStats):
 
 
 # -- the engine's spec --------------------------------------------------------------------
-def engine_spec(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None", *, worker: bool, model_id: str = "") -> EngineSpec:
+def engine_spec(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, *, worker: bool, model_id: str = ""
+) -> EngineSpec:
     """The KV facts both halves key by; an engine kvstore cannot serve fails here, naming the setting."""
     if kv_cache_config is None:
         raise Incompatible("KVStoreConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
-        raise Incompatible(f"the model has {len(groups)} KV cache groups (hybrid attention); KVStoreConnector serves one full-attention group")
+        raise Incompatible(
+            f"the model has {len(groups)} KV cache groups (hybrid attention); KVStoreConnector serves one full-attention group"
+        )
     spec = groups[0].kv_cache_spec
     heads, head = getattr(spec, "num_kv_heads", None), getattr(spec, "head_size", None)
-    if heads is None or head is None or getattr(spec, "sliding_window", None) or getattr(spec, "head_size_v", head) != head:
-        raise Incompatible(f"KV cache spec {type(spec).__name__} (MLA, sliding window or unequal K/V heads) is not one kvstore can describe")
+    if (
+        heads is None
+        or head is None
+        or getattr(spec, "sliding_window", None)
+        or getattr(spec, "head_size_v", head) != head
+    ):
+        raise Incompatible(
+            f"KV cache spec {type(spec).__name__} (MLA, sliding window or unequal K/V heads) is not one kvstore can describe"
+        )
     from vllm.platforms import current_platform
 
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
@@ -177,10 +199,18 @@ def engine_spec(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | Non
 
         tp_rank, pp_rank = get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
     return EngineSpec(
-        model_id=model_id or str(mc.model), revision=str(mc.revision or "main"),
-        kv_dtype=str(spec.dtype).removeprefix("torch."), num_layers=len(groups[0].layer_names), num_kv_heads=int(heads),
-        head_dim=int(head), block_size=int(spec.block_size), page_layout=f"vllm:{current_platform.device_type}:{layout}",
-        tp_rank=tp_rank, tp_size=int(pc.tensor_parallel_size), pp_rank=pp_rank, pp_size=int(pc.pipeline_parallel_size),
+        model_id=model_id or str(mc.model),
+        revision=str(mc.revision or "main"),
+        kv_dtype=str(spec.dtype).removeprefix("torch."),
+        num_layers=len(groups[0].layer_names),
+        num_kv_heads=int(heads),
+        head_dim=int(head),
+        block_size=int(spec.block_size),
+        page_layout=f"vllm:{current_platform.device_type}:{layout}",
+        tp_rank=tp_rank,
+        tp_size=int(pc.tensor_parallel_size),
+        pp_rank=pp_rank,
+        pp_size=int(pc.pipeline_parallel_size),
     )
 
 
@@ -194,7 +224,12 @@ def request_session(request: Any) -> str | None:
 
 def request_namespace(spec: EngineSpec, settings: ConnectorSettings, chunk: int, request: Any) -> Namespace:
     lora = getattr(request, "lora_request", None)
-    return spec.namespace(chunk, lora=lora.lora_name if lora is not None else "", cache_salt=getattr(request, "cache_salt", None) or "", salt=settings.salt)
+    return spec.namespace(
+        chunk,
+        lora=lora.lora_name if lora is not None else "",
+        cache_salt=getattr(request, "cache_salt", None) or "",
+        salt=settings.salt,
+    )
 
 
 # -- scheduler side -----------------------------------------------------------------------
@@ -211,7 +246,9 @@ class _Tracked:
 class _SchedulerSide:
     """Lookups and per-request bookkeeping (scheduler process only)."""
 
-    def __init__(self, spec: EngineSpec, settings: ConnectorSettings, chunk: int, *, produce: bool, consume: bool) -> None:
+    def __init__(
+        self, spec: EngineSpec, settings: ConnectorSettings, chunk: int, *, produce: bool, consume: bool
+    ) -> None:
         self.spec, self.settings, self.chunk = spec, settings, chunk
         self.produce, self.consume = produce, consume
         self._client: Any = None
@@ -237,7 +274,7 @@ class _SchedulerSide:
             except Exception:  # closing a broken client is best effort
                 pass
 
-    def matched(self, request: "Request", num_computed: int) -> tuple[int, bool]:
+    def matched(self, request: Request, num_computed: int) -> tuple[int, bool]:
         if not self.consume:
             return 0, False
         tokens = list(request.prompt_token_ids or [])
@@ -257,7 +294,9 @@ class _SchedulerSide:
             n, tiers = self.client().match_prefix_tiers(keys, session_id=sid)
         except KVStoreError as e:
             self.counters["lookup_errors"] += 1
-            log.warning("kvstore lookup failed (%s): request %s recomputes; next try in %.0f s", e, request.request_id, RETRY_S)
+            log.warning(
+                "kvstore lookup failed (%s): request %s recomputes; next try in %.0f s", e, request.request_id, RETRY_S
+            )
             self._down_until = time.monotonic() + RETRY_S
             self._drop_client()  # a fresh channel then, not one parked in reconnect back-off
             return 0, False
@@ -267,7 +306,7 @@ class _SchedulerSide:
         self._hits[request.request_id] = (hit, list(tiers[:n]))
         return hit, False
 
-    def hit_sources(self, request: "Request", num_external: int) -> dict[CacheHitSource, int]:
+    def hit_sources(self, request: Request, num_external: int) -> dict[CacheHitSource, int]:
         if num_external <= 0:
             return {}
         _, tiers = self._hits.get(request.request_id, (0, []))
@@ -284,19 +323,28 @@ class _SchedulerSide:
             out[CacheHitSource.EXTERNAL_UNSPECIFIED] = out.get(CacheHitSource.EXTERNAL_UNSPECIFIED, 0) + left
         return out
 
-    def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external: int) -> None:
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         rid = request.request_id
         ns = request_namespace(self.spec, self.settings, self.chunk, request)
         if rid not in self._tracked:
-            self._tracked[rid] = _Tracked(list(request.prompt_token_ids or []), ns, [], session_id=request_session(request))
+            self._tracked[rid] = _Tracked(
+                list(request.prompt_token_ids or []), ns, [], session_id=request_session(request)
+            )
         if num_external <= 0:
             return
         computed = request.num_computed_tokens
         end = computed + num_external
         self._tracked[rid].hit_chunks = end // self.chunk
         block_ids = list(blocks.get_block_ids()[0])
-        self._loads[rid] = LoadSpec(rid, self._tracked[rid].tokens[:end], block_ids, computed // self.spec.block_size, end, ns,
-                                    self._tracked[rid].session_id)
+        self._loads[rid] = LoadSpec(
+            rid,
+            self._tracked[rid].tokens[:end],
+            block_ids,
+            computed // self.spec.block_size,
+            end,
+            ns,
+            self._tracked[rid].session_id,
+        )
         self._report_local_hits(ns, computed)
 
     def _report_local_hits(self, ns: Namespace, tokens: int) -> None:
@@ -308,7 +356,7 @@ class _SchedulerSide:
         except KVStoreError:
             pass  # metrics only
 
-    def build_meta(self, out: "SchedulerOutput") -> KVStoreMeta:
+    def build_meta(self, out: SchedulerOutput) -> KVStoreMeta:
         meta = KVStoreMeta()
         for req in out.scheduled_new_reqs:
             t = self._tracked.get(req.req_id)
@@ -344,10 +392,14 @@ class _SchedulerSide:
         full = len(t.tokens) // self.chunk
         pages = full * self.chunk // self.spec.block_size
         if full > t.hit_chunks and len(t.block_ids) >= pages:
-            meta.saves.append(SaveSpec(rid, t.tokens[: full * self.chunk], t.block_ids[:pages], t.hit_chunks, t.namespace, t.session_id))
+            meta.saves.append(
+                SaveSpec(
+                    rid, t.tokens[: full * self.chunk], t.block_ids[:pages], t.hit_chunks, t.namespace, t.session_id
+                )
+            )
             self._deferred.add(rid)
 
-    def finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+    def finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Hold the blocks of a request whose save runs; tell the caller where its KV went
         (``kv_transfer_params["kvstore"]``: the namespace and chunk size, for a router or a
         decode instance to key the same prefix)."""
@@ -359,11 +411,17 @@ class _SchedulerSide:
         self._deferred.discard(rid)
         params = None
         if t is not None:
-            params = {"kvstore": {"namespace": t.namespace.to_dict(), "chunk_tokens": self.chunk,
-                                  "saved": t.saved, "hit_chunks": t.hit_chunks}}
+            params = {
+                "kvstore": {
+                    "namespace": t.namespace.to_dict(),
+                    "chunk_tokens": self.chunk,
+                    "saved": t.saved,
+                    "hit_chunks": t.hit_chunks,
+                }
+            }
         return hold, params
 
-    def worker_output(self, out: "KVConnectorOutput") -> None:
+    def worker_output(self, out: KVConnectorOutput) -> None:
         ev = out.kv_cache_events
         if not isinstance(ev, KVStoreEvents):
             return
@@ -386,7 +444,9 @@ class _SchedulerSide:
 class _WorkerSide:
     """Loads and saves through one GPU agent (worker process only)."""
 
-    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", settings: ConnectorSettings, chunk: int) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: ConnectorSettings, chunk: int
+    ) -> None:
         self.vllm_config, self.kv_cache_config = vllm_config, kv_cache_config
         self.settings, self.chunk = settings, chunk
         self.spec: EngineSpec | None = None
@@ -399,8 +459,16 @@ class _WorkerSide:
         self._saved: set[str] = set()  # saves done, the request not yet reported finished by vLLM
         self._told: set[str] = set()  # requests vLLM finished that have (or had) a save here
         self._events: list[KVCacheEvent] = []
-        self.counters: dict[str, int] = {"loads": 0, "load_tokens": 0, "load_errors": 0, "saves": 0, "load_us": 0, "save_us": 0,
-                                         "pulled_blocks": 0, "pull_us": 0}
+        self.counters: dict[str, int] = {
+            "loads": 0,
+            "load_tokens": 0,
+            "load_errors": 0,
+            "saves": 0,
+            "load_us": 0,
+            "save_us": 0,
+            "pulled_blocks": 0,
+            "pull_us": 0,
+        }
         self._remote: Any = None  # a client of lookup_target, for chunks only other nodes hold
         self._make_agent: Any = None
         self._next_try = 0.0
@@ -425,8 +493,13 @@ class _WorkerSide:
         cfg = AgentConfig(hbm_bytes=self.settings.hbm_bytes, verify_loads=self.settings.verify_loads)
         self._make_agent = lambda client: GPUAgent(client, layout, ns, device=tensors[0].device, config=cfg)
         self._connect()
-        log.info("KVStoreConnector: %d layers, page geometry %s, chunks of %d tokens, namespace %s",
-                 len(names), self.buffers.geometry, self.chunk, ns.fingerprint.hex())
+        log.info(
+            "KVStoreConnector: %d layers, page geometry %s, chunks of %d tokens, namespace %s",
+            len(names),
+            self.buffers.geometry,
+            self.chunk,
+            ns.fingerprint.hex(),
+        )
 
     def _connect(self) -> bool:
         """Attach to the node; a node that is not up (yet) is not an engine failure: the
@@ -452,8 +525,12 @@ class _WorkerSide:
         except (KVStoreError, OSError) as e:
             if client is not None:
                 client.close()
-            log.warning("KVStoreConnector: kvstore node at %s unreachable (%s); serving without the cache, retrying every %.0f s",
-                        self.settings.target, e, RETRY_S)
+            log.warning(
+                "KVStoreConnector: kvstore node at %s unreachable (%s); serving without the cache, retrying every %.0f s",
+                self.settings.target,
+                e,
+                RETRY_S,
+            )
             return False
 
     def _pull_remote(self, spec: LoadSpec) -> None:
@@ -479,12 +556,21 @@ class _WorkerSide:
             parents = parent_keys(chain)[first:]
             have = [(keys[i], parents[i], d) for i, d in zip(missing, got) if d is not None]
             if have:
-                ok = self.agent.client.put_many([k for k, _, _ in have], [d for _, _, d in have], namespace=spec.namespace,
-                                                parents=[p for _, p, _ in have], token_counts=[self.chunk] * len(have))
+                ok = self.agent.client.put_many(
+                    [k for k, _, _ in have],
+                    [d for _, _, d in have],
+                    namespace=spec.namespace,
+                    parents=[p for _, p, _ in have],
+                    token_counts=[self.chunk] * len(have),
+                )
                 self.counters["pulled_blocks"] += sum(ok)
         except KVStoreError as e:
-            log.warning("kvstore: fetching %s's chunks from %s failed (%s); loading what this node has",
-                        spec.req_id, self.settings.lookup_target, e)
+            log.warning(
+                "kvstore: fetching %s's chunks from %s failed (%s); loading what this node has",
+                spec.req_id,
+                self.settings.lookup_target,
+                e,
+            )
         finally:
             self.counters["pull_us"] += int((time.perf_counter() - t0) * 1e6)
 
@@ -500,7 +586,9 @@ class _WorkerSide:
             ids = [-1 if j < spec.first_page else b for j, b in enumerate(spec.block_ids[: -(-spec.num_tokens // bs)])]
             t0 = time.perf_counter()
             try:
-                h = self.agent.load(spec.tokens, self.buffers, ids, namespace=spec.namespace, session_id=spec.session_id)
+                h = self.agent.load(
+                    spec.tokens, self.buffers, ids, namespace=spec.namespace, session_id=spec.session_id
+                )
             except Exception as e:  # never a failed step: the engine recomputes what did not load
                 log.warning("kvstore load for %s failed (%s); recomputing", spec.req_id, e)
                 h = None
@@ -520,7 +608,9 @@ class _WorkerSide:
             return
         errors = int(self.agent.stats()["counters"].get("store_errors", 0))
         if errors > self._store_errors:
-            log.warning("KVStoreConnector: the node at %s failed; re-attaching in %.0f s", self.settings.target, RETRY_S)
+            log.warning(
+                "KVStoreConnector: the node at %s failed; re-attaching in %.0f s", self.settings.target, RETRY_S
+            )
             self._retire_agent()
             self._next_try = time.monotonic() + RETRY_S
         self._store_errors = errors if self.agent is not None else 0
@@ -580,8 +670,14 @@ class _WorkerSide:
         for s in meta.saves:
             t0 = time.perf_counter()
             try:
-                handle = self.agent.save(s.tokens, self.buffers, s.block_ids, namespace=s.namespace, skip_chunks=s.skip_chunks,
-                                         session_id=s.session_id)
+                handle = self.agent.save(
+                    s.tokens,
+                    self.buffers,
+                    s.block_ids,
+                    namespace=s.namespace,
+                    skip_chunks=s.skip_chunks,
+                    session_id=s.session_id,
+                )
             except Exception as e:  # a save that cannot run is a future miss, never a failed step
                 log.warning("kvstore save for %s failed (%s)", s.req_id, e)
                 handle = None
@@ -609,10 +705,17 @@ class _WorkerSide:
                 continue
             if res.stored:
                 keys = chunk_keys(s.tokens, s.namespace)[s.skip_chunks :]
-                self._events.append(BlockStored(
-                    block_hashes=list(keys), parent_block_hash=None, token_ids=list(s.tokens[s.skip_chunks * self.chunk :]),
-                    block_size=self.chunk, lora_id=None, medium=MEDIUM_CPU, lora_name=s.namespace.lora_id or None,
-                ))
+                self._events.append(
+                    BlockStored(
+                        block_hashes=list(keys),
+                        parent_block_hash=None,
+                        token_ids=list(s.tokens[s.skip_chunks * self.chunk :]),
+                        block_size=self.chunk,
+                        lora_id=None,
+                        medium=MEDIUM_CPU,
+                        lora_name=s.namespace.lora_id or None,
+                    )
+                )
         out = self._saved & self._told
         self._saved -= out
         self._told -= out
@@ -657,7 +760,9 @@ class _WorkerSide:
 class KVStoreConnector(KVConnectorBase_V1):
     """kvstore for vLLM: see the module docstring."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
         tc = self._kv_transfer_config
         self.settings = ConnectorSettings.from_extra(tc.kv_connector_extra_config)
@@ -666,13 +771,20 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if getattr(tc, "kv_load_failure_policy", "recompute") != "recompute" and role == KVConnectorRole.SCHEDULER:
-            log.warning("kv_load_failure_policy=%r: a block kvstore cannot load (gone, corrupt, node down) fails the request; "
-                        "set kv_load_failure_policy='recompute' to recompute it instead", tc.kv_load_failure_policy)
+            log.warning(
+                "kv_load_failure_policy=%r: a block kvstore cannot load (gone, corrupt, node down) fails the request; "
+                "set kv_load_failure_policy='recompute' to recompute it instead",
+                tc.kv_load_failure_policy,
+            )
         if role == KVConnectorRole.SCHEDULER:
             spec = engine_spec(vllm_config, kv_cache_config, worker=False, model_id=self.settings.model_id)
-            self._scheduler = _SchedulerSide(spec, self.settings, self.chunk, produce=bool(tc.is_kv_producer), consume=bool(tc.is_kv_consumer))
+            self._scheduler = _SchedulerSide(
+                spec, self.settings, self.chunk, produce=bool(tc.is_kv_producer), consume=bool(tc.is_kv_consumer)
+            )
         else:
-            engine_spec(vllm_config, kv_cache_config, worker=False, model_id=self.settings.model_id)  # fail at start, not at register
+            engine_spec(
+                vllm_config, kv_cache_config, worker=False, model_id=self.settings.model_id
+            )  # fail at start, not at register
             self._worker = _WorkerSide(vllm_config, kv_cache_config, self.settings, self.chunk)  # type: ignore[arg-type]
 
     @property
@@ -684,7 +796,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.register(kv_caches)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if self._worker is not None and isinstance(meta, KVStoreMeta) and meta.loads:
             self._worker.start_load(meta)
@@ -724,27 +836,27 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._worker.close()
 
     # -- scheduler -------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.matched(request, num_computed_tokens)
 
-    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         assert self._scheduler is not None
         return self._scheduler.hit_sources(request, num_external_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None
         self._scheduler.after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return self._scheduler.build_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None:
             self._scheduler.worker_output(connector_output)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.finished(request)
 

@@ -72,12 +72,29 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         engines = {
             "plain": EngineProcess(model, max_tokens=max_tokens, kv_bytes=kv_bytes, log_path=d / "plain.log"),
-            "prefill": EngineProcess(model, max_tokens=max_tokens, kv_bytes=kv_bytes, connector={"role": "kv_producer", "extra": extra}, log_path=d / "prefill.log"),
-            "decode": EngineProcess(model, max_tokens=max_tokens, kv_bytes=kv_bytes, connector={"role": "kv_consumer", "extra": extra}, log_path=d / "decode.log"),
+            "prefill": EngineProcess(
+                model,
+                max_tokens=max_tokens,
+                kv_bytes=kv_bytes,
+                connector={"role": "kv_producer", "extra": extra},
+                log_path=d / "prefill.log",
+            ),
+            "decode": EngineProcess(
+                model,
+                max_tokens=max_tokens,
+                kv_bytes=kv_bytes,
+                connector={"role": "kv_consumer", "extra": extra},
+                log_path=d / "decode.log",
+            ),
         }
         if remote_extra is not None:
-            engines["remote"] = EngineProcess(model, max_tokens=max_tokens, kv_bytes=kv_bytes,
-                                              connector={"role": "kv_consumer", "extra": remote_extra}, log_path=d / "remote.log")
+            engines["remote"] = EngineProcess(
+                model,
+                max_tokens=max_tokens,
+                kv_bytes=kv_bytes,
+                connector={"role": "kv_consumer", "extra": remote_extra},
+                log_path=d / "remote.log",
+            )
         for e in engines.values():
             stack.callback(e.close)
         for e in engines.values():
@@ -99,8 +116,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
         def record(name: str, r: dict[str, Any], ref: dict[str, Any]) -> None:
             info = (r.get("kv_transfer_params") or {}).get("kvstore", {})
-            row = {"ttft_ms": r["ttft_ms"], "hit_tokens": int(info.get("hit_chunks", 0)) * int(info.get("chunk_tokens", 0)),
-                   "tokens_equal": r["tokens"] == ref["tokens"]}
+            row = {
+                "ttft_ms": r["ttft_ms"],
+                "hit_tokens": int(info.get("hit_chunks", 0)) * int(info.get("chunk_tokens", 0)),
+                "tokens_equal": r["tokens"] == ref["tokens"],
+            }
             best = out.get(name)
             if best is None or row["ttft_ms"] < best["ttft_ms"] or not row["tokens_equal"]:
                 out[name] = row if best is None or row["tokens_equal"] or not best["tokens_equal"] else best
@@ -124,8 +144,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         for row in out.values():
             row["ttft_ratio"] = row["ttft_ms"] / rec if rec else None
         return {
-            "scenarios": out, "prompt_tokens": n, "new_tokens": a.new_tokens, "model": {"layers": layers, "hidden": hidden},
-            "kv_bytes_per_token": kv_per_token, "engine_start_s": start_s, "target": a.target or "private node",
+            "scenarios": out,
+            "prompt_tokens": n,
+            "new_tokens": a.new_tokens,
+            "model": {"layers": layers, "hidden": hidden},
+            "kv_bytes_per_token": kv_per_token,
+            "engine_start_s": start_s,
+            "target": a.target or "private node",
             "connector": overhead,
             "ok": all(r["tokens_equal"] for r in out.values()),
         }
@@ -218,7 +243,9 @@ def format_table(r: dict[str, Any]) -> str:
         f"{'scenario':<14}{'TTFT ms':>10}{'x recompute':>13}{'hit tokens':>12}  tokens equal",
     ]
     for name, row in r["scenarios"].items():
-        lines.append(f"{name:<14}{row['ttft_ms']:>10.1f}{row['ttft_ratio']:>13.2f}{row['hit_tokens']:>12}  {'yes' if row['tokens_equal'] else 'NO'}")
+        lines.append(
+            f"{name:<14}{row['ttft_ms']:>10.1f}{row['ttft_ratio']:>13.2f}{row['hit_tokens']:>12}  {'yes' if row['tokens_equal'] else 'NO'}"
+        )
     c = r["connector"]
     lines.append(
         f"connector data path for one prompt ({c['bytes'] / (1 << 20):.1f} MiB): lookup {c['lookup_ms']:.2f} ms, "

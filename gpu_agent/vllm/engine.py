@@ -33,9 +33,15 @@ def make_model(path: Path, *, layers: int, hidden: int, max_tokens: int, vocab: 
 
     heads = max(2, hidden // HEAD_DIM)
     cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=heads * HEAD_DIM, intermediate_size=2 * heads * HEAD_DIM, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=HEAD_DIM,
-        max_position_embeddings=max_tokens, torch_dtype="float32",
+        vocab_size=vocab,
+        hidden_size=heads * HEAD_DIM,
+        intermediate_size=2 * heads * HEAD_DIM,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=HEAD_DIM,
+        max_position_embeddings=max_tokens,
+        torch_dtype="float32",
     )
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -60,19 +66,37 @@ def make_lora(path: Path, model: Path, *, rank: int = 8, seed: int = 1) -> Path:
             tensors[f"{pre}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.5
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj", "v_proj"],
-        "lora_dropout": 0.0, "bias": "none", "base_model_name_or_path": str(model), "task_type": "CAUSAL_LM",
-    }))
+    (path / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "target_modules": ["q_proj", "v_proj"],
+                "lora_dropout": 0.0,
+                "bias": "none",
+                "base_model_name_or_path": str(model),
+                "task_type": "CAUSAL_LM",
+            }
+        )
+    )
     return path
 
 
-def engine_kwargs(model: str, *, max_tokens: int, kv_bytes: int, connector: dict[str, Any] | None, lora: bool = False) -> dict[str, Any]:
+def engine_kwargs(
+    model: str, *, max_tokens: int, kv_bytes: int, connector: dict[str, Any] | None, lora: bool = False
+) -> dict[str, Any]:
     """``vllm.LLM`` arguments for a CPU engine (offline, dummy weights, token ids in and out)."""
     kw: dict[str, Any] = dict(
-        model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=max_tokens,
-        gpu_memory_utilization=0.3, kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=False,
-        max_num_batched_tokens=max_tokens, seed=0,
+        model=model,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=max_tokens,
+        gpu_memory_utilization=0.3,
+        kv_cache_memory_bytes=kv_bytes,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=max_tokens,
+        seed=0,
     )
     if lora:
         kw.update(enable_lora=True, max_lora_rank=8, max_loras=2)
@@ -80,8 +104,10 @@ def engine_kwargs(model: str, *, max_tokens: int, kv_bytes: int, connector: dict
         from vllm.config import KVTransferConfig
 
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVStoreConnector", kv_connector_module_path="gpu_agent.vllm",
-            kv_role=connector.get("role", "kv_both"), kv_connector_extra_config=connector.get("extra", {}),
+            kv_connector="KVStoreConnector",
+            kv_connector_module_path="gpu_agent.vllm",
+            kv_role=connector.get("role", "kv_both"),
+            kv_connector_extra_config=connector.get("extra", {}),
             kv_load_failure_policy="recompute",
         )
     return kw
@@ -96,8 +122,15 @@ def _serve(spec: dict[str, Any]) -> None:
     sys.stdout = sys.stderr
     from vllm import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs(spec["model"], max_tokens=spec["max_tokens"], kv_bytes=spec["kv_bytes"], connector=spec.get("connector"),
-                              lora=bool(spec.get("lora"))))
+    llm = LLM(
+        **engine_kwargs(
+            spec["model"],
+            max_tokens=spec["max_tokens"],
+            kv_bytes=spec["kv_bytes"],
+            connector=spec.get("connector"),
+            lora=bool(spec.get("lora")),
+        )
+    )
     engine = llm.llm_engine
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
@@ -117,7 +150,9 @@ def _serve(spec: dict[str, Any]) -> None:
 
                 lora = LoRARequest(req["lora"]["name"], int(req["lora"]["id"]), req["lora"]["path"])
             extra = {"kv_transfer_params": {"session_id": req["session_id"]}} if req.get("session_id") else None
-            sp = SamplingParams(max_tokens=int(req.get("max_tokens", 8)), temperature=0.0, ignore_eos=True, logprobs=0, extra_args=extra)
+            sp = SamplingParams(
+                max_tokens=int(req.get("max_tokens", 8)), temperature=0.0, ignore_eos=True, logprobs=0, extra_args=extra
+            )
             rid = f"r{n}"
             t0 = time.perf_counter()
             engine.add_request(rid, prompt, sp, lora_request=lora)
@@ -130,7 +165,10 @@ def _serve(spec: dict[str, Any]) -> None:
                         params = getattr(o, "kv_transfer_params", None) or params
                         if ttft is None and tokens:
                             ttft = (time.perf_counter() - t0) * 1e3
-            out.write(json.dumps({"tokens": tokens, "logprobs": logprobs, "ttft_ms": ttft, "kv_transfer_params": params}) + "\n")
+            out.write(
+                json.dumps({"tokens": tokens, "logprobs": logprobs, "ttft_ms": ttft, "kv_transfer_params": params})
+                + "\n"
+            )
         except Exception as e:  # report, keep serving
             out.write(json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")
         out.flush()
@@ -139,17 +177,36 @@ def _serve(spec: dict[str, Any]) -> None:
 class EngineProcess:
     """A vLLM engine child process (see the module docstring)."""
 
-    def __init__(self, model: Path, *, max_tokens: int, kv_bytes: int, connector: dict[str, Any] | None = None,
-                 log_path: Path | None = None, env: dict[str, str] | None = None, lora: bool = False) -> None:
-        spec = {"model": str(model), "max_tokens": max_tokens, "kv_bytes": kv_bytes, "connector": connector, "lora": lora}
+    def __init__(
+        self,
+        model: Path,
+        *,
+        max_tokens: int,
+        kv_bytes: int,
+        connector: dict[str, Any] | None = None,
+        log_path: Path | None = None,
+        env: dict[str, str] | None = None,
+        lora: bool = False,
+    ) -> None:
+        spec = {
+            "model": str(model),
+            "max_tokens": max_tokens,
+            "kv_bytes": kv_bytes,
+            "connector": connector,
+            "lora": lora,
+        }
         self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
         self.proc = spawn(
             [sys.executable, "-m", "gpu_agent.vllm.engine", json.dumps(spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env={**os.environ, **(env or {})},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env={**os.environ, **(env or {})},
         )
         self.started_s = 0.0
 
-    def wait_ready(self, timeout: float = 300.0) -> "EngineProcess":
+    def wait_ready(self, timeout: float = 300.0) -> EngineProcess:
         t0 = time.perf_counter()
         line = self._readline(timeout)
         if not json.loads(line).get("ready"):
@@ -170,13 +227,32 @@ class EngineProcess:
             raise RuntimeError(f"the engine process exited (code {self.proc.poll()})")
         return line
 
-    def generate(self, tokens: list[int], *, max_tokens: int = 8, cache_salt: str = "", lora: dict[str, Any] | None = None,
-                 session_id: str = "", timeout: float = 600.0) -> dict[str, Any]:
+    def generate(
+        self,
+        tokens: list[int],
+        *,
+        max_tokens: int = 8,
+        cache_salt: str = "",
+        lora: dict[str, Any] | None = None,
+        session_id: str = "",
+        timeout: float = 600.0,
+    ) -> dict[str, Any]:
         """Greedy tokens, their logprobs and TTFT; ``lora``: ``{"name", "id", "path"}`` of an adapter;
         ``session_id``: passed as ``kv_transfer_params["session_id"]`` (the store's session hints)."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"cmd": "generate", "tokens": tokens, "max_tokens": max_tokens, "cache_salt": cache_salt,
-                                          "lora": lora, "session_id": session_id}) + "\n")
+        self.proc.stdin.write(
+            json.dumps(
+                {
+                    "cmd": "generate",
+                    "tokens": tokens,
+                    "max_tokens": max_tokens,
+                    "cache_salt": cache_salt,
+                    "lora": lora,
+                    "session_id": session_id,
+                }
+            )
+            + "\n"
+        )
         self.proc.stdin.flush()
         r: dict[str, Any] = json.loads(self._readline(timeout))
         if "error" in r:
@@ -196,7 +272,7 @@ class EngineProcess:
         if self._log is not subprocess.DEVNULL:
             self._log.close()
 
-    def __enter__(self) -> "EngineProcess":
+    def __enter__(self) -> EngineProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:

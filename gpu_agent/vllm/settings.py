@@ -58,7 +58,7 @@ class ConnectorSettings:
     """Keep a finished request's blocks until its save is committed (``request_finished`` → True)."""
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
         extra = dict(extra or {})
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(extra) - names)
@@ -79,7 +79,9 @@ class ConnectorSettings:
             kw[f.name] = want(v) if v is not None and want in (int, float) else v
         s = cls(**kw)
         if s.chunk_tokens < 0 or s.deadline_s <= 0 or s.load_timeout_s <= 0 or s.hbm_bytes < 0:
-            raise InvalidArgument("kv_connector_extra_config: chunk_tokens, hbm_bytes >= 0 and deadline_s, load_timeout_s > 0")
+            raise InvalidArgument(
+                "kv_connector_extra_config: chunk_tokens, hbm_bytes >= 0 and deadline_s, load_timeout_s > 0"
+            )
         return s
 
     def chunk_for(self, block_size: int) -> int:
@@ -101,8 +103,10 @@ class ConnectorSettings:
 
         t = target or self.target
         if t.startswith("unix://~"):
-            t = "unix://" + os.path.expanduser(t[len("unix://"):])
-        kw: dict[str, Any] = {"timeouts": Timeouts(rpc=self.deadline_s, data=max(self.deadline_s, 10.0), connect=self.deadline_s)}
+            t = "unix://" + os.path.expanduser(t[len("unix://") :])
+        kw: dict[str, Any] = {
+            "timeouts": Timeouts(rpc=self.deadline_s, data=max(self.deadline_s, 10.0), connect=self.deadline_s)
+        }
         for name in ("token", "token_file", "tls_ca_file", "tls_cert_file", "tls_key_file"):
             if getattr(self, name):
                 kw[name] = getattr(self, name)
@@ -139,12 +143,21 @@ class EngineSpec:
                 raise Incompatible(f"vLLM's KV cache spec has {name}={getattr(self, name)}")
 
     def layout(self) -> KVCacheLayout:
-        return KVCacheLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype, self.block_size, self.page_layout)
+        return KVCacheLayout(
+            self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype, self.block_size, self.page_layout
+        )
 
     def namespace(self, chunk_tokens: int, *, lora: str = "", cache_salt: str = "", salt: str = "") -> Namespace:
         """The namespace of one request: the engine's, plus its LoRA adapter and cache salt."""
         tenant_salt = salt if not cache_salt else f"{salt}|cache_salt={cache_salt}"
         return self.layout().namespace(
-            self.model_id, chunk_tokens=chunk_tokens, model_revision=self.revision, lora_id=lora,
-            tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size, tenant_salt=tenant_salt,
+            self.model_id,
+            chunk_tokens=chunk_tokens,
+            model_revision=self.revision,
+            lora_id=lora,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            pp_rank=self.pp_rank,
+            pp_size=self.pp_size,
+            tenant_salt=tenant_salt,
         )

@@ -29,10 +29,18 @@ from kvstore.errors import InvalidArgument
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--etcd", default=os.environ.get("KVSTORE_ETCD", "127.0.0.1:2379"), metavar="HOST:PORT[,HOST:PORT]",
-                        help="etcd endpoints (default $KVSTORE_ETCD or 127.0.0.1:2379)")
-    common.add_argument("--cluster", default=os.environ.get("KVSTORE_CLUSTER", "default"), metavar="NAME",
-                        help="cluster name (default $KVSTORE_CLUSTER or 'default')")
+    common.add_argument(
+        "--etcd",
+        default=os.environ.get("KVSTORE_ETCD", "127.0.0.1:2379"),
+        metavar="HOST:PORT[,HOST:PORT]",
+        help="etcd endpoints (default $KVSTORE_ETCD or 127.0.0.1:2379)",
+    )
+    common.add_argument(
+        "--cluster",
+        default=os.environ.get("KVSTORE_CLUSTER", "default"),
+        metavar="NAME",
+        help="cluster name (default $KVSTORE_CLUSTER or 'default')",
+    )
     common.add_argument("--timeout", type=float, default=5.0, metavar="S", help="etcd call timeout (default 5 s)")
     sub = p.add_subparsers(dest="cluster_command", required=True)
     s = sub.add_parser("set", parents=[common], help="set a cluster-wide setting (replication, handoff_window_s)")
@@ -42,18 +50,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     u.add_argument("name")
     sh = sub.add_parser("show", parents=[common], help="settings, live nodes and namespaces")
     sh.add_argument("--json", action="store_true", help="print JSON")
-    inv = sub.add_parser("invalidate", parents=[common], help="bump a namespace's epoch: its KV is dropped on every node")
+    inv = sub.add_parser(
+        "invalidate", parents=[common], help="bump a namespace's epoch: its KV is dropped on every node"
+    )
     inv.add_argument("namespace", help="fingerprint (16 hex digits), JSON namespace fields, or a model id")
     ow = sub.add_parser("owners", parents=[common], help="which tenant owns which namespace (nodes with tenants)")
     ow.add_argument("--json", action="store_true", help="print JSON")
-    rel = sub.add_parser("release", parents=[common],
-                         help="take a namespace from its tenant: every node drops its blocks; the next tenant to write it owns it")
-    rel.add_argument("namespace", metavar="NAMESPACE_HEX", help="the namespace fingerprint (16 hex digits, as `owners` lists it)")
+    rel = sub.add_parser(
+        "release",
+        parents=[common],
+        help="take a namespace from its tenant: every node drops its blocks; the next tenant to write it owns it",
+    )
+    rel.add_argument(
+        "namespace", metavar="NAMESPACE_HEX", help="the namespace fingerprint (16 hex digits, as `owners` lists it)"
+    )
     rel.add_argument("--to", metavar="TENANT", help="give it to this tenant instead of releasing it")
     from kvstore.cluster import simbench
 
-    bp = sub.add_parser("bench-placement", help="placement at 3..1,024 nodes in-process: us/key against rendezvous, "
-                        "keys moved, balance, owners per request")
+    bp = sub.add_parser(
+        "bench-placement",
+        help="placement at 3..1,024 nodes in-process: us/key against rendezvous, "
+        "keys moved, balance, owners per request",
+    )
     simbench.add_arguments(bp)
 
 
@@ -101,14 +119,18 @@ async def _run(a: argparse.Namespace) -> int:
         elif a.cluster_command == "invalidate":
             fp, ns = parse_namespace(a.namespace)
             rec = await store.bump_epoch(fp, ns)
-            print(f"namespace {fp.hex()}: epoch {rec.epoch} (effective fingerprint {rec.effective.hex()}); "
-                  "nodes drop its older blocks as they see the change")
+            print(
+                f"namespace {fp.hex()}: epoch {rec.epoch} (effective fingerprint {rec.effective.hex()}); "
+                "nodes drop its older blocks as they see the change"
+            )
         elif a.cluster_command == "owners":
             owners, revision = await store.owners()
             names = _namespace_names((await store.snapshot()).namespaces)
             table = {fp.hex(): {**r.to_dict(), "namespace": names.get(fp)} for fp, r in sorted(owners.items())}
             if a.json:
-                print(json.dumps({"cluster": a.cluster, "revision": revision, "owners": table}, indent=2, sort_keys=True))
+                print(
+                    json.dumps({"cluster": a.cluster, "revision": revision, "owners": table}, indent=2, sort_keys=True)
+                )
             else:
                 _print_owners(a.cluster, revision, table)
         elif a.cluster_command == "release":
@@ -119,8 +141,8 @@ async def _run(a: argparse.Namespace) -> int:
 
 
 async def _release(store: Any, a: argparse.Namespace) -> int:
-    from kvstore.config import TENANT_NAME
     from kvstore.errors import NotFound
+    from kvstore.node.config import TENANT_NAME
 
     fp = parse_fingerprint(a.namespace)
     if a.to is not None and not TENANT_NAME.fullmatch(a.to):
@@ -128,12 +150,18 @@ async def _release(store: Any, a: argparse.Namespace) -> int:
     old = await store.release_owner(fp, to=a.to)
     was = f"tenant {old.tenant!r}" if old is not None else "no owner"
     if a.to is not None:
-        print(f"namespace {fp.hex()}: given to tenant {a.to!r} (was {was}); nodes drop its blocks as they see the change")
+        print(
+            f"namespace {fp.hex()}: given to tenant {a.to!r} (was {was}); nodes drop its blocks as they see the change"
+        )
     elif old is None:
-        raise NotFound(f"namespace {fp.hex()} has no owner in cluster {a.cluster!r}; nothing changed (see `kvstore cluster owners`)")
+        raise NotFound(
+            f"namespace {fp.hex()} has no owner in cluster {a.cluster!r}; nothing changed (see `kvstore cluster owners`)"
+        )
     else:
-        print(f"namespace {fp.hex()}: released (was {was}); nodes drop its blocks as they see the change, "
-              "and the next tenant to write it owns it")
+        print(
+            f"namespace {fp.hex()}: released (was {was}); nodes drop its blocks as they see the change, "
+            "and the next tenant to write it owns it"
+        )
     return 0
 
 
@@ -152,8 +180,12 @@ def _namespace_names(namespaces: Any) -> dict[bytes, str]:
 def _print_owners(cluster: str, revision: int, table: dict[str, dict[str, Any]]) -> None:
     print(f"namespace owners in cluster {cluster} (etcd revision {revision}): {len(table)}")
     for fp, r in table.items():
-        since = datetime.datetime.fromtimestamp(r["claimed_at"]).isoformat(timespec="seconds") if r["claimed_at"] else "?"
-        print(f"  {fp}  {r['tenant'] or '(unreadable record)':<16} since {since}  via {r['node'] or '-':<12} {r['namespace'] or ''}".rstrip())
+        since = (
+            datetime.datetime.fromtimestamp(r["claimed_at"]).isoformat(timespec="seconds") if r["claimed_at"] else "?"
+        )
+        print(
+            f"  {fp}  {r['tenant'] or '(unreadable record)':<16} since {since}  via {r['node'] or '-':<12} {r['namespace'] or ''}".rstrip()
+        )
 
 
 def _print_human(snap: dict[str, Any]) -> None:
@@ -163,9 +195,15 @@ def _print_human(snap: dict[str, Any]) -> None:
         print(f"  {k:<18} {v}")
     print(f"nodes ({len(snap['nodes'])} live):")
     for n, info in snap["nodes"].items():
-        since = datetime.datetime.fromtimestamp(info["started_at"]).isoformat(timespec="seconds") if info["started_at"] else "?"
-        print(f"  {n:<16} grpc {info['grpc']:<22} data {info['data']:<22} zone {info['zone'] or '-':<8} "
-              f"dram {info['dram_bytes'] >> 20} MiB  nvme {info['nvme_bytes'] >> 20} MiB  v{info['version']}  up since {since}")
+        since = (
+            datetime.datetime.fromtimestamp(info["started_at"]).isoformat(timespec="seconds")
+            if info["started_at"]
+            else "?"
+        )
+        print(
+            f"  {n:<16} grpc {info['grpc']:<22} data {info['data']:<22} zone {info['zone'] or '-':<8} "
+            f"dram {info['dram_bytes'] >> 20} MiB  nvme {info['nvme_bytes'] >> 20} MiB  v{info['version']}  up since {since}"
+        )
     print(f"namespaces ({len(snap['namespaces'])}):")
     for fp, r in snap["namespaces"].items():
         model = (r["namespace"] or {}).get("model_id", "")

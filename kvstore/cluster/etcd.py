@@ -70,7 +70,9 @@ class EtcdSession:
     async def client(self) -> aetcd.Client:
         if self._client is None:
             host, port = self.endpoints[self._i % len(self.endpoints)]
-            c = aetcd.Client(host=host, port=port, timeout=max(1, math.ceil(self.timeout)), options=dict(CHANNEL_OPTIONS))
+            c = aetcd.Client(
+                host=host, port=port, timeout=max(1, math.ceil(self.timeout)), options=dict(CHANNEL_OPTIONS)
+            )
             await c.connect()  # builds the channel; nothing is sent yet
             self._client = c
         return self._client
@@ -131,7 +133,9 @@ class _Builder:
         self.revision = 0
         self.etcd_cluster_id = 0  # etcd's own cluster id: a new etcd (data lost) has a new one
 
-    def apply(self, key: bytes, value: bytes | None, revision: int, lease: int = 0) -> tuple[bytes, OwnerRecord | None] | None:
+    def apply(
+        self, key: bytes, value: bytes | None, revision: int, lease: int = 0
+    ) -> tuple[bytes, OwnerRecord | None] | None:
         """``value`` None: the key was deleted.  ``revision`` is the key's mod revision.
 
         Namespace owners are not part of the snapshot (a cluster may hold many of them and
@@ -168,8 +172,12 @@ class _Builder:
                 try:
                     return fp, OwnerRecord.from_json(fp, value, revision)
                 except (ValueError, TypeError) as e:  # fail closed: owned, by nobody a tenant can be
-                    log.warning("malformed owner record %s (%s): no tenant may use the namespace until an operator "
-                                "releases it (kvstore cluster release)", key.decode(errors="replace"), e)
+                    log.warning(
+                        "malformed owner record %s (%s): no tenant may use the namespace until an operator "
+                        "releases it (kvstore cluster release)",
+                        key.decode(errors="replace"),
+                        e,
+                    )
                     return fp, OwnerRecord(fp, UNKNOWN_OWNER, revision=revision)
         except (ValueError, TypeError, KeyError) as e:
             log.warning("ignoring malformed etcd record %s: %s", key.decode(errors="replace"), e)
@@ -220,8 +228,16 @@ class ClusterWatcher:
     are the records missing from it.
     """
 
-    def __init__(self, endpoints: str, cluster: str, on_snapshot: Callable[[ClusterSnapshot], None], *,
-                 timeout: float = 2.0, ping_s: float = 5.0, on_owners: Callable[[OwnersUpdate], None] | None = None) -> None:
+    def __init__(
+        self,
+        endpoints: str,
+        cluster: str,
+        on_snapshot: Callable[[ClusterSnapshot], None],
+        *,
+        timeout: float = 2.0,
+        ping_s: float = 5.0,
+        on_owners: Callable[[OwnersUpdate], None] | None = None,
+    ) -> None:
         self.cluster = state.check_cluster_name(cluster)
         self.session = EtcdSession(endpoints, timeout=timeout)
         self.on_snapshot = on_snapshot
@@ -258,8 +274,13 @@ class ClusterWatcher:
                 raise
             except Exception as e:  # etcd down, hung, compacted, or a bug: reload from scratch
                 if self.last.connected:
-                    log.warning("etcd watch of cluster %s lost (%s: %s); keeping the last membership (%d nodes)",
-                                self.cluster, type(e).__name__, e, len(self.last.nodes))
+                    log.warning(
+                        "etcd watch of cluster %s lost (%s: %s); keeping the last membership (%d nodes)",
+                        self.cluster,
+                        type(e).__name__,
+                        e,
+                        len(self.last.nodes),
+                    )
                     self._publish(dataclasses.replace(self.last, connected=False))
                 await self.session.reset()
                 await asyncio.sleep(backoff)
@@ -306,7 +327,9 @@ class ClusterWatcher:
 class Registration:
     """Keeps ``nodes/<id>`` alive under a lease for as long as the node runs."""
 
-    def __init__(self, endpoints: str, cluster: str, info: NodeInfo, *, ttl_s: float = 10.0, timeout: float = 2.0) -> None:
+    def __init__(
+        self, endpoints: str, cluster: str, info: NodeInfo, *, ttl_s: float = 10.0, timeout: float = 2.0
+    ) -> None:
         self.cluster = state.check_cluster_name(cluster)
         self.info = info
         self.ttl = max(1, math.ceil(ttl_s))
@@ -341,7 +364,9 @@ class Registration:
         self.info = info
         self.registrations += 1
         self.registered.set()
-        log.info("registered node %s in cluster %s (lease %x, ttl %d s)", info.node_id, self.cluster, self.lease_id, self.ttl)
+        log.info(
+            "registered node %s in cluster %s (lease %x, ttl %d s)", info.node_id, self.cluster, self.lease_id, self.ttl
+        )
 
     async def run(self) -> None:
         """Keep-alive loop: refresh every ttl/3; re-register when the lease or record is gone."""
@@ -363,7 +388,9 @@ class Registration:
                 await asyncio.sleep(interval * 3)
             except Exception as e:  # etcd unreachable: keep serving, retry soon
                 if self._reachable:
-                    log.warning("etcd unreachable (%s); node %s keeps serving and will re-register", e, self.info.node_id)
+                    log.warning(
+                        "etcd unreachable (%s); node %s keeps serving and will re-register", e, self.info.node_id
+                    )
                 self._reachable = False
                 await asyncio.sleep(min(interval, 0.5))
 
@@ -377,7 +404,9 @@ class Registration:
 
         ttl, rec = await self.session.run(keepalive, "lease keep-alive")
         if ttl <= 0:
-            log.warning("lease of node %s expired (etcd lost it or we were away too long); registering again", self.info.node_id)
+            log.warning(
+                "lease of node %s expired (etcd lost it or we were away too long); registering again", self.info.node_id
+            )
             self.lease_id = None
             await self.register()
         elif rec is None or rec.lease != lease_id:
@@ -400,7 +429,7 @@ class Registration:
         try:
             await asyncio.wait_for(self.session.run(lambda c: c.revoke_lease(lease_id), "deregistering"), timeout)
             return True
-        except (Unavailable, asyncio.TimeoutError):
+        except (TimeoutError, Unavailable):
             return False
 
     async def close(self) -> None:
@@ -437,7 +466,9 @@ class ClusterStore:
 
         async def create(c: aetcd.Client) -> NamespaceRecord:
             tx = c.transactions
-            ok, _ = await c.transaction(compare=[tx.version(key) == 0], success=[tx.put(key, rec.to_json())], failure=[])
+            ok, _ = await c.transaction(
+                compare=[tx.version(key) == 0], success=[tx.put(key, rec.to_json())], failure=[]
+            )
             if ok:
                 return rec
             got = await c.get(key)
@@ -505,7 +536,9 @@ def _owner_from_range(fp: bytes, rng: list[Any]) -> OwnerRecord | None:
         return OwnerRecord(fp, UNKNOWN_OWNER, revision=meta.mod_revision)  # unreadable: nobody's (fail closed)
 
 
-async def _claim(c: aetcd.Client, cluster: str, namespaces: list[bytes], tenant: str, node: str) -> dict[bytes, OwnerRecord]:
+async def _claim(
+    c: aetcd.Client, cluster: str, namespaces: list[bytes], tenant: str, node: str
+) -> dict[bytes, OwnerRecord]:
     """One transaction: every namespace of the batch is created for ``tenant`` if none of them
     has an owner yet; otherwise nothing is written and the existing records are read back.
     All or nothing, so a batch that touches another tenant's namespace claims nothing."""
@@ -524,7 +557,9 @@ async def _claim(c: aetcd.Client, cluster: str, namespaces: list[bytes], tenant:
     return {ns: rec for ns, rng in zip(namespaces, responses) if (rec := _owner_from_range(ns, rng)) is not None}
 
 
-async def claim_owners(session: EtcdSession, cluster: str, namespaces: list[bytes], tenant: str, node: str = "") -> dict[bytes, OwnerRecord]:
+async def claim_owners(
+    session: EtcdSession, cluster: str, namespaces: list[bytes], tenant: str, node: str = ""
+) -> dict[bytes, OwnerRecord]:
     """Claim ``namespaces`` for ``tenant`` (create-if-absent): the owner etcd holds for each.
 
     Whoever etcd applied first wins, across every node.  Namespaces already owned by
@@ -550,7 +585,7 @@ async def list_owners(session: EtcdSession, cluster: str) -> tuple[dict[bytes, O
     out: dict[bytes, OwnerRecord] = {}
     for kv in resp:
         try:
-            fp = bytes.fromhex(kv.key[len(pfx):].decode())
+            fp = bytes.fromhex(kv.key[len(pfx) :].decode())
         except ValueError:
             continue
         if len(fp) == 8:
@@ -559,7 +594,7 @@ async def list_owners(session: EtcdSession, cluster: str) -> tuple[dict[bytes, O
 
 
 class OwnerRegistry:
-    """A node's claims of namespaces for its tenants (``kvstore.tenants.Ownership`` calls
+    """A node's claims of namespaces for its tenants (``kvstore.node.tenants.Ownership`` calls
     :meth:`claim` for namespaces its cache does not know).  One etcd session of its own, so
     a claim never queues behind the watch or the lease keep-alive."""
 

@@ -18,14 +18,18 @@ from pathlib import Path
 from kvstore import children
 from kvstore.errors import InvalidArgument, Unavailable
 
-ETCD_HINT = "etcd is not installed: install Debian's `etcd-server` package (apt-get install etcd-server) or put `etcd` on PATH"
+ETCD_HINT = (
+    "etcd is not installed: install Debian's `etcd-server` package (apt-get install etcd-server) or put `etcd` on PATH"
+)
 
 
 def find_etcd(binary: str | None = None) -> str | None:
     """Path of the ``etcd`` server binary, or None."""
     if binary:
         return binary if os.access(binary, os.X_OK) else shutil.which(binary)
-    return shutil.which("etcd") or next((p for p in ("/usr/bin/etcd", "/usr/local/bin/etcd") if os.access(p, os.X_OK)), None)
+    return shutil.which("etcd") or next(
+        (p for p in ("/usr/bin/etcd", "/usr/local/bin/etcd") if os.access(p, os.X_OK)), None
+    )
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -35,7 +39,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class LocalEtcd:
-    def __init__(self, data_dir: Path, *, host: str = "127.0.0.1", binary: str | None = None, name: str = "kvstore") -> None:
+    def __init__(
+        self, data_dir: Path, *, host: str = "127.0.0.1", binary: str | None = None, name: str = "kvstore"
+    ) -> None:
         exe = find_etcd(binary)
         if exe is None:
             raise InvalidArgument(ETCD_HINT)
@@ -59,7 +65,7 @@ class LocalEtcd:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def start(self, *, wipe: bool = False, timeout: float = 30.0) -> "LocalEtcd":
+    def start(self, *, wipe: bool = False, timeout: float = 30.0) -> LocalEtcd:
         if self.running():
             return self
         member_dir = self.data_dir / "member-data"
@@ -69,14 +75,34 @@ class LocalEtcd:
         client = f"http://{self.host}:{self.client_port}"
         peer = f"http://{self.host}:{self.peer_port}"
         cmd = [
-            self.exe, "--name", self.name, "--data-dir", str(member_dir),
-            "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"{self.name}={peer}", "--initial-cluster-state", "new",
-            "--initial-cluster-token", f"kvstore-{self.client_port}",
+            self.exe,
+            "--name",
+            self.name,
+            "--data-dir",
+            str(member_dir),
+            "--listen-client-urls",
+            client,
+            "--advertise-client-urls",
+            client,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"{self.name}={peer}",
+            "--initial-cluster-state",
+            "new",
+            "--initial-cluster-token",
+            f"kvstore-{self.client_port}",
             # small and quick: this etcd holds a handful of keys
-            "--heartbeat-interval", "100", "--election-timeout", "1000",
-            "--quota-backend-bytes", str(256 << 20), "--log-level", "warn",
+            "--heartbeat-interval",
+            "100",
+            "--election-timeout",
+            "1000",
+            "--quota-backend-bytes",
+            str(256 << 20),
+            "--log-level",
+            "warn",
         ]
         self._log = open(self.data_dir / "etcd.log", "ab")
         # its own session, so a Ctrl-C aimed at our foreground group does not reach it first; and it dies with us
@@ -103,7 +129,7 @@ class LocalEtcd:
             self._log.close()  # type: ignore[attr-defined]
             self._log = None
 
-    def __enter__(self) -> "LocalEtcd":
+    def __enter__(self) -> LocalEtcd:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -29,8 +29,14 @@ T = TypeVar("T")
 
 
 class Membership:
-    def __init__(self, endpoints: str, cluster: str, *, timeout: float = 2.0,
-                 on_change: Callable[[ClusterSnapshot], None] | None = None) -> None:
+    def __init__(
+        self,
+        endpoints: str,
+        cluster: str,
+        *,
+        timeout: float = 2.0,
+        on_change: Callable[[ClusterSnapshot], None] | None = None,
+    ) -> None:
         parse_endpoints(endpoints)
         self.endpoints = endpoints
         self.cluster = check_cluster_name(cluster)
@@ -46,7 +52,7 @@ class Membership:
         self._watcher: ClusterWatcher | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
-    def start(self, wait: float = 10.0) -> "Membership":
+    def start(self, wait: float = 10.0) -> Membership:
         """Start watching; wait up to ``wait`` s for the first load (Unavailable if etcd never answers)."""
         if self._thread is not None:
             return self
@@ -87,7 +93,7 @@ class Membership:
             loop.call_soon_threadsafe(self._task.cancel)
         thread.join(timeout=10)
 
-    def __enter__(self) -> "Membership":
+    def __enter__(self) -> Membership:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -134,13 +140,13 @@ class Membership:
             fut.cancel()
             raise Unavailable(f"etcd at {self.endpoints} did not answer in time") from None
 
-    def submit(self, fn: Callable[[ClusterStore], Awaitable[T]]) -> "concurrent.futures.Future[T]":
+    def submit(self, fn: Callable[[ClusterStore], Awaitable[T]]) -> concurrent.futures.Future[T]:
         """Start ``fn(store)`` on the membership loop without waiting (fire and forget, or ``.result()``)."""
         loop, store = self._loop, self._store
         if loop is None or store is None or self._thread is None:
             raise Unavailable("membership view is closed")
         return asyncio.run_coroutine_threadsafe(fn(store), loop)  # type: ignore[arg-type]
 
-    def run_async(self, fn: Callable[[ClusterStore], Awaitable[T]]) -> "asyncio.Future[T]":
+    def run_async(self, fn: Callable[[ClusterStore], Awaitable[T]]) -> asyncio.Future[T]:
         """Like :meth:`call`, awaitable from another event loop (call it from that loop)."""
         return asyncio.wrap_future(self.submit(fn))

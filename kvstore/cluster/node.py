@@ -1,7 +1,7 @@
 """A node's part in a cluster: membership registration, namespace-epoch reclaim and (with
 tenants) namespace owners followed from etcd (:mod:`kvstore.cluster.owners`).
 
-Owned by :class:`kvstore.server.Node` and run on the node's event loop (the same loop
+Owned by :class:`kvstore.node.server.Node` and run on the node's event loop (the same loop
 that owns the tier manager, so reclaiming calls the manager directly).  Nothing here
 is on the data path: if etcd is down the node keeps serving, its registration retries
 and re-registers when etcd returns (see :class:`~kvstore.cluster.etcd.Registration`).
@@ -26,10 +26,10 @@ from kvstore import __version__
 from kvstore.cluster.etcd import ClusterWatcher, OwnerRegistry, Registration
 from kvstore.cluster.owners import OwnersFollower
 from kvstore.cluster.state import ClusterSnapshot, NodeInfo, effective_fingerprint
-from kvstore.config import NodeConfig
 from kvstore.errors import Unavailable
-from kvstore.manager import TierManager
-from kvstore.tenants import Ownership
+from kvstore.node.config import NodeConfig
+from kvstore.node.manager import TierManager
+from kvstore.node.tenants import Ownership
 
 log = logging.getLogger("kvstore.cluster.node")
 
@@ -37,7 +37,9 @@ MAX_HEIR_EPOCHS = 16  # how many earlier epochs a namespace's new epoch looks ba
 
 
 class NodeAgent:
-    def __init__(self, cfg: NodeConfig, endpoints: dict[str, Any], manager: TierManager, owners: Ownership | None = None) -> None:
+    def __init__(
+        self, cfg: NodeConfig, endpoints: dict[str, Any], manager: TierManager, owners: Ownership | None = None
+    ) -> None:
         self.cfg = cfg
         self.manager = manager
         self.info = NodeInfo(
@@ -63,8 +65,12 @@ class NodeAgent:
             self.owners = OwnersFollower(owners, owners.authority, cfg.cluster, manager)
             owners.heir = self._heir
         self._earlier: dict[bytes, list[bytes]] = {}  # effective fingerprint at epoch e > 0 -> those of e-1 .. 0
-        self.watcher = ClusterWatcher(cfg.etcd, cfg.cluster, self._on_snapshot,
-                                      on_owners=self.owners.on_owners if self.owners is not None else None)
+        self.watcher = ClusterWatcher(
+            cfg.etcd,
+            cfg.cluster,
+            self._on_snapshot,
+            on_owners=self.owners.on_owners if self.owners is not None else None,
+        )
         self.snapshot = ClusterSnapshot(cfg.cluster)
         self._applied: dict[bytes, int] = {}  # namespace fingerprint -> epoch whose stale blocks are gone
         self._first = True
@@ -78,13 +84,20 @@ class NodeAgent:
         registered = True
         try:
             await asyncio.wait_for(self.registration.register(), first_timeout)
-        except (Unavailable, asyncio.TimeoutError) as e:
+        except (TimeoutError, Unavailable) as e:
             registered = False
-            log.warning("cannot register with etcd at %s yet (%s); serving anyway, retrying in the background", self.cfg.etcd, e)
+            log.warning(
+                "cannot register with etcd at %s yet (%s); serving anyway, retrying in the background", self.cfg.etcd, e
+            )
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self.registration.run()), loop.create_task(self.watcher.run())]
-        out = {"cluster": self.cfg.cluster, "etcd": self.cfg.etcd, "registered": registered,
-               "lease_ttl_s": self.registration.ttl, "zone": self.cfg.zone}
+        out = {
+            "cluster": self.cfg.cluster,
+            "etcd": self.cfg.etcd,
+            "registered": registered,
+            "lease_ttl_s": self.registration.ttl,
+            "zone": self.cfg.zone,
+        }
         if self.owners is not None:
             # serve etcd's owners from the start when etcd answers (the cached ones meanwhile)
             if registered:
@@ -114,8 +127,14 @@ class NodeAgent:
         if not snap.connected:
             return
         if self.owners is not None:
-            self._earlier = {rec.effective: [effective_fingerprint(fp, e) for e in range(rec.epoch - 1, max(-1, rec.epoch - 1 - MAX_HEIR_EPOCHS), -1)]
-                             for fp, rec in snap.namespaces.items() if rec.epoch > 0}
+            self._earlier = {
+                rec.effective: [
+                    effective_fingerprint(fp, e)
+                    for e in range(rec.epoch - 1, max(-1, rec.epoch - 1 - MAX_HEIR_EPOCHS), -1)
+                ]
+                for fp, rec in snap.namespaces.items()
+                if rec.epoch > 0
+            }
         stale: set[bytes] = set()
         for fp, rec in snap.namespaces.items():
             applied = self._applied.get(fp, None if self._first else 0)

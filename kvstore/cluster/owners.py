@@ -1,7 +1,7 @@
 """A clustered node's namespace owners: etcd's ``owners/`` records → the node's ownership cache.
 
 Owned by :class:`kvstore.cluster.node.NodeAgent` and run on the node's event loop (the loop
-that owns :class:`kvstore.tenants.Ownership` and the tier manager).  Claims themselves go
+that owns :class:`kvstore.node.tenants.Ownership` and the tier manager).  Claims themselves go
 from ``Ownership`` straight to :class:`~kvstore.cluster.etcd.OwnerRegistry`; this module
 keeps the cache in step with etcd afterwards:
 
@@ -25,7 +25,7 @@ from typing import Any
 
 from kvstore.cluster.etcd import OwnerRegistry, OwnersUpdate
 from kvstore.errors import KVStoreError
-from kvstore.tenants import Ownership
+from kvstore.node.tenants import Ownership
 
 log = logging.getLogger("kvstore.cluster.owners")
 
@@ -46,7 +46,10 @@ class OwnersFollower:
 
     # -- from the watcher (on the loop) ----------------------------------------------------
     def on_owners(self, update: OwnersUpdate) -> None:
-        records = {ns: ((r.tenant, r.revision) if r is not None else (None, update.revision)) for ns, r in update.records.items()}
+        records = {
+            ns: ((r.tenant, r.revision) if r is not None else (None, update.revision))
+            for ns, r in update.records.items()
+        }
         if not update.full:
             self.owners.apply(records)  # made durable by a task of Ownership's own
             return
@@ -54,11 +57,14 @@ class OwnersFollower:
         if self._push is not None:
             self._push.cancel()  # a newer load supersedes it
             self._push = None
-        unconfirmed, _recorded = self.owners.sync({ns: (t, rev) for ns, (t, rev) in records.items() if t is not None},
-                                                  update.revision, marker)
+        unconfirmed, _recorded = self.owners.sync(
+            {ns: (t, rev) for ns, (t, rev) in records.items() if t is not None}, update.revision, marker
+        )
         if unconfirmed:
-            log.info("%d namespace owners known only to this node (before it agreed with etcd): claiming them in etcd",
-                     len(unconfirmed))
+            log.info(
+                "%d namespace owners known only to this node (before it agreed with etcd): claiming them in etcd",
+                len(unconfirmed),
+            )
             self._push = self._spawn(self._confirm(unconfirmed, marker))
         self.synced.set()
 
@@ -74,8 +80,13 @@ class OwnersFollower:
                     answers = await asyncio.gather(*(self.registry.claim([ns], tenant) for ns, tenant in part))
                     for (ns, tenant), got in zip(part, answers):
                         if ns in got and got[ns][0] != tenant:
-                            log.warning("namespace %s: this node's cache says tenant %r, but %r claimed it in etcd first; "
-                                        "etcd wins", ns.hex(), tenant, got[ns][0])
+                            log.warning(
+                                "namespace %s: this node's cache says tenant %r, but %r claimed it in etcd first; "
+                                "etcd wins",
+                                ns.hex(),
+                                tenant,
+                                got[ns][0],
+                            )
                         self.owners.apply(got)
                         todo.pop(ns, None)
             except KVStoreError as e:

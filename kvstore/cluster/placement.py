@@ -60,7 +60,9 @@ DEFAULT_SCHEME = BOUNDED_V1
 SLOTS_BITS = 17
 SLOTS = 1 << SLOTS_BITS  # fixed per scheme version: changing it moves every key
 SLOT_MASK = SLOTS - 1
-VNODES_PER_UNIT = 640  # ring points per DEFAULT_WEIGHT of weight (640: little overflow, so little moves between unaffected nodes)
+VNODES_PER_UNIT = (
+    640  # ring points per DEFAULT_WEIGHT of weight (640: little overflow, so little moves between unaffected nodes)
+)
 EPSILON = 0.05  # the bound on a node's load above its weighted share, per rank
 DEFAULT_WEIGHT = 100
 MAX_WEIGHT = 10_000  # 100 x the default; a weight is an integer in [1, MAX_WEIGHT]
@@ -82,7 +84,9 @@ def weight(node_id: str, key: bytes) -> int:
 def check_weight(w: object, what: str = "placement weight") -> int:
     """``w`` as a valid weight, or :class:`InvalidArgument` saying what is allowed."""
     if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_WEIGHT:
-        raise InvalidArgument(f"{what} must be an integer in [1, {MAX_WEIGHT}] ({DEFAULT_WEIGHT} = one node's share), got {w!r}")
+        raise InvalidArgument(
+            f"{what} must be an integer in [1, {MAX_WEIGHT}] ({DEFAULT_WEIGHT} = one node's share), got {w!r}"
+        )
     return w
 
 
@@ -230,11 +234,11 @@ class BoundedTable:
         names = self.nodes
         return [[names[col[s]] for col in ranks] for s in (h(k[:TAG_BYTES]) & SLOT_MASK for k in keys)]
 
-    def slot_owners(self, rank: int) -> "array.array[int]":
+    def slot_owners(self, rank: int) -> array.array[int]:
         """Node index (into ``nodes``) of every slot at ``rank`` (0: the first owner)."""
         return self.ranks(rank + 1)[rank]
 
-    def ranks(self, r: int) -> list["array.array[int]"]:
+    def ranks(self, r: int) -> list[array.array[int]]:
         """The first ``min(r, len(nodes))`` rank columns, built on first use."""
         r = min(max(0, r), len(self.nodes))
         if len(self._ranks) < r:
@@ -243,7 +247,7 @@ class BoundedTable:
                     self._ranks.append(self._build_rank(len(self._ranks)))
         return self._ranks[:r]
 
-    def _build_rank(self, k: int) -> "array.array[int]":
+    def _build_rank(self, k: int) -> array.array[int]:
         n, pts_n = len(self.nodes), len(self._points)
         owner, caps = self._owner, self._caps
         taken = [np.asarray(col, dtype=np.int64) for col in self._ranks]  # ranks 0 .. k-1

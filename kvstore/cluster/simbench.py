@@ -67,8 +67,9 @@ def _prompts(count: int, chunks: int, chunk_tokens: int, seed: int) -> list[list
     return [list(chunk_keys(rng.integers(0, 32000, chunks * chunk_tokens), ns)) for _ in range(count)]
 
 
-def measure(n: int, *, r: int, keys: int, old_keys: int, lengths: tuple[int, ...], groups: tuple[int, ...],
-            prompts: int) -> dict[str, Any]:
+def measure(
+    n: int, *, r: int, keys: int, old_keys: int, lengths: tuple[int, ...], groups: tuple[int, ...], prompts: int
+) -> dict[str, Any]:
     nodes = [f"node-{i:04d}" for i in range(n)]
     sample = [os.urandom(16) for _ in range(keys)]
     build_s = _timed(lambda: BoundedTable(nodes).ranks(r), 1)
@@ -86,8 +87,12 @@ def measure(n: int, *, r: int, keys: int, old_keys: int, lengths: tuple[int, ...
     moved = {}
     for rr in sorted({1, r}):
         rr = min(rr, n)
-        moved[f"r{rr}"] = {"join": round(_moved(table, joined, rr), 5), "leave": round(_moved(table, left, rr), 5),
-                           "ideal_join": round(rr / (n + 1), 5), "ideal_leave": round(rr / n, 5)}
+        moved[f"r{rr}"] = {
+            "join": round(_moved(table, joined, rr), 5),
+            "leave": round(_moved(table, left, rr), 5),
+            "ideal_join": round(rr / (n + 1), 5),
+            "ideal_leave": round(rr / n, 5),
+        }
     # balance: exact shares, and sampled keys
     cols = [np.bincount(np.asarray(c, dtype=np.int64), minlength=n) for c in table.ranks(r)]
     share0, share_r = cols[0], sum(cols)
@@ -106,28 +111,47 @@ def measure(n: int, *, r: int, keys: int, old_keys: int, lengths: tuple[int, ...
                 own = table.owners_many(group_keys(p, g), r)
                 reads.append(len({o[0] for o in own}))
                 writes.append(len({x for o in own for x in o}))
-            rpcs[f"chunks={length},group={g}"] = {"read_rpcs": statistics.mean(reads), "write_rpcs": statistics.mean(writes)}
+            rpcs[f"chunks={length},group={g}"] = {
+                "read_rpcs": statistics.mean(reads),
+                "write_rpcs": statistics.mean(writes),
+            }
     return {
         "nodes": n,
         "r": min(r, n),
-        "us_per_key": {"rendezvous": round(old_s * 1e6, 3), "bounded": round(new_s * 1e6, 3), "ratio": round(old_s / new_s, 1)},
+        "us_per_key": {
+            "rendezvous": round(old_s * 1e6, 3),
+            "bounded": round(new_s * 1e6, 3),
+            "ratio": round(old_s / new_s, 1),
+        },
         "batch_us_per_key": round(batch_s * 1e6, 3),
         "build_ms": round(build_s * 1e3, 1),
         "match_prefix_1000_ms": {"rendezvous": round(old_prefix_s * 1e3, 2), "bounded": round(match_s * 1e3, 3)},
         "moved": moved,
-        "balance": {"rank0": round(float(share0.max() / share0.mean()), 4), f"ranks0-{min(r, n) - 1}": round(float(share_r.max() / share_r.mean()), 4)},
-        "balance_sampled": {"keys": len(sampled), "max_over_mean": round(float(per_key.max() / per_key.mean()), 3),
-                            "uniform_max_over_mean": round(float(uniform.max() / uniform.mean()), 3)},
+        "balance": {
+            "rank0": round(float(share0.max() / share0.mean()), 4),
+            f"ranks0-{min(r, n) - 1}": round(float(share_r.max() / share_r.mean()), 4),
+        },
+        "balance_sampled": {
+            "keys": len(sampled),
+            "max_over_mean": round(float(per_key.max() / per_key.mean()), 3),
+            "uniform_max_over_mean": round(float(uniform.max() / uniform.mean()), 3),
+        },
         "rpcs": rpcs,
     }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nodes", default=",".join(map(str, DEFAULT_NODES)), help="cluster sizes, comma-separated (default 3,64,256,1024)")
+    p.add_argument(
+        "--nodes",
+        default=",".join(map(str, DEFAULT_NODES)),
+        help="cluster sizes, comma-separated (default 3,64,256,1024)",
+    )
     p.add_argument("--replication", type=int, default=2, metavar="R", help="owners per key (default 2)")
     p.add_argument("--keys", type=int, default=20_000, help="keys timed per size for bounded-v1 (default 20000)")
     p.add_argument("--old-keys", type=int, default=1_000, help="keys timed per size for rendezvous-v1 (default 1000)")
-    p.add_argument("--lengths", default="16,64,256,1000", help="prompt lengths in chunks for fan-out (default 16,64,256,1000)")
+    p.add_argument(
+        "--lengths", default="16,64,256,1000", help="prompt lengths in chunks for fan-out (default 16,64,256,1000)"
+    )
     p.add_argument("--groups", default="1,16,64", help="chunk groups for fan-out (default 1,16,64)")
     p.add_argument("--prompts", type=int, default=10, help="prompts per length (default 10)")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -147,25 +171,45 @@ def _ints(spec: str) -> tuple[int, ...]:
 
 def main(a: argparse.Namespace) -> int:
     sizes, lengths, groups = _ints(a.nodes), _ints(a.lengths), _ints(a.groups)
-    out = [measure(n, r=max(1, a.replication), keys=max(1, a.keys), old_keys=max(1, a.old_keys), lengths=lengths,
-                   groups=groups, prompts=max(1, a.prompts)) for n in sizes]
+    out = [
+        measure(
+            n,
+            r=max(1, a.replication),
+            keys=max(1, a.keys),
+            old_keys=max(1, a.old_keys),
+            lengths=lengths,
+            groups=groups,
+            prompts=max(1, a.prompts),
+        )
+        for n in sizes
+    ]
     if a.json:
         print(json.dumps({"slots": SLOTS, "results": out}, indent=2))
         return 0
     print(f"placement: bounded-v1 ({SLOTS} slots) against rendezvous-v1, same run; R = {a.replication}")
-    print(f"{'nodes':>6} {'old us/key':>10} {'new us/key':>10} {'ratio':>7} {'batch us':>8} {'build ms':>8} "
-          f"{'1000-chunk ms old/new':>22} {'bal r0':>7} {'bal all':>7} {'sampled/uniform':>15}")
+    print(
+        f"{'nodes':>6} {'old us/key':>10} {'new us/key':>10} {'ratio':>7} {'batch us':>8} {'build ms':>8} "
+        f"{'1000-chunk ms old/new':>22} {'bal r0':>7} {'bal all':>7} {'sampled/uniform':>15}"
+    )
     for m in out:
         u, mp, b = m["us_per_key"], m["match_prefix_1000_ms"], list(m["balance"].values())
-        print(f"{m['nodes']:>6} {u['rendezvous']:>10.2f} {u['bounded']:>10.2f} {u['ratio']:>6.1f}x {m['batch_us_per_key']:>8.2f} "
-              f"{m['build_ms']:>8.0f} {mp['rendezvous']:>12.1f} / {mp['bounded']:<7.2f} {b[0]:>7.3f} {b[1]:>7.3f} "
-              f"{m['balance_sampled']['max_over_mean']:>7.3f}/{m['balance_sampled']['uniform_max_over_mean']:<7.3f}")
+        print(
+            f"{m['nodes']:>6} {u['rendezvous']:>10.2f} {u['bounded']:>10.2f} {u['ratio']:>6.1f}x {m['batch_us_per_key']:>8.2f} "
+            f"{m['build_ms']:>8.0f} {mp['rendezvous']:>12.1f} / {mp['bounded']:<7.2f} {b[0]:>7.3f} {b[1]:>7.3f} "
+            f"{m['balance_sampled']['max_over_mean']:>7.3f}/{m['balance_sampled']['uniform_max_over_mean']:<7.3f}"
+        )
     print("\nkeys moved by one join / leave (fraction of the key space; ideal = r/N)")
     for m in out:
-        parts = [f"{k}: join {v['join']:.4f} ({v['join'] / v['ideal_join']:.2f}x ideal), leave {v['leave']:.4f} "
-                 f"({v['leave'] / v['ideal_leave']:.2f}x)" for k, v in m["moved"].items()]
+        parts = [
+            f"{k}: join {v['join']:.4f} ({v['join'] / v['ideal_join']:.2f}x ideal), leave {v['leave']:.4f} "
+            f"({v['leave'] / v['ideal_leave']:.2f}x)"
+            for k, v in m["moved"].items()
+        ]
         print(f"{m['nodes']:>6}  " + "; ".join(parts))
     print("\nowners touched per request (read: rank-0 owners; write: all R owners)")
     for m in out:
-        print(f"{m['nodes']:>6}  " + "  ".join(f"{k}: {v['read_rpcs']:.1f}/{v['write_rpcs']:.1f}" for k, v in m["rpcs"].items()))
+        print(
+            f"{m['nodes']:>6}  "
+            + "  ".join(f"{k}: {v['read_rpcs']:.1f}/{v['write_rpcs']:.1f}" for k, v in m["rpcs"].items())
+        )
     return 0

@@ -101,12 +101,28 @@ class Setting:
 
 CONFIG: dict[str, Setting] = {
     "replication": Setting(int, 1, 1, "copies of each block: the first R owners of the placement own it"),
-    "handoff_window_s": Setting(float, 300.0, 0, "for this long after the membership changes, a miss on a new owner is retried on the previous owners (hand-off read)"),
-    "placement": Setting(str, _placement.DEFAULT_SCHEME, 0, "how keys map to owners: bounded-v1 (O(1) table, weighted) or rendezvous-v1 "
-                         "(the original scheme, for fleets with clients older than bounded-v1; see kvstore.cluster.placement)",
-                         choices=_placement.SCHEMES),
-    "chunk_group": Setting(int, 1, 1, "consecutive chunks of one prefix that share owners in keys from ClusterClient.chunk_keys "
-                           "(1: every chunk placed alone); changing it re-keys every prefix, like an invalidation", maximum=4096),
+    "handoff_window_s": Setting(
+        float,
+        300.0,
+        0,
+        "for this long after the membership changes, a miss on a new owner is retried on the previous owners (hand-off read)",
+    ),
+    "placement": Setting(
+        str,
+        _placement.DEFAULT_SCHEME,
+        0,
+        "how keys map to owners: bounded-v1 (O(1) table, weighted) or rendezvous-v1 "
+        "(the original scheme, for fleets with clients older than bounded-v1; see kvstore.cluster.placement)",
+        choices=_placement.SCHEMES,
+    ),
+    "chunk_group": Setting(
+        int,
+        1,
+        1,
+        "consecutive chunks of one prefix that share owners in keys from ClusterClient.chunk_keys "
+        "(1: every chunk placed alone); changing it re-keys every prefix, like an invalidation",
+        maximum=4096,
+    ),
 }
 
 
@@ -146,7 +162,7 @@ class ClusterConfig:
     chunk_group: int = 1
 
     @classmethod
-    def from_raw(cls, raw: Mapping[str, bytes]) -> "ClusterConfig":
+    def from_raw(cls, raw: Mapping[str, bytes]) -> ClusterConfig:
         """Known settings from etcd values; bad or unknown ones keep their defaults (logged by the caller)."""
         kw: dict[str, Any] = {}
         for name, value in raw.items():
@@ -186,7 +202,7 @@ class NodeInfo:
         return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes) -> "NodeInfo":
+    def from_json(cls, raw: bytes) -> NodeInfo:
         """A record from etcd; ValueError if it does not parse (the watcher then ignores it, logged)."""
         d = json.loads(raw)
         if not isinstance(d, dict):
@@ -217,10 +233,12 @@ class NamespaceRecord:
         return effective_fingerprint(self.fingerprint, self.epoch)
 
     def to_json(self) -> bytes:
-        return json.dumps({"epoch": self.epoch, "namespace": self.namespace, "updated_at": self.updated_at}, sort_keys=True).encode()
+        return json.dumps(
+            {"epoch": self.epoch, "namespace": self.namespace, "updated_at": self.updated_at}, sort_keys=True
+        ).encode()
 
     @classmethod
-    def from_json(cls, fingerprint: bytes, raw: bytes) -> "NamespaceRecord":
+    def from_json(cls, fingerprint: bytes, raw: bytes) -> NamespaceRecord:
         d = json.loads(raw)
         return cls(bytes(fingerprint), int(d.get("epoch", 0)), d.get("namespace"), float(d.get("updated_at", 0.0)))
 
@@ -241,10 +259,12 @@ class OwnerRecord:
     revision: int = 0
 
     def to_json(self) -> bytes:
-        return json.dumps({"tenant": self.tenant, "node": self.node, "claimed_at": self.claimed_at}, sort_keys=True).encode()
+        return json.dumps(
+            {"tenant": self.tenant, "node": self.node, "claimed_at": self.claimed_at}, sort_keys=True
+        ).encode()
 
     @classmethod
-    def from_json(cls, fingerprint: bytes, raw: bytes, revision: int = 0) -> "OwnerRecord":
+    def from_json(cls, fingerprint: bytes, raw: bytes, revision: int = 0) -> OwnerRecord:
         d = json.loads(raw)
         tenant = d.get("tenant") if isinstance(d, dict) else None
         if not isinstance(tenant, str) or not tenant:
@@ -287,7 +307,12 @@ class ClusterSnapshot:
             "config": self.config.to_dict(),
             "nodes": {n: dataclasses.asdict(i) for n, i in sorted(self.nodes.items())},
             "namespaces": {
-                fp.hex(): {"epoch": r.epoch, "effective_fingerprint": r.effective.hex(), "namespace": r.namespace, "updated_at": r.updated_at}
+                fp.hex(): {
+                    "epoch": r.epoch,
+                    "effective_fingerprint": r.effective.hex(),
+                    "namespace": r.namespace,
+                    "updated_at": r.updated_at,
+                }
                 for fp, r in sorted(self.namespaces.items())
             },
         }

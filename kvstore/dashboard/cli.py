@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_LISTEN = "127.0.0.1:8600"
-ENV = "KVSTORE_TLS_"  # + the variables below (kvstore.config.CLIENT_ENV: the node ignores them)
+ENV = "KVSTORE_TLS_"  # + the variables below (kvstore.node.config.CLIENT_ENV: the node ignores them)
 TLS_FLAGS = (  # flag, its variable after ENV, help
     ("--tls-ca-file", "CA_FILE", "PEM CA that signed the nodes' certificates (else the system trust roots)"),
     ("--tls-cert-file", "CLIENT_CERT_FILE", "PEM client certificate, for nodes that require one (mutual TLS)"),
@@ -28,26 +28,57 @@ TLS_FLAGS = (  # flag, its variable after ENV, help
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
-                   help=f"where the page is served (default {DEFAULT_LISTEN}; port 0: any free port)")
-    p.add_argument("--nodes", metavar="HOST:PORT,...",
-                   help="the nodes' Prometheus endpoints (what `kvstore serve --metrics-port` serves), comma-separated")
-    p.add_argument("--etcd", metavar="HOST:PORT[,...] | etcd://HOST:PORT/CLUSTER",
-                   help="take the node list from this cluster's membership in etcd")
-    p.add_argument("--cluster", default=None, metavar="NAME", help="cluster name in etcd (default 'default', or the one in etcd://.../CLUSTER)")
-    p.add_argument("--metrics-port", type=int, metavar="PORT",
-                   help="with --etcd: scrape this port on each node's host when its membership record names no metrics endpoint")
-    p.add_argument("--token-file", metavar="FILE",
-                   help="the nodes' bearer token: sent to the nodes, and required from viewers (any user name, the token as password)")
-    p.add_argument("--interval", type=float, default=1.0, metavar="S", help="refresh period in seconds, 0.1 to 2 (default 1)")
+    p.add_argument(
+        "--listen",
+        default=DEFAULT_LISTEN,
+        metavar="HOST:PORT",
+        help=f"where the page is served (default {DEFAULT_LISTEN}; port 0: any free port)",
+    )
+    p.add_argument(
+        "--nodes",
+        metavar="HOST:PORT,...",
+        help="the nodes' Prometheus endpoints (what `kvstore serve --metrics-port` serves), comma-separated",
+    )
+    p.add_argument(
+        "--etcd",
+        metavar="HOST:PORT[,...] | etcd://HOST:PORT/CLUSTER",
+        help="take the node list from this cluster's membership in etcd",
+    )
+    p.add_argument(
+        "--cluster",
+        default=None,
+        metavar="NAME",
+        help="cluster name in etcd (default 'default', or the one in etcd://.../CLUSTER)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="with --etcd: scrape this port on each node's host when its membership record names no metrics endpoint",
+    )
+    p.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="the nodes' bearer token: sent to the nodes, and required from viewers (any user name, the token as password)",
+    )
+    p.add_argument(
+        "--interval", type=float, default=1.0, metavar="S", help="refresh period in seconds, 0.1 to 2 (default 1)"
+    )
     p.add_argument("--title", default="", help="page title")
-    g = p.add_argument_group("TLS of the nodes' /metrics (nodes that serve TLS serve it over HTTPS; their membership "
-                             "records say https://)")
+    g = p.add_argument_group(
+        "TLS of the nodes' /metrics (nodes that serve TLS serve it over HTTPS; their membership records say https://)"
+    )
     for flag, var, help_text in TLS_FLAGS:
-        g.add_argument(flag, metavar="NAME" if var == "SERVER_NAME" else "FILE", help=f"{help_text} (default ${ENV}{var})")
-    g.add_argument("--tls", action="store_true", default=False,
-                   help="HTTPS with the system trust roots (implied by the flags above); with any of these, "
-                        "--nodes HOST:PORT and --metrics-port mean https://")
+        g.add_argument(
+            flag, metavar="NAME" if var == "SERVER_NAME" else "FILE", help=f"{help_text} (default ${ENV}{var})"
+        )
+    g.add_argument(
+        "--tls",
+        action="store_true",
+        default=False,
+        help="HTTPS with the system trust roots (implied by the flags above); with any of these, "
+        "--nodes HOST:PORT and --metrics-port mean https://",
+    )
 
 
 def tls_options(a: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -70,7 +101,9 @@ def main(a: argparse.Namespace) -> int:
     from kvstore.errors import KVStoreError
 
     if bool(a.nodes) == bool(a.etcd):
-        return _fail("name the nodes with --nodes HOST:PORT,... or take them from etcd with --etcd HOST:PORT (one of the two)")
+        return _fail(
+            "name the nodes with --nodes HOST:PORT,... or take them from etcd with --etcd HOST:PORT (one of the two)"
+        )
     host, sep, port = a.listen.rpartition(":")
     if not sep or not port.isdigit():
         return _fail(f"--listen must be HOST:PORT, got {a.listen!r}")
@@ -95,15 +128,24 @@ def main(a: argparse.Namespace) -> int:
         else:
             from kvstore.cluster.state import parse_target
 
-            endpoints, cluster = (parse_target(a.etcd) if a.etcd.startswith("etcd://") else (a.etcd, a.cluster or "default"))
+            endpoints, cluster = (
+                parse_target(a.etcd) if a.etcd.startswith("etcd://") else (a.etcd, a.cluster or "default")
+            )
             if a.cluster and a.etcd.startswith("etcd://") and a.cluster != cluster:
                 return _fail(f"--cluster {a.cluster!r} contradicts {a.etcd!r}")
             source = EtcdNodes(endpoints, cluster, metrics_port=a.metrics_port, scheme=scheme)
     except (ValueError, KVStoreError) as e:
         return _fail(str(e))
     try:
-        dash = Dashboard(source, host=host.strip("[]") or "127.0.0.1", port=int(port), token=token, interval=a.interval, title=a.title,
-                         tls=tls)
+        dash = Dashboard(
+            source,
+            host=host.strip("[]") or "127.0.0.1",
+            port=int(port),
+            token=token,
+            interval=a.interval,
+            title=a.title,
+            tls=tls,
+        )
     except (ValueError, OSError) as e:
         source.close()
         return _fail(f"cannot serve the dashboard on {a.listen}: {e}")
@@ -111,7 +153,9 @@ def main(a: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     dash.start()
     try:
-        print(f"kvstore dashboard: {dash.url} ({source.description}, every {a.interval:g} s){' — token required' if token else ''}")
+        print(
+            f"kvstore dashboard: {dash.url} ({source.description}, every {a.interval:g} s){' — token required' if token else ''}"
+        )
         print(f"READY {json.dumps({'url': dash.url, 'pid': os.getpid()})}", flush=True)
         stop.wait()
         return 0

@@ -65,8 +65,15 @@ class ClusterModel:
         self.replication: int | None = None  # the cluster's replication factor, when the source knows it
 
     # -- written by the poller ------------------------------------------------------------
-    def update(self, results: dict[str, tuple[str | None, Scrape | None, str]], *, now: float | None = None,
-               names: dict[str, str] | None = None, source_status: str = "", replication: int | None = None) -> None:
+    def update(
+        self,
+        results: dict[str, tuple[str | None, Scrape | None, str]],
+        *,
+        now: float | None = None,
+        names: dict[str, str] | None = None,
+        source_status: str = "",
+        replication: int | None = None,
+    ) -> None:
         """Apply one poll: ``results[name] = (url, scrape or None, error when there is no url)``."""
         now = time.time() if now is None else now
         deltas: collections.Counter[str] = collections.Counter()
@@ -164,30 +171,43 @@ class ClusterModel:
         """Replication health: the factor, nodes not answering (suspected), and block copies that
         cluster clients' puts could not write (under-replicated, as clients reported them)."""
         listed = [st for st in self.nodes.values() if st.status != "left"]
-        suspected = sorted(st.last.info.get("node_id") or st.name if st.last is not None else st.name
-                           for st in listed if st.status != "up")
-        short = sum(st.total.get("under_replicated", 0.0) for st in self.nodes.values()) + self.departed.get("under_replicated", 0.0)
+        suspected = sorted(
+            st.last.info.get("node_id") or st.name if st.last is not None else st.name
+            for st in listed
+            if st.status != "up"
+        )
+        short = sum(st.total.get("under_replicated", 0.0) for st in self.nodes.values()) + self.departed.get(
+            "under_replicated", 0.0
+        )
         return {"factor": self.replication, "nodes": len(listed), "suspected": suspected, "under_replicated": short}
 
     @staticmethod
     def _node_json(st: NodeState) -> dict[str, Any]:
-        out: dict[str, Any] = {"name": st.name, "url": st.url, "status": st.status, "error": st.error,
-                               "scrape_ms": round(st.scrape_ms, 2), "last_seen": st.last_seen}
+        out: dict[str, Any] = {
+            "name": st.name,
+            "url": st.url,
+            "status": st.status,
+            "error": st.error,
+            "scrape_ms": round(st.scrape_ms, 2),
+            "last_seen": st.last_seen,
+        }
         s = st.last
         if s is not None:
             c = s.counters
             lookups = sum(v for k, v in c.items() if k.startswith("lookups/"))
             hits = sum(v for k, v in c.items() if k.startswith("hits/"))
-            out.update({
-                "title": s.info.get("node_id") or st.name,
-                "node_id": s.info.get("node_id", ""),
-                "version": s.info.get("version", ""),
-                "start_time": s.gauges.get("start_time", 0.0),
-                "lookups": lookups,
-                "hits": hits,
-                "leases": s.gauges.get("leases", 0.0),
-                "tiers": {k.split("/")[1]: {} for k in s.gauges if k.startswith("tier/")},
-            })
+            out.update(
+                {
+                    "title": s.info.get("node_id") or st.name,
+                    "node_id": s.info.get("node_id", ""),
+                    "version": s.info.get("version", ""),
+                    "start_time": s.gauges.get("start_time", 0.0),
+                    "lookups": lookups,
+                    "hits": hits,
+                    "leases": s.gauges.get("leases", 0.0),
+                    "tiers": {k.split("/")[1]: {} for k in s.gauges if k.startswith("tier/")},
+                }
+            )
             for k, v in s.gauges.items():
                 if k.startswith("tier/"):
                     _, tier, what = k.split("/")
@@ -206,12 +226,14 @@ class ClusterModel:
             if base is not None and base[0] == bounds and t1 > t0:
                 window = [max(a - b, 0.0) for a, b in zip(counts, base[1])]
             n = window[-1] if window else 0.0
-            out.append({
-                "method": method,
-                "count": counts[-1] if counts else 0.0,
-                "rate": n / (t1 - t0) if t1 > t0 else 0.0,
-                "p50": quantile(0.5, bounds, window),
-                "p99": quantile(0.99, bounds, window),
-            })
+            out.append(
+                {
+                    "method": method,
+                    "count": counts[-1] if counts else 0.0,
+                    "rate": n / (t1 - t0) if t1 > t0 else 0.0,
+                    "p50": quantile(0.5, bounds, window),
+                    "p99": quantile(0.99, bounds, window),
+                }
+            )
         out.sort(key=lambda m: -m["count"])
         return out

@@ -44,7 +44,7 @@ class _NodeHTTPS(http.client.HTTPSConnection):
     """HTTPS with a :class:`ClientTLS`: its context, and its ``server_name`` checked instead
     of the host dialled (nodes publish pod IPs that a shared certificate cannot list)."""
 
-    def __init__(self, host: str, *, tls: "ClientTLS", **kw: Any) -> None:
+    def __init__(self, host: str, *, tls: ClientTLS, **kw: Any) -> None:
         kw.pop("check_hostname", None)
         super().__init__(host, **{**kw, "context": tls.context})
         self._tls = tls
@@ -55,7 +55,7 @@ class _NodeHTTPS(http.client.HTTPSConnection):
 
 
 class _HTTPSHandler(urllib.request.HTTPSHandler):
-    def __init__(self, tls: "ClientTLS") -> None:
+    def __init__(self, tls: ClientTLS) -> None:
         super().__init__(context=tls.context)
         self._tls = tls
 
@@ -63,7 +63,7 @@ class _HTTPSHandler(urllib.request.HTTPSHandler):
         return self.do_open(lambda host, **kw: _NodeHTTPS(host, tls=self._tls, **kw), req)
 
 
-def _hint(url: str, error: str, tls: "ClientTLS | None") -> str:
+def _hint(url: str, error: str, tls: ClientTLS | None) -> str:
     """What to change when a scrape failed for a TLS reason (flags of ``kvstore dashboard``)."""
     low = error.lower()
     if url.startswith("http://"):
@@ -78,11 +78,15 @@ def _hint(url: str, error: str, tls: "ClientTLS | None") -> str:
         if "hostname" in low or "ip address mismatch" in low:
             if tls is not None and tls.server_name:
                 return f" (the node's certificate does not name {tls.server_name!r}, the --tls-server-name given)"
-            return " (the node's certificate does not name the host dialled: pass --tls-server-name with a name it lists)"
+            return (
+                " (the node's certificate does not name the host dialled: pass --tls-server-name with a name it lists)"
+            )
         trusted = f"--tls-ca-file ({tls.describe} does not)" if tls is not None else "--tls-ca-file"
         return f" (the node's certificate is not trusted: pass the CA that signed it as {trusted})"
     fix = "pass --tls-cert-file and --tls-key-file, a client certificate signed by the CA in the node's tls_client_ca_file"
-    if any(a in low for a in ("certificate required", "certificate_required", "alert bad certificate", "alert unknown ca")):
+    if any(
+        a in low for a in ("certificate required", "certificate_required", "alert bad certificate", "alert unknown ca")
+    ):
         return f" (the node refused this client's certificate or its absence: {fix})"
     if any(a in low for a in ("reset", "closed", "eof")):
         if tls is None or tls.cert is None:
@@ -107,7 +111,7 @@ class Scrape:
     latency: dict[str, tuple[list[float], list[float]]] = dataclasses.field(default_factory=dict)
 
 
-def fetch(url: str, *, token: str = "", timeout: float = 1.5, tls: "ClientTLS | None" = None) -> Scrape:
+def fetch(url: str, *, token: str = "", timeout: float = 1.5, tls: ClientTLS | None = None) -> Scrape:
     """GET ``url`` and parse it; never raises (an unreachable node is a result).
 
     ``https://`` URLs use ``tls`` when given (else the system's trust roots); ``http://``
@@ -168,12 +172,19 @@ def parse(text: str) -> Scrape:
                 c[f"hit_tokens/{lb['op']}/{lb['tier']}"] = v
             elif name == "kvstore_miss_blocks_total":
                 c[f"misses/{lb['op']}/{lb['reason']}"] = v
-            elif name in ("kvstore_namespace_hit_blocks_total", "kvstore_namespace_miss_blocks_total", "kvstore_namespace_hit_tokens_total"):
+            elif name in (
+                "kvstore_namespace_hit_blocks_total",
+                "kvstore_namespace_miss_blocks_total",
+                "kvstore_namespace_hit_tokens_total",
+            ):
                 ns = lb.get("namespace", "")
                 if ns not in namespaces and len(namespaces) >= MAX_NAMESPACES:
                     ns = "other"
                 namespaces.add(ns)
-                kind = {"kvstore_namespace_hit_blocks_total": "hits", "kvstore_namespace_miss_blocks_total": "misses"}.get(name, "tokens")
+                kind = {
+                    "kvstore_namespace_hit_blocks_total": "hits",
+                    "kvstore_namespace_miss_blocks_total": "misses",
+                }.get(name, "tokens")
                 key = f"ns/{ns}/{lb['op']}/{kind}"
                 c[key] = c.get(key, 0.0) + v
             elif name == "kvstore_namespace_info":

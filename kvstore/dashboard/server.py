@@ -24,14 +24,14 @@ import mimetypes
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from importlib import resources
 from http.server import BaseHTTPRequestHandler
+from importlib import resources
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 from kvstore.dashboard.model import ClusterModel
 from kvstore.dashboard.scrape import Scrape, fetch, metrics_url
-from kvstore.metrics import http_server
+from kvstore.node.metrics import http_server
 
 if TYPE_CHECKING:
     from kvstore.tls import ClientTLS
@@ -95,8 +95,10 @@ class EtcdNodes:
             if url is None and self.metrics_port is not None:
                 host = info.grpc.rpartition(":")[0] or "127.0.0.1"
                 url = f"{self.scheme}://{host}:{self.metrics_port}/metrics"
-            out[node_id] = (metrics_url(url) if url else None,
-                            "" if url else "its membership record has no metrics endpoint; pass --metrics-port")
+            out[node_id] = (
+                metrics_url(url) if url else None,
+                "" if url else "its membership record has no metrics endpoint; pass --metrics-port",
+            )
         return out
 
     def names(self) -> dict[str, str] | None:
@@ -130,8 +132,17 @@ class EtcdNodes:
 class Dashboard:
     """The poller and the HTTP server.  ``start`` then ``close``."""
 
-    def __init__(self, source: NodeSource, *, host: str = "127.0.0.1", port: int = 8600, token: str = "",
-                 interval: float = 1.0, title: str = "", tls: "ClientTLS | None" = None) -> None:
+    def __init__(
+        self,
+        source: NodeSource,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8600,
+        token: str = "",
+        interval: float = 1.0,
+        title: str = "",
+        tls: ClientTLS | None = None,
+    ) -> None:
         if not 0.1 <= interval <= 2.0:
             raise ValueError(f"interval must be between 0.1 and 2 s, got {interval}")
         self.source = source
@@ -146,7 +157,12 @@ class Dashboard:
         self.address: tuple[str, int] = self.httpd.server_address[:2]  # type: ignore[assignment]
         self._threads = [
             threading.Thread(target=self._poll_forever, name="kvstore-dashboard-poll", daemon=True),
-            threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="kvstore-dashboard-http", daemon=True),
+            threading.Thread(
+                target=self.httpd.serve_forever,
+                kwargs={"poll_interval": 0.2},
+                name="kvstore-dashboard-http",
+                daemon=True,
+            ),
         ]
 
     @property
@@ -154,7 +170,7 @@ class Dashboard:
         host, port = self.address
         return f"http://{'[' + host + ']' if ':' in host else host}:{port}/"
 
-    def start(self) -> "Dashboard":
+    def start(self) -> Dashboard:
         self.poll_once()  # the first page load already has data
         for t in self._threads:
             t.start()
@@ -175,15 +191,22 @@ class Dashboard:
     def poll_once(self) -> None:
         targets = self.source.targets()
         timeout = max(0.5, min(1.5, self.interval * 1.5))  # a hung node must not stall the page
-        futures = {name: self._pool.submit(fetch, url, token=self.token, timeout=timeout, tls=self.tls)
-                   for name, (url, _) in targets.items() if url}
+        futures = {
+            name: self._pool.submit(fetch, url, token=self.token, timeout=timeout, tls=self.tls)
+            for name, (url, _) in targets.items()
+            if url
+        }
         results: dict[str, tuple[str | None, Scrape | None, str]] = {}
         for name, (url, why) in targets.items():
             fut = futures.get(name)
             results[name] = (url, fut.result() if fut is not None else None, why)
         replication = getattr(self.source, "replication", None)
-        self.model.update(results, names=self.source.names(), source_status=self.source.status(),
-                          replication=replication() if replication is not None else None)
+        self.model.update(
+            results,
+            names=self.source.names(),
+            source_status=self.source.status(),
+            replication=replication() if replication is not None else None,
+        )
 
     def _poll_forever(self) -> None:
         next_at = time.monotonic() + self.interval  # start() already polled once
@@ -217,7 +240,10 @@ class Dashboard:
                 self.send_header("Content-Length", str(len(body)))
                 self.send_header("Cache-Control", "no-store")
                 self.send_header("X-Content-Type-Options", "nosniff")
-                self.send_header("Content-Security-Policy", "default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; script-src 'self'; connect-src 'self'")
+                self.send_header(
+                    "Content-Security-Policy",
+                    "default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; script-src 'self'; connect-src 'self'",
+                )
                 for k, v in (extra or {}).items():
                     self.send_header(k, v)
                 self.end_headers()
@@ -241,8 +267,12 @@ class Dashboard:
 
             def do_GET(self) -> None:
                 if not self._authorized():
-                    self._send(401, b"this dashboard needs the nodes' token (any user name, the token as password)\n",
-                               "text/plain; charset=utf-8", {"WWW-Authenticate": 'Basic realm="kvstore dashboard", charset="UTF-8"'})
+                    self._send(
+                        401,
+                        b"this dashboard needs the nodes' token (any user name, the token as password)\n",
+                        "text/plain; charset=utf-8",
+                        {"WWW-Authenticate": 'Basic realm="kvstore dashboard", charset="UTF-8"'},
+                    )
                     return
                 url = urlsplit(self.path)
                 path = url.path
@@ -265,7 +295,11 @@ class Dashboard:
                 if name == "index.html":
                     body = body.replace(b"{{TITLE}}", _html_escape(dash.title).encode())
                 ctype = mimetypes.guess_type(name)[0] or "application/octet-stream"
-                self._send(200, body, ctype + ("; charset=utf-8" if ctype.startswith(("text/", "application/javascript")) else ""))
+                self._send(
+                    200,
+                    body,
+                    ctype + ("; charset=utf-8" if ctype.startswith(("text/", "application/javascript")) else ""),
+                )
 
             do_HEAD = do_GET
 

@@ -12,17 +12,19 @@ import pytest
 from kvstore.block import BlockMeta
 from kvstore.errors import CapacityExceeded, InvalidArgument
 from kvstore.keys import NO_PARENT, ChunkKey
-from kvstore.policy import LRUPolicy
 from tiers.arena import Arena
 from tiers.base import MissReason, Tier, TierKind
 from tiers.dram import DRAMTier
 from tiers.nvme import NVMeTier
+from tiers.policy import LRUPolicy
 
 CAP = 8 << 20
 
 
 def make_dram(tmp_path: Path) -> DRAMTier:
-    return DRAMTier(Arena.create(f"/dev/shm/kvstore-contract-{uuid.uuid4().hex}.arena", CAP), policy=LRUPolicy(), unit=4096)
+    return DRAMTier(
+        Arena.create(f"/dev/shm/kvstore-contract-{uuid.uuid4().hex}.arena", CAP), policy=LRUPolicy(), unit=4096
+    )
 
 
 def make_nvme(tmp_path: Path) -> NVMeTier:

@@ -123,7 +123,9 @@ class Workload:
         return self.chains[c][: rng.randint(1, self.chain_len)]
 
 
-def _check(stats: LoadStats, keys: Sequence[bytes], got: Sequence[Any], outs: Sequence[np.ndarray] | None = None) -> None:
+def _check(
+    stats: LoadStats, keys: Sequence[bytes], got: Sequence[Any], outs: Sequence[np.ndarray] | None = None
+) -> None:
     for i, (k, g) in enumerate(zip(keys, got)):
         if g is None:
             stats.c["misses"] += 1
@@ -142,7 +144,9 @@ def _check(stats: LoadStats, keys: Sequence[bytes], got: Sequence[Any], outs: Se
             stats.bad.append(k.hex())
 
 
-def run_load(kv: Any, workload: Workload, seconds: float, seed: int, *, call: Callable[[Any], Any] = lambda x: x) -> LoadStats:
+def run_load(
+    kv: Any, workload: Workload, seconds: float, seed: int, *, call: Callable[[Any], Any] = lambda x: x
+) -> LoadStats:
     """Drive ``kv`` (a ``KVClient``; with ``call`` an ``AsyncKVClient`` whose coroutines ``call`` runs)."""
     rng = random.Random(seed)
     stats = LoadStats()
@@ -193,8 +197,15 @@ def _block_info(key: bytes, n: int, data: np.ndarray | None = None) -> Any:
     from protos.kvstore.v1 import kvstore_pb2 as pb
 
     data = payload(key, n) if data is None else data
-    return pb.BlockInfo(key=key, parent=NO_PARENT, namespace=NAMESPACE, dtype="uint8", shape=[n],
-                        payload_len=n, payload_checksum=checksum(data))
+    return pb.BlockInfo(
+        key=key,
+        parent=NO_PARENT,
+        namespace=NAMESPACE,
+        dtype="uint8",
+        shape=[n],
+        payload_len=n,
+        payload_checksum=checksum(data),
+    )
 
 
 def _wait_forever() -> None:

@@ -76,8 +76,10 @@ def chaos(cluster: NetCluster, ledger: Ledger, driver: Driver, clients: list[Any
     """The load threads run while the driver plays the seed's schedule; then every fault is
     undone and the load stops.  Returns the seconds it took."""
     stop = threading.Event()
-    threads = [threading.Thread(target=load, args=(kv, ledger, SEED * 100 + i, stop), daemon=True, name=f"chaos-load-{i}")
-               for i, kv in enumerate(clients)]
+    threads = [
+        threading.Thread(target=load, args=(kv, ledger, SEED * 100 + i, stop), daemon=True, name=f"chaos-load-{i}")
+        for i, kv in enumerate(clients)
+    ]
     ledger.workload.begin(0.9 * SECONDS)
     for t in threads:
         t.start()
@@ -98,13 +100,17 @@ def restart_from_disk(cluster: NetCluster, kv: Any) -> None:
     for node in NODES:
         cluster.nodes[node].kill9()
     cluster.start(*NODES, extra=NODE_ARGS)
-    wait_until(lambda: all((info := kv.snapshot().nodes.get(n)) and info.pid == cluster.nodes[n].proc.pid for n in NODES),
-               15, "every restarted node to register")
+    wait_until(
+        lambda: all((info := kv.snapshot().nodes.get(n)) and info.pid == cluster.nodes[n].proc.pid for n in NODES),
+        15,
+        "every restarted node to register",
+    )
 
 
 @pytest.mark.timeout(180)
-def test_chaos_cluster_never_serves_wrong_bytes_nor_loses_acknowledged_blocks(disk: Path, cluster: NetCluster,
-                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_chaos_cluster_never_serves_wrong_bytes_nor_loses_acknowledged_blocks(
+    disk: Path, cluster: NetCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
     t_start = time.monotonic()
     workload = Workload(300, 8, salt=b"chaos/%d" % SEED)
     # with room to spare (rewrites of damaged records, fragmentation): nothing is evicted from NVMe
@@ -128,14 +134,16 @@ def test_chaos_cluster_never_serves_wrong_bytes_nor_loses_acknowledged_blocks(di
     routed = held_by(cluster.client(), acked, ledger, "after restart, through the cluster")
 
     faults = " ".join(f"{k}={v}" for k, v in sorted(driver.injected.items()))
-    errors = " ".join(f"{k[len('errors_'):]}={v}" for k, v in sorted(c.items()) if k.startswith("errors_"))
+    errors = " ".join(f"{k[len('errors_') :]}={v}" for k, v in sorted(c.items()) if k.startswith("errors_"))
     with capsys.disabled():  # the figures belong in every CI log, not only a failure's
-        print(f"\nchaos seed={SEED}: {chaos_s:.0f}s of chaos, {time.monotonic() - t_start:.0f}s in all; ops={c['ops']} "
-              f"(put={c['ops_put']} get={c['ops_get']} get_into={c['ops_get_into']} match={c['ops_match']}); faults: {faults}; "
-              f"blocks acked={c['blocks_acked']} refused={c['blocks_refused']}; reads={c['reads']} hits={c['hits']} "
-              f"misses={c['misses']} (of acked blocks {c['misses_of_acked']}); wrong_bytes={len(ledger.wrong)}; "
-              f"acknowledged-durable lost={len(lost)} of {len(durable)} ({len(acked)} keys acked; after restarting every "
-              f"node the cluster SDK read {len(routed)}); max_op_ms={c['max_op_ms']}; typed errors: {errors or 'none'}")
+        print(
+            f"\nchaos seed={SEED}: {chaos_s:.0f}s of chaos, {time.monotonic() - t_start:.0f}s in all; ops={c['ops']} "
+            f"(put={c['ops_put']} get={c['ops_get']} get_into={c['ops_get_into']} match={c['ops_match']}); faults: {faults}; "
+            f"blocks acked={c['blocks_acked']} refused={c['blocks_refused']}; reads={c['reads']} hits={c['hits']} "
+            f"misses={c['misses']} (of acked blocks {c['misses_of_acked']}); wrong_bytes={len(ledger.wrong)}; "
+            f"acknowledged-durable lost={len(lost)} of {len(durable)} ({len(acked)} keys acked; after restarting every "
+            f"node the cluster SDK read {len(routed)}); max_op_ms={c['max_op_ms']}; typed errors: {errors or 'none'}"
+        )
     print("driver: " + "; ".join(driver.log))
     assert not ledger.wrong, f"{len(ledger.wrong)} reads returned wrong bytes: {ledger.wrong[:5]}"
     assert not ledger.errors, f"{len(ledger.errors)} calls raised untyped exceptions: {ledger.errors[:2]}"

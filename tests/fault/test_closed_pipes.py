@@ -25,8 +25,24 @@ BLOCKS = 10
 def test_sigterm_with_closed_stdout_and_stderr_flushes_exits_0_and_unlinks_the_arena(tmp_path: Path) -> None:
     data_dir = tmp_path / "node"
     arena = Path(f"/dev/shm/kvstore-test-pipe-{uuid.uuid4().hex[:8]}.arena")
-    cmd = [sys.executable, "-m", "kvstore", "serve", "--data-dir", str(data_dir), "--listen", "127.0.0.1:0",
-           "--dram", "64MiB", "--nvme", "256MiB", "--arena-path", str(arena), "--log-level", "INFO"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvstore",
+        "serve",
+        "--data-dir",
+        str(data_dir),
+        "--listen",
+        "127.0.0.1:0",
+        "--dram",
+        "64MiB",
+        "--nvme",
+        "256MiB",
+        "--arena-path",
+        str(arena),
+        "--log-level",
+        "INFO",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, env=clean_env())
     try:
         assert proc.stdout is not None

@@ -48,8 +48,10 @@ def test_kill9_with_r2_reads_keep_succeeding_through_lease_expiry(cluster: Clust
     assert expired_at is not None and expired_at <= LEASE_TTL + 2.5, expired_at
     # the dead node costs at most one fast failure (connection refused), then it is routed around
     assert latencies[0] < FAST["rpc"] + 1 and max(latencies[1:]) < 1.0, latencies[:5]
-    print(f"\nkill -9: first read {latencies[0] * 1000:.0f} ms, then median "
-          f"{sorted(latencies)[len(latencies) // 2] * 1000:.1f} ms; lease expired after {expired_at:.2f} s")
+    print(
+        f"\nkill -9: first read {latencies[0] * 1000:.0f} ms, then median "
+        f"{sorted(latencies)[len(latencies) // 2] * 1000:.1f} ms; lease expired after {expired_at:.2f} s"
+    )
     # after the expiry, new writes land on two live nodes again
     more, more_data = blocks(20, seed=1)
     assert all(kv.put_many(more, more_data))
@@ -72,7 +74,9 @@ def test_restarted_node_rejoins_and_serves_its_nvme_blocks(cluster: Cluster) -> 
     assert kv.get_many([keys[i] for i in mine]) == [None] * len(mine)  # its only copies are down: misses
     (r1,) = cluster.start("r1", extra=("--write-through",))  # same node id, same data directory
     assert r1.proc.pid != old_pid
-    wait_until(lambda: kv.snapshot().nodes.get("r1") and kv.snapshot().nodes["r1"].pid == r1.proc.pid, 10, "r1 to rejoin")
+    wait_until(
+        lambda: kv.snapshot().nodes.get("r1") and kv.snapshot().nodes["r1"].pid == r1.proc.pid, 10, "r1 to rejoin"
+    )
     # served from the restarted node's NVMe tier
     locs = kv.lookup_locations([keys[i] for i in mine])
     assert all(loc is not None and loc[0] == "r1" and loc[1] == "nvme" for loc in locs), locs
@@ -150,8 +154,10 @@ def test_hung_node_calls_end_at_their_deadline_as_misses(cluster: Cluster) -> No
         assert kv.put_many(more, more_data) == [True] * 10
         assert kv.get_many(more) == more_data
         assert hung in kv.nodes()  # still a member: it was routed around, not removed
-        print(f"\nhung node: first read of 40 keys {first * 1000:.0f} ms (deadline {FAST['rpc']} s); "
-              f"then a read and a match_prefix routed around it in {second * 1000:.0f} ms")
+        print(
+            f"\nhung node: first read of 40 keys {first * 1000:.0f} ms (deadline {FAST['rpc']} s); "
+            f"then a read and a match_prefix routed around it in {second * 1000:.0f} ms"
+        )
     finally:
         cluster.sigcont(hung)
     # once it answers again it serves: a client without the back-off reads its blocks
@@ -194,7 +200,9 @@ def test_regression_node_back_from_sigstop_skipped_until_backoff_ends(cluster: C
     with KVClient(cluster.nodes[victim].tcp) as direct:
         assert direct.get_many([more[i] for i in mine]) == [more_data[i] for i in mine]
     assert victim not in kv.suspects
-    print(f"\nSIGSTOP past the lease: registered again {rejoined:.2f} s after SIGCONT, routed to at once (suspect_s 30 s)")
+    print(
+        f"\nSIGSTOP past the lease: registered again {rejoined:.2f} s after SIGCONT, routed to at once (suspect_s 30 s)"
+    )
 
 
 def test_regression_node_restarted_under_its_id_skipped_until_backoff_ends(cluster: Cluster) -> None:
@@ -232,5 +240,7 @@ def test_regression_node_restarted_under_its_id_skipped_until_backoff_ends(clust
     locs = kv.lookup_locations([more[i] for i in first])
     assert all(loc is not None and loc[0] == victim for loc in locs), locs
     assert kv.get_many(keys) == data  # its old blocks (DRAM, lost) come from the replica
-    print(f"\nkill -9 and restart inside the lease: the view showed the new registration {rejoined:.2f} s after "
-          f"the restart; routed to at once (suspect_s 30 s)")
+    print(
+        f"\nkill -9 and restart inside the lease: the view showed the new registration {rejoined:.2f} s after "
+        f"the restart; routed to at once (suspect_s 30 s)"
+    )

@@ -21,7 +21,7 @@ import pytest
 from conftest import start_clean, stop_clean
 
 from client import KVClient, KVStoreError, Timeouts
-from kvstore.datachannel import FIRST_FRAME_TIMEOUT_S
+from kvstore.node.datachannel import FIRST_FRAME_TIMEOUT_S
 
 NOFILE = 256
 ULIMIT = ["bash", "-c", f'ulimit -n {NOFILE} && exec "$@"', "ulimit"]  # the node keeps its PID
@@ -78,8 +78,17 @@ def seconds_until_served(tcp: str, limit: float) -> float:
 
 def test_accept_survives_emfile_and_serves_within_5s_after_the_flood(tmp_path: Path) -> None:
     # caps above the descriptor limit: the flood exhausts the node's descriptors and accept fails with EMFILE
-    node = start_clean(tmp_path / "n", "--dram", "64MiB", "--nvme", "0", "--log-level", "INFO", prefix=ULIMIT,
-                       env={"KVSTORE_DATA_MAX_CONNECTIONS": "4000", "KVSTORE_DATA_MAX_CONNECTIONS_PER_PEER": "4000"})
+    node = start_clean(
+        tmp_path / "n",
+        "--dram",
+        "64MiB",
+        "--nvme",
+        "0",
+        "--log-level",
+        "INFO",
+        prefix=ULIMIT,
+        env={"KVSTORE_DATA_MAX_CONNECTIONS": "4000", "KVSTORE_DATA_MAX_CONNECTIONS_PER_PEER": "4000"},
+    )
     try:
         assert round_trip(node.tcp)
         with flood(node.endpoints["data"], FLOOD):

@@ -1,6 +1,6 @@
 """Every step of an NVMe put and demotion, failed on purpose in a real node (issue 13, "Also").
 
-The node runs with ``KVSTORE_FAILPOINTS`` (``kvstore/failpoints.py``): one named step
+The node runs with ``KVSTORE_FAILPOINTS`` (``kvstore/node/failpoints.py``): one named step
 (``nvme.preallocate``, ``nvme.write``, ``nvme.sync``, ``nvme.index.commit``) passes a few
 times, then fails as a full disk (ENOSPC), a failing one (EIO), a short write (a record's
 header without its payload) or a crash (SIGKILL at exactly that step).  After each:
@@ -50,10 +50,18 @@ def check(n: NodeProcess, count: int, durable: range) -> list[bytes | None]:
 
 
 WRITE_THROUGH = [
-    ("nvme.preallocate", "enospc"), ("nvme.preallocate", "eio"), ("nvme.preallocate", "kill"),
-    ("nvme.write", "enospc"), ("nvme.write", "eio"), ("nvme.write", "short"), ("nvme.write", "kill"),
-    ("nvme.sync", "eio"), ("nvme.sync", "kill"),
-    ("nvme.index.commit", "enospc"), ("nvme.index.commit", "eio"), ("nvme.index.commit", "kill"),
+    ("nvme.preallocate", "enospc"),
+    ("nvme.preallocate", "eio"),
+    ("nvme.preallocate", "kill"),
+    ("nvme.write", "enospc"),
+    ("nvme.write", "eio"),
+    ("nvme.write", "short"),
+    ("nvme.write", "kill"),
+    ("nvme.sync", "eio"),
+    ("nvme.sync", "kill"),
+    ("nvme.index.commit", "enospc"),
+    ("nvme.index.commit", "eio"),
+    ("nvme.index.commit", "kill"),
 ]
 
 
@@ -62,8 +70,15 @@ WRITE_THROUGH = [
 def test_write_through_put_fails_at_each_step(node_factory: Any, tmp_path: Path, point: str, action: str) -> None:
     d = tmp_path / "node"
     passes = 0 if point == "nvme.preallocate" else PASSES  # a segment is preallocated once
-    node = node_factory("--dram", "64MiB", "--nvme", "64MiB", "--write-through", data_dir=d,
-                        env={"KVSTORE_FAILPOINTS": f"{point}={action}@{passes}"})
+    node = node_factory(
+        "--dram",
+        "64MiB",
+        "--nvme",
+        "64MiB",
+        "--write-through",
+        data_dir=d,
+        env={"KVSTORE_FAILPOINTS": f"{point}={action}@{passes}"},
+    )
     acked: list[int] = []
     with KVClient(node.unix) as kv:
         for i in range(PUTS):  # one at a time: each put is one group commit, one pass of each step
@@ -96,8 +111,9 @@ DEMOTION = [("nvme.write", "enospc"), ("nvme.write", "short"), ("nvme.sync", "ei
 @pytest.mark.parametrize(("point", "action"), DEMOTION)
 def test_demotion_fails_open_at_each_step(node_factory: Any, tmp_path: Path, point: str, action: str) -> None:
     d = tmp_path / "node"
-    node = node_factory("--dram", "4MiB", "--nvme", "64MiB", data_dir=d,
-                        env={"KVSTORE_FAILPOINTS": f"{point}={action}@{PASSES}"})
+    node = node_factory(
+        "--dram", "4MiB", "--nvme", "64MiB", data_dir=d, env={"KVSTORE_FAILPOINTS": f"{point}={action}@{PASSES}"}
+    )
     count = 80  # 8 MB through a 4 MiB arena: most of it must be demoted
     with KVClient(node.unix) as kv:
         for i in range(count):

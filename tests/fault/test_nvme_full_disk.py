@@ -80,7 +80,9 @@ def test_full_disk_fails_demotions_open_never_puts(small_fs: Path, node_factory:
 
 
 @pytest.mark.timeout(120)
-def test_regression_node_restarted_on_a_full_disk_starts_and_serves_its_blocks(small_fs: Path, node_factory: Any) -> None:
+def test_regression_node_restarted_on_a_full_disk_starts_and_serves_its_blocks(
+    small_fs: Path, node_factory: Any
+) -> None:
     """Bug (found by the chaos test, tests/fault/test_chaos.py): a node killed and started
     again while its disk was full died at start (rc 1, ``OSError: [Errno 28]`` from the
     O_DIRECT probe's one-page write), so its durable blocks stayed unreachable until
@@ -104,7 +106,8 @@ def test_regression_node_restarted_on_a_full_disk_starts_and_serves_its_blocks(s
 
 @pytest.mark.timeout(120)
 def test_regression_write_through_put_of_a_block_held_in_dram_alone_is_durable_when_acknowledged(
-        small_fs: Path, node_factory: Any) -> None:
+    small_fs: Path, node_factory: Any
+) -> None:
     """Bug (found building the chaos test's durability check): with ``--write-through``, a
     put of a key the node held in DRAM alone (its first put met a full disk, which fails
     open) answered ``EXISTS`` at once, acknowledged, and wrote nothing, also after space was

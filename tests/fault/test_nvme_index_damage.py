@@ -65,7 +65,10 @@ def stored(tmp_path_factory: pytest.TempPathFactory) -> Path:
     try:
         with KVClient(n.unix) as kv:
             for i in range(0, BLOCKS, 50):
-                assert kv.put_many([key(j) for j in range(i, i + 50)], [payload(j) for j in range(i, i + 50)]) == [True] * 50
+                assert (
+                    kv.put_many([key(j) for j in range(i, i + 50)], [payload(j) for j in range(i, i + 50)])
+                    == [True] * 50
+                )
     finally:
         assert n.stop(timeout=60) == 0  # SIGTERM demotes what is still only in DRAM
         Path(n.arena_path).unlink(missing_ok=True)
@@ -82,7 +85,9 @@ def _metric(n: NodeProcess, name: str) -> float:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
-def test_node_starts_on_a_damaged_index_and_recovers_its_blocks(stored: Path, tmp_path: Path, node_factory: Any, damage: str) -> None:
+def test_node_starts_on_a_damaged_index_and_recovers_its_blocks(
+    stored: Path, tmp_path: Path, node_factory: Any, damage: str
+) -> None:
     d = tmp_path / "node"
     shutil.copytree(stored, d)
     DAMAGE[damage](d / "nvme" / "index.lmdb" / "data.mdb")

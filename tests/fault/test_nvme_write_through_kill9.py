@@ -56,8 +56,10 @@ def test_write_through_loses_no_acknowledged_put_under_kill9(node_factory: Any, 
     node = node_factory("--dram", "256MiB", "--nvme", "256MiB", "--write-through", data_dir=data_dir)
     acked: list[list[int]] = [[] for _ in range(THREADS)]
     stop = threading.Event()
-    threads = [threading.Thread(target=_put_until_dead, args=(node.unix, t, acked[t], stop), daemon=True)
-               for t in range(THREADS)]
+    threads = [
+        threading.Thread(target=_put_until_dead, args=(node.unix, t, acked[t], stop), daemon=True)
+        for t in range(THREADS)
+    ]
     for t in threads:
         t.start()
     time.sleep(1.5 + run)

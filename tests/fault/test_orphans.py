@@ -22,7 +22,7 @@ import pytest
 from conftest import ROOT, clean_env, start_clean, stop_clean, wait_for
 
 from kvstore.cluster.local_etcd import find_etcd
-from kvstore.config import NodeConfig
+from kvstore.node.config import NodeConfig
 
 
 def gone(pid: int) -> bool:
@@ -60,6 +60,7 @@ def kill_and_check(parent: subprocess.Popen[str], sig: int, children: list[psuti
 
 def spawned(parent: subprocess.Popen[str], *names: str) -> list[psutil.Process]:
     """Wait until ``parent`` has a child whose command line contains each of ``names``; all its children."""
+
     def look() -> list[psutil.Process] | None:
         kids = psutil.Process(parent.pid).children()
         lines = [" ".join(k.cmdline()) for k in kids]
@@ -70,9 +71,29 @@ def spawned(parent: subprocess.Popen[str], *names: str) -> list[psutil.Process]:
 
 def start_up(tmp_path: Path, nodes: int) -> subprocess.Popen[str]:
     """``kvstore up`` with ``nodes`` 16 MiB nodes, no NVMe and no dashboard, under ``tmp_path / "up"``."""
-    return subprocess.Popen([sys.executable, "-m", "kvstore", "up", "--nodes", str(nodes), "--dram", "16MiB", "--nvme", "0",
-                             "--dashboard-port", "-1", "--data-dir", str(tmp_path / "up")], cwd=ROOT, env=clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "up",
+            "--nodes",
+            str(nodes),
+            "--dram",
+            "16MiB",
+            "--nvme",
+            "0",
+            "--dashboard-port",
+            "-1",
+            "--data-dir",
+            str(tmp_path / "up"),
+        ],
+        cwd=ROOT,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def up_ready(up: subprocess.Popen[str]) -> dict:
@@ -85,9 +106,27 @@ def up_ready(up: subprocess.Popen[str]) -> dict:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_bench_takes_its_node_and_redis_with_it(sig: int) -> None:
     redis = [] if Path("/usr/bin/redis-server").exists() else ["--redis-server", ""]
-    bench = subprocess.Popen([sys.executable, "-m", "kvstore", "bench", "--quick", "--paths", "local", "--sizes", "4MiB",
-                              "--repeat", "1000", *redis], cwd=ROOT, env=clean_env(), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, text=True)
+    bench = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "bench",
+            "--quick",
+            "--paths",
+            "local",
+            "--sizes",
+            "4MiB",
+            "--repeat",
+            "1000",
+            *redis,
+        ],
+        cwd=ROOT,
+        env=clean_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         kids = spawned(bench, "kvstore serve", *(["redis-server"] if not redis else []))
         work = Path(options(next(k for k in kids if "serve" in k.cmdline()).cmdline())["--data-dir"]).parent
@@ -141,10 +180,17 @@ def test_up_removes_the_arena_of_a_node_that_was_killed(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_demo_private_node_dies_with_its_parent(tmp_path: Path) -> None:
-    code = ("import sys, time\nfrom gpu_agent._node import PrivateNode\n"
-            "n = PrivateNode(sys.argv[1], dram='16MiB', nvme='0').start()\nprint(n.endpoints['pid'], flush=True)\ntime.sleep(600)\n")
-    parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "node")], cwd=ROOT, env=clean_env(),
-                              stdout=subprocess.PIPE, text=True)
+    code = (
+        "import sys, time\nfrom gpu_agent._node import PrivateNode\n"
+        "n = PrivateNode(sys.argv[1], dram='16MiB', nvme='0').start()\nprint(n.endpoints['pid'], flush=True)\ntime.sleep(600)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path / "node")],
+        cwd=ROOT,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert parent.stdout is not None
         pid = int(parent.stdout.readline())
@@ -160,9 +206,17 @@ def test_a_node_reclaims_a_dead_nodes_arena_of_its_own_id_but_never_a_live_ones(
     node_id = f"reclaim-{os.getpid()}"
     args = ("--dram", "16MiB", "--nvme", "0", "--listen", "127.0.0.1:0")
 
-    def serve(d: str) -> subprocess.Popen[str]:  # the default arena path: /dev/shm/kvstore-<id>-<hash of data dir>.arena
-        p = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--data-dir", str(tmp_path / d), "--node-id", node_id,
-                              *args], cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    def serve(
+        d: str,
+    ) -> subprocess.Popen[str]:  # the default arena path: /dev/shm/kvstore-<id>-<hash of data dir>.arena
+        p = subprocess.Popen(
+            [sys.executable, "-m", "kvstore", "serve", "--data-dir", str(tmp_path / d), "--node-id", node_id, *args],
+            cwd=ROOT,
+            env=clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         assert p.stdout is not None and any(line.startswith("READY ") for line in p.stdout)
         return p
 
@@ -196,10 +250,14 @@ def test_regression_spawned_child_runs_none_of_the_parents_python_before_exec() 
     client threads were busy, about 1 child in 150 aborted before it became etcd.  Now the
     child sets the signal in a fresh interpreter and execs: an at-fork handler of the parent
     never runs in it.  The PDEATHSIG itself is checked by the tests above."""
-    code = ("import os, sys; os.register_at_fork(after_in_child=lambda: os._exit(99)); "
-            "from kvstore import children; p = children.spawn([sys.executable, '-c', 'print(\"exec\")'], stdout=-1, text=True); "
-            "print(p.communicate(timeout=60)[0].strip(), p.returncode)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=clean_env())
+    code = (
+        "import os, sys; os.register_at_fork(after_in_child=lambda: os._exit(99)); "
+        "from kvstore import children; p = children.spawn([sys.executable, '-c', 'print(\"exec\")'], stdout=-1, text=True); "
+        "print(p.communicate(timeout=60)[0].strip(), p.returncode)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=clean_env()
+    )
     assert r.stdout.split() == ["exec", "0"], (r.stdout, r.stderr)
     with pytest.raises(FileNotFoundError):
         from kvstore import children

@@ -128,8 +128,11 @@ def test_partitioned_node_is_routed_around_dropped_and_rejoins_after_heal(cluste
     # its blocks are still there, readable through it: directly (a connection that lost packets
     # may take a few seconds to be replaced: see the regression test below), and routed to it
     direct = cluster.direct(victim)
-    wait_until(lambda: reads_back(direct, [keys[i] for i in owned], [data[i] for i in owned]), HEALED_BOUND,
-               f"reads through {victim}")
+    wait_until(
+        lambda: reads_back(direct, [keys[i] for i in owned], [data[i] for i in owned]),
+        HEALED_BOUND,
+        f"reads through {victim}",
+    )
     readable = time.monotonic() - t_heal
     fresh = cluster.client()
     locs = fresh.lookup_locations([keys[i] for i in first])
@@ -138,10 +141,12 @@ def test_partitioned_node_is_routed_around_dropped_and_rejoins_after_heal(cluste
     # so is everything written during the partition, by every client
     for k, d in written:
         assert kv.get_many(k) == d and fresh.get_many(k) == d
-    print(f"\npartition of 1/3 nodes, R=2: first read {reads[0] * 1000:.0f} ms, then median "
-          f"{sorted(reads)[len(reads) // 2] * 1000:.1f} ms ({len(reads)} reads of {len(keys)} keys); first write "
-          f"{writes[0] * 1000:.0f} ms; dropped from membership {dropped_at:.2f} s after the cut (lease {LEASE_TTL} s); "
-          f"registered again {rejoined:.2f} s and read through {readable:.2f} s after the heal")
+    print(
+        f"\npartition of 1/3 nodes, R=2: first read {reads[0] * 1000:.0f} ms, then median "
+        f"{sorted(reads)[len(reads) // 2] * 1000:.1f} ms ({len(reads)} reads of {len(keys)} keys); first write "
+        f"{writes[0] * 1000:.0f} ms; dropped from membership {dropped_at:.2f} s after the cut (lease {LEASE_TTL} s); "
+        f"registered again {rejoined:.2f} s and read through {readable:.2f} s after the heal"
+    )
 
 
 def test_node_cut_off_from_etcd_keeps_serving_and_reregisters(cluster: NetCluster) -> None:
@@ -179,8 +184,10 @@ def test_node_cut_off_from_etcd_keeps_serving_and_reregisters(cluster: NetCluste
     locs = fresh.lookup_locations([keys[i] for i in first])
     assert all(loc is not None and loc[0] == victim for loc in locs), locs
     assert fresh.get_many(keys) == data and kv.get_many(keys) == data
-    print(f"\nnode cut from etcd: left the membership {dropped_at:.2f} s after the cut, served {served} rounds of "
-          f"direct reads and writes meanwhile; registered again {rejoined:.2f} s after the heal")
+    print(
+        f"\nnode cut from etcd: left the membership {dropped_at:.2f} s after the cut, served {served} rounds of "
+        f"direct reads and writes meanwhile; registered again {rejoined:.2f} s after the heal"
+    )
 
 
 def test_client_side_partition_reads_end_at_deadline_and_fall_back(cluster: NetCluster) -> None:
@@ -226,16 +233,23 @@ def test_client_side_partition_reads_end_at_deadline_and_fall_back(cluster: NetC
 
     cluster.net.heal(victim)
     direct = cluster.direct(victim)
-    wait_until(lambda: reads_back(direct, [only[i] for i in on_victim], [only_data[i] for i in on_victim]), HEALED_BOUND,
-               f"reads through {victim}")
+    wait_until(
+        lambda: reads_back(direct, [only[i] for i in on_victim], [only_data[i] for i in on_victim]),
+        HEALED_BOUND,
+        f"reads through {victim}",
+    )
     healed = cluster.client(replication=1)
     assert healed.get_many([only[i] for i in on_victim]) == [only_data[i] for i in on_victim]
-    print(f"\nclient-side partition: first read {first * 1000:.0f} ms (rpc deadline {FAST['rpc']} s), then "
-          f"{second * 1000:.0f} ms; {len(on_victim)} single-copy keys missed in {miss_batch * 1000:.0f} ms; a new client's "
-          f"first read {fresh_first * 1000:.0f} ms; an async client's two reads {async_first * 1000:.0f} ms")
+    print(
+        f"\nclient-side partition: first read {first * 1000:.0f} ms (rpc deadline {FAST['rpc']} s), then "
+        f"{second * 1000:.0f} ms; {len(on_victim)} single-copy keys missed in {miss_batch * 1000:.0f} ms; a new client's "
+        f"first read {fresh_first * 1000:.0f} ms; an async client's two reads {async_first * 1000:.0f} ms"
+    )
 
 
-def test_regression_client_connection_stuck_for_as_long_again_after_a_partition_heals(net: Network, tmp_path: Path) -> None:
+def test_regression_client_connection_stuck_for_as_long_again_after_a_partition_heals(
+    net: Network, tmp_path: Path
+) -> None:
     """Bug: after a partition healed, a client kept its gRPC connection to the node, whose
     unacknowledged packets TCP retransmits with exponential back-off (0.2, 0.6, 1.4, ...,
     12.6, 25.4 s after the first loss).  Every call, from every client in the process (gRPC
@@ -243,8 +257,16 @@ def test_regression_client_connection_stuck_for_as_long_again_after_a_partition_
     10 s after a 15 s partition, minutes after a long one.  Now the SDK's channels set
     TCP_USER_TIMEOUT (through a keepalive time), so the connection is replaced."""
     host = net.add_host("solo")
-    node = NodeProcess(tmp_path / "solo", "--dram", "64MiB", "--nvme", "0", prefix=host.exec_prefix, listen="0.0.0.0:0",
-                       env={"KVSTORE_ADVERTISE_HOST": host.ip}).start()
+    node = NodeProcess(
+        tmp_path / "solo",
+        "--dram",
+        "64MiB",
+        "--nvme",
+        "0",
+        prefix=host.exec_prefix,
+        listen="0.0.0.0:0",
+        env={"KVSTORE_ADVERTISE_HOST": host.ip},
+    ).start()
     try:
         assert node.tcp.startswith(host.ip + ":")
         kv = KVClient(node.tcp, timeouts=Timeouts(**FAST))
@@ -297,8 +319,11 @@ def test_regression_healed_node_skipped_until_its_backoff_ends_after_it_register
     rejoined = time.monotonic() - t_heal
     assert victim not in kv.suspects, kv.suspects  # cleared with the registration, 25+ s early
     # reads: its keys are looked up and served there again (its blocks survived the partition)
-    wait_until(lambda: all(loc is not None and loc[0] == victim for loc in kv.lookup_locations(first)), HEALED_BOUND,
-               f"the client to read through {victim} again")
+    wait_until(
+        lambda: all(loc is not None and loc[0] == victim for loc in kv.lookup_locations(first)),
+        HEALED_BOUND,
+        f"the client to read through {victim} again",
+    )
     routed = time.monotonic() - t_heal
     hits = direct.stats()["counters"].get("get_hits_dram", 0)
     assert kv.get_many(first) == [data[keys.index(k)] for k in first]
@@ -311,5 +336,7 @@ def test_regression_healed_node_skipped_until_its_backoff_ends_after_it_register
     assert kv.under_replicated() == short
     assert direct.get_many([more[i] for i in mine]) == [more_data[i] for i in mine]
     assert victim not in kv.suspects
-    print(f"\nhealed node with suspect_s = 30 s: dropped {dropped_at:.2f} s after the cut, registered again "
-          f"{rejoined:.2f} s and routed to by the same client {routed:.2f} s after the heal")
+    print(
+        f"\nhealed node with suspect_s = 30 s: dropped {dropped_at:.2f} s after the cut, registered again "
+        f"{rejoined:.2f} s and routed to by the same client {routed:.2f} s after the heal"
+    )

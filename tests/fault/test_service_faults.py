@@ -33,7 +33,7 @@ import pytest
 
 from client import DeadlineExceeded, KVClient, Timeouts, Unavailable
 from kvstore.block import checksum
-from kvstore.datachannel import DEFAULT_MIN_RATE, OP_GET, OP_PUT, REPLY, REQUEST, REQUEST_MAGIC, TRANSFER_GRACE_S
+from kvstore.node.datachannel import DEFAULT_MIN_RATE, OP_GET, OP_PUT, REPLY, REQUEST, REQUEST_MAGIC, TRANSFER_GRACE_S
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -100,7 +100,10 @@ class Worker:
 
     def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER_PATH), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [sys.executable, str(WORKER_PATH), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
@@ -153,8 +156,15 @@ def _stub(target: str) -> tuple[grpc.Channel, Any]:
 
 
 def _block_info(key: bytes, n: int) -> pb.BlockInfo:
-    return pb.BlockInfo(key=key, parent=worker.NO_PARENT, namespace=worker.NAMESPACE, dtype="uint8", shape=[n],
-                        payload_len=n, payload_checksum=checksum(worker.payload(key, n)))
+    return pb.BlockInfo(
+        key=key,
+        parent=worker.NO_PARENT,
+        namespace=worker.NAMESPACE,
+        dtype="uint8",
+        shape=[n],
+        payload_len=n,
+        payload_checksum=checksum(worker.payload(key, n)),
+    )
 
 
 def _start(node_factory: Any, *args: str, ttl: dict[str, str], **kw: Any) -> Any:
@@ -342,7 +352,10 @@ def test_get_stream_cancelled_halfway_releases_its_lease(node_factory: Any) -> N
         try:
             call = stub.GetStream(pb.KeysRequest(keys=keys), timeout=60)
             first = next(call)
-            assert first.status == pb.KEY_STATUS_OK and bytes(first.data) == worker.payload(keys[0], n)[: len(first.data)].tobytes()
+            assert (
+                first.status == pb.KEY_STATUS_OK
+                and bytes(first.data) == worker.payload(keys[0], n)[: len(first.data)].tobytes()
+            )
             call.cancel()
             _poll(lambda: _idle(kv), timeout=5, what="a cancelled GetStream releases its lease")
         finally:
@@ -475,7 +488,9 @@ def test_get_stream_stalled_past_its_deadline_sends_no_foreign_bytes(node_factor
                 pass  # giving up is acceptable; different bytes are not
         finally:
             ch.close()
-        assert bytes(body) == worker.payload(key, n).tobytes()[: len(body)], "the node streamed bytes that are not the block's"
+        assert bytes(body) == worker.payload(key, n).tobytes()[: len(body)], (
+            "the node streamed bytes that are not the block's"
+        )
         _poll(lambda: _idle(kv), timeout=10, what="the stream is resolved")
         _check_exact(kv, key, n)
 
@@ -526,8 +541,11 @@ def test_slow_data_channel_peer_holds_space_no_longer_than_its_transfer_bound(no
         reader.start()
         try:
             _poll(lambda: _counters(kv).get("active_transfers", 0) == 1, timeout=5, what="the node took the transfer")
-            _poll(lambda: _idle(kv) and _counters(kv).get("active_transfers", 0) == 0, timeout=SLOW_BOUND_S + 3,
-                  what=f"a slow {op} is cut and its space freed by its bound ({SLOW_BOUND_S:.2f} s)")
+            _poll(
+                lambda: _idle(kv) and _counters(kv).get("active_transfers", 0) == 0,
+                timeout=SLOW_BOUND_S + 3,
+                what=f"a slow {op} is cut and its space freed by its bound ({SLOW_BOUND_S:.2f} s)",
+            )
             held = time.monotonic() - started
             print(f"slow {op}: space held {held:.2f} s (bound {SLOW_BOUND_S:.2f} s, TTL 3 s)")
             assert reader.is_alive() or op == "put", "the reader was to keep reading slowly for longer than the bound"
@@ -568,8 +586,12 @@ class Loader(threading.Thread):
             t0 = time.monotonic()
             try:
                 if self.rng.random() < 0.5:
-                    self.kv.put_many(keys, [worker.payload(k) for k in keys], namespace=worker.NAMESPACE,
-                                     parents=worker.parents_of(keys))
+                    self.kv.put_many(
+                        keys,
+                        [worker.payload(k) for k in keys],
+                        namespace=worker.NAMESPACE,
+                        parents=worker.parents_of(keys),
+                    )
                 else:
                     for k, got in zip(keys, self.kv.get_many(keys)):
                         if got is not None and not worker.verify(k, got):
@@ -596,10 +618,18 @@ def test_node_killed_under_load_restarts_with_its_nvme_blocks(node_factory: Any,
     # blocks made durable before the kill
     with KVClient(node.unix, timeouts=FAST) as kv:
         for ch in pre.chains:
-            assert all(kv.put_many(ch, [worker.payload(k) for k in ch], namespace=worker.NAMESPACE, parents=worker.parents_of(ch)))
+            assert all(
+                kv.put_many(
+                    ch, [worker.payload(k) for k in ch], namespace=worker.NAMESPACE, parents=worker.parents_of(ch)
+                )
+            )
         all_pre = [k for ch in pre.chains for k in ch]
         if mode == "write-through":
-            _poll(lambda: _counters(kv).get("demotions", 0) >= len(all_pre), timeout=30, what="write-through persisted every block")
+            _poll(
+                lambda: _counters(kv).get("demotions", 0) >= len(all_pre),
+                timeout=30,
+                what="write-through persisted every block",
+            )
             durable = all_pre
         else:
             durable = [k for k, t in zip(all_pre, kv.lookup(all_pre)) if t == "nvme"]
@@ -619,8 +649,11 @@ def test_node_killed_under_load_restarts_with_its_nvme_blocks(node_factory: Any,
         node2 = _start(node_factory, *args, data_dir=data_dir, node_id=node_id, ttl=SHORT_TTL)
         ready_at = time.monotonic()
         # every client must come back on its own, through the same client objects
-        _poll(lambda: all(any(t > ready_at for t in ld.ok_at) for ld in loaders), timeout=30,
-              what="every client succeeds again after the restart")
+        _poll(
+            lambda: all(any(t > ready_at for t in ld.ok_at) for ld in loaders),
+            timeout=30,
+            what="every client succeeds again after the restart",
+        )
         recovered_at = time.monotonic()
         time.sleep(3)
     finally:
@@ -644,8 +677,10 @@ def test_node_killed_under_load_restarts_with_its_nvme_blocks(node_factory: Any,
     kinds: dict[str, int] = {}
     for _, e in errors:
         kinds[type(e).__name__] = kinds.get(type(e).__name__, 0) + 1
-    print(f"\nRESTART {mode}: {len(durable)} durable blocks, errors while down {kinds}, longest call {longest:.2f} s, "
-          f"all clients back {recovered_at - ready_at:.2f} s after READY")
+    print(
+        f"\nRESTART {mode}: {len(durable)} durable blocks, errors while down {kinds}, longest call {longest:.2f} s, "
+        f"all clients back {recovered_at - ready_at:.2f} s after READY"
+    )
     assert longest < 3 * FAST.rpc + FAST.data + 2, f"a call took {longest:.1f} s"
 
     with KVClient(node2.unix, timeouts=FAST) as kv:

@@ -152,7 +152,9 @@ def test_save_then_reuse_orders_without_host_syncs(cuda_agent: Any) -> None:
     h = cuda_agent.load(toks, dst, ids)
     for i in range(cuda_agent.layout.num_layers):
         h.wait_layer(i)
-    same = torch.stack([(d[:, ids].view(torch.int16) == w[:, ids].view(torch.int16)).all() for d, w in zip(dst, want)]).all()
+    same = torch.stack(
+        [(d[:, ids].view(torch.int16) == w[:, ids].view(torch.int16)).all() for d, w in zip(dst, want)]
+    ).all()
     assert bool(same.item()) and h.wait(timeout=60)  # the only host sync
 
 
@@ -230,9 +232,10 @@ def test_two_agents_on_one_client_share_one_registration(cuda_agent: Any) -> Non
 
 def test_a_refused_registration_stages_through_a_bounce_buffer(node_factory: Any) -> None:
     """Where cudaHostRegister is refused, copies really go through pinned bounce buffers."""
+    from gpu_agent_fakes import FakeCudart
+
     from client import KVClient
     from gpu_agent import GPUAgent
-    from gpu_agent_fakes import FakeCudart
 
     n = node_factory("--dram", "256MiB", "--nvme", "0")
     lay = layout()

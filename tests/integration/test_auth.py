@@ -39,7 +39,9 @@ def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory, token_file: Path) -> Iterator[NodeProcess]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    n = NodeProcess(tmp_path_factory.mktemp("authnode") / "node", "--dram", "32MiB", "--nvme", "0", "--token-file", str(token_file))
+    n = NodeProcess(
+        tmp_path_factory.mktemp("authnode") / "node", "--dram", "32MiB", "--nvme", "0", "--token-file", str(token_file)
+    )
     n.env = {**env, "PYTHONUNBUFFERED": "1"}
     n.start()
     yield n
@@ -70,7 +72,12 @@ def round_trip(kv: KVClient) -> None:
 @pytest.mark.parametrize("token", [None, "", "wrong", TOKEN + "x", "Bearer " + TOKEN])
 def test_missing_or_wrong_token(node: NodeProcess, path: str, token: str | None) -> None:
     with client(node, path, token=token) as kv:
-        for call in (lambda: kv.put(os.urandom(16), b"x"), lambda: kv.get(os.urandom(16)), kv.stats, lambda: kv.lookup([bytes(16)])):
+        for call in (
+            lambda: kv.put(os.urandom(16), b"x"),
+            lambda: kv.get(os.urandom(16)),
+            kv.stats,
+            lambda: kv.lookup([bytes(16)]),
+        ):
             with pytest.raises(Unauthenticated, match="token"):
                 call()
 

@@ -24,7 +24,7 @@ from conftest import NodeProcess
 
 from client import InvalidArgument, KVClient
 from kvstore.block import checksum
-from kvstore.datachannel import COUNT, OP_GET, OP_PUT, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC
+from kvstore.node.datachannel import COUNT, OP_GET, OP_PUT, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -278,7 +278,9 @@ def test_put_stream_with_too_many_bytes_or_no_header(stub: pb_grpc.KVStoreStub) 
     # a payload that does not match its checksum is refused per block, not stored
     corrupt = block(k, payload)
     corrupt.payload_checksum ^= 1
-    assert list(stub.PutStream(chunks(pb.BlockChunk(block=corrupt, data=payload)), timeout=10).statuses) == [pb.KEY_STATUS_CORRUPT]
+    assert list(stub.PutStream(chunks(pb.BlockChunk(block=corrupt, data=payload)), timeout=10).statuses) == [
+        pb.KEY_STATUS_CORRUPT
+    ]
     assert list(stub.Lookup(pb.KeysRequest(keys=[k]), timeout=10).tiers) == [pb.TIER_UNSPECIFIED]
     assert stats(stub).reservations == 0 and dram_used(stub) == used
 
@@ -350,7 +352,12 @@ def recv_exact(s: socket.socket, n: int) -> bytes:
 
 @pytest.mark.parametrize(
     "first",
-    [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"hello\n", REQUEST.pack(b"KVDX", OP_GET, bytes(16)), REQUEST.pack(REQUEST_MAGIC, 9, bytes(16))],
+    [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"hello\n",
+        REQUEST.pack(b"KVDX", OP_GET, bytes(16)),
+        REQUEST.pack(REQUEST_MAGIC, 9, bytes(16)),
+    ],
     ids=["http", "short", "bad-magic", "bad-op"],
 )
 def test_data_channel_drops_garbage(node: NodeProcess, first: bytes) -> None:
@@ -373,7 +380,9 @@ def test_data_channel_drops_unknown_transfer_ids(node: NodeProcess, stub: pb_grp
     assert dram_used(stub) == used and stats(stub).reservations == 0
 
 
-def test_data_channel_transfer_ids_are_single_use(node: NodeProcess, stub: pb_grpc.KVStoreStub, stored: dict[bytes, bytes]) -> None:
+def test_data_channel_transfer_ids_are_single_use(
+    node: NodeProcess, stub: pb_grpc.KVStoreStub, stored: dict[bytes, bytes]
+) -> None:
     key, data = next((k, v) for k, v in stored.items() if len(v) == 4096)
     sg = stub.StartGet(pb.KeysRequest(keys=[key]), timeout=10)
     assert sg.transfer_id and sg.leases[0].status == pb.KEY_STATUS_OK

@@ -20,7 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def run_bench(*args: str, timeout: float = 120) -> dict:
     proc = subprocess.run(
         [sys.executable, "-m", "kvstore", "bench", "--json", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
@@ -35,8 +38,18 @@ def positive(x: object) -> bool:
 @pytest.mark.timeout(120)
 def test_engine_bench_json(tmp_path: Path) -> None:
     r = run_bench("--engine", "--working-set", "32MiB", "--repeat", "2", "--dir", str(tmp_path))
-    for key in ("memcpy_gbps", "dram_put_gbps", "dram_get_gbps", "dram_get_vs_memcpy", "dram_put_vs_memcpy",
-                "direct_io_write_gbps", "direct_io_read_gbps", "nvme_write_gbps", "nvme_read_gbps", "nvme_read_vs_direct_io"):
+    for key in (
+        "memcpy_gbps",
+        "dram_put_gbps",
+        "dram_get_gbps",
+        "dram_get_vs_memcpy",
+        "dram_put_vs_memcpy",
+        "direct_io_write_gbps",
+        "direct_io_read_gbps",
+        "nvme_write_gbps",
+        "nvme_read_gbps",
+        "nvme_read_vs_direct_io",
+    ):
         assert positive(r[key]), (key, r[key])
     assert isinstance(r["direct_io"], bool) and isinstance(r["cold_reads"], bool)
     assert r["block_bytes"] == 4 << 20
@@ -60,17 +73,36 @@ def test_sdk_bench_quick_json() -> None:
         assert r["redis_get_gbps"] is None and r["redis"].startswith("not measured")
     for key in ("local_get_vs_memcpy", "local_put_vs_memcpy", "tcp_get_vs_socket"):
         assert positive(r["ratios"][key]), key
-    assert set(r["targets_met"]) == {"local_get_vs_memcpy", "local_put_vs_memcpy", "tcp_get_vs_socket", "tcp_get_vs_redis"}
+    assert set(r["targets_met"]) == {
+        "local_get_vs_memcpy",
+        "local_put_vs_memcpy",
+        "tcp_get_vs_socket",
+        "tcp_get_vs_redis",
+    }
 
 
 @pytest.mark.timeout(180)
 def test_index_blocks_bench_json(tmp_path: Path) -> None:
     """Issue 15 #3: a node's NVMe tier filled with small blocks, restarted, measured."""
-    r = run_bench("--engine", "--index-blocks", "3000", "--index-block-bytes", "1KiB", "--dir", str(tmp_path), timeout=170)
+    r = run_bench(
+        "--engine", "--index-blocks", "3000", "--index-block-bytes", "1KiB", "--dir", str(tmp_path), timeout=170
+    )
     idx = r["index"]
     assert idx["blocks"] == 3000 and idx["block_bytes"] == 1024 and idx["record_bytes"] == 8192
-    for key in ("restart_s", "stop_s", "start_s", "open_s", "index_check_s", "disk_bytes", "disk_used_bytes", "match_prefix_1000_us",
-                "exists_1000_us", "match_prefix_1000_rpc_us", "exists_1000_rpc_us", "node_rss_anon_bytes"):
+    for key in (
+        "restart_s",
+        "stop_s",
+        "start_s",
+        "open_s",
+        "index_check_s",
+        "disk_bytes",
+        "disk_used_bytes",
+        "match_prefix_1000_us",
+        "exists_1000_us",
+        "match_prefix_1000_rpc_us",
+        "exists_1000_rpc_us",
+        "node_rss_anon_bytes",
+    ):
         assert positive(idx[key]), (key, idx[key])
     assert idx["keys_per_lookup"] == 1000 and idx["memory_bytes"] >= 0
     assert set(idx["targets_met"]) == {"match_prefix_1000_us", "restart_s"}

@@ -37,7 +37,9 @@ def kvctl(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 def test_nodes_register_under_a_lease_and_deregister_on_shutdown(cluster: Cluster) -> None:
     a, b = cluster.start("na", "nb", extra=("--zone", "z1"))
-    assert a.endpoints["registered"] and a.endpoints["cluster"] == cluster.name and a.endpoints["lease_ttl_s"] == LEASE_TTL
+    assert (
+        a.endpoints["registered"] and a.endpoints["cluster"] == cluster.name and a.endpoints["lease_ttl_s"] == LEASE_TTL
+    )
     with Membership(cluster.etcd.endpoint, cluster.name) as view:
         snap = view.wait_for(lambda s: len(s.nodes) == 2, 10)
         assert snap is not None and snap.connected
@@ -239,9 +241,28 @@ def test_kvstore_up_end_to_end(tmp_path, stop_signal: int) -> None:  # noqa: ANN
     if find_etcd() is None:
         pytest.skip("etcd is not installed")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstore", "up", "--nodes", "3", "--replication", "2", "--data-dir", str(tmp_path / "up"),
-         "--dram", "64MiB", "--nvme", "128MiB", "--cluster", "uptest"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "up",
+            "--nodes",
+            "3",
+            "--replication",
+            "2",
+            "--data-dir",
+            str(tmp_path / "up"),
+            "--dram",
+            "64MiB",
+            "--nvme",
+            "128MiB",
+            "--cluster",
+            "uptest",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
     )
     info = None
     out: list[str] = []
@@ -250,7 +271,7 @@ def test_kvstore_up_end_to_end(tmp_path, stop_signal: int) -> None:  # noqa: ANN
         for line in proc.stdout:
             out.append(line)
             if line.startswith("READY "):
-                info = json.loads(line[len("READY "):])
+                info = json.loads(line[len("READY ") :])
                 break
         assert info is not None, "".join(out)
         text = "".join(out)
@@ -278,8 +299,13 @@ def test_kvstore_up_end_to_end(tmp_path, stop_signal: int) -> None:  # noqa: ANN
 
 
 def test_kvstore_up_without_etcd_says_so(tmp_path) -> None:  # noqa: ANN001
-    r = subprocess.run([sys.executable, "-m", "kvstore", "up", "--etcd-bin", str(tmp_path / "no-etcd")],
-                       capture_output=True, text=True, cwd=ROOT, timeout=60,
-                       env={**os.environ, "PATH": str(tmp_path)})
+    r = subprocess.run(
+        [sys.executable, "-m", "kvstore", "up", "--etcd-bin", str(tmp_path / "no-etcd")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        env={**os.environ, "PATH": str(tmp_path)},
+    )
     assert r.returncode == 2
     assert "etcd is not installed" in r.stderr and "etcd-server" in r.stderr

@@ -38,7 +38,9 @@ from kvstore.cluster.local_etcd import LocalEtcd, find_etcd
 from kvstore.cluster.state import owner_key
 from kvstore.errors import OwnershipUnavailable
 
-pytestmark = pytest.mark.skipif(find_etcd() is None, reason="etcd is not installed (Debian: apt-get install etcd-server)")
+pytestmark = pytest.mark.skipif(
+    find_etcd() is None, reason="etcd is not installed (Debian: apt-get install etcd-server)"
+)
 
 ADMIN, ALICE, BOB = "admin-secret", "alice-secret", "bob-secret"
 TOKENS = {"alice": ALICE, "bob": BOB}
@@ -57,7 +59,9 @@ def blocks(ns: Namespace, n: int = 2, seed: int = 0) -> tuple[list[bytes], list[
 
 
 def kvctl(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvstore", *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore", *args], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
 
 
 # -- etcd alone: the owner records ---------------------------------------------------------------
@@ -80,8 +84,14 @@ def test_claims_are_create_if_absent_and_races_have_one_winner(etcd_server: Loca
         try:
             fps = [os.urandom(8) for _ in range(30)]
             # every namespace raced by two tenants through two sessions (two nodes): both hear one owner
-            res = await asyncio.gather(*(asyncio.gather(claim_owners(a, cluster, [fp], "alice", "n1"),
-                                                        claim_owners(b, cluster, [fp], "bob", "n2")) for fp in fps))
+            res = await asyncio.gather(
+                *(
+                    asyncio.gather(
+                        claim_owners(a, cluster, [fp], "alice", "n1"), claim_owners(b, cluster, [fp], "bob", "n2")
+                    )
+                    for fp in fps
+                )
+            )
             for fp, (ga, gb) in zip(fps, res):
                 assert ga[fp].tenant == gb[fp].tenant in ("alice", "bob")
                 assert ga[fp].revision == gb[fp].revision > 0
@@ -147,7 +157,9 @@ def test_watcher_passes_owners_to_nodes_only(etcd_server: LocalEtcd) -> None:
                     break
                 await asyncio.sleep(0.02)
             assert [(u.full, u.records) for u in updates[1:3]] == [
-                (False, {fp2: updates[1].records[fp2]}), (False, {fp1: None})]
+                (False, {fp2: updates[1].records[fp2]}),
+                (False, {fp1: None}),
+            ]
             assert updates[1].records[fp2].tenant == "bob" and len(snaps) == 1  # type: ignore[union-attr]
         finally:
             task.cancel()
@@ -165,7 +177,9 @@ def write_config(d: Path) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     (d / "admin.token").write_text(ADMIN + "\n")
     cfg = d / "node.toml"
-    cfg.write_text(f'[node]\ntoken_file = "{d / "admin.token"}"\n\n[tenants.alice]\ntoken = "{ALICE}"\n\n[tenants.bob]\ntoken = "{BOB}"\n')
+    cfg.write_text(
+        f'[node]\ntoken_file = "{d / "admin.token"}"\n\n[tenants.alice]\ntoken = "{ALICE}"\n\n[tenants.bob]\ntoken = "{BOB}"\n'
+    )
     return cfg
 
 
@@ -184,7 +198,11 @@ class TenantCluster(Cluster):
     def node(self, node_id: str, tenant: str, path: str = "tcp") -> KVClient:
         """A client of one node (not the cluster client: each node's own answer)."""
         n = self.nodes[node_id]
-        c = KVClient(n.unix if path == "shm" else n.tcp, token=TOKENS.get(tenant, ADMIN), timeouts=Timeouts(rpc=10, data=10, connect=5))
+        c = KVClient(
+            n.unix if path == "shm" else n.tcp,
+            token=TOKENS.get(tenant, ADMIN),
+            timeouts=Timeouts(rpc=10, data=10, connect=5),
+        )
         self._direct.append(c)
         return c
 
@@ -406,5 +424,6 @@ def test_a_restarted_node_enforces_its_cache_then_etcd(tc: TenantCluster) -> Non
     tc.start_nodes("n3")
     assert _refused(tc.node("n3", "alice"), ns)  # etcd's word, from the start
     assert tc.node("n3", "admin").exists(keys) == [False, False] or wait_until(
-        lambda: tc.node("n3", "admin").exists(keys) == [False, False], 10, "n3 to drop alice's blocks")
+        lambda: tc.node("n3", "admin").exists(keys) == [False, False], 10, "n3 to drop alice's blocks"
+    )
     assert "etcd wins" in "".join(tc.nodes["n3"].output)

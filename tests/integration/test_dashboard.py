@@ -33,9 +33,9 @@ def k(i: int) -> bytes:
     return i.to_bytes(16, "big")
 
 
-
-
-def get(url: str, headers: dict[str, str] | None = None, method: str = "GET", data: bytes | None = None) -> tuple[int, bytes, Any]:
+def get(
+    url: str, headers: dict[str, str] | None = None, method: str = "GET", data: bytes | None = None
+) -> tuple[int, bytes, Any]:
     req = urllib.request.Request(url, headers=headers or {}, method=method, data=data)
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
@@ -50,7 +50,9 @@ def host_port(metrics_url: str) -> str:
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
-    n = NodeProcess(tmp_path_factory.mktemp("dash") / "node", "--dram", "4MiB", "--nvme", "0", "--metrics-port", "0").start()
+    n = NodeProcess(
+        tmp_path_factory.mktemp("dash") / "node", "--dram", "4MiB", "--nvme", "0", "--metrics-port", "0"
+    ).start()
     with KVClient(n.unix) as kv:
         for i in range(3):
             assert kv.put(k(i), np.full(BLOCK, i, np.uint8), token_count=64)
@@ -90,14 +92,28 @@ def test_api_equals_the_nodes_metrics_and_down_nodes_do_not_break_it(node: NodeP
     assert up["status"] == "up" and up["node_id"] == node.node_id
     assert up["tiers"]["dram"] == {"capacity": 4 << 20, "used": 2 * BLOCK, "blocks": 2}
     direct = fetch(node.endpoints["metrics"]).counters
-    for key in ("lookups/get", "hits/get/dram", "hit_tokens/get/dram", "misses/get/invalidated", "misses/get/never_stored"):
+    for key in (
+        "lookups/get",
+        "hits/get/dram",
+        "hit_tokens/get/dram",
+        "misses/get/invalidated",
+        "misses/get/never_stored",
+    ):
         assert v["totals"][key] == direct[key]
-    assert (v["totals"]["hits/get/dram"], v["totals"]["misses/get/invalidated"], v["totals"]["misses/get/never_stored"]) == (2, 1, 1)
+    assert (
+        v["totals"]["hits/get/dram"],
+        v["totals"]["misses/get/invalidated"],
+        v["totals"]["misses/get/never_stored"],
+    ) == (2, 1, 1)
     # new traffic shows up as a history delta
     seq = v["seq"]
     with KVClient(node.unix) as kv:
         kv.get_many([k(0), k(1), k(7)])
-    fresh = wait_for(lambda: sum(p["d"].get("lookups/get", 0) for p in api(d)["history"] if p["seq"] > seq) == 3, 10, "the new lookups")
+    fresh = wait_for(
+        lambda: sum(p["d"].get("lookups/get", 0) for p in api(d)["history"] if p["seq"] > seq) == 3,
+        10,
+        "the new lookups",
+    )
     assert fresh
 
 
@@ -120,7 +136,9 @@ def test_read_only_and_served_offline(node: NodeProcess, dashboard: Any) -> None
 def test_token_is_required_from_viewers_and_sent_to_nodes(tmp_path: Path, dashboard: Any) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("dash-secret\n")
-    n = NodeProcess(tmp_path / "node", "--dram", "2MiB", "--nvme", "0", "--metrics-port", "0", "--token-file", str(token_file)).start()
+    n = NodeProcess(
+        tmp_path / "node", "--dram", "2MiB", "--nvme", "0", "--metrics-port", "0", "--token-file", str(token_file)
+    ).start()
     try:
         target = [host_port(n.endpoints["metrics"])]
         blind = dashboard(StaticNodes(target))  # without the token the node refuses it, visibly
@@ -139,11 +157,27 @@ def test_token_is_required_from_viewers_and_sent_to_nodes(tmp_path: Path, dashbo
 
 def test_node_list_from_etcd_membership(etcd: LocalEtcd, tmp_path: Path, dashboard: Any) -> None:  # noqa: F811
     port = free_port()
-    n = NodeProcess(tmp_path / "node", "--dram", "2MiB", "--nvme", "0", "--metrics-port", str(port),
-                    "--etcd", etcd.endpoint, "--cluster", "dash", "--lease-ttl", "2", node_id="dash-n1").start()
+    n = NodeProcess(
+        tmp_path / "node",
+        "--dram",
+        "2MiB",
+        "--nvme",
+        "0",
+        "--metrics-port",
+        str(port),
+        "--etcd",
+        etcd.endpoint,
+        "--cluster",
+        "dash",
+        "--lease-ttl",
+        "2",
+        node_id="dash-n1",
+    ).start()
     try:
         d = dashboard(EtcdNodes(etcd.endpoint, "dash", metrics_port=port))
-        wait_for(lambda: [(x["name"], x["status"]) for x in api(d)["nodes"]] == [("dash-n1", "up")], 15, "the node from etcd")
+        wait_for(
+            lambda: [(x["name"], x["status"]) for x in api(d)["nodes"]] == [("dash-n1", "up")], 15, "the node from etcd"
+        )
         assert api(d)["source_status"] == ""
         # replication health from the cluster's settings in etcd (issue 16 #3)
         assert api(d)["replication"] == {"factor": 1, "nodes": 1, "suspected": [], "under_replicated": 0}
@@ -155,13 +189,30 @@ def test_node_list_from_etcd_membership(etcd: LocalEtcd, tmp_path: Path, dashboa
 
 
 def test_cli_serves_until_sigterm(node: NodeProcess) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore", "dashboard", "--nodes", host_port(node.endpoints["metrics"]),
-                             "--listen", "127.0.0.1:0", "--interval", "0.5"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "dashboard",
+            "--nodes",
+            host_port(node.endpoints["metrics"]),
+            "--listen",
+            "127.0.0.1:0",
+            "--interval",
+            "0.5",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         assert proc.stdout is not None
-        line = wait_for(lambda: next((x for x in iter(proc.stdout.readline, "") if x.startswith("READY ")), None), 30, "READY")
-        url = json.loads(line[len("READY "):])["url"]
+        line = wait_for(
+            lambda: next((x for x in iter(proc.stdout.readline, "") if x.startswith("READY ")), None), 30, "READY"
+        )
+        url = json.loads(line[len("READY ") :])["url"]
         assert get(url + "healthz")[0] == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
@@ -174,6 +225,10 @@ def test_cli_serves_until_sigterm(node: NodeProcess) -> None:
 def test_cli_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     from kvstore.cli import main
 
-    for args, needle in ((), "--nodes"), (("--nodes", "nohost"), "HOST:PORT"), (("--nodes", "127.0.0.1:1", "--interval", "5"), "interval"):
+    for args, needle in (
+        ((), "--nodes"),
+        (("--nodes", "nohost"), "HOST:PORT"),
+        (("--nodes", "127.0.0.1:1", "--interval", "5"), "interval"),
+    ):
         assert main(["dashboard", *args]) == 2
         assert needle in capsys.readouterr().err

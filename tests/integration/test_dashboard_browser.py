@@ -29,12 +29,18 @@ CHROMIUM = os.environ.get("KVSTORE_CHROMIUM", "/usr/bin/chromium")
 if not os.access(CHROMIUM, os.X_OK):
     pytest.skip(f"no chromium at {CHROMIUM} (apt-get install chromium)", allow_module_level=True)
 
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 REASONS = ("never_stored", "evicted", "invalidated", "corrupt", "node_down", "deadline")
 BLOCK = 256 << 10
-
-
 
 
 def expected(node: NodeProcess) -> dict[str, float]:
@@ -65,9 +71,14 @@ def shown(page: Any) -> dict[str, float]:
 
 def matches(page: Any, want: dict[str, float]) -> bool:
     got = shown(page)
-    return (abs(got.get("ratio", -1) - want["ratio"]) < 1e-12 and got["lookups"] == want["lookups"]
-            and got["tokens"] == want["tokens"] and got["tokens_unit"] == "tokens"
-            and all(got.get(r) == want[r] for r in REASONS) and got["ratio_text"] == f"{100 * want['ratio']:.1f}%")
+    return (
+        abs(got.get("ratio", -1) - want["ratio"]) < 1e-12
+        and got["lookups"] == want["lookups"]
+        and got["tokens"] == want["tokens"]
+        and got["tokens_unit"] == "tokens"
+        and all(got.get(r) == want[r] for r in REASONS)
+        and got["ratio_text"] == f"{100 * want['ratio']:.1f}%"
+    )
 
 
 @pytest.fixture
@@ -101,12 +112,16 @@ def test_dashboard_in_a_real_browser(traffic_node: NodeProcess) -> None:
     keys = chunk_keys(np.arange(16 * 12, dtype=np.int32), ns)
     with KVClient(traffic_node.unix) as kv:
         for i, key in enumerate(keys[:10]):  # 8 fit in 2 MiB: the first two are evicted
-            assert kv.put(key, np.full(BLOCK, i, np.uint8), namespace=ns, parent=keys[i - 1] if i else None, token_count=16)
+            assert kv.put(
+                key, np.full(BLOCK, i, np.uint8), namespace=ns, parent=keys[i - 1] if i else None, token_count=16
+            )
         assert kv.delete([keys[9]]) == 1
         kv.get_many(keys[:12])  # 7 hits; evicted 2, invalidated 1, never stored 2
         assert kv.match_prefix(keys[2:6]) == 4
 
-    dash = Dashboard(StaticNodes([traffic_node.endpoints["metrics"].split("/")[2], "127.0.0.1:9"]), port=0, interval=0.25).start()
+    dash = Dashboard(
+        StaticNodes([traffic_node.endpoints["metrics"].split("/")[2], "127.0.0.1:9"]), port=0, interval=0.25
+    ).start()
     requests: list[str] = []
     errors: list[str] = []
     try:
@@ -130,7 +145,11 @@ def test_dashboard_in_a_real_browser(traffic_node: NodeProcess) -> None:
                 with KVClient(traffic_node.unix) as kv:  # more traffic: 6 hits, 1 more invalidated miss
                     kv.get_many(keys[2:9])
                 newer = expected(traffic_node)
-                assert newer["lookups"] == want["lookups"] + 7 and newer["invalidated"] == 1 and newer["ratio"] != want["ratio"]
+                assert (
+                    newer["lookups"] == want["lookups"] + 7
+                    and newer["invalidated"] == 1
+                    and newer["ratio"] != want["ratio"]
+                )
                 wait_for(lambda: matches(page, newer), 15, f"the page to update to {newer}")
                 wait_for(lambda: page.locator("#ratio-chart rect").count() > 0, 15, "the hit-ratio chart to draw")
                 page.wait_for_timeout(600)  # let a couple more refreshes land before the picture

@@ -24,7 +24,7 @@ from conftest import NodeProcess
 
 from client import KVClient
 from kvstore.block import BlockMeta, checksum
-from kvstore.datachannel import COUNT, OP_PUT, REPLY, REQUEST, REQUEST_MAGIC
+from kvstore.node.datachannel import COUNT, OP_PUT, REPLY, REQUEST, REQUEST_MAGIC
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -41,9 +41,13 @@ def wait_for(cond: Any, what: Any, timeout: float = 10.0) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_sigterm_cancels_what_outlives_the_drain_and_keeps_the_index_consistent(node_factory: Any, tmp_path: Any) -> None:
+def test_sigterm_cancels_what_outlives_the_drain_and_keeps_the_index_consistent(
+    node_factory: Any, tmp_path: Any
+) -> None:
     data_dir = tmp_path / "drained"
-    node: NodeProcess = node_factory("--dram", "64MiB", "--nvme", "256MiB", "--drain-timeout", str(DRAIN_S), data_dir=data_dir)
+    node: NodeProcess = node_factory(
+        "--dram", "64MiB", "--nvme", "256MiB", "--drain-timeout", str(DRAIN_S), data_dir=data_dir
+    )
     committed = {os.urandom(16): os.urandom(MiB + i) for i in range(4)}
     big_key, big = os.urandom(16), os.urandom(4 * MiB)  # read by the stalled get stream, again and again
     reserved_key, stream_key = os.urandom(16), os.urandom(16)
@@ -61,11 +65,15 @@ def test_sigterm_cancels_what_outlives_the_drain_and_keeps_the_index_consistent(
         assert views is not None
         for v in views:
             v[:] = b"r" * v.nbytes
+
         # 2. a put stream stalled half-way through its block
         def half() -> Iterator[pb.BlockChunk]:
-            info = pb.BlockInfo(key=stream_key, payload_len=len(stream_payload), payload_checksum=checksum(stream_payload))
+            info = pb.BlockInfo(
+                key=stream_key, payload_len=len(stream_payload), payload_checksum=checksum(stream_payload)
+            )
             yield pb.BlockChunk(block=info, data=stream_payload[: 2 * MiB])
             resume.wait(60)
+
         put = stub.PutStream.future(half(), timeout=60)
         # 3. a get stream whose reader took one chunk and stopped reading (64 MiB to send:
         # more than gRPC's windows and the socket buffers hold, so the node's handler waits)
@@ -103,7 +111,9 @@ def test_sigterm_cancels_what_outlives_the_drain_and_keeps_the_index_consistent(
 def test_data_channel_put_negotiated_before_sigterm_finishes_during_the_drain(node_factory: Any, tmp_path: Any) -> None:
     drain = 20.0  # generous: the node must leave as soon as the transfer is done, not at the deadline
     data_dir = tmp_path / "dc"
-    node: NodeProcess = node_factory("--dram", "64MiB", "--nvme", "64MiB", "--drain-timeout", str(drain), data_dir=data_dir)
+    node: NodeProcess = node_factory(
+        "--dram", "64MiB", "--nvme", "64MiB", "--drain-timeout", str(drain), data_dir=data_dir
+    )
     key, payload = os.urandom(16), os.urandom(3 * MiB)
     with grpc.insecure_channel(node.tcp) as ch:
         info = pb.BlockInfo(key=key, payload_len=len(payload), payload_checksum=checksum(payload))

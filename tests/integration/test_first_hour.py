@@ -11,12 +11,18 @@ import pytest
 from conftest import ROOT, NodeProcess, clean_env, start_clean, stop_clean
 
 from client import InvalidArgument, KVClient
-from kvstore.planplot import pct_label
+from kvstore.traces.plan_plot import pct_label
 
 
 def kvstore(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvstore", *args], capture_output=True, text=True, cwd=ROOT,
-                          env=clean_env(), timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=clean_env(),
+        timeout=timeout,
+    )
 
 
 def test_a_start_on_a_port_in_use_leaves_nothing_and_says_it_once(node: NodeProcess, tmp_path: Path) -> None:
@@ -25,14 +31,18 @@ def test_a_start_on_a_port_in_use_leaves_nothing_and_says_it_once(node: NodeProc
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         f"kvstore: error: cannot listen on {node.tcp}: Address already in use; pick another --listen HOST:PORT "
-        "(port 0: any free port)"], r.stderr  # no gRPC core line (E1201 ... add_port.cc) before it
+        "(port 0: any free port)"
+    ], r.stderr  # no gRPC core line (E1201 ... add_port.cc) before it
     assert not fresh.exists()
 
 
 def test_a_small_dram_says_why_the_block_limit_is_lower(node_factory, tmp_path: Path) -> None:  # noqa: ANN001
     n = node_factory("--dram", "4MiB", "--nvme", "0")
     assert any("max_block_bytes lowered" in line and "a larger --dram" in line for line in n.output), n.output
-    with KVClient(n.unix) as kv, pytest.raises(InvalidArgument, match="DRAM arena's size if smaller: a block must fit in DRAM"):
+    with (
+        KVClient(n.unix) as kv,
+        pytest.raises(InvalidArgument, match="DRAM arena's size if smaller: a block must fit in DRAM"),
+    ):
         kv.put(b"k" * 16, np.zeros(5 << 20, np.uint8))
 
 
@@ -43,7 +53,7 @@ def test_stats_help_names_its_default_target() -> None:
 
 def test_serve_help_names_the_arena_file_it_makes() -> None:
     assert "kvstore-<id>-<hash>.arena" in kvstore("serve", "--help").stdout
-    from kvstore.config import NodeConfig
+    from kvstore.node.config import NodeConfig
 
     assert "<node_id>-<hash>.arena" in (NodeConfig.model_fields["arena_path"].description or "")
 
@@ -71,7 +81,17 @@ def test_wipe_refuses_a_running_node_then_removes_a_stopped_ones_data(tmp_path: 
         stop_clean(again)
 
 
-@pytest.mark.parametrize("fraction,label", [(439 / 43924, "1%"), (74 / 7352, "1%"), (0.02, "2%"), (0.5, "50%"),
-                                            (0.125, "12%"), (0.001, "0.1%"), (0.0123, "1.2%")])
+@pytest.mark.parametrize(
+    "fraction,label",
+    [
+        (439 / 43924, "1%"),
+        (74 / 7352, "1%"),
+        (0.02, "2%"),
+        (0.5, "50%"),
+        (0.125, "12%"),
+        (0.001, "0.1%"),
+        (0.0123, "1.2%"),
+    ],
+)
 def test_plan_plot_ticks_are_round(fraction: float, label: str) -> None:
     assert pct_label(fraction) == label  # regression: a tick read "0.999%"

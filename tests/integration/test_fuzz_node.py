@@ -29,17 +29,26 @@ from proto_strategies import messages, mutated
 
 from client import KVClient
 from kvstore.block import BlockMeta, checksum
-from kvstore.datachannel import OP_GET, OP_PUT, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC
+from kvstore.node.datachannel import OP_GET, OP_PUT, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC
 from kvstore.wire import meta_to_pb
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 ADMIN, BOB = "fuzz-admin", "fuzz-bob"
 SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]
-TYPED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED,
-         grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
-         grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNAUTHENTICATED}
-FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+TYPED = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.UNAUTHENTICATED,
+}
+FUZZ = settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +56,10 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     d = tmp_path_factory.mktemp("fuzz")
     cfg = d / "node.toml"
     # short TTLs: transfers refused before they started give their reservations and leases back soon
-    cfg.write_text(f'[node]\ntoken = "{ADMIN}"\nmax_batch = 64\nmax_block_bytes = "4MiB"\nreservation_ttl_s = 2\nlease_ttl_s = 2\n\n'
-                   f'[tenants.bob]\ntoken = "{BOB}"\nmax_reserved_bytes = "8MiB"\nmax_dram_bytes = "16MiB"\n')
+    cfg.write_text(
+        f'[node]\ntoken = "{ADMIN}"\nmax_batch = 64\nmax_block_bytes = "4MiB"\nreservation_ttl_s = 2\nlease_ttl_s = 2\n\n'
+        f'[tenants.bob]\ntoken = "{BOB}"\nmax_reserved_bytes = "8MiB"\nmax_dram_bytes = "16MiB"\n'
+    )
     n = NodeProcess(d / "node", "--config", str(cfg), "--dram", "64MiB", "--nvme", "32MiB")
     n.env = {k: v for k, v in n.env.items() if not k.startswith("KVSTORE_")}
     n.start()
@@ -182,7 +193,7 @@ def drain(s: socket.socket) -> bytes:
     try:
         while chunk := s.recv(65536):
             out += chunk
-    except (ConnectionResetError, socket.timeout):
+    except (TimeoutError, ConnectionResetError):
         pass
     finally:
         s.close()
@@ -193,8 +204,13 @@ _FRAME = REQUEST.pack(REQUEST_MAGIC, OP_GET, bytes(16))
 
 
 @FUZZ
-@given(st.one_of(st.binary(max_size=64), mutated(_FRAME),
-                 st.builds(REQUEST.pack, st.just(REQUEST_MAGIC), st.integers(0, 255), st.binary(min_size=16, max_size=16))))
+@given(
+    st.one_of(
+        st.binary(max_size=64),
+        mutated(_FRAME),
+        st.builds(REQUEST.pack, st.just(REQUEST_MAGIC), st.integers(0, 255), st.binary(min_size=16, max_size=16)),
+    )
+)
 def test_random_first_frames_are_closed_without_a_word(node: NodeProcess, first: bytes) -> None:
     assert exchange(node, first) == b""
 
@@ -205,7 +221,9 @@ def test_random_first_frames_leave_the_node_serving(node: NodeProcess) -> None:
 
 @FUZZ
 @given(st.data())
-def test_mutated_transfers_store_only_what_their_checksums_name(node: NodeProcess, channel: grpc.Channel, data: st.DataObject) -> None:
+def test_mutated_transfers_store_only_what_their_checksums_name(
+    node: NodeProcess, channel: grpc.Channel, data: st.DataObject
+) -> None:
     stub = pb_grpc.KVStoreStub(channel)
     payload = data.draw(st.binary(min_size=0, max_size=3000))
     meta = BlockMeta.for_payload(os.urandom(16), payload)
@@ -226,7 +244,9 @@ def test_mutated_transfers_store_only_what_their_checksums_name(node: NodeProces
 
 @FUZZ
 @given(st.data())
-def test_mutated_get_frames_send_a_block_or_nothing(node: NodeProcess, channel: grpc.Channel, data: st.DataObject) -> None:
+def test_mutated_get_frames_send_a_block_or_nothing(
+    node: NodeProcess, channel: grpc.Channel, data: st.DataObject
+) -> None:
     stub = pb_grpc.KVStoreStub(channel)
     payload = os.urandom(data.draw(st.integers(0, 3000)))
     key = os.urandom(16)

@@ -39,7 +39,10 @@ def tokens(n: int, seed: int = 0) -> list[int]:
 
 
 def same_pages(a: list[torch.Tensor], ids_a: list[int], b: list[torch.Tensor], ids_b: list[int], n_pages: int) -> bool:
-    return all(torch.equal(x[:, ids_a[:n_pages]].view(torch.uint8), y[:, ids_b[:n_pages]].view(torch.uint8)) for x, y in zip(a, b))
+    return all(
+        torch.equal(x[:, ids_a[:n_pages]].view(torch.uint8), y[:, ids_b[:n_pages]].view(torch.uint8))
+        for x, y in zip(a, b)
+    )
 
 
 @pytest.fixture
@@ -99,7 +102,9 @@ def test_blocks_are_self_describing(agent_factory: Any) -> None:
             assert meta.token_count == C and meta.dtype == "float16"
             assert meta.shape == (3, 2, C, 2, 16) and meta.payload_len == agent.block_bytes
             # the payload is [layer][K/V][token][head][dim]: layer 1's V of token 17 is page 1, slot 1
-            block = torch.frombuffer(bytearray(b"".join(bytes(v) for v in held.views[i])), dtype=torch.float16).view(meta.shape)
+            block = torch.frombuffer(bytearray(b"".join(bytes(v) for v in held.views[i])), dtype=torch.float16).view(
+                meta.shape
+            )
             assert torch.equal(block[1, 1, 17], src[1][1, 4 * i + 1, 1])
 
 
@@ -306,7 +311,9 @@ def test_a_load_returns_with_layer_0_queued_and_the_rest_follow(agent_factory: A
     assert all(isinstance(e, DeferredEvent) for e in h._events[1:])  # queued by the issuer, not the engine's thread
     for layer in range(3):
         h.wait_layer(layer)
-        assert all(torch.equal(dst[layer][:, i].view(torch.uint8), src[layer][:, i].view(torch.uint8)) for i in range(8))
+        assert all(
+            torch.equal(dst[layer][:, i].view(torch.uint8), src[layer][:, i].view(torch.uint8)) for i in range(8)
+        )
     assert h.wait(timeout=30)
 
 
@@ -334,7 +341,9 @@ def test_prefetch_publishes_pool_slots_only_after_its_copy_completed(agent_facto
     assert all(agent.pool.contains(k) for k in agent.keys(toks)) and agent.pool.stats()["reserved_slots"] == 0
 
 
-def test_a_prefetch_whose_copy_cannot_be_queued_leaves_no_slot(agent_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_prefetch_whose_copy_cannot_be_queued_leaves_no_slot(
+    agent_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     agent = agent_factory()
     toks = tokens(2 * C)
     agent.save(toks, buffers(agent.layout, 8, fill=True), list(range(8))).wait(timeout=30)

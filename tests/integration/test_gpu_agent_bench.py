@@ -12,8 +12,28 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_dry_run_on_cpu() -> None:
-    cmd = [sys.executable, "-m", "gpu_agent.bench", "--device", "cpu", "--layers", "2", "--kv-heads", "2", "--head-dim", "32",
-           "--dtype", "float16", "--chunk-tokens", "64", "--blocks", "4", "--iters", "1", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpu_agent.bench",
+        "--device",
+        "cpu",
+        "--layers",
+        "2",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "32",
+        "--dtype",
+        "float16",
+        "--chunk-tokens",
+        "64",
+        "--blocks",
+        "4",
+        "--iters",
+        "1",
+        "--json",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
     r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -29,5 +49,7 @@ def test_bench_without_cuda_says_so() -> None:
 
     if torch.cuda.is_available():
         return
-    out = subprocess.run([sys.executable, "-m", "gpu_agent.bench"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "gpu_agent.bench"], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert out.returncode != 0 and "no CUDA device" in out.stderr

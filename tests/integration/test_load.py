@@ -80,7 +80,11 @@ def _wait_idle(kv: KVClient, timeout: float = 10.0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
         s = kv.stats()
-        if (s["reservations"], s["leases"], s["counters"].get("pending_transfers", 0)) == (0, 0, 0) or time.monotonic() > deadline:
+        if (s["reservations"], s["leases"], s["counters"].get("pending_transfers", 0)) == (
+            0,
+            0,
+            0,
+        ) or time.monotonic() > deadline:
             return s
         time.sleep(0.2)
 
@@ -99,8 +103,20 @@ def test_load_mixed_clients_under_eviction(node_factory: Any, monkeypatch: pytes
     for transport, count in TCP_PROCESSES:
         for _ in range(count):
             p = subprocess.Popen(
-                [sys.executable, str(WORKER_PATH), "load", node.tcp, str(SECONDS), str(seed), transport, str(N_CHAINS), str(CHAIN_LEN)],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                [
+                    sys.executable,
+                    str(WORKER_PATH),
+                    "load",
+                    node.tcp,
+                    str(SECONDS),
+                    str(seed),
+                    transport,
+                    str(N_CHAINS),
+                    str(CHAIN_LEN),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
             )
             procs.append(p)
             seed += 1
@@ -121,6 +137,7 @@ def test_load_mixed_clients_under_eviction(node_factory: Any, monkeypatch: pytes
     def async_worker(s: int) -> None:
         loop = asyncio.new_event_loop()
         try:
+
             async def make() -> AsyncKVClient:
                 return AsyncKVClient(node.unix, timeouts=timeouts)
 
@@ -165,7 +182,7 @@ def test_load_mixed_clients_under_eviction(node_factory: Any, monkeypatch: pytes
         lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
         assert p.returncode == 0 and lines, f"load process failed (rc={p.returncode}):\n{out[-4000:]}"
         st = worker.LoadStats()
-        st.merge(json.loads(lines[-1][len("RESULT "):]))
+        st.merge(json.loads(lines[-1][len("RESULT ") :]))
         results.append(st)
     assert len(results) == 16
 
@@ -181,15 +198,24 @@ def test_load_mixed_clients_under_eviction(node_factory: Any, monkeypatch: pytes
     uss_third, uss_end = sampler.at(1 / 3), sampler.at(1.0)
     summary = {
         "seconds": round(elapsed, 1),
-        "ops": c["ops"], "ops_per_s": round(c["ops"] / elapsed),
-        "put_MBps": round(c["bytes_put"] / elapsed / 1e6), "get_MBps": round(c["bytes_got"] / elapsed / 1e6),
-        "hits": c["hits"], "misses": c["misses"], "misses_after_stored": c["misses_after_stored"], "puts_refused": c["puts_refused"], "blocks_put": c["blocks_put"],
+        "ops": c["ops"],
+        "ops_per_s": round(c["ops"] / elapsed),
+        "put_MBps": round(c["bytes_put"] / elapsed / 1e6),
+        "get_MBps": round(c["bytes_got"] / elapsed / 1e6),
+        "hits": c["hits"],
+        "misses": c["misses"],
+        "misses_after_stored": c["misses_after_stored"],
+        "puts_refused": c["puts_refused"],
+        "blocks_put": c["blocks_put"],
         "max_op_ms": max(st.c["max_op_ms"] for st in results),
         "node_uss_MiB": [round(uss_third / MIB), round(uss_end / MIB)],
         "node_rss_max_MiB": round(max(r for _, _, r in sampler.samples) / MIB),
-        "demotions": n.get("demotions", 0), "promotions": n.get("promotions", 0),
-        "dram_evictions": n.get("dram_evictions", 0), "nvme_evictions": n.get("nvme_evictions", 0),
-        "get_no_space": n.get("get_no_space", 0), "reserve_no_space": n.get("reserve_no_space", 0),
+        "demotions": n.get("demotions", 0),
+        "promotions": n.get("promotions", 0),
+        "dram_evictions": n.get("dram_evictions", 0),
+        "nvme_evictions": n.get("nvme_evictions", 0),
+        "get_no_space": n.get("get_no_space", 0),
+        "reserve_no_space": n.get("reserve_no_space", 0),
     }
     print("\nLOAD " + json.dumps(summary))
 
@@ -199,7 +225,9 @@ def test_load_mixed_clients_under_eviction(node_factory: Any, monkeypatch: pytes
     assert (s["reservations"], s["leases"]) == (0, 0), s
     assert n.get("pending_transfers", 0) == 0
     assert n.get("demotions", 0) > 0 and n.get("promotions", 0) > 0 and n.get("dram_evictions", 0) > 0, n
-    assert n.get("corrupt_demotions", 0) == 0 and n.get("corrupt_puts", 0) == 0 and n.get("nvme_corrupt_blocks", 0) == 0, n
+    assert (
+        n.get("corrupt_demotions", 0) == 0 and n.get("corrupt_puts", 0) == 0 and n.get("nvme_corrupt_blocks", 0) == 0
+    ), n
     if not any(n.get(k, 0) for k in ("nvme_evictions", "nvme_write_failures", "nvme_rejected", "get_no_space")):
         # NVMe holds the whole working set and nothing is deleted: a block once stored stays readable
         assert c["misses_after_stored"] == 0, summary

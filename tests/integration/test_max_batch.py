@@ -36,8 +36,9 @@ def rkey() -> bytes:
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
-    n = NodeProcess(tmp_path_factory.mktemp("maxbatch") / "node", "--dram", "64MiB", "--nvme", "0",
-                    "--max-batch", str(LIMIT)).start()
+    n = NodeProcess(
+        tmp_path_factory.mktemp("maxbatch") / "node", "--dram", "64MiB", "--nvme", "0", "--max-batch", str(LIMIT)
+    ).start()
     yield n
     assert n.stop(timeout=30) == 0
     Path(n.arena_path).unlink(missing_ok=True)
@@ -74,7 +75,9 @@ def refused(call: Callable[..., Any], request: Any, **kw: Any) -> str:
 def stored(stub: pb_grpc.KVStoreStub, keys: list[bytes]) -> list[bool]:
     out: list[bool] = []
     for i in range(0, len(keys), LIMIT):
-        out += [t != pb.TIER_UNSPECIFIED for t in stub.Lookup(pb.KeysRequest(keys=keys[i : i + LIMIT]), timeout=10).tiers]
+        out += [
+            t != pb.TIER_UNSPECIFIED for t in stub.Lookup(pb.KeysRequest(keys=keys[i : i + LIMIT]), timeout=10).tiers
+        ]
     return out
 
 
@@ -156,7 +159,10 @@ def test_put_stream_refused_midway_stores_none_of_its_blocks(stub: pb_grpc.KVSto
 def test_reads_and_key_calls_over_the_limit_are_refused(stub: pb_grpc.KVStoreStub) -> None:
     keys = [rkey() for _ in range(OVER)]
     payload = b"kept"
-    assert list(stub.PutStream(stream([(k, payload) for k in keys[:LIMIT]]), timeout=10).statuses) == [pb.KEY_STATUS_OK] * LIMIT
+    assert (
+        list(stub.PutStream(stream([(k, payload) for k in keys[:LIMIT]]), timeout=10).statuses)
+        == [pb.KEY_STATUS_OK] * LIMIT
+    )
     over = pb.KeysRequest(keys=keys)
     for call in (stub.Acquire, stub.StartGet, stub.GetStream, stub.Lookup, stub.MatchPrefix, stub.Delete, stub.Unpin):
         refused(call, over)

@@ -84,7 +84,10 @@ def dram_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]
             assert local.put(k(6), block(6), namespace=NS2, token_count=TOKENS)
             assert local.invalidate(NS2) == 1
         assert corrupt_put(n.tcp, 50) == pb.KEY_STATUS_CORRUPT
-        with grpc.insecure_channel(n.tcp) as ch, pytest.raises(grpc.RpcError) as bad:  # a malformed key: counted as an error
+        with (
+            grpc.insecure_channel(n.tcp) as ch,
+            pytest.raises(grpc.RpcError) as bad,
+        ):  # a malformed key: counted as an error
             pb_grpc.KVStoreStub(ch).Lookup(pb.KeysRequest(keys=[b"short"]), timeout=10)
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         with KVClient(n.tcp) as remote:  # data channel
@@ -110,18 +113,31 @@ def test_dram_node_counts(dram_node: NodeProcess) -> None:
     assert val(m, "kvstore_lookup_blocks_total", op="exists") == 3
     for op in ("get", "match_prefix", "exists"):
         assert val(m, "kvstore_lookup_requests_total", op=op) == 1
-    hits = {(op, t): val(m, "kvstore_hit_blocks_total", op=op, tier=t)
-            for op in ("get", "match_prefix", "exists") for t in ("hbm", "dram", "nvme", "remote")}
-    assert {key: v for key, v in hits.items() if v} == {("get", "dram"): 3, ("match_prefix", "dram"): 2, ("exists", "dram"): 1}
+    hits = {
+        (op, t): val(m, "kvstore_hit_blocks_total", op=op, tier=t)
+        for op in ("get", "match_prefix", "exists")
+        for t in ("hbm", "dram", "nvme", "remote")
+    }
+    assert {key: v for key, v in hits.items() if v} == {
+        ("get", "dram"): 3,
+        ("match_prefix", "dram"): 2,
+        ("exists", "dram"): 1,
+    }
     assert val(m, "kvstore_hit_tokens_total", op="get", tier="dram") == 3 * TOKENS
     assert val(m, "kvstore_hit_tokens_total", op="match_prefix", tier="dram") == 2 * TOKENS
-    misses = {(op, r): val(m, "kvstore_miss_blocks_total", op=op, reason=r)
-              for op in ("get", "match_prefix", "exists")
-              for r in ("never_stored", "evicted", "invalidated", "corrupt", "node_down", "deadline")}
+    misses = {
+        (op, r): val(m, "kvstore_miss_blocks_total", op=op, reason=r)
+        for op in ("get", "match_prefix", "exists")
+        for r in ("never_stored", "evicted", "invalidated", "corrupt", "node_down", "deadline")
+    }
     assert {key: v for key, v in misses.items() if v} == {
-        ("get", "evicted"): 2, ("get", "invalidated"): 2, ("get", "corrupt"): 1, ("get", "never_stored"): 1,
+        ("get", "evicted"): 2,
+        ("get", "invalidated"): 2,
+        ("get", "corrupt"): 1,
+        ("get", "never_stored"): 1,
         ("match_prefix", "evicted"): 2,  # k0 is gone, so k4 after it is useless too
-        ("exists", "never_stored"): 1, ("exists", "invalidated"): 1,
+        ("exists", "never_stored"): 1,
+        ("exists", "invalidated"): 1,
     }
     # per namespace: the evicted/invalidated/corrupt keys remember theirs; k99 joins its request's
     assert val(m, "kvstore_namespace_hit_blocks_total", namespace=NS1.hex(), op="get") == 3
@@ -182,8 +198,12 @@ def test_metrics_need_the_token_and_are_read_only(tmp_path: Path) -> None:
             assert e.value.code == 401
         assert val(scrape(url, "metrics-secret"), "kvstore_lookup_blocks_total", op="get") == 0
         with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(urllib.request.Request(url, data=b"x", method="POST",
-                                                          headers={"Authorization": "Bearer metrics-secret"}), timeout=10)
+            urllib.request.urlopen(
+                urllib.request.Request(
+                    url, data=b"x", method="POST", headers={"Authorization": "Bearer metrics-secret"}
+                ),
+                timeout=10,
+            )
         assert e.value.code == 405
     finally:
         stop(n)
@@ -237,11 +257,18 @@ def test_cluster_client_counts_node_down_and_deadline_misses(cluster: Cluster) -
     assert kv.miss_counts() == {"node_down": 0, "deadline": len(on_m1)}
     assert kv.match_prefix(on_m1) == 0  # m1 is now routed around: its keys miss as node_down
     assert kv.miss_counts() == {"node_down": 1, "deadline": len(on_m1)}  # a prefix stops at its first miss
+
     # and it reports them to a node that answers (ReportHits), so /metrics and dashboards show them (issue 16 #3)
     def reported() -> dict[tuple[str, str], float]:
-        return {(dict(lb)["op"], dict(lb)["reason"]): v for (name, lb), v in scrape(cluster.nodes["m2"].endpoints["metrics"]).items()
-                if name == "kvstore_miss_blocks_total" and dict(lb)["reason"] in ("node_down", "deadline") and v}
+        return {
+            (dict(lb)["op"], dict(lb)["reason"]): v
+            for (name, lb), v in scrape(cluster.nodes["m2"].endpoints["metrics"]).items()
+            if name == "kvstore_miss_blocks_total" and dict(lb)["reason"] in ("node_down", "deadline") and v
+        }
 
-    wait_for(lambda: reported() == {("get", "deadline"): len(on_m1), ("match_prefix", "node_down"): 1}, 10,
-             "m2's /metrics to show the client's node_down and deadline misses")
+    wait_for(
+        lambda: reported() == {("get", "deadline"): len(on_m1), ("match_prefix", "node_down"): 1},
+        10,
+        "m2's /metrics to show the client's node_down and deadline misses",
+    )
     cluster.sigcont("m1")

@@ -36,8 +36,19 @@ TOKEN = "metrics-tls-s3cret"
 def start_node(tmp: Path, *args: str, node_id: str | None = None) -> NodeProcess:
     (tmp / "token").parent.mkdir(parents=True, exist_ok=True)
     (tmp / "token").write_text(TOKEN)
-    return start_clean(tmp / "node", "--dram", "4MiB", "--nvme", "0", "--metrics-port", "0", "--token-file", str(tmp / "token"),
-                       *args, node_id=node_id)
+    return start_clean(
+        tmp / "node",
+        "--dram",
+        "4MiB",
+        "--nvme",
+        "0",
+        "--metrics-port",
+        "0",
+        "--token-file",
+        str(tmp / "token"),
+        *args,
+        node_id=node_id,
+    )
 
 
 stop_node = stop_clean
@@ -45,15 +56,24 @@ stop_node = stop_clean
 
 @pytest.fixture(scope="module")
 def tls_node(tmp_path_factory: pytest.TempPathFactory, pki: PKI) -> Iterator[NodeProcess]:
-    n = start_node(tmp_path_factory.mktemp("tls-metrics"), "--tls-cert-file", pki.server_cert, "--tls-key-file", pki.server_key)
+    n = start_node(
+        tmp_path_factory.mktemp("tls-metrics"), "--tls-cert-file", pki.server_cert, "--tls-key-file", pki.server_key
+    )
     yield n
     stop_node(n)
 
 
 @pytest.fixture(scope="module")
 def mtls_node(tmp_path_factory: pytest.TempPathFactory, pki: PKI) -> Iterator[NodeProcess]:
-    n = start_node(tmp_path_factory.mktemp("mtls-metrics"), "--tls-cert-file", pki.server_cert, "--tls-key-file", pki.server_key,
-                   "--tls-client-ca-file", pki.ca)
+    n = start_node(
+        tmp_path_factory.mktemp("mtls-metrics"),
+        "--tls-cert-file",
+        pki.server_cert,
+        "--tls-key-file",
+        pki.server_key,
+        "--tls-client-ca-file",
+        pki.ca,
+    )
     yield n
     stop_node(n)
 
@@ -65,8 +85,6 @@ def http_get(url: str, token: str = "") -> tuple[int, bytes]:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
-
-
 
 
 def statuses(d: Dashboard) -> dict[str, tuple[str, str]]:
@@ -123,16 +141,33 @@ def test_metrics_tls_opt_out(tmp_path: Path, pki: PKI) -> None:
 def test_dashboard_scrapes_tls_nodes_found_in_etcd(etcd: LocalEtcd, tmp_path: Path, pki: PKI) -> None:  # noqa: F811
     from kvstore.cluster.membership import Membership
 
-    n = start_node(tmp_path, "--tls-cert-file", pki.server_cert, "--tls-key-file", pki.server_key,
-                   "--etcd", etcd.endpoint, "--cluster", "mtls", "--lease-ttl", "2", node_id="mtls-n1")
+    n = start_node(
+        tmp_path,
+        "--tls-cert-file",
+        pki.server_cert,
+        "--tls-key-file",
+        pki.server_key,
+        "--etcd",
+        etcd.endpoint,
+        "--cluster",
+        "mtls",
+        "--lease-ttl",
+        "2",
+        node_id="mtls-n1",
+    )
     made: list[Dashboard] = []
     try:
         with Membership(etcd.endpoint, "mtls") as view:
             snap = view.wait_for(lambda s: "mtls-n1" in s.nodes, 15)
             assert snap is not None and snap.nodes["mtls-n1"].metrics == n.endpoints["metrics"]
             assert snap.nodes["mtls-n1"].metrics.startswith("https://")  # the record tells the dashboard the scheme
-        d = Dashboard(EtcdNodes(etcd.endpoint, "mtls"), port=0, interval=0.2, token=TOKEN,
-                      tls=ClientTLS.from_options(ca_file=pki.ca)).start()
+        d = Dashboard(
+            EtcdNodes(etcd.endpoint, "mtls"),
+            port=0,
+            interval=0.2,
+            token=TOKEN,
+            tls=ClientTLS.from_options(ca_file=pki.ca),
+        ).start()
         made.append(d)
         wait_for(lambda: statuses(d).get("mtls-n1", ("",))[0] == "up", 15, f"the TLS node scraped: {statuses(d)}")
         blind = Dashboard(EtcdNodes(etcd.endpoint, "mtls"), port=0, interval=0.2, token=TOKEN).start()  # no CA
@@ -150,15 +185,37 @@ def test_dashboard_cli_scrapes_an_mtls_node(mtls_node: NodeProcess, pki: PKI, tm
     ``KVSTORE_TLS_CA_FILE`` (how the deployments add it), the client certificate from flags."""
     (tmp_path / "token").write_text(TOKEN)
     hostport = mtls_node.endpoints["metrics"].split("/")[2]
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore", "dashboard", "--nodes", hostport, "--listen", "127.0.0.1:0",
-                             "--interval", "0.5", "--token-file", str(tmp_path / "token"),
-                             "--tls-cert-file", pki.client_cert, "--tls-key-file", pki.client_key],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            env={**clean_env(), "KVSTORE_TLS_CA_FILE": pki.ca})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "dashboard",
+            "--nodes",
+            hostport,
+            "--listen",
+            "127.0.0.1:0",
+            "--interval",
+            "0.5",
+            "--token-file",
+            str(tmp_path / "token"),
+            "--tls-cert-file",
+            pki.client_cert,
+            "--tls-key-file",
+            pki.client_key,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env={**clean_env(), "KVSTORE_TLS_CA_FILE": pki.ca},
+    )
     try:
         assert proc.stdout is not None
-        line = wait_for(lambda: next((x for x in iter(proc.stdout.readline, "") if x.startswith("READY ")), None), 30, "READY")
-        url = json.loads(line[len("READY "):])["url"] + "api/cluster"
+        line = wait_for(
+            lambda: next((x for x in iter(proc.stdout.readline, "") if x.startswith("READY ")), None), 30, "READY"
+        )
+        url = json.loads(line[len("READY ") :])["url"] + "api/cluster"
 
         def node() -> dict[str, Any]:
             code, body = http_get(url, TOKEN)
@@ -177,11 +234,16 @@ def test_dashboard_cli_scrapes_an_mtls_node(mtls_node: NodeProcess, pki: PKI, tm
 
 
 def test_static_https_endpoints(tls_node: NodeProcess, pki: PKI) -> None:
-    d = Dashboard(StaticNodes([tls_node.endpoints["metrics"]]), port=0, interval=0.2, token=TOKEN,
-                  tls=ClientTLS.from_options(ca_file=pki.ca))
+    d = Dashboard(
+        StaticNodes([tls_node.endpoints["metrics"]]),
+        port=0,
+        interval=0.2,
+        token=TOKEN,
+        tls=ClientTLS.from_options(ca_file=pki.ca),
+    )
     try:
         d.poll_once()
-        (status, error), = statuses(d).values()
+        ((status, error),) = statuses(d).values()
         assert status == "up", error
     finally:
         d.close()
@@ -194,16 +256,46 @@ def test_up_under_mutual_tls_keeps_its_dashboard_scraping(tmp_path: Path, pki: P
 
     if find_etcd() is None:
         pytest.skip("etcd is not installed")
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore", "up", "--nodes", "1", "--dram", "4MiB", "--nvme", "0",
-                             "--data-dir", str(tmp_path / "up"), "--tls-cert-file", pki.server_cert, "--tls-key-file",
-                             pki.server_key, "--tls-ca-file", pki.ca, "--tls-client-ca-file", pki.ca],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=clean_env())
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "up",
+            "--nodes",
+            "1",
+            "--dram",
+            "4MiB",
+            "--nvme",
+            "0",
+            "--data-dir",
+            str(tmp_path / "up"),
+            "--tls-cert-file",
+            pki.server_cert,
+            "--tls-key-file",
+            pki.server_key,
+            "--tls-ca-file",
+            pki.ca,
+            "--tls-client-ca-file",
+            pki.ca,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=clean_env(),
+    )
     lines: list[str] = []
     try:
         assert proc.stdout is not None
-        line = wait_for(lambda: next((x for x in iter(proc.stdout.readline, "") if lines.append(x) or x.startswith("READY ")), None),
-                        120, "READY")
-        info = json.loads(line[len("READY "):])
+        line = wait_for(
+            lambda: next(
+                (x for x in iter(proc.stdout.readline, "") if lines.append(x) or x.startswith("READY ")), None
+            ),
+            120,
+            "READY",
+        )
+        info = json.loads(line[len("READY ") :])
         assert info["tls"]["mutual"] and "/metrics stays plain HTTP" in "".join(lines)
         url = str(info["dashboard"]) + "api/cluster"
 

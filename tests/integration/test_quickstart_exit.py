@@ -79,8 +79,14 @@ def run_many(tmp: Path, script: str, target: str, runs: int, home: Path | None =
 
     def one(_: int) -> str:
         try:
-            p = subprocess.run([sys.executable, str(path), target], capture_output=True, text=True, timeout=30,
-                               cwd=ROOT, env=clean_env(PYTHONPATH=str(ROOT), **({"HOME": str(home)} if home else {})))
+            p = subprocess.run(
+                [sys.executable, str(path), target],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                cwd=ROOT,
+                env=clean_env(PYTHONPATH=str(ROOT), **({"HOME": str(home)} if home else {})),
+            )
         except subprocess.TimeoutExpired as e:
             raise AssertionError(f"the script hung (still running after 30 s); output so far: {e.stdout!r}") from None
         assert p.returncode == 0, p.stderr

@@ -66,7 +66,7 @@ def _only_blank(lines: list[str], py_line: int, text_start: int) -> bool:
     j = py_line  # the line after the python fence, 0-based
     while j < text_start and not lines[j].startswith("```"):
         j += 1
-    return all(not ln.strip() for ln in lines[j + 1:text_start])
+    return all(not ln.strip() for ln in lines[j + 1 : text_start])
 
 
 BLOCKS = python_blocks((ROOT / "README.md").read_text())
@@ -95,7 +95,15 @@ RUN = [b for b in BLOCKS if not b.skip]  # the marked block is left out, not ski
 @pytest.mark.parametrize("block", RUN, ids=[f"README.md:{b.line}" for b in RUN])
 def test_readme_block_runs_and_prints_what_the_readme_shows(block: Block, home: tuple[Path, NodeProcess]) -> None:
     h, _ = home
-    p = subprocess.run([sys.executable, "-c", block.code], capture_output=True, text=True, timeout=180, cwd=ROOT,
-                       env=clean_env(HOME=str(h), PYTHONPATH=str(ROOT)))
+    p = subprocess.run(
+        [sys.executable, "-c", block.code],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+        env=clean_env(HOME=str(h), PYTHONPATH=str(ROOT)),
+    )
     assert p.returncode == 0, f"README.md:{block.line} failed:\n{p.stderr}"
-    assert p.stdout == block.expected, f"README.md:{block.line} printed:\n{p.stdout}\nthe README shows:\n{block.expected}"
+    assert p.stdout == block.expected, (
+        f"README.md:{block.line} printed:\n{p.stdout}\nthe README shows:\n{block.expected}"
+    )

@@ -1,6 +1,6 @@
 """Live mode against real nodes: the same hit ratio as the simulator, request by request.
 
-Each node is started the way ``kvstore.livereplay`` documents for equivalence: DRAM of
+Each node is started the way ``kvstore.traces.live`` documents for equivalence: DRAM of
 exactly ``capacity`` blocks (block bytes a multiple of the 64 KiB unit), no NVMe tier,
 and ``--eviction-policy`` set to the policy under test.
 """
@@ -11,14 +11,13 @@ import json
 from typing import Any
 
 import pytest
-
 from cluster_fixtures import cluster, etcd  # noqa: F401 - fixtures
 
 from kvstore.cli import main as cli_main
-from kvstore.livereplay import new_salt, replay_live
-from kvstore.simulator import simulate
-from kvstore.trace import Request, Trace
-from kvstore.tracegen import GenParams, generate, generate_events
+from kvstore.traces.format import Request, Trace
+from kvstore.traces.generate import GenParams, generate, generate_events
+from kvstore.traces.live import new_salt, replay_live
+from kvstore.traces.simulator import simulate
 
 BLOCK = 64 << 10
 CAPACITY = 48
@@ -27,7 +26,11 @@ CAPACITY = 48
 @pytest.fixture(scope="module")
 def trace() -> Trace:
     # enough reuse (shared prompts, multi-turn) and enough traffic to evict many times over
-    reqs = generate(GenParams(requests=120, seed=11, system_prompts=4, system_tokens=3000, user_tokens=1200, turns=4, think_s=5, rate=8))
+    reqs = generate(
+        GenParams(
+            requests=120, seed=11, system_prompts=4, system_tokens=3000, user_tokens=1200, turns=4, think_s=5, rate=8
+        )
+    )
     t = Trace(reqs)
     assert t.unique_blocks > 4 * CAPACITY
     return t
@@ -50,7 +53,9 @@ def test_live_hits_match_the_simulator(node_factory: Any, trace: Trace, policy: 
     assert live.bytes_moved["dram_to_nvme"] == 0
 
 
-def test_live_cli_over_tcp_reports_bytes_and_agrees(node_factory: Any, trace: Trace, tmp_path: Any, capsys: Any) -> None:
+def test_live_cli_over_tcp_reports_bytes_and_agrees(
+    node_factory: Any, trace: Trace, tmp_path: Any, capsys: Any
+) -> None:
     node = node_factory("--dram", str(CAPACITY * BLOCK), "--nvme", "0", "--eviction-policy", "prefix-reuse")
     path = tmp_path / "t.jsonl"
     trace.write(path)
@@ -87,8 +92,16 @@ def test_live_honours_timestamps_with_a_speedup(node_factory: Any) -> None:
     node = node_factory("--dram", str(CAPACITY * BLOCK), "--nvme", "0")
     reqs = [Request(ts, 1024, 1, (i, i + 1)) for i, ts in enumerate([0.0, 1000.0, 1000.0, 4000.0])]
     slept: list[float] = []
-    live = replay_live(Trace(reqs).with_salt(new_salt()), node.unix, block_bytes=BLOCK, batch=16, speedup=4.0,
-                       clock=lambda: 0.0, sleep=slept.append, log=None)
+    live = replay_live(
+        Trace(reqs).with_salt(new_salt()),
+        node.unix,
+        block_bytes=BLOCK,
+        batch=16,
+        speedup=4.0,
+        clock=lambda: 0.0,
+        sleep=slept.append,
+        log=None,
+    )
     assert slept == [0.25, 0.25, 1.0]  # ms / 1000 / speedup, measured from the start
     assert live.requests == 4
 
@@ -111,8 +124,19 @@ def test_live_over_a_cluster(cluster: Any, trace: Trace) -> None:
 
 def test_live_session_hints_match_the_simulator(node_factory: Any) -> None:
     # sessions close 2 s after their last turn: the node's own session code decides, as the simulator's does
-    reqs, closes = generate_events(GenParams(requests=120, seed=12, system_prompts=4, system_tokens=3000, user_tokens=1200,
-                                             turns=4, think_s=5, rate=8, close_after_s=2))
+    reqs, closes = generate_events(
+        GenParams(
+            requests=120,
+            seed=12,
+            system_prompts=4,
+            system_tokens=3000,
+            user_tokens=1200,
+            turns=4,
+            think_s=5,
+            rate=8,
+            close_after_s=2,
+        )
+    )
     salted = Trace(reqs, closes=closes).with_salt(new_salt())
     assert salted.has_sessions and len(salted.closes) > 10
     node = node_factory("--dram", str(CAPACITY * BLOCK), "--nvme", "0", "--eviction-policy", "prefix-reuse")

@@ -80,7 +80,9 @@ def test_idle_async_local_client_survives_a_node_restart_regression(restartable:
 
 
 @pytest.mark.parametrize("op", ["get", "put"])
-def test_cancelled_async_call_gives_back_its_leases_and_reservations_regression(restartable: NodeProcess, op: str) -> None:
+def test_cancelled_async_call_gives_back_its_leases_and_reservations_regression(
+    restartable: NodeProcess, op: str
+) -> None:
     node = restartable.start()
 
     async def go() -> None:
@@ -156,7 +158,7 @@ def test_refused_transfer_stayed_in_flight_regression(restartable: NodeProcess) 
     import grpc
 
     from kvstore.block import BlockMeta
-    from kvstore.datachannel import COUNT, OP_GET, OP_PUT, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC, STATUS_OK
+    from kvstore.node.datachannel import COUNT, OP_GET, OP_PUT, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC, STATUS_OK
     from kvstore.wire import meta_to_pb
     from protos.kvstore.v1 import kvstore_pb2 as pb
     from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc

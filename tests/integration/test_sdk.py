@@ -139,7 +139,14 @@ def test_miss_is_a_result(kv: Any) -> None:
 
 @pytest.mark.parametrize(
     "dtype,shape",
-    [("float16", (2, 8, 16, 64)), ("float32", (3, 5, 7)), ("int32", (1000,)), ("uint8", (17, 3)), ("int64", (2, 3)), ("float64", (1,))],
+    [
+        ("float16", (2, 8, 16, 64)),
+        ("float32", (3, 5, 7)),
+        ("int32", (1000,)),
+        ("uint8", (17, 3)),
+        ("int64", (2, 3)),
+        ("float64", (1,)),
+    ],
 )
 def test_numpy_round_trip(kv: Any, dtype: str, shape: tuple[int, ...]) -> None:
     rng = np.random.default_rng(7)
@@ -195,7 +202,10 @@ def test_chain_prefix_pins_delete_invalidate(kv: Any) -> None:
     keys = chunk_keys(tokens, ns)
     assert len(keys) == 6 and all(len(k) == 16 for k in keys)
     blocks = [np.full((2, 16, 8), i, np.float16) for i in range(6)]
-    assert kv.put_many(keys, blocks, namespace=ns.fingerprint, parents=parent_keys(keys), token_counts=[16] * 6) == [True] * 6
+    assert (
+        kv.put_many(keys, blocks, namespace=ns.fingerprint, parents=parent_keys(keys), token_counts=[16] * 6)
+        == [True] * 6
+    )
     assert kv.match_prefix(keys) == 6
     assert kv.match_prefix_tiers(keys) == (6, ["dram"] * 6)
 

@@ -29,8 +29,14 @@ MiB = 1 << 20
 
 
 def kvstore(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvstore", *args], env=env or clean_env(), cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore", *args],
+        env=env or clean_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def arena_arg() -> list[str]:
@@ -51,8 +57,14 @@ class Served:
 @contextlib.contextmanager
 def serving(*args: str, env: dict[str, str] | None = None) -> Iterator[Served]:
     """Run ``kvstore serve`` until its READY line; always stopped (and its arena removed) after."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", *args], env=env or clean_env(), cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore", "serve", *args],
+        env=env or clean_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
     endpoints: dict[str, Any] = {}
     try:
@@ -60,7 +72,7 @@ def serving(*args: str, env: dict[str, str] | None = None) -> Iterator[Served]:
         for line in proc.stdout:
             lines.append(line)
             if line.startswith("READY "):
-                endpoints = json.loads(line[len("READY "):])
+                endpoints = json.loads(line[len("READY ") :])
                 break
         assert endpoints, f"no READY line (rc={proc.wait(timeout=30)}):\n{''.join(lines)}"
         yield Served(proc, lines, endpoints)
@@ -109,8 +121,19 @@ def test_config_file_then_env_then_flags(tmp_path: Path) -> None:
         "reservation_ttl_s = 12.0\n"
     )
     env = clean_env(KVSTORE_NODE_ID="from-env", KVSTORE_MAX_BATCH="50", KVSTORE_RESERVATION_TTL_S="13")
-    args = ["--config", str(cfg), "--data-dir", str(tmp_path / "d"), "--listen", "127.0.0.1:0",
-            "--node-id", "from-flag", "--reservation-ttl", "14", *arena_arg()]
+    args = [
+        "--config",
+        str(cfg),
+        "--data-dir",
+        str(tmp_path / "d"),
+        "--listen",
+        "127.0.0.1:0",
+        "--node-id",
+        "from-flag",
+        "--reservation-ttl",
+        "14",
+        *arena_arg(),
+    ]
     with serving(*args, env=env) as node:
         ep = node.endpoints
         assert ep["node_id"] == "from-flag"  # file < env < flag
@@ -138,21 +161,45 @@ def test_config_file_then_env_then_flags(tmp_path: Path) -> None:
         ("", {}, ["--dram", "512KiB"], "too small"),
         ("", {}, ["--token-file", "/nonexistent/token"], "token_file"),
     ],
-    ids=["unknown-key", "unknown-section", "bad-toml", "unknown-env", "bad-size", "bad-listen", "bad-ttl", "tiny-dram", "no-token-file"],
+    ids=[
+        "unknown-key",
+        "unknown-section",
+        "bad-toml",
+        "unknown-env",
+        "bad-size",
+        "bad-listen",
+        "bad-ttl",
+        "tiny-dram",
+        "no-token-file",
+    ],
 )
-def test_bad_configuration_is_a_clear_error(tmp_path: Path, file_text: str, env: dict[str, str], args: list[str], message: str) -> None:
+def test_bad_configuration_is_a_clear_error(
+    tmp_path: Path, file_text: str, env: dict[str, str], args: list[str], message: str
+) -> None:
     cfg = tmp_path / "node.toml"
     cfg.write_text(file_text)
     arena = arena_arg()
-    r = kvstore("serve", "--config", str(cfg), "--data-dir", str(tmp_path / "d"), "--listen", "127.0.0.1:0", *arena, *args,
-                env=clean_env(**env))
+    r = kvstore(
+        "serve",
+        "--config",
+        str(cfg),
+        "--data-dir",
+        str(tmp_path / "d"),
+        "--listen",
+        "127.0.0.1:0",
+        *arena,
+        *args,
+        env=clean_env(**env),
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith("kvstore: error:") or "\nkvstore: error:" in r.stderr
     assert not Path(arena[1]).exists()  # nothing left behind in /dev/shm
     # nothing holds the data directory: a good configuration starts there at once
     if (tmp_path / "d").exists():
-        with serving("--data-dir", str(tmp_path / "d"), "--listen", "127.0.0.1:0", "--dram", "4MiB", "--nvme", "0", *arena_arg()) as node:
+        with serving(
+            "--data-dir", str(tmp_path / "d"), "--listen", "127.0.0.1:0", "--dram", "4MiB", "--nvme", "0", *arena_arg()
+        ) as node:
             assert node.stop() == 0
 
 
@@ -170,7 +217,18 @@ def test_data_dir_lock_port_clash_sizes_stats_and_sigint(tmp_path: Path) -> None
         assert not Path(arena2[1]).exists()
 
         # a second node on the same TCP port is refused with a clear message, leaving nothing behind
-        r = kvstore("serve", "--data-dir", str(tmp_path / "d2"), "--listen", ep["grpc"], "--dram", "8MiB", "--nvme", "0", *arena2)
+        r = kvstore(
+            "serve",
+            "--data-dir",
+            str(tmp_path / "d2"),
+            "--listen",
+            ep["grpc"],
+            "--dram",
+            "8MiB",
+            "--nvme",
+            "0",
+            *arena2,
+        )
         assert r.returncode == 2 and "cannot listen on" in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert not Path(arena2[1]).exists() and not (tmp_path / "d2" / "kvstore.sock").exists()
 

@@ -72,14 +72,19 @@ def test_async_client_and_cli_verb(node_factory) -> None:  # type: ignore[no-unt
 
 def test_a_tenant_cannot_close_another_tenants_session(tmp_path: Path) -> None:
     cfg = tmp_path / "node.toml"
-    cfg.write_text('[node]\ntoken = "admin-t"\n\n[tenants.alice]\ntoken = "alice-t"\n\n[tenants.bob]\ntoken = "bob-t"\n')
+    cfg.write_text(
+        '[node]\ntoken = "admin-t"\n\n[tenants.alice]\ntoken = "alice-t"\n\n[tenants.bob]\ntoken = "bob-t"\n'
+    )
     node = NodeProcess(tmp_path / "node", "--config", str(cfg), "--dram", "1MiB", "--nvme", "0")
     node.env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}, "PYTHONUNBUFFERED": "1"}
     node.start()
     try:
         ns, keys = blocks("alice", 1)
-        with KVClient(node.tcp, token="alice-t") as alice, KVClient(node.tcp, token="bob-t") as bob, \
-                KVClient(node.tcp, token="admin-t") as admin:
+        with (
+            KVClient(node.tcp, token="alice-t") as alice,
+            KVClient(node.tcp, token="bob-t") as bob,
+            KVClient(node.tcp, token="admin-t") as admin,
+        ):
             assert alice.put(keys[0], b"a" * 100, namespace=ns, session_id="conv-1")
             with pytest.raises(PermissionDenied, match="not one of tenant 'bob'"):
                 bob.close_session("conv-1")

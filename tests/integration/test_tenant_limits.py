@@ -151,7 +151,9 @@ def test_unfinished_writes_are_reclaimed_and_their_bytes_given_back(node: NodePr
         assert held(node, "bob")["reserved"] == 4 * BLOCK
         # reservation_ttl_s = 2: the reaper reclaims them, and bob may reserve again
         wait_for(lambda: held(node, "bob")["reserved"] == 0, 10, "bob's reservations to be reclaimed")
-        c = s.Commit(pb.CommitRequest(reservation_ids=[x.reservation_id for x in r.reservations]), timeout=10, metadata=BOB_MD)
+        c = s.Commit(
+            pb.CommitRequest(reservation_ids=[x.reservation_id for x in r.reservations]), timeout=10, metadata=BOB_MD
+        )
         assert list(c.statuses) == [pb.KEY_STATUS_EXPIRED] * 4
 
 
@@ -191,16 +193,25 @@ def test_pins_last_at_most_max_pin_ttl(node: NodeProcess) -> None:
         wait_for(lambda: admin.stats()["pins"] == 0, 10, "the admin's pins to expire at max_pin_ttl_s")
 
 
-@pytest.mark.parametrize("bad, message", [
-    ('max_pinned_bytes = "lots"', "tenants.bob.max_pinned_bytes: not a size: 'lots'"),
-    ("max_reserved_bytes = -1", "tenants.bob.max_reserved_bytes: size must be non-negative"),
-    ("max_pin_bytes = 1", "tenants.bob.max_pin_bytes: Extra inputs are not permitted"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ('max_pinned_bytes = "lots"', "tenants.bob.max_pinned_bytes: not a size: 'lots'"),
+        ("max_reserved_bytes = -1", "tenants.bob.max_reserved_bytes: size must be non-negative"),
+        ("max_pin_bytes = 1", "tenants.bob.max_pin_bytes: Extra inputs are not permitted"),
+    ],
+)
 def test_a_bad_limit_stops_the_node_with_a_clear_error(tmp_path: Path, bad: str, message: str) -> None:
     cfg = tmp_path / "node.toml"
     cfg.write_text(f'[node]\ntoken = "{ADMIN}"\n\n[tenants.bob]\ntoken = "{BOB}"\n{bad}\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    p = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--config", str(cfg), "--data-dir", str(tmp_path / "d")],
-                       capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    p = subprocess.run(
+        [sys.executable, "-m", "kvstore", "serve", "--config", str(cfg), "--data-dir", str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=ROOT,
+    )
     assert p.returncode != 0
     assert message in p.stdout + p.stderr

@@ -72,12 +72,19 @@ def test_zero_reserved_bytes_reserve_no_empty_blocks(node: NodeProcess) -> None:
     infos = [meta_to_pb(BlockMeta.for_payload(k, b"", namespace=m.fingerprint)) for k in chunk_keys(range(4096), m)]
     with grpc.insecure_channel(node.unix) as ch:
         with pytest.raises(grpc.RpcError) as ei:
-            pb_grpc.KVStoreStub(ch).Reserve(pb.ReserveRequest(blocks=infos), timeout=30,
-                                            metadata=(("authorization", f"Bearer {TOKENS['mallory']}"),))
+            pb_grpc.KVStoreStub(ch).Reserve(
+                pb.ReserveRequest(blocks=infos),
+                timeout=30,
+                metadata=(("authorization", f"Bearer {TOKENS['mallory']}"),),
+            )
         assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "a block of 0 bytes (it takes 65536 bytes of DRAM" in ei.value.details()
-        assert pb_grpc.KVStoreStub(ch).Stats(pb.Empty(), timeout=10,
-                                            metadata=(("authorization", f"Bearer {TOKENS['admin']}"),)).reservations == 0
+        assert (
+            pb_grpc.KVStoreStub(ch)
+            .Stats(pb.Empty(), timeout=10, metadata=(("authorization", f"Bearer {TOKENS['admin']}"),))
+            .reservations
+            == 0
+        )
     with client(node, "mallory") as mallory, pytest.raises(CapacityExceeded, match="max_reserved_bytes=0"):
         mallory.put(chunk_keys(range(4), m)[0], b"", namespace=m)
 

@@ -217,16 +217,25 @@ def test_reservations_and_leases_of_others_are_unknown(node: NodeProcess) -> Non
         stub = pb_grpc.KVStoreStub(ch)
         (r,) = stub.Reserve(pb.ReserveRequest(blocks=[meta_to_pb(meta)]), timeout=10, metadata=alice_md).reservations
         assert r.status == pb.KEY_STATUS_OK
-        bob_commit = stub.Commit(pb.CommitRequest(reservation_ids=[r.reservation_id], payload_checksums=[1]), timeout=10, metadata=bob_md)
+        bob_commit = stub.Commit(
+            pb.CommitRequest(reservation_ids=[r.reservation_id], payload_checksums=[1]), timeout=10, metadata=bob_md
+        )
         assert list(bob_commit.statuses) == [pb.KEY_STATUS_EXPIRED]
         stub.Abort(pb.AbortRequest(reservation_ids=[r.reservation_id]), timeout=10, metadata=bob_md)
-        ok = stub.Commit(pb.CommitRequest(reservation_ids=[r.reservation_id], payload_checksums=[meta.payload_checksum]),
-                         timeout=10, metadata=alice_md)
+        ok = stub.Commit(
+            pb.CommitRequest(reservation_ids=[r.reservation_id], payload_checksums=[meta.payload_checksum]),
+            timeout=10,
+            metadata=alice_md,
+        )
         assert list(ok.statuses) == [pb.KEY_STATUS_OK]  # bob's calls left it alone
         (lease,) = stub.Acquire(pb.KeysRequest(keys=[k]), timeout=10, metadata=alice_md).leases
         assert lease.status == pb.KEY_STATUS_OK
-        assert list(stub.Release(pb.ReleaseRequest(lease_ids=[lease.lease_id]), timeout=10, metadata=bob_md).valid) == [False]
-        assert list(stub.Release(pb.ReleaseRequest(lease_ids=[lease.lease_id]), timeout=10, metadata=alice_md).valid) == [True]
+        assert list(stub.Release(pb.ReleaseRequest(lease_ids=[lease.lease_id]), timeout=10, metadata=bob_md).valid) == [
+            False
+        ]
+        assert list(
+            stub.Release(pb.ReleaseRequest(lease_ids=[lease.lease_id]), timeout=10, metadata=alice_md).valid
+        ) == [True]
         # refusals carry the typed error, as every other error does
         with pytest.raises(grpc.RpcError) as ei:
             stub.Reserve(pb.ReserveRequest(blocks=[meta_to_pb(meta)]), timeout=10, metadata=bob_md)
@@ -273,8 +282,12 @@ def test_admin_blocks_are_shared_until_a_tenant_writes(node: NodeProcess) -> Non
 @pytest.mark.parametrize("token", [None, "wrong", ALICE + "x", "Bearer " + BOB])
 def test_wrong_token_is_unauthenticated(node: NodeProcess, path: str, token: str | None) -> None:
     with client(node, path, token) as kv:
-        for call in (lambda: kv.put(os.urandom(16), b"x", namespace=b"N" * 8), lambda: kv.get(os.urandom(16)),
-                     kv.stats, lambda: kv.lookup([bytes(16)])):
+        for call in (
+            lambda: kv.put(os.urandom(16), b"x", namespace=b"N" * 8),
+            lambda: kv.get(os.urandom(16)),
+            kv.stats,
+            lambda: kv.lookup([bytes(16)]),
+        ):
             with pytest.raises(Unauthenticated, match="token"):
                 call()
 
@@ -309,13 +322,18 @@ def test_metrics_count_tenants(node: NodeProcess) -> None:
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {ADMIN}"})
     with urllib.request.urlopen(req, timeout=10) as r:
         text = r.read().decode()
-    m = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    m = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
     assert m[("kvstore_tenant_requests_total", (("tenant", "alice"),))] >= 1
     assert m[("kvstore_tenant_requests_total", (("tenant", "bob"),))] >= 2
     assert m[("kvstore_tenant_denied_total", (("kind", "hidden"), ("tenant", "bob")))] >= 3
     assert m[("kvstore_tenant_denied_total", (("kind", "refused"), ("tenant", "bob")))] >= 1
-    assert not any(name.startswith("kvstore_tenant") and dict(labels).get("tenant") not in ("alice", "bob")
-                   for name, labels in m)
+    assert not any(
+        name.startswith("kvstore_tenant") and dict(labels).get("tenant") not in ("alice", "bob") for name, labels in m
+    )
 
 
 # -- ownership survives a restart ---------------------------------------------------------------

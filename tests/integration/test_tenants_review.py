@@ -39,7 +39,7 @@ from tls_pki import PKI, pki  # noqa: F401 - fixture
 
 from client import KVClient, Namespace, chunk_keys
 from kvstore.block import BlockMeta
-from kvstore.datachannel import COUNT, OP_GET, OP_PUT, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC, STATUS_OK
+from kvstore.node.datachannel import COUNT, OP_GET, OP_PUT, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC, STATUS_OK
 from kvstore.wire import meta_to_pb
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -52,7 +52,9 @@ MD = {name: (("authorization", f"Bearer {tok}"),) for name, tok in (("alice", AL
 def config(d: Path) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     cfg = d / "node.toml"
-    cfg.write_text(f'[node]\ntoken = "{ADMIN}"\n\n[tenants.alice]\ntoken = "{ALICE}"\n\n[tenants.bob]\ntoken = "{BOB}"\n')
+    cfg.write_text(
+        f'[node]\ntoken = "{ADMIN}"\n\n[tenants.alice]\ntoken = "{ALICE}"\n\n[tenants.bob]\ntoken = "{BOB}"\n'
+    )
     return cfg
 
 
@@ -138,7 +140,9 @@ def test_held_get_lease_released_mid_transfer_leaked_another_tenants_bytes(node:
             conn.sendall(REQUEST.pack(REQUEST_MAGIC, OP_GET, r.transfer_id))
             assert recv_exact(conn, REPLY.size) == REPLY.pack(REPLY_MAGIC, STATUS_OK)
             # the transfer holds the lease now: it is not the caller's to end
-            assert list(s.Release(pb.ReleaseRequest(lease_ids=[lease.lease_id]), timeout=10, metadata=MD["bob"]).valid) == [False]
+            assert list(
+                s.Release(pb.ReleaseRequest(lease_ids=[lease.lease_id]), timeout=10, metadata=MD["bob"]).valid
+            ) == [False]
             assert s.Delete(pb.KeysRequest(keys=[kb]), timeout=10, metadata=MD["bob"]).count == 1
             assert alice.put(ka, hers, namespace=na)
             got = recv_exact(conn, BIG)
@@ -156,7 +160,9 @@ def test_held_get_stream_lease_released_by_guessed_id(node: NodeProcess) -> None
         assert bob.put(kb, mine, namespace=nb) and bob.put(small, b"s" * 4096, namespace=nb)
         s = stub(node.tcp)
         (probe,) = s.Acquire(pb.KeysRequest(keys=[small]), timeout=10, metadata=MD["bob"]).leases
-        assert list(s.Release(pb.ReleaseRequest(lease_ids=[probe.lease_id]), timeout=10, metadata=MD["bob"]).valid) == [True]
+        assert list(s.Release(pb.ReleaseRequest(lease_ids=[probe.lease_id]), timeout=10, metadata=MD["bob"]).valid) == [
+            True
+        ]
         chunks = stub(node.tcp).GetStream(pb.KeysRequest(keys=[kb]), timeout=30, metadata=MD["bob"])
         first = next(chunks)
         assert first.status == pb.KEY_STATUS_OK
@@ -164,7 +170,9 @@ def test_held_get_stream_lease_released_by_guessed_id(node: NodeProcess) -> None
         assert list(s.Release(pb.ReleaseRequest(lease_ids=[guessed]), timeout=10, metadata=MD["bob"]).valid) == [False]
         got = first.data + b"".join(c.data for c in chunks)
         assert got == mine.tobytes()
-        assert eventually(lambda: s.Stats(pb.Empty(), timeout=10, metadata=MD["bob"]).leases == 0)  # the stream gave it back
+        assert eventually(
+            lambda: s.Stats(pb.Empty(), timeout=10, metadata=MD["bob"]).leases == 0
+        )  # the stream gave it back
 
 
 def test_held_put_reservation_aborted_by_guessed_id_overwrote_another_tenants_block(node: NodeProcess) -> None:
@@ -187,7 +195,9 @@ def test_held_put_reservation_aborted_by_guessed_id_overwrote_another_tenants_bl
         with data_socket(node) as conn:
             conn.sendall(REQUEST.pack(REQUEST_MAGIC, OP_PUT, r.transfer_id) + payload[: 1 << 20])
             # the data channel holds the reservation once its connection presented the id
-            assert eventually(lambda: s.Stats(pb.Empty(), timeout=10, metadata=MD["bob"]).counters["pending_transfers"] == 0)
+            assert eventually(
+                lambda: s.Stats(pb.Empty(), timeout=10, metadata=MD["bob"]).counters["pending_transfers"] == 0
+            )
             s.Abort(pb.AbortRequest(reservation_ids=[guessed]), timeout=10, metadata=MD["bob"])
             assert alice.put(ka, hers, namespace=na)
             conn.sendall(payload[1 << 20 :])
@@ -210,13 +220,28 @@ def test_tcp_commit_published_stale_arena_bytes_of_another_tenant(node: NodeProc
         assert alice.put_many(ka, secret, namespace=na) == [True] * 10
         assert alice.delete(ka) == 10
     kb = chunk_keys(range(1000, 1040), nb)
-    metas = [BlockMeta(key=k, parent=bytes(16), namespace=nb.fingerprint, token_count=4, dtype="uint8", shape=(64 << 10,),
-                       payload_len=64 << 10, payload_checksum=0) for k in kb]
+    metas = [
+        BlockMeta(
+            key=k,
+            parent=bytes(16),
+            namespace=nb.fingerprint,
+            token_count=4,
+            dtype="uint8",
+            shape=(64 << 10,),
+            payload_len=64 << 10,
+            payload_checksum=0,
+        )
+        for k in kb
+    ]
     s = stub(node.tcp)
-    res = s.Reserve(pb.ReserveRequest(blocks=[meta_to_pb(m) for m in metas]), timeout=10, metadata=MD["bob"]).reservations
+    res = s.Reserve(
+        pb.ReserveRequest(blocks=[meta_to_pb(m) for m in metas]), timeout=10, metadata=MD["bob"]
+    ).reservations
     ids = [r.reservation_id for r in res if r.status == pb.KEY_STATUS_OK]
     with pytest.raises(grpc.RpcError) as ei:
-        s.Commit(pb.CommitRequest(reservation_ids=ids, payload_checksums=[0] * len(ids)), timeout=10, metadata=MD["bob"])
+        s.Commit(
+            pb.CommitRequest(reservation_ids=ids, payload_checksums=[0] * len(ids)), timeout=10, metadata=MD["bob"]
+        )
     assert ei.value.code() == grpc.StatusCode.PERMISSION_DENIED and "unix://" in (ei.value.details() or "")
     s.Abort(pb.AbortRequest(reservation_ids=ids), timeout=10, metadata=MD["bob"])
     with KVClient(node.tcp, token=BOB, verify=False) as bob:
@@ -231,8 +256,10 @@ def test_tcp_commit_published_stale_arena_bytes_of_another_tenant(node: NodeProc
 
 def test_two_authorization_headers_resolved_to_the_last(node: NodeProcess) -> None:
     s = stub(node.tcp)
-    for md in ((("authorization", f"Bearer {ALICE}"), ("authorization", f"Bearer {BOB}")),
-               (("authorization", "junk"), ("authorization", f"Bearer {ALICE}"))):
+    for md in (
+        (("authorization", f"Bearer {ALICE}"), ("authorization", f"Bearer {BOB}")),
+        (("authorization", "junk"), ("authorization", f"Bearer {ALICE}")),
+    ):
         with pytest.raises(grpc.RpcError) as ei:
             s.Stats(pb.Empty(), timeout=10, metadata=md)
         assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -248,7 +275,11 @@ def test_two_authorization_headers_resolved_to_the_last(node: NodeProcess) -> No
 def denied(n: NodeProcess, tenant: str, kind: str) -> float:
     req = urllib.request.Request(n.endpoints["metrics"], headers={"Authorization": f"Bearer {ADMIN}"})
     text = urllib.request.urlopen(req, timeout=10).read().decode()
-    m = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    m = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
     return m.get(("kvstore_tenant_denied_total", (("kind", kind), ("tenant", tenant))), 0.0)
 
 
@@ -299,7 +330,9 @@ def test_lost_owners_table_left_nvme_blocks_readable_without_a_word(tmp_path: Pa
     shutil.rmtree(data_dir / "owners.lmdb")
     n = start(tmp_path, "--dram", "16MiB", "--nvme", "32MiB", data_dir=data_dir)
     try:
-        assert any("owners.lmdb is new but the NVMe tier holds 1 blocks" in line for line in n.output), "".join(n.output)
+        assert any("owners.lmdb is new but the NVMe tier holds 1 blocks" in line for line in n.output), "".join(
+            n.output
+        )
     finally:
         stop(n)
     n = start(tmp_path, "--dram", "16MiB", "--nvme", "32MiB", data_dir=data_dir)  # a table now exists: no warning
@@ -361,13 +394,17 @@ def test_world_readable_tls_key_went_unremarked(tmp_path: Path, pki: PKI) -> Non
     key_file = tmp_path / "server.key"
     shutil.copy(pki.server_key, key_file)
     key_file.chmod(0o644)
-    n = start(tmp_path, "--dram", "8MiB", "--nvme", "0", "--tls-cert-file", pki.server_cert, "--tls-key-file", str(key_file))
+    n = start(
+        tmp_path, "--dram", "8MiB", "--nvme", "0", "--tls-cert-file", pki.server_cert, "--tls-key-file", str(key_file)
+    )
     try:
         assert any("is readable by other users (mode 0644)" in line for line in n.output), "".join(n.output)
     finally:
         stop(n)
     key_file.chmod(0o600)
-    n = start(tmp_path, "--dram", "8MiB", "--nvme", "0", "--tls-cert-file", pki.server_cert, "--tls-key-file", str(key_file))
+    n = start(
+        tmp_path, "--dram", "8MiB", "--nvme", "0", "--tls-cert-file", pki.server_cert, "--tls-key-file", str(key_file)
+    )
     try:
         assert not any("readable by other users" in line for line in n.output)
     finally:

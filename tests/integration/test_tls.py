@@ -30,7 +30,7 @@ from conftest import ROOT, NodeProcess, clean_env, start_clean, stop_clean
 from tls_pki import PKI, other, pki  # noqa: F401 - fixtures
 
 from client import AsyncKVClient, KVClient, Timeouts, Unauthenticated, Unavailable
-from kvstore.datachannel import OP_GET, REQUEST, REQUEST_MAGIC
+from kvstore.node.datachannel import OP_GET, REQUEST, REQUEST_MAGIC
 
 TOKEN = "tls-s3cret"
 # long deadlines: a client that hung instead of failing would take 20 s; failing takes well under FAST_S
@@ -50,7 +50,9 @@ def tls_node(tmp_path_factory: pytest.TempPathFactory, pki: PKI) -> Iterator[Nod
     """TLS on TCP, bearer token required."""
     tmp = tmp_path_factory.mktemp("tlsnode")
     (tmp / "token").write_text(TOKEN)
-    n = start_node(tmp, "--tls-cert-file", pki.server_cert, "--tls-key-file", pki.server_key, "--token-file", str(tmp / "token"))
+    n = start_node(
+        tmp, "--tls-cert-file", pki.server_cert, "--tls-key-file", pki.server_key, "--token-file", str(tmp / "token")
+    )
     yield n
     stop_node(n)
 
@@ -58,8 +60,15 @@ def tls_node(tmp_path_factory: pytest.TempPathFactory, pki: PKI) -> Iterator[Nod
 @pytest.fixture(scope="module")
 def mtls_node(tmp_path_factory: pytest.TempPathFactory, pki: PKI) -> Iterator[NodeProcess]:
     """TLS on TCP with client certificates required (signed by ``pki.ca``); no token."""
-    n = start_node(tmp_path_factory.mktemp("mtlsnode"), "--tls-cert-file", pki.server_cert, "--tls-key-file", pki.server_key,
-                   "--tls-client-ca-file", pki.ca)
+    n = start_node(
+        tmp_path_factory.mktemp("mtlsnode"),
+        "--tls-cert-file",
+        pki.server_cert,
+        "--tls-key-file",
+        pki.server_key,
+        "--tls-client-ca-file",
+        pki.ca,
+    )
     yield n
     stop_node(n)
 
@@ -193,12 +202,16 @@ def test_data_port_accepted_tls12_cbc_suites_regression(tls_node: NodeProcess, p
         with socket.create_connection((h, p), timeout=FAST_S) as raw:
             with pytest.raises((ssl.SSLError, ConnectionError)):
                 tls12("ECDHE-ECDSA-AES128-SHA256", alpn).wrap_socket(raw, server_hostname=h)
-        with socket.create_connection((h, p), timeout=FAST_S) as raw, \
-                tls12("ECDHE-ECDSA-AES128-GCM-SHA256", alpn).wrap_socket(raw, server_hostname=h) as s:
+        with (
+            socket.create_connection((h, p), timeout=FAST_S) as raw,
+            tls12("ECDHE-ECDSA-AES128-GCM-SHA256", alpn).wrap_socket(raw, server_hostname=h) as s,
+        ):
             assert (s.version(), s.cipher()[0]) == ("TLSv1.2", "ECDHE-ECDSA-AES128-GCM-SHA256")
     # the data channel works over such a connection
-    with socket.create_connection((host, port), timeout=FAST_S) as raw, \
-            tls12("ECDHE-ECDSA-AES128-GCM-SHA256").wrap_socket(raw, server_hostname=host) as s:
+    with (
+        socket.create_connection((host, port), timeout=FAST_S) as raw,
+        tls12("ECDHE-ECDSA-AES128-GCM-SHA256").wrap_socket(raw, server_hostname=host) as s,
+    ):
         s.sendall(REQUEST.pack(REQUEST_MAGIC, OP_GET, os.urandom(16)))  # an unknown id: closed at once
         assert s.recv(8) == b""
 
@@ -229,7 +242,9 @@ def test_client_that_does_not_trust_the_node_is_rejected(tls_node: NodeProcess, 
 
 
 def test_certificate_must_name_the_host(tls_node: NodeProcess, pki: PKI) -> None:
-    with KVClient(tls_node.tcp, token=TOKEN, tls_ca_file=pki.ca, tls_server_name="elsewhere.example", timeouts=PATIENT) as kv:
+    with KVClient(
+        tls_node.tcp, token=TOKEN, tls_ca_file=pki.ca, tls_server_name="elsewhere.example", timeouts=PATIENT
+    ) as kv:
         with pytest.raises(Unavailable, match="elsewhere.example"):
             kv.stats()
 
@@ -243,8 +258,9 @@ def test_tls_client_against_plaintext_node_fails_fast(node: NodeProcess, pki: PK
     assert node.endpoints["tls"] == "off"
 
 
-def test_data_channel_mismatches_fail_fast(tls_node: NodeProcess, mtls_node: NodeProcess, node: NodeProcess,
-                                          pki: PKI, other: PKI) -> None:
+def test_data_channel_mismatches_fail_fast(
+    tls_node: NodeProcess, mtls_node: NodeProcess, node: NodeProcess, pki: PKI, other: PKI
+) -> None:
     """The SDK's data-channel pool on its own (gRPC would have failed first): each mismatch is
     a prompt ``Unavailable`` that says what is wrong, never a hang."""
     from client._datachannel import DataChannelPool
@@ -255,8 +271,11 @@ def test_data_channel_mismatches_fail_fast(tls_node: NodeProcess, mtls_node: Nod
         (tls_node, None, "a node serving TLS also closes plaintext connections"),
         (tls_node, ClientTLS.from_options(ca_file=other.ca), "not signed by"),
         (mtls_node, ClientTLS.from_options(ca_file=pki.ca), "requires a client certificate"),
-        (mtls_node, ClientTLS.from_options(ca_file=pki.ca, cert_file=other.client_cert, key_file=other.client_key),
-         "(did|may) not accept this client certificate"),  # TLS 1.3: the alert may lose the race with the close
+        (
+            mtls_node,
+            ClientTLS.from_options(ca_file=pki.ca, cert_file=other.client_cert, key_file=other.client_key),
+            "(did|may) not accept this client certificate",
+        ),  # TLS 1.3: the alert may lose the race with the close
     ]
     for n, tls, message in cases:
         host, port = data_port(n)
@@ -277,8 +296,12 @@ def test_mtls_client_with_certificate(mtls_node: NodeProcess, pki: PKI) -> None:
 
 
 @pytest.mark.parametrize("cert", ["none", "other-ca"])
-def test_mtls_client_without_trusted_certificate_is_rejected(mtls_node: NodeProcess, pki: PKI, other: PKI, cert: str) -> None:
-    kw: dict[str, Any] = {} if cert == "none" else {"tls_cert_file": other.client_cert, "tls_key_file": other.client_key}
+def test_mtls_client_without_trusted_certificate_is_rejected(
+    mtls_node: NodeProcess, pki: PKI, other: PKI, cert: str
+) -> None:
+    kw: dict[str, Any] = (
+        {} if cert == "none" else {"tls_cert_file": other.client_cert, "tls_key_file": other.client_key}
+    )
     t0 = time.monotonic()
     with KVClient(mtls_node.tcp, tls_ca_file=pki.ca, timeouts=PATIENT, **kw) as kv:
         with pytest.raises(Unavailable, match="client certificate"):
@@ -303,8 +326,14 @@ def test_mtls_data_port_requires_a_client_certificate(mtls_node: NodeProcess, pk
 
 # -- the CLI --------------------------------------------------------------------------------
 def kvstore(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvstore", *args], env={**clean_env(), **(env or {})}, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore", *args],
+        env={**clean_env(), **(env or {})},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_health_cli_over_tls(tls_node: NodeProcess, mtls_node: NodeProcess, pki: PKI) -> None:
@@ -316,8 +345,17 @@ def test_health_cli_over_tls(tls_node: NodeProcess, mtls_node: NodeProcess, pki:
     assert r.returncode == 0, r.stderr
     r = kvstore("health", "--target", mtls_node.tcp, "--tls-ca-file", pki.ca, "--timeout", "20")
     assert r.returncode == 1 and "client certificate" in r.stderr
-    r = kvstore("health", "--target", mtls_node.tcp, "--tls-ca-file", pki.ca, "--tls-cert-file", pki.client_cert,
-                "--tls-key-file", pki.client_key)
+    r = kvstore(
+        "health",
+        "--target",
+        mtls_node.tcp,
+        "--tls-ca-file",
+        pki.ca,
+        "--tls-cert-file",
+        pki.client_cert,
+        "--tls-key-file",
+        pki.client_key,
+    )
     assert r.returncode == 0, r.stderr
     r = kvstore("health", "--target", tls_node.tcp, "--tls-ca-file", "/nonexistent/ca.pem")
     assert r.returncode == 1 and "cannot read tls_ca_file /nonexistent/ca.pem" in r.stderr
@@ -331,8 +369,21 @@ def test_stats_and_replay_cli_over_tls(tls_node: NodeProcess, pki: PKI) -> None:
     r = kvstore("stats", "--target", tls_node.tcp, env=env)
     assert r.returncode == 2 and "tls_ca_file" in r.stderr and "Traceback" not in r.stderr
     trace = ROOT / "tests" / "data" / "mooncake_synthetic_trace.jsonl"
-    r = kvstore("replay", str(trace), "--target", tls_node.tcp, "--tls-ca-file", pki.ca, "--requests", "20",
-                "--block-bytes", "64KiB", "--json", env=env, timeout=120)
+    r = kvstore(
+        "replay",
+        str(trace),
+        "--target",
+        tls_node.tcp,
+        "--tls-ca-file",
+        pki.ca,
+        "--requests",
+        "20",
+        "--block-bytes",
+        "64KiB",
+        "--json",
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["mode"] == "live" and out["requests"] == 20
@@ -341,8 +392,20 @@ def test_stats_and_replay_cli_over_tls(tls_node: NodeProcess, pki: PKI) -> None:
 # -- start-up refuses bad settings ---------------------------------------------------------
 def serve_fails(tmp: Path, *args: str) -> str:
     t0 = time.monotonic()
-    r = kvstore("serve", "--data-dir", str(tmp / "d"), "--listen", "127.0.0.1:0", "--dram", "8MiB", "--nvme", "0",
-                "--arena-path", f"/dev/shm/kvstore-test-tlsbad-{os.getpid()}-{tmp.name}.arena", *args)
+    r = kvstore(
+        "serve",
+        "--data-dir",
+        str(tmp / "d"),
+        "--listen",
+        "127.0.0.1:0",
+        "--dram",
+        "8MiB",
+        "--nvme",
+        "0",
+        "--arena-path",
+        f"/dev/shm/kvstore-test-tlsbad-{os.getpid()}-{tmp.name}.arena",
+        *args,
+    )
     assert r.returncode != 0, r.stdout
     assert "Traceback" not in r.stderr and "READY" not in r.stdout
     assert time.monotonic() - t0 < 30
@@ -371,8 +434,15 @@ def test_serve_refuses_unreadable_or_invalid_tls_files(tmp_path: Path, pki: PKI,
     assert f"tls_cert_file {junk} is not a PEM file" in err
     err = serve_fails(tmp_path, "--tls-cert-file", pki.server_cert, "--tls-key-file", other.server_key)  # not its key
     assert "are not a PEM certificate and its private key" in err
-    err = serve_fails(tmp_path, "--tls-cert-file", pki.server_cert, "--tls-key-file", pki.server_key,
-                      "--tls-client-ca-file", pki.client_key)  # a key where a CA belongs
+    err = serve_fails(
+        tmp_path,
+        "--tls-cert-file",
+        pki.server_cert,
+        "--tls-key-file",
+        pki.server_key,
+        "--tls-client-ca-file",
+        pki.client_key,
+    )  # a key where a CA belongs
     assert "tls_client_ca_file" in err and "no usable PEM CA certificate" in err
     # the same settings from the environment and a config file
     env_err = kvstore("serve", "--data-dir", str(tmp_path / "d"), env={"KVSTORE_TLS_CERT_FILE": pki.server_cert}).stderr

@@ -30,7 +30,9 @@ from conftest import ROOT
 from kvstore.cli import build_parser
 from kvstore.cluster.local_etcd import find_etcd
 
-pytestmark = pytest.mark.skipif(find_etcd() is None, reason="etcd is not installed (Debian: apt-get install etcd-server)")
+pytestmark = pytest.mark.skipif(
+    find_etcd() is None, reason="etcd is not installed (Debian: apt-get install etcd-server)"
+)
 
 COMPOSE = yaml.safe_load((ROOT / "deploy" / "compose.yaml").read_text())
 
@@ -41,16 +43,29 @@ def compose_topology() -> dict[str, Any]:
     shared = {k for k in envs[0] if all(e.get(k) == envs[0][k] for e in envs)}
     env = {k: str(envs[0][k]) for k in shared}
     dash = build_parser("dashboard").parse_args(COMPOSE["services"]["dashboard"]["command"])
-    return {"nodes": len(nodes), "cluster": env["KVSTORE_CLUSTER"], "dram": env["KVSTORE_DRAM"], "nvme": env["KVSTORE_NVME"],
-            "lease_ttl": env["KVSTORE_ETCD_LEASE_TTL_S"], "dashboard": dash}
+    return {
+        "nodes": len(nodes),
+        "cluster": env["KVSTORE_CLUSTER"],
+        "dram": env["KVSTORE_DRAM"],
+        "nvme": env["KVSTORE_NVME"],
+        "lease_ttl": env["KVSTORE_ETCD_LEASE_TTL_S"],
+        "dashboard": dash,
+    }
 
 
 class Proc:
     """A child whose stdout is read up to its ``READY {json}`` line, then drained."""
 
     def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstore", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self.lines: list[str] = []
 
     def ready(self, timeout: float) -> dict[str, Any]:
@@ -61,7 +76,7 @@ class Proc:
             for line in self.proc.stdout:  # type: ignore[union-attr]
                 self.lines.append(line)
                 if line.startswith("READY ") and not found:
-                    found.update(json.loads(line[len("READY "):]))
+                    found.update(json.loads(line[len("READY ") :]))
 
         threading.Thread(target=read, daemon=True).start()
         deadline = time.monotonic() + timeout
@@ -93,8 +108,11 @@ def alive(pid: int) -> bool:
 
 
 def health(target: str) -> int:
-    return subprocess.run([sys.executable, "-m", "kvstore", "health", "--quiet", "--timeout", "3", "--target", target],
-                          cwd=ROOT, timeout=30).returncode
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore", "health", "--quiet", "--timeout", "3", "--target", target],
+        cwd=ROOT,
+        timeout=30,
+    ).returncode
 
 
 def get_json(url: str) -> Any:
@@ -109,8 +127,21 @@ def test_up_runs_the_compose_topology_end_to_end(tmp_path: Path) -> None:
 
     topo = compose_topology()
     assert topo["nodes"] == 3
-    up = Proc("up", "--nodes", str(topo["nodes"]), "--cluster", topo["cluster"], "--dram", topo["dram"], "--nvme", topo["nvme"],
-              "--lease-ttl", topo["lease_ttl"], "--data-dir", str(tmp_path / "up"))
+    up = Proc(
+        "up",
+        "--nodes",
+        str(topo["nodes"]),
+        "--cluster",
+        topo["cluster"],
+        "--dram",
+        topo["dram"],
+        "--nvme",
+        topo["nvme"],
+        "--lease-ttl",
+        topo["lease_ttl"],
+        "--data-dir",
+        str(tmp_path / "up"),
+    )
     dash: Proc | None = None
     info: dict[str, Any] = {}
     try:
@@ -147,8 +178,17 @@ def test_up_runs_the_compose_topology_end_to_end(tmp_path: Path) -> None:
         # the dashboard: the one `up` serves, and compose's dashboard command against up's etcd
         assert info.get("dashboard"), "kvstore up serves the dashboard, as compose does"
         a = topo["dashboard"]
-        dash = Proc("dashboard", "--etcd", info["etcd"], "--cluster", a.cluster, "--metrics-port", str(a.metrics_port),
-                    "--listen", "127.0.0.1:0")
+        dash = Proc(
+            "dashboard",
+            "--etcd",
+            info["etcd"],
+            "--cluster",
+            a.cluster,
+            "--metrics-port",
+            str(a.metrics_port),
+            "--listen",
+            "127.0.0.1:0",
+        )
         for url in (str(info["dashboard"]), dash.ready(timeout=60)["url"]):
             url = url.rstrip("/") + "/"
             deadline = time.monotonic() + 20
@@ -172,7 +212,7 @@ def test_up_runs_the_compose_topology_end_to_end(tmp_path: Path) -> None:
             time.sleep(0.1)
         assert not alive(pid), f"pid {pid} outlived `kvstore up`"
     assert health(info["nodes"][0]["grpc"]) == 1
-    from kvstore.config import NodeConfig
+    from kvstore.node.config import NodeConfig
 
     for n in info["nodes"]:  # the nodes removed their arenas from /dev/shm
         assert not NodeConfig(node_id=n["node_id"], data_dir=n["data_dir"]).arena_file().exists()
@@ -252,11 +292,34 @@ def test_up_tls_serves_tls_with_the_ca_it_prints(tmp_path: Path) -> None:
 def test_up_refuses_a_certificate_that_does_not_name_the_host(tmp_path: Path) -> None:
     """Own certificates are checked with the CA `up` would print before it reports READY:
     one that names another host stops everything with the setting to change."""
-    from kvstore.localca import make
+    from kvstore.local.ca import make
 
     c = make(tmp_path / "pki", ["node1.example"])
-    r = subprocess.run([sys.executable, "-m", "kvstore", "up", "--nodes", "1", "--dram", "64MiB", "--nvme", "0",
-                        "--data-dir", str(tmp_path / "up"), "--tls-cert-file", c.cert, "--tls-key-file", c.key,
-                        "--tls-ca-file", c.ca], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "up",
+            "--nodes",
+            "1",
+            "--dram",
+            "64MiB",
+            "--nvme",
+            "0",
+            "--data-dir",
+            str(tmp_path / "up"),
+            "--tls-cert-file",
+            c.cert,
+            "--tls-key-file",
+            c.key,
+            "--tls-ca-file",
+            c.ca,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "READY" not in r.stdout, r.stdout + r.stderr
     assert "does not name the host dialled" in r.stderr and "kvstore up: stopped" in r.stdout

@@ -15,12 +15,12 @@ from conftest import FakeClock
 from kvstore.block import BlockMeta
 from kvstore.errors import CapacityExceeded
 from kvstore.keys import NO_PARENT, ChunkKey
-from kvstore.manager import Status, TierManager
-from kvstore.policy import LRUPolicy, PrefixAwareLRUPolicy
+from kvstore.node.manager import Status, TierManager
 from tiers.arena import Arena
 from tiers.base import TierKind
 from tiers.dram import DRAMTier
 from tiers.nvme import NVMeTier
+from tiers.policy import LRUPolicy, PrefixAwareLRUPolicy
 
 MiB = 1 << 20
 
@@ -38,9 +38,21 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-def build(tmp_path: Path, clock: FakeClock, *, dram: int = 4 * MiB, nvme: int = 16 * MiB, policy: Any = PrefixAwareLRUPolicy, **kw: Any) -> TierManager:
+def build(
+    tmp_path: Path,
+    clock: FakeClock,
+    *,
+    dram: int = 4 * MiB,
+    nvme: int = 16 * MiB,
+    policy: Any = PrefixAwareLRUPolicy,
+    **kw: Any,
+) -> TierManager:
     arena = Arena.create(f"/dev/shm/kvstore-scn-{uuid.uuid4().hex}.arena", dram)
-    nv = NVMeTier(tmp_path / f"nvme-{uuid.uuid4().hex[:6]}", nvme, policy=policy(), segment_bytes=4 * MiB) if nvme else None
+    nv = (
+        NVMeTier(tmp_path / f"nvme-{uuid.uuid4().hex[:6]}", nvme, policy=policy(), segment_bytes=4 * MiB)
+        if nvme
+        else None
+    )
     return TierManager(DRAMTier(arena, policy=policy()), nv, clock=clock, reservation_ttl=5.0, lease_ttl=5.0, **kw)
 
 

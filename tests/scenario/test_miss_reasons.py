@@ -12,11 +12,11 @@ import numpy as np
 
 from kvstore.block import BlockMeta
 from kvstore.keys import ChunkKey
-from kvstore.manager import Status, TierManager
-from kvstore.policy import LRUPolicy
+from kvstore.node.manager import Status, TierManager
 from tiers.arena import Arena
 from tiers.dram import DRAMTier
 from tiers.nvme import NVMeTier
+from tiers.policy import LRUPolicy
 
 MiB = 1 << 20
 NS1, NS2 = b"ns-one..", b"ns-two.."
@@ -28,7 +28,11 @@ def key(i: int) -> ChunkKey:
 
 def build(tmp_path: Path, *, dram: int = 4 * MiB, nvme: int = 0) -> TierManager:
     arena = Arena.create(f"/dev/shm/kvstore-miss-{uuid.uuid4().hex}.arena", dram)
-    nv = NVMeTier(tmp_path / f"nvme-{uuid.uuid4().hex[:6]}", nvme, policy=LRUPolicy(), segment_bytes=4 * MiB) if nvme else None
+    nv = (
+        NVMeTier(tmp_path / f"nvme-{uuid.uuid4().hex[:6]}", nvme, policy=LRUPolicy(), segment_bytes=4 * MiB)
+        if nvme
+        else None
+    )
     return TierManager(DRAMTier(arena, policy=LRUPolicy()), nv)
 
 
@@ -61,6 +65,7 @@ def misses(m: TierManager, op: str = "get") -> dict[str, int]:
 def test_dram_only_node_tells_evicted_invalidated_and_never_stored_apart(tmp_path: Path) -> None:
     m = build(tmp_path)
     try:
+
         async def go() -> None:
             for i in range(6):  # 4 fit: 0 and 1 are evicted (no NVMe: they leave the node)
                 assert await put(m, i) == Status.OK
@@ -84,6 +89,7 @@ def test_dram_only_node_tells_evicted_invalidated_and_never_stored_apart(tmp_pat
 def test_nvme_tier_demotes_promotes_and_evicts(tmp_path: Path) -> None:
     m = build(tmp_path, dram=2 * MiB, nvme=3 * MiB)
     try:
+
         async def go() -> None:
             for i in range(4):  # DRAM holds 2: 0 and 1 are demoted, not lost
                 assert await put(m, i) == Status.OK
@@ -108,6 +114,7 @@ def test_nvme_tier_demotes_promotes_and_evicts(tmp_path: Path) -> None:
 def test_corrupt_put_and_corrupt_dirty_block(tmp_path: Path) -> None:
     m = build(tmp_path, dram=2 * MiB, nvme=8 * MiB)
     try:
+
         async def go() -> None:
             # a put whose bytes do not match its checksum (the data channel verifies)
             data = np.zeros(MiB, np.uint8)
@@ -131,6 +138,7 @@ def test_corrupt_put_and_corrupt_dirty_block(tmp_path: Path) -> None:
 def test_match_prefix_and_exists_account_every_key(tmp_path: Path) -> None:
     m = build(tmp_path)
     try:
+
         async def go() -> None:
             for i in range(3):
                 await put(m, i)

@@ -27,12 +27,12 @@ import pytest
 from kvstore.block import BlockMeta
 from kvstore.errors import CapacityExceeded, InvalidArgument
 from kvstore.keys import ChunkKey
-from kvstore.manager import Status, TierManager
-from kvstore.policy import LRUPolicy
+from kvstore.node.manager import Status, TierManager
 from tiers.arena import Arena
 from tiers.base import TierKind
 from tiers.dram import DRAMTier
 from tiers.nvme import NVMeTier
+from tiers.policy import LRUPolicy
 
 MiB = 1 << 20
 
@@ -47,7 +47,11 @@ def payload(i: int, n: int = MiB) -> np.ndarray:
 
 def build(tmp_path: Path, *, dram: int = 4 * MiB, nvme: int = 16 * MiB, **kw: Any) -> TierManager:
     arena = Arena.create(f"/dev/shm/kvstore-rev-{uuid.uuid4().hex}.arena", dram)
-    nv = NVMeTier(tmp_path / f"nvme-{uuid.uuid4().hex[:6]}", nvme, policy=LRUPolicy(), segment_bytes=4 * MiB) if nvme else None
+    nv = (
+        NVMeTier(tmp_path / f"nvme-{uuid.uuid4().hex[:6]}", nvme, policy=LRUPolicy(), segment_bytes=4 * MiB)
+        if nvme
+        else None
+    )
     return TierManager(DRAMTier(arena, policy=LRUPolicy()), nv, **kw)
 
 
@@ -124,7 +128,9 @@ def test_cancelled_promotion_does_not_free_extents_under_its_reader_regression(m
         gate.open()  # the reading thread finishes
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert await mgr.commit([r.reservation_id], verify=True) == [Status.OK], "another block's bytes were written over"
+        assert await mgr.commit([r.reservation_id], verify=True) == [Status.OK], (
+            "another block's bytes were written over"
+        )
         (x,) = await mgr.acquire([key(50)])
         assert read(mgr, x) == mine.tobytes()
         mgr.release([x.lease_id])
@@ -255,8 +261,19 @@ class _ManyKeysNVMe:
 def test_invalidate_of_a_large_nvme_namespace_is_not_quadratic_regression(tmp_path: Path) -> None:
     ns = b"B" * 8
     n = 20_000
-    metas = [BlockMeta(namespace=ns, key=key(i), parent=ChunkKey(bytes(16)), token_count=0, dtype="uint8",
-                       shape=(1,), payload_len=1, payload_checksum=0) for i in range(n)]
+    metas = [
+        BlockMeta(
+            namespace=ns,
+            key=key(i),
+            parent=ChunkKey(bytes(16)),
+            token_count=0,
+            dtype="uint8",
+            shape=(1,),
+            payload_len=1,
+            payload_checksum=0,
+        )
+        for i in range(n)
+    ]
     arena = Arena.create(f"/dev/shm/kvstore-rev-{uuid.uuid4().hex}.arena", MiB)
     m = TierManager(DRAMTier(arena, policy=LRUPolicy()), _ManyKeysNVMe(metas))
     try:

@@ -17,13 +17,13 @@ from conftest import FakeClock
 from kvstore.block import BlockMeta
 from kvstore.errors import PermissionDenied
 from kvstore.keys import NO_PARENT, ChunkKey
-from kvstore.manager import Status, TierManager
-from kvstore.policy import LRUPolicy, PrefixReusePolicy
-from kvstore.sessions import SessionHinted, Sessions, hinted
+from kvstore.node.manager import Status, TierManager
+from kvstore.node.sessions import SessionHinted, Sessions, hinted
 from tiers.arena import Arena
 from tiers.base import TierKind
 from tiers.dram import DRAMTier
 from tiers.nvme import NVMeTier
+from tiers.policy import LRUPolicy, PrefixReusePolicy
 
 MiB = 1 << 20
 
@@ -32,15 +32,20 @@ def key(i: int) -> ChunkKey:
     return ChunkKey(i.to_bytes(16, "big"))
 
 
-def build(tmp_path: Path, clock: FakeClock, *, dram_blocks: int = 4, nvme_blocks: int = 0, policy: Any = LRUPolicy,
-          **kw: Any) -> TierManager:
+def build(
+    tmp_path: Path, clock: FakeClock, *, dram_blocks: int = 4, nvme_blocks: int = 0, policy: Any = LRUPolicy, **kw: Any
+) -> TierManager:
     sessions = Sessions(idle_ttl=60.0, clock=clock, **kw)
     arena = Arena.create(f"/dev/shm/kvstore-sess-{uuid.uuid4().hex}.arena", dram_blocks * MiB)
     nv = None
     if nvme_blocks:
         # a record is a header page plus the payload: room for exactly nvme_blocks of them
-        nv = NVMeTier(tmp_path / f"nvme-{uuid.uuid4().hex[:6]}", nvme_blocks * (MiB + 4096), policy=hinted(policy(), sessions),
-                      segment_bytes=nvme_blocks * (MiB + 4096))
+        nv = NVMeTier(
+            tmp_path / f"nvme-{uuid.uuid4().hex[:6]}",
+            nvme_blocks * (MiB + 4096),
+            policy=hinted(policy(), sessions),
+            segment_bytes=nvme_blocks * (MiB + 4096),
+        )
     return TierManager(DRAMTier(arena, policy=hinted(policy(), sessions)), nv, clock=clock, sessions=sessions)
 
 
@@ -56,7 +61,9 @@ def mgr(tmp_path: Path, clock: FakeClock) -> Iterator[TierManager]:
     m.close()
 
 
-async def put(m: TierManager, i: int, *, session: str | None = None, tenant: str | None = None, parent: int | None = None) -> Status:
+async def put(
+    m: TierManager, i: int, *, session: str | None = None, tenant: str | None = None, parent: int | None = None
+) -> Status:
     data = np.full(MiB, i % 251, dtype=np.uint8)
     meta = BlockMeta.for_payload(key(i), data, parent=key(parent) if parent is not None else NO_PARENT)
     (r,) = await m.reserve([meta], session=session, tenant=tenant)
@@ -101,8 +108,11 @@ def test_without_session_ids_it_is_the_policy_itself(tmp_path: Path, clock: Fake
                 await read(m, i // 2)
         return [m.where(key(i)) for i in range(12)]
 
-    plain = TierManager(DRAMTier(Arena.create(f"/dev/shm/kvstore-sess-{uuid.uuid4().hex}.arena", 4 * MiB), policy=PrefixReusePolicy()),
-                        None, clock=clock)
+    plain = TierManager(
+        DRAMTier(Arena.create(f"/dev/shm/kvstore-sess-{uuid.uuid4().hex}.arena", 4 * MiB), policy=PrefixReusePolicy()),
+        None,
+        clock=clock,
+    )
     hinted_m = build(tmp_path, clock, policy=PrefixReusePolicy)
     try:
         assert isinstance(hinted_m.dram.policy, SessionHinted)

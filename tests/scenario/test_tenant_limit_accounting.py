@@ -22,9 +22,9 @@ from conftest import FakeClock
 
 from kvstore.block import BlockMeta
 from kvstore.errors import CapacityExceeded
-from kvstore.holds import TenantLimits
 from kvstore.keys import ChunkKey
-from kvstore.manager import Status, TierManager
+from kvstore.node.holds import TenantLimits
+from kvstore.node.manager import Status, TierManager
 from tiers.arena import Arena
 from tiers.dram import DRAMTier
 
@@ -51,8 +51,9 @@ def clock() -> FakeClock:
 def mgr(clock: FakeClock) -> Iterator[TierManager]:
     arena = Arena.create(f"/dev/shm/kvstore-lim-{uuid.uuid4().hex}.arena", 8 * MiB)
     limits = {"bob": TenantLimits(max_reserved_bytes=256 * KiB, max_pinned_bytes=128 * KiB), "alice": TenantLimits()}
-    m = TierManager(DRAMTier(arena), None, clock=clock, reservation_ttl=5.0, lease_ttl=5.0,
-                    tenant_limits=limits, max_pin_ttl=60.0)
+    m = TierManager(
+        DRAMTier(arena), None, clock=clock, reservation_ttl=5.0, lease_ttl=5.0, tenant_limits=limits, max_pin_ttl=60.0
+    )
     yield m
     m.close()
 
@@ -78,10 +79,14 @@ def test_reserve_over_the_limit_answers_no_space_per_block(mgr: TierManager) -> 
         assert held(mgr, "bob") == (256 * KiB, 0)
         assert mgr.counters["reserve_tenant_limit"] == 2
         # nothing more fits: the whole call is refused, naming the limit
-        with pytest.raises(CapacityExceeded, match=r"tenant 'bob' has 262144 bytes reserved.*max_reserved_bytes=262144"):
+        with pytest.raises(
+            CapacityExceeded, match=r"tenant 'bob' has 262144 bytes reserved.*max_reserved_bytes=262144"
+        ):
             await mgr.reserve([meta(10)], tenant="bob")
         # other tenants and the admin are not limited by bob's state
-        assert [r.status for r in await mgr.reserve([meta(20 + i) for i in range(8)], tenant="alice")] == [Status.OK] * 8
+        assert [r.status for r in await mgr.reserve([meta(20 + i) for i in range(8)], tenant="alice")] == [
+            Status.OK
+        ] * 8
         assert [r.status for r in await mgr.reserve([meta(40)], tenant=None)] == [Status.OK]
         assert "alice" not in mgr.holds.reserved_bytes or held(mgr, "alice")[0] == 8 * 64 * KiB
         # commit releases the bytes; so does abort
@@ -89,8 +94,9 @@ def test_reserve_over_the_limit_answers_no_space_per_block(mgr: TierManager) -> 
         assert held(mgr, "bob") == (128 * KiB, 0)
         mgr.abort([res[2].reservation_id])
         assert held(mgr, "bob") == (64 * KiB, 0)
-        assert [r.status for r in await mgr.reserve([meta(11), meta(12), meta(13), meta(14)], tenant="bob")] == \
-            [Status.OK] * 3 + [Status.NO_SPACE]
+        assert [r.status for r in await mgr.reserve([meta(11), meta(12), meta(13), meta(14)], tenant="bob")] == [
+            Status.OK
+        ] * 3 + [Status.NO_SPACE]
 
     run(go())
 
@@ -226,7 +232,9 @@ def test_stats_report_each_tenants_holds(mgr: TierManager) -> None:
         mgr.pin([key(0)], 30, tenant="bob")
         await mgr.reserve([meta(1)], tenant="bob")
         s = mgr.stats()["tenant_holds"]
-        assert s == {"alice": {"reserved_bytes": 0, "pinned_bytes": 0},
-                     "bob": {"reserved_bytes": 64 * KiB, "pinned_bytes": 64 * KiB}}
+        assert s == {
+            "alice": {"reserved_bytes": 0, "pinned_bytes": 0},
+            "bob": {"reserved_bytes": 64 * KiB, "pinned_bytes": 64 * KiB},
+        }
 
     run(go())

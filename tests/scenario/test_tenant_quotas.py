@@ -23,14 +23,13 @@ from conftest import FakeClock
 
 from kvstore.block import BlockMeta
 from kvstore.errors import CapacityExceeded
-from kvstore.holds import TenantLimits
 from kvstore.keys import ChunkKey
-from kvstore.manager import Status, TierManager
-from kvstore.quotas import QuotaNVMe
+from kvstore.node.holds import TenantLimits
+from kvstore.node.manager import Status, TierManager
+from kvstore.node.quotas import QuotaNVMe
 from tiers.arena import Arena
 from tiers.dram import DRAMTier
-from tiers.nvme import NVMeTier
-from tiers.nvme import record_bytes
+from tiers.nvme import NVMeTier, record_bytes
 
 KiB, MiB = 1 << 10, 1 << 20
 UNIT = 64 * KiB
@@ -84,8 +83,11 @@ def test_zero_reserved_bytes_reserve_nothing_even_empty_blocks(make: Any, size: 
     m = make({"bob": TenantLimits(max_reserved_bytes=0)})
 
     async def go() -> None:
-        with pytest.raises(CapacityExceeded, match=rf"a block of {size} bytes \(it takes 65536 bytes of DRAM.*larger than "
-                                                    r"tenant 'bob''s max_reserved_bytes=0"):
+        with pytest.raises(
+            CapacityExceeded,
+            match=rf"a block of {size} bytes \(it takes 65536 bytes of DRAM.*larger than "
+            r"tenant 'bob''s max_reserved_bytes=0",
+        ):
             await m.reserve([meta("bob", i, size)[0] for i in range(1024)], tenant="bob")
         assert m.dram.used_bytes == 0 and not m.holds.reservations
 
@@ -133,8 +135,10 @@ def test_a_tenant_over_its_dram_quota_evicts_only_its_own_blocks(make: Any) -> N
         assert resident(m, "bob", range(5000)) == 16 and resident(m, "bob", range(4984, 5000)) == 16
         assert m.quotas is not None and m.quotas.use.used["bob"] == MiB
         assert m.counters["quota_evictions_dram"] == 5000 - 16
-        assert m.stats()["tenant_occupancy"] == {"alice": {"dram_bytes": 2 * MiB, "nvme_bytes": 0},
-                                                 "bob": {"dram_bytes": MiB, "nvme_bytes": 0}}
+        assert m.stats()["tenant_occupancy"] == {
+            "alice": {"dram_bytes": 2 * MiB, "nvme_bytes": 0},
+            "bob": {"dram_bytes": MiB, "nvme_bytes": 0},
+        }
 
     asyncio.run(go())
 
@@ -161,7 +165,9 @@ def test_own_blocks_that_cannot_go_refuse_the_tenant_naming_the_quota(make: Any)
         assert m.pin([key("bob", 0)], 60, tenant="bob") == 1
         (r,) = await m.reserve([meta("bob", 1, 0)[0]], tenant="bob")
         assert r.status == Status.OK  # 2 units: his pinned block and this reservation
-        with pytest.raises(CapacityExceeded, match=r"take 131072 bytes of DRAM and max_dram_bytes=131072.*pinned, leased or reserved"):
+        with pytest.raises(
+            CapacityExceeded, match=r"take 131072 bytes of DRAM and max_dram_bytes=131072.*pinned, leased or reserved"
+        ):
             await m.reserve([meta("bob", 2, 0)[0]], tenant="bob")
         assert m.counters["reserve_tenant_quota"] == 1
         assert await put(m, "alice", 0, UNIT) == Status.OK  # nobody else is held back
@@ -171,8 +177,13 @@ def test_own_blocks_that_cannot_go_refuse_the_tenant_naming_the_quota(make: Any)
 
 def test_a_tenant_over_its_nvme_quota_demotes_over_its_own_blocks(make: Any) -> None:
     rec = record_bytes(1)
-    m = make({"alice": TenantLimits(max_dram_bytes=MiB, max_nvme_bytes=64 * rec),
-              "bob": TenantLimits(max_dram_bytes=MiB, max_nvme_bytes=8 * rec)}, nvme=8 * MiB)
+    m = make(
+        {
+            "alice": TenantLimits(max_dram_bytes=MiB, max_nvme_bytes=64 * rec),
+            "bob": TenantLimits(max_dram_bytes=MiB, max_nvme_bytes=8 * rec),
+        },
+        nvme=8 * MiB,
+    )
 
     async def go() -> None:
         assert isinstance(m.nvme, QuotaNVMe)

@@ -16,7 +16,7 @@ import pytest
 
 from kvstore.block import BlockMeta
 from kvstore.keys import ChunkKey
-from kvstore.manager import Status, TierManager
+from kvstore.node.manager import Status, TierManager
 from tiers.arena import Arena
 from tiers.base import TierKind
 from tiers.dram import DRAMTier
@@ -43,7 +43,9 @@ def mgr(tmp_path: Path) -> Iterator[TierManager]:
     m.close()
 
 
-async def put(m: TierManager, i: int, ns: bytes, fill: int, *, tenant: str | None = None, visible: Any = None) -> Status:
+async def put(
+    m: TierManager, i: int, ns: bytes, fill: int, *, tenant: str | None = None, visible: Any = None
+) -> Status:
     data = np.full(64 * 1024, fill, np.uint8)
     (r,) = await m.reserve([BlockMeta.for_payload(key(i), data, namespace=ns)], tenant=tenant, visible=visible)
     if r.status != Status.OK:

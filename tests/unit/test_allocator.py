@@ -356,8 +356,10 @@ def churn(sizes: list[int], seed: int, steps: int) -> tuple[list[int], int]:
 def test_mixed_sizes_never_fragment_to_failure(seed: int) -> None:
     counts, refused = churn(list(SIZES.values()), seed, steps=5000)
     mean = statistics.mean(counts)
-    print(f"mixed sizes, seed {seed}: {len(counts)} allocations, mean {mean:.3f} extents, "
-          f"max {max(counts)}, single-extent {counts.count(1) / len(counts):.1%}, refused (short) {refused}")
+    print(
+        f"mixed sizes, seed {seed}: {len(counts)} allocations, mean {mean:.3f} extents, "
+        f"max {max(counts)}, single-extent {counts.count(1) / len(counts):.1%}, refused (short) {refused}"
+    )
     assert len(counts) > 4000
     assert mean < 2.0
     assert counts.count(1) / len(counts) > 0.75

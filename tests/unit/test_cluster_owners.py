@@ -1,4 +1,4 @@
-"""Namespace ownership in cluster mode, without etcd: :class:`kvstore.tenants.Ownership` as a
+"""Namespace ownership in cluster mode, without etcd: :class:`kvstore.node.tenants.Ownership` as a
 durable cache of an owner authority (a fake standing in for ``OwnerRegistry``), and the
 node-side follower that keeps it in step with etcd's ``owners/`` records.
 
@@ -22,7 +22,7 @@ from kvstore.cluster.etcd import OwnersUpdate
 from kvstore.cluster.owners import OwnersFollower
 from kvstore.cluster.state import OwnerRecord
 from kvstore.errors import OwnershipUnavailable, PermissionDenied, Unavailable
-from kvstore.tenants import Caller, Ownership
+from kvstore.node.tenants import Caller, Ownership
 
 NS_A, NS_B, NS_C = b"A" * 8, b"B" * 8, b"C" * 8
 ALICE, BOB = Caller("alice"), Caller("bob")
@@ -120,7 +120,9 @@ def test_concurrent_claims_on_one_node_make_one_round_trip(tmp_path: Path) -> No
 
     async def main() -> None:
         o = clustered(tmp_path, etcd)
-        got = await asyncio.gather(o.claim(ALICE, {NS_A}), o.claim(BOB, {NS_A}), o.claim(ALICE, {NS_A}), return_exceptions=True)
+        got = await asyncio.gather(
+            o.claim(ALICE, {NS_A}), o.claim(BOB, {NS_A}), o.claim(ALICE, {NS_A}), return_exceptions=True
+        )
         assert got[0] is None and got[2] is None and isinstance(got[1], PermissionDenied)
         assert sum(etcd.calls.values()) == 1 and o.owner(NS_A) == "alice"
         o.close()
@@ -195,6 +197,7 @@ def test_full_load_etcd_wins_and_releases_while_away_are_forgotten(tmp_path: Pat
 def test_first_load_keeps_and_returns_namespaces_etcd_never_knew(tmp_path: Path) -> None:
     """Tenants used on a single node, which then joins a cluster: its claims are offered to
     etcd, not forgotten; a different etcd (a new cluster id) is a first load again."""
+
     async def single() -> None:
         o = Ownership(tmp_path / "owners.lmdb")
         await o.claim(ALICE, {NS_A})

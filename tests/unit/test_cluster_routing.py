@@ -24,14 +24,23 @@ KEYS = [bytes([i]) * 16 for i in range(1, 65)]
 def view(revision: int, regs: dict[str, tuple[int, int]], replication: int = 2, port: int = 7000) -> ClusterSnapshot:
     """A loaded view with nodes ``regs`` (node -> (record revision, lease))."""
     nodes = {n: NodeInfo(n, f"10.0.0.{i + 1}:{port}") for i, n in enumerate(sorted(regs))}
-    return ClusterSnapshot(CLUSTER, revision, nodes, ClusterConfig(replication=replication), {}, dict(regs),
-                           connected=True, loaded=True)
+    return ClusterSnapshot(
+        CLUSTER, revision, nodes, ClusterConfig(replication=replication), {}, dict(regs), connected=True, loaded=True
+    )
 
 
 @pytest.fixture
 def core() -> Iterator[ClusterCore]:
-    c = ClusterCore(f"etcd://127.0.0.1:1/{CLUSTER}", timeouts=None, transport="tcp", verify=True, replication=None,
-                    suspect_s=30.0, prefer_local=False, wait_s=0)
+    c = ClusterCore(
+        f"etcd://127.0.0.1:1/{CLUSTER}",
+        timeouts=None,
+        transport="tcp",
+        verify=True,
+        replication=None,
+        suspect_s=30.0,
+        prefer_local=False,
+        wait_s=0,
+    )
     try:
         yield c
     finally:
@@ -127,6 +136,7 @@ def test_writes_to_a_suspect_owner_are_counted_as_under_replicated(core: Cluster
             keys = make(_Node())
             written[node] = written.get(node, 0) + len(keys)
             return [True] * len(keys)
+
         return call
 
     stored = drive(core.put_many(KEYS, [b"x"] * len(KEYS), namespace=None, parents=None, token_counts=None), answer())
@@ -134,7 +144,9 @@ def test_writes_to_a_suspect_owner_are_counted_as_under_replicated(core: Cluster
     assert "b" not in written and written == {"a": on["a"], "c": on["c"]}
     assert core.under_replicated() == {"suspect": on["b"], "failed": 0}
     # an owner whose call fails: its copies count too (a block owned by b and c is not stored)
-    stored = drive(core.put_many(KEYS, [b"x"] * len(KEYS), namespace=None, parents=None, token_counts=None), answer("c"))
+    stored = drive(
+        core.put_many(KEYS, [b"x"] * len(KEYS), namespace=None, parents=None, token_counts=None), answer("c")
+    )
     assert stored == [o != {"b", "c"} for o in owners]
     assert core.under_replicated() == {"suspect": 2 * on["b"], "failed": on["c"]}
     assert "c" in core.suspects
@@ -156,7 +168,7 @@ class _Node:
 class _FakeNodeClient:
     """Stands in for a per-node ``KVClient``: records what it was built for and whether it was closed."""
 
-    made: list["_FakeNodeClient"] = []
+    made: list[_FakeNodeClient] = []
 
     def __init__(self, target: str, **kw: object) -> None:
         self.target, self.closed, self._core = target, False, None
@@ -181,10 +193,12 @@ def test_a_call_routed_by_an_older_plan_dials_the_nodes_current_address(monkeypa
     _FakeNodeClient.made = []
     kv = ClusterClient(f"etcd://127.0.0.1:1/{CLUSTER}", transport="tcp", prefer_local=False, wait_s=0)
     try:
+
         def call(plan: Any) -> Any:
             def op() -> Any:
                 (res,) = yield ("fanout", plan, [("a", lambda core: None)])
                 return res
+
             return kv._run(op())
 
         publish(kv._core, view(10, {"a": (3, 101), "b": (4, 102)}))
@@ -193,7 +207,10 @@ def test_a_call_routed_by_an_older_plan_dials_the_nodes_current_address(monkeypa
         publish(kv._core, view(11, {"a": (11, 109), "b": (4, 102)}, port=7001))
         new = kv._core.plan()
         assert [call(p) for p in (old, new, old)] == ["10.0.0.1:7001"] * 3
-        assert [(c.target, c.closed) for c in _FakeNodeClient.made] == [("10.0.0.1:7000", True), ("10.0.0.1:7001", False)]
+        assert [(c.target, c.closed) for c in _FakeNodeClient.made] == [
+            ("10.0.0.1:7000", True),
+            ("10.0.0.1:7001", False),
+        ]
     finally:
         kv.close()
 
@@ -211,7 +228,7 @@ def test_regression_handoff_calls_fit_the_nodes_max_batch() -> None:
     limit = 4
     node = ClientCore("10.0.0.1:7000", transport="grpc-stream")
     node.hello = pb.HelloResponse(max_batch=limit, arena_size=64 << 20, max_block_bytes=1 << 20)
-    payloads = {k: bytes([i]) * (100 + i) for i, k in enumerate(KEYS[:3 * limit + 1])}
+    payloads = {k: bytes([i]) * (100 + i) for i, k in enumerate(KEYS[: 3 * limit + 1])}
     metas = {k: BlockMeta.for_payload(k, p) for k, p in payloads.items()}
     keys = list(payloads)
     stored: dict[bytes, bytes] = {}
@@ -225,7 +242,9 @@ def test_regression_handoff_calls_fit_the_nodes_max_batch() -> None:
                     ks = list(instr[1].keys)
                     sizes.append(len(ks))
                     assert len(ks) <= limit, f"GetStream of {len(ks)} keys"
-                    result = [pb.BlockChunk(block=meta_to_pb(metas[k]), data=payloads[k], status=pb.KEY_STATUS_OK) for k in ks]
+                    result = [
+                        pb.BlockChunk(block=meta_to_pb(metas[k]), data=payloads[k], status=pb.KEY_STATUS_OK) for k in ks
+                    ]
                 else:
                     assert instr[0] == "put_stream"
                     blocks, meta = [], None
@@ -235,7 +254,9 @@ def test_regression_handoff_calls_fit_the_nodes_max_batch() -> None:
                             blocks.append([meta.key, b""])
                         blocks[-1][1] += c.data
                     sizes.append(len(blocks))
-                    assert len(blocks) <= limit and instr[2] == len(blocks), f"PutStream of {len(blocks)} blocks, {instr[2]} declared"
+                    assert len(blocks) <= limit and instr[2] == len(blocks), (
+                        f"PutStream of {len(blocks)} blocks, {instr[2]} declared"
+                    )
                     stored.update((k, v) for k, v in blocks)
                     result = pb.StatusesResponse(statuses=[pb.KEY_STATUS_OK] * len(blocks))
                 instr = op.send(result)

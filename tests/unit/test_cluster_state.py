@@ -44,7 +44,13 @@ def test_key_schema() -> None:
 def test_settings() -> None:
     assert parse_setting("replication", "3") == 3 and parse_setting("replication", 2) == 2
     assert parse_setting("handoff_window_s", "1.5") == 1.5
-    for name, value in [("replication", "0"), ("replication", "1.5"), ("replication", "x"), ("nope", "1"), ("handoff_window_s", "-1")]:
+    for name, value in [
+        ("replication", "0"),
+        ("replication", "1.5"),
+        ("replication", "x"),
+        ("nope", "1"),
+        ("handoff_window_s", "-1"),
+    ]:
         with pytest.raises(InvalidArgument):
             parse_setting(name, value)
     cfg = ClusterConfig.from_raw({"replication": b"2", "unknown": b"1", "handoff_window_s": b"bad"})

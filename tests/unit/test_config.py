@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.config import NodeConfig, default_data_dir, load_config, parse_size
 from kvstore.errors import InvalidArgument
+from kvstore.node.config import NodeConfig, default_data_dir, load_config, parse_size
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -87,8 +87,15 @@ def test_file_may_be_flat(tmp_path: Path) -> None:
 
 
 def test_env_values_are_parsed(tmp_path: Path) -> None:
-    env = {"KVSTORE_DRAM": "64MiB", "KVSTORE_WRITE_THROUGH": "true", "KVSTORE_DIRECT_IO": "0", "KVSTORE_LEASE_TTL_S": "2.5",
-           "KVSTORE_DRAIN_TIMEOUT_S": "0.5", "KVSTORE_DATA_DIR": str(tmp_path), "KVSTORE_TARGET": "ignored: it is the SDK's"}
+    env = {
+        "KVSTORE_DRAM": "64MiB",
+        "KVSTORE_WRITE_THROUGH": "true",
+        "KVSTORE_DIRECT_IO": "0",
+        "KVSTORE_LEASE_TTL_S": "2.5",
+        "KVSTORE_DRAIN_TIMEOUT_S": "0.5",
+        "KVSTORE_DATA_DIR": str(tmp_path),
+        "KVSTORE_TARGET": "ignored: it is the SDK's",
+    }
     cfg = load_config(environ=env)
     assert cfg.dram == 64 * MiB and cfg.write_through is True and cfg.direct_io is False and cfg.lease_ttl_s == 2.5
     assert cfg.drain_timeout_s == 0.5
@@ -99,7 +106,9 @@ def test_token_file_wins_over_token(tmp_path: Path) -> None:
     tok = tmp_path / "tok"
     tok.write_text("  from-file\n")
     assert load_config(environ={"KVSTORE_TOKEN": "inline"}).auth_token() == "inline"
-    assert load_config(environ={"KVSTORE_TOKEN": "inline"}, overrides={"token_file": str(tok)}).auth_token() == "from-file"
+    assert (
+        load_config(environ={"KVSTORE_TOKEN": "inline"}, overrides={"token_file": str(tok)}).auth_token() == "from-file"
+    )
     with pytest.raises(InvalidArgument, match="token_file"):
         load_config(environ={}, overrides={"token_file": str(tmp_path / "missing")}).auth_token()
 
@@ -182,6 +191,9 @@ def test_derived_paths(tmp_path: Path) -> None:
     a = load_config(environ={}, overrides={"data_dir": str(tmp_path / "a"), "node_id": "n1"})
     b = load_config(environ={}, overrides={"data_dir": str(tmp_path / "b"), "node_id": "n1"})
     assert a.arena_file() != b.arena_file()  # one arena per data directory, even for the same node id
-    assert a.arena_file() == load_config(environ={}, overrides={"data_dir": str(tmp_path / "a"), "node_id": "n1"}).arena_file()
+    assert (
+        a.arena_file()
+        == load_config(environ={}, overrides={"data_dir": str(tmp_path / "a"), "node_id": "n1"}).arena_file()
+    )
     c = load_config(environ={}, overrides={"socket": "/run/kv.sock", "arena_path": "/dev/shm/x.arena"})
     assert c.socket_path() == Path("/run/kv.sock") and c.arena_file() == Path("/dev/shm/x.arena")

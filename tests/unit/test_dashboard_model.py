@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
 
 from kvstore.dashboard.model import ClusterModel
 from kvstore.dashboard.scrape import MAX_NAMESPACES, Scrape, metrics_url, parse, quantile
-from kvstore.metrics import families
-from kvstore.misses import Ledger
-from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import generate_latest
+from kvstore.node.ledger import Ledger
+from kvstore.node.metrics import families
 
 
 def exposition(ledger: Ledger, counters: dict[str, int] | None = None) -> str:
     snap = {
         "tiers": {"dram": {"capacity_bytes": 100, "used_bytes": 40, "blocks": 4}},
-        "counters": counters or {}, "reservations": 0, "leases": 1, "pins": 0,
-        "ledger": ledger.snapshot(), "history": {"capacity": 16, "records": 0}, "extra": {},
+        "counters": counters or {},
+        "reservations": 0,
+        "leases": 1,
+        "pins": 0,
+        "ledger": ledger.snapshot(),
+        "history": {"capacity": 16, "records": 0},
+        "extra": {},
     }
 
     class C:
@@ -72,7 +77,9 @@ def test_deltas_survive_restarts_and_outages() -> None:
     m.update({"a": ("u", scrape_of(1, 0), ""), "b": ("u", scrape_of(6, 5), "")}, now=102.0)  # a restarted; b is back
     h = list(m.history)
     assert h[1]["d"]["lookups/get"] == 3  # a: +2 hits +1 miss; b was down
-    assert h[2]["d"]["lookups/get"] == 1  # a restarted (1 lookup since), b's first scrape after its outage is a new baseline
+    assert (
+        h[2]["d"]["lookups/get"] == 1
+    )  # a restarted (1 lookup since), b's first scrape after its outage is a new baseline
     assert all(v >= 0 for p in h for v in p["d"].values())
     v = m.view()
     assert {n["name"]: n["status"] for n in v["nodes"]} == {"a": "up", "b": "up"}
@@ -108,7 +115,12 @@ def test_names_node_ids_and_replication_health() -> None:
     s = parse(exposition(led))
     assert s.names == {b"ns-one..".hex(): "llama-3-8b"} and s.counters["under_replicated"] == 4
     m = ClusterModel()
-    m.update({"127.0.0.1:9400": ("http://127.0.0.1:9400/metrics", s, "")}, now=100.0, names={"ff" * 8: "from etcd"}, replication=2)
+    m.update(
+        {"127.0.0.1:9400": ("http://127.0.0.1:9400/metrics", s, "")},
+        now=100.0,
+        names={"ff" * 8: "from etcd"},
+        replication=2,
+    )
     v = m.view()
     assert v["names"] == {b"ns-one..".hex(): "llama-3-8b", "ff" * 8: "from etcd"}
     assert v["nodes"][0]["title"] == "n1"  # the node id, not its metrics address

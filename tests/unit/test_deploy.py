@@ -4,7 +4,7 @@ Every manifest parses; the Kubernetes objects validate against the Kubernetes sc
 (``kubernetes-validate``, strict); the Helm chart renders (tests/helm_lite.py, and real
 Helm through ``helm-python-sdk`` where installed, compared); and each form — the image,
 compose.yaml, the plain manifests, the chart — is checked against the node itself: its
-config goes through the real loader (``kvstore.config.load_config``: unknown keys fail)
+config goes through the real loader (``kvstore.node.config.load_config``: unknown keys fail)
 with the file, the ``KVSTORE_*`` environment and the flags it would get; ports agree
 between the config, container ports, Services and probes; the arena and the socket lie
 on volumes both containers mount at the same path; memory covers the arena; commands
@@ -14,7 +14,7 @@ The optional pieces are checked the same way, combined with the base files as th
 would (tests/deploy_variants.py): TLS and tenants in the chart's values, the strategic-merge
 patches in deploy/k8s/patches/ and the compose override files.  Every file they hand the
 node comes from a read-only Secret (or a compose secret) that only the sidecar mounts, and
-with the files such a Secret would hold (throwaway certificates from ``kvstore.localca``)
+with the files such a Secret would hold (throwaway certificates from ``kvstore.local.ca``)
 the node's own start-up checks accept them; with TLS the probes check the node over its
 Unix socket, since the kubelet's gRPC probes cannot speak TLS.  With TLS the nodes serve
 ``/metrics`` over HTTPS, and the dashboard of every form completes a real TLS handshake with
@@ -42,8 +42,8 @@ import yaml
 from deploy_variants import compose_merge, health_target, materialize, patch_documents, private_files
 
 from kvstore.cli import build_parser
-from kvstore.config import NodeConfig, load_config
 from kvstore.errors import InvalidArgument
+from kvstore.node.config import NodeConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -66,9 +66,20 @@ def k8s_quantity(q: object) -> int:
     m = re.fullmatch(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|[eE]\d+)?", str(q))
     assert m, f"not a Kubernetes quantity: {q!r}"
     unit = m.group(2) or ""
-    scale = ({"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60,
-              "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}.get(unit)
-             or (10 ** int(unit[1:]) if unit else 1))
+    scale = {
+        "Ki": 1 << 10,
+        "Mi": 1 << 20,
+        "Gi": 1 << 30,
+        "Ti": 1 << 40,
+        "Pi": 1 << 50,
+        "Ei": 1 << 60,
+        "k": 10**3,
+        "M": 10**6,
+        "G": 10**9,
+        "T": 10**12,
+        "P": 10**15,
+        "E": 10**18,
+    }.get(unit) or (10 ** int(unit[1:]) if unit else 1)
     return int(float(m.group(1)) * scale)
 
 
@@ -105,7 +116,9 @@ def serve_config(argv: list[str], environ: dict[str, str], files: dict[str, str]
         path = tmp / PurePosixPath(args.config).name
         path.write_text(files[args.config])
     overrides = {k: v for k, v in vars(args).items() if k in NodeConfig.model_fields}
-    return load_config(path, environ={k: v for k, v in environ.items() if k.startswith("KVSTORE_")}, overrides=overrides)
+    return load_config(
+        path, environ={k: v for k, v in environ.items() if k.startswith("KVSTORE_")}, overrides=overrides
+    )
 
 
 def test_serve_flags_are_config_keys() -> None:
@@ -120,8 +133,10 @@ class Dockerfile:
     stages: list[list[tuple[str, str]]] = field(default_factory=list)  # [[(INSTR, rest)]]
 
     @classmethod
-    def load(cls, path: Path) -> "Dockerfile":
-        text = re.sub(r"\\\n", " ", "\n".join(ln for ln in path.read_text().splitlines() if not ln.lstrip().startswith("#")))
+    def load(cls, path: Path) -> Dockerfile:
+        text = re.sub(
+            r"\\\n", " ", "\n".join(ln for ln in path.read_text().splitlines() if not ln.lstrip().startswith("#"))
+        )
         df = cls()
         for line in filter(None, (ln.strip() for ln in text.splitlines())):
             instr, _, rest = line.partition(" ")
@@ -157,7 +172,11 @@ class Dockerfile:
 
     def copies(self) -> dict[str, str]:
         """Final-stage ``COPY src dest`` from the build context (not --from): dest -> src."""
-        return {parts[-1]: parts[0] for rest in self.get("COPY") if not rest.startswith("--") and len(parts := rest.split()) == 2}
+        return {
+            parts[-1]: parts[0]
+            for rest in self.get("COPY")
+            if not rest.startswith("--") and len(parts := rest.split()) == 2
+        }
 
     def image_files(self) -> dict[str, str]:
         return {dest: (ROOT / src).read_text() for dest, src in self.copies().items() if (ROOT / src).is_file()}
@@ -167,11 +186,16 @@ DOCKERFILE = Dockerfile.load(DEPLOY / "Dockerfile")
 
 
 def image_config(tmp: Path, environ: dict[str, str] | None = None) -> NodeConfig:
-    return serve_config(DOCKERFILE.exec_form("CMD"), {**DOCKERFILE.env(), **(environ or {})}, DOCKERFILE.image_files(), tmp)
+    return serve_config(
+        DOCKERFILE.exec_form("CMD"), {**DOCKERFILE.env(), **(environ or {})}, DOCKERFILE.image_files(), tmp
+    )
 
 
 def test_image_base_user_and_no_torch() -> None:
-    assert [stage[0] for stage in DOCKERFILE.stages] == [("FROM", "python:3.11-slim AS build"), ("FROM", "python:3.11-slim")]
+    assert [stage[0] for stage in DOCKERFILE.stages] == [
+        ("FROM", "python:3.11-slim AS build"),
+        ("FROM", "python:3.11-slim"),
+    ]
     assert DOCKERFILE.get("USER") == [f"{UID}:{UID}"]
     assert any(f"--uid {UID}" in r for r in DOCKERFILE.get("RUN"))
     installs = " ".join(r for stage in DOCKERFILE.stages for i, r in stage if i == "RUN")
@@ -184,7 +208,9 @@ def test_image_entrypoint_is_an_installed_console_script() -> None:
     target = PYPROJECT["project"]["scripts"]["kvstore"]
     from importlib import metadata
 
-    installed = {ep.name: ep.value for ep in metadata.distribution("kvstore").entry_points if ep.group == "console_scripts"}
+    installed = {
+        ep.name: ep.value for ep in metadata.distribution("kvstore").entry_points if ep.group == "console_scripts"
+    }
     assert installed.get("kvstore") == target  # what pip put on PATH, not only what pyproject says
     module, _, func = target.partition(":")
     assert callable(getattr(__import__(module, fromlist=[func]), func))
@@ -193,7 +219,7 @@ def test_image_entrypoint_is_an_installed_console_script() -> None:
 
 
 def test_image_healthcheck_probes_the_configured_socket(tmp_path: Path) -> None:
-    from kvstore.health import resolve_target
+    from kvstore.node.health import resolve_target
 
     check = DOCKERFILE.exec_form("HEALTHCHECK")
     assert check[0] == "kvstore" and "kvstore" in PYPROJECT["project"]["scripts"]
@@ -221,7 +247,10 @@ def test_image_config_paths_ports_and_build_context(tmp_path: Path) -> None:
     # every package the project ships is copied into the build, and the ignore file lets it through
     from setuptools import find_packages
 
-    packages = {p.split(".")[0] for p in find_packages(str(ROOT), include=PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"])}
+    packages = {
+        p.split(".")[0]
+        for p in find_packages(str(ROOT), include=PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"])
+    }
     build = [rest.split() for i, rest in DOCKERFILE.stages[0] if i == "COPY"]
     copied = {src.rstrip("/") for *srcs, _ in build for src in srcs}
     assert packages <= copied, packages - copied
@@ -234,9 +263,12 @@ def test_image_config_paths_ports_and_build_context(tmp_path: Path) -> None:
 
 def test_health_reports_failure_as_exit_1(tmp_path: Path) -> None:
     """Docker reserves exit 2 of a health check: every failure is 1."""
-    from kvstore.health import main
+    from kvstore.node.health import main
 
-    for argv in (["--config", str(tmp_path / "missing.toml")], ["--target", f"unix://{tmp_path}/none.sock", "--timeout", "0.5"]):
+    for argv in (
+        ["--config", str(tmp_path / "missing.toml")],
+        ["--target", f"unix://{tmp_path}/none.sock", "--timeout", "0.5"],
+    ):
         assert main(build_parser("health").parse_args(["health", "--quiet", *argv])) == 1
 
 
@@ -251,7 +283,9 @@ def compose_nodes() -> dict[str, dict[str, Any]]:
 def compose_config(name: str, tmp: Path) -> NodeConfig:
     svc = COMPOSE["services"][name]
     files = DOCKERFILE.image_files()
-    assert not any(str(v).split(":")[1].startswith("/etc/kvstore") for v in svc.get("volumes", [])), "config mounts: read them here"
+    assert not any(str(v).split(":")[1].startswith("/etc/kvstore") for v in svc.get("volumes", [])), (
+        "config mounts: read them here"
+    )
     return serve_config(svc["command"], {k: str(v) for k, v in svc.get("environment", {}).items()}, files, tmp)
 
 
@@ -261,7 +295,9 @@ def test_compose_topology_is_etcd_three_nodes_and_the_dashboard() -> None:
     for name in [*compose_nodes(), "dashboard"]:
         svc = COMPOSE["services"][name]
         assert svc["image"] == f"kvstore:{VERSION}"
-        assert (DEPLOY / svc["build"]["context"]).resolve() == ROOT and svc["build"]["dockerfile"] == "deploy/Dockerfile"
+        assert (DEPLOY / svc["build"]["context"]).resolve() == ROOT and svc["build"][
+            "dockerfile"
+        ] == "deploy/Dockerfile"
         assert "entrypoint" not in svc  # the image's ENTRYPOINT: kvstore
         assert svc.get("network_mode") != "host" and svc.get("ipc") != "host" and not svc.get("privileged")
 
@@ -270,8 +306,11 @@ def test_compose_nodes_configs_are_valid_and_agree(tmp_path: Path) -> None:
     configs = {name: compose_config(name, tmp_path) for name in compose_nodes()}
     declared = set(COMPOSE.get("volumes") or {})
     etcd = COMPOSE["services"]["etcd"]
-    etcd_port = next(hostport(a.split("=", 1)[1].split(",")[0].removeprefix("http://"))[1]
-                     for a in etcd["command"] if a.startswith("--listen-client-urls="))
+    etcd_port = next(
+        hostport(a.split("=", 1)[1].split(",")[0].removeprefix("http://"))[1]
+        for a in etcd["command"]
+        if a.startswith("--listen-client-urls=")
+    )
     assert "healthcheck" in etcd
     seen_volumes: set[str] = set()
     for name, cfg in configs.items():
@@ -283,7 +322,9 @@ def test_compose_nodes_configs_are_valid_and_agree(tmp_path: Path) -> None:
         assert svc["depends_on"]["etcd"]["condition"] == "service_healthy"
         assert docker_bytes(svc["shm_size"]) >= cfg.dram + 64 * MiB, "/dev/shm must hold the arena"
         assert under(cfg.arena_file(), "/dev/shm")
-        assert duration_s(svc["stop_grace_period"]) >= cfg.flush_on_shutdown_s + cfg.drain_timeout_s  # SIGTERM: drain, then flush
+        assert (
+            duration_s(svc["stop_grace_period"]) >= cfg.flush_on_shutdown_s + cfg.drain_timeout_s
+        )  # SIGTERM: drain, then flush
         mounts = {v.split(":")[1]: v.split(":")[0] for v in svc["volumes"]}
         for path in (cfg.data_dir, cfg.socket_path().parent):
             vol = next((src for dst, src in mounts.items() if under(path, dst)), None)
@@ -312,7 +353,7 @@ def test_compose_dashboard_scrapes_the_nodes(tmp_path: Path) -> None:
 def pki_files(directory: Path, hosts: list[str]) -> dict[str, bytes]:
     """A throwaway CA (the product's own generator), a node certificate for ``hosts`` and a
     client certificate: {file name: bytes}, as ``kvstore certs --client`` writes them."""
-    from kvstore.localca import make
+    from kvstore.local.ca import make
 
     c = make(directory, hosts, client=True)
     return {Path(f).name: Path(f).read_bytes() for f in (c.ca, c.cert, c.key, c.client_cert, c.client_key)}
@@ -324,10 +365,14 @@ def secret_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
     f = pki_files(tmp_path_factory.mktemp("pki"), ["10.1.2.3", "kvstore.default.svc"])
     tls = {"tls.crt": f["tls.crt"], "tls.key": f["tls.key"], "ca.crt": f["ca.crt"]}
     alice, bob = b"alice-s3cret\n", b"bob-s3cret\n"
-    return {"kvstore-tls": tls, "node-certs": tls, "kvstore-token": {"token": b"admin-s3cret\n"},
-            "kvstore-tenants": {"alice.token": alice, "bob.token": bob, "bob-token": bob},
-            # the dashboard's client certificate, signed by the nodes' CA (kubernetes.io/tls keys)
-            "kvstore-dashboard-tls": {"tls.crt": f["client.crt"], "tls.key": f["client.key"]}}
+    return {
+        "kvstore-tls": tls,
+        "node-certs": tls,
+        "kvstore-token": {"token": b"admin-s3cret\n"},
+        "kvstore-tenants": {"alice.token": alice, "bob.token": bob, "bob-token": bob},
+        # the dashboard's client certificate, signed by the nodes' CA (kubernetes.io/tls keys)
+        "kvstore-dashboard-tls": {"tls.crt": f["client.crt"], "tls.key": f["client.key"]},
+    }
 
 
 def tls_handshake(server: ssl.SSLContext, client: Any, host: str) -> None:
@@ -360,8 +405,9 @@ def tls_handshake(server: ssl.SSLContext, client: Any, host: str) -> None:
     assert not failed, f"the node refused the dashboard: {failed}"
 
 
-def check_dashboard_tls(cfg: NodeConfig, node_files: NodeConfig, options: dict[str, Any],
-                        content: Any, tmp: Path) -> None:
+def check_dashboard_tls(
+    cfg: NodeConfig, node_files: NodeConfig, options: dict[str, Any], content: Any, tmp: Path
+) -> None:
     """The dashboard (TLS ``options``: flags and ``KVSTORE_TLS_*``, files read through
     ``content``) scrapes ``cfg``'s node: over HTTPS with what it mounts when the node serves
     TLS there, else plain HTTP with no TLS settings at all."""
@@ -404,12 +450,15 @@ def compose_merged(overrides: tuple[str, ...]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("overrides", COMPOSE_VARIANTS[1:], ids="+".join)
-def test_compose_overrides_wire_tls_and_tenants(overrides: tuple[str, ...], tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compose_overrides_wire_tls_and_tenants(
+    overrides: tuple[str, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     merged = compose_merged(overrides)
     assert set(merged["services"]) == set(COMPOSE["services"]), "the overrides add no service"
     # what deploy/compose.tls.yaml's comment makes: `kvstore certs --out deploy/tls node1 node2 node3 localhost 127.0.0.1`
-    on_disk = {f"tls/{k}": v for k, v in pki_files(tmp_path / "pki", [*compose_nodes(), "localhost", "127.0.0.1"]).items()}
+    on_disk = {
+        f"tls/{k}": v for k, v in pki_files(tmp_path / "pki", [*compose_nodes(), "localhost", "127.0.0.1"]).items()
+    }
     on_disk |= {"secrets/admin.token": b"admin\n", "secrets/alice.token": b"alice\n", "secrets/bob.token": b"bob\n"}
     check = DOCKERFILE.exec_form("HEALTHCHECK")
 
@@ -419,7 +468,9 @@ def test_compose_overrides_wire_tls_and_tenants(overrides: tuple[str, ...], tmp_
         def content(path: str) -> bytes:
             assert path in secrets, f"{path} is no secret's target"
             src = PurePosixPath(merged["secrets"][secrets[path]]["file"])
-            assert not src.is_absolute() and f"/deploy/{src.parts[0]}/" in GITIGNORE, f"{src}: keys and tokens are never committed"
+            assert not src.is_absolute() and f"/deploy/{src.parts[0]}/" in GITIGNORE, (
+                f"{src}: keys and tokens are never committed"
+            )
             return on_disk[str(src)]
 
         return content
@@ -435,16 +486,26 @@ def test_compose_overrides_wire_tls_and_tenants(overrides: tuple[str, ...], tmp_
         node_files = materialize(cfg, reader(svc), tmp_path / name)
         # the image's health check runs with this environment, over the Unix socket
         config_text = DOCKERFILE.image_files()[build_parser("health").parse_args(check[1:]).config]
-        assert health_target(check, config_text, {**DOCKERFILE.env(), **env}, tmp_path, monkeypatch) == f"unix://{cfg.socket_path()}"
+        assert (
+            health_target(check, config_text, {**DOCKERFILE.env(), **env}, tmp_path, monkeypatch)
+            == f"unix://{cfg.socket_path()}"
+        )
         # with TLS the node serves /metrics over HTTPS, and the dashboard reaches it with its secrets alone
         assert cfg.serves_metrics_tls() == ("tls" in overrides)
-        check_dashboard_tls(cfg, node_files, dashboard_tls_options(dash["command"], dash_env), reader(dash), tmp_path / name)
+        check_dashboard_tls(
+            cfg, node_files, dashboard_tls_options(dash["command"], dash_env), reader(dash), tmp_path / name
+        )
         if cfg.tls_cert_file:
-            assert not {cfg.tls_key_file} & {s["target"] for s in dash.get("secrets", [])}, "the node's key is the node's"
+            assert not {cfg.tls_key_file} & {s["target"] for s in dash.get("secrets", [])}, (
+                "the node's key is the node's"
+            )
     assert (args.metrics_port, args.etcd) == (cfg.metrics_port, cfg.etcd)
     if "tenants" in overrides:
         (ds,) = [s for s in dash["secrets"] if s["target"] == args.token_file]
-        assert args.token_file == cfg.token_file and ds["source"] == {s["target"]: s["source"] for s in svc["secrets"]}[cfg.token_file]
+        assert (
+            args.token_file == cfg.token_file
+            and ds["source"] == {s["target"]: s["source"] for s in svc["secrets"]}[cfg.token_file]
+        )
         assert "/healthz" not in " ".join(dash["healthcheck"]["test"]), "/healthz wants the token"
     else:
         assert not args.token_file and dash["command"] == COMPOSE["services"]["dashboard"]["command"]
@@ -458,9 +519,15 @@ def test_compose_stop_grace_period_outlasts_the_drain(overrides: tuple[str, ...]
     merged = compose_merged(overrides)
     for name in compose_nodes():
         svc = merged["services"][name]
-        cfg = serve_config(svc["command"], {k: str(v) for k, v in svc["environment"].items()}, DOCKERFILE.image_files(), tmp_path)
-        assert "KVSTORE_DRAIN_TIMEOUT_S" in svc["environment"], "the drain is part of the deployment, not a hidden default"
-        assert duration_s(svc["stop_grace_period"]) >= cfg.drain_timeout_s + cfg.flush_on_shutdown_s + SHUTDOWN_MARGIN_S, name
+        cfg = serve_config(
+            svc["command"], {k: str(v) for k, v in svc["environment"].items()}, DOCKERFILE.image_files(), tmp_path
+        )
+        assert "KVSTORE_DRAIN_TIMEOUT_S" in svc["environment"], (
+            "the drain is part of the deployment, not a hidden default"
+        )
+        assert (
+            duration_s(svc["stop_grace_period"]) >= cfg.drain_timeout_s + cfg.flush_on_shutdown_s + SHUTDOWN_MARGIN_S
+        ), name
 
 
 # -- Kubernetes: the plain manifests and the rendered chart -------------------------------
@@ -477,9 +544,20 @@ CHART_VARIANTS: dict[str, dict[str, Any]] = {
     "external-etcd-auth-hostpath": {
         "etcd": {"enabled": False, "endpoints": "etcd-a.example:2379,etcd-b.example:2379"},
         "auth": {"existingSecret": "kvstore-token"},
-        "kvstore": {"nvmeHostPath": "/mnt/nvme0/kvstore", "dramMiB": 65536, "nvmeMiB": 512000, "zone": "zone-a",
-                    "cluster": "prod", "ports": {"grpc": 7000, "data": 7001, "metrics": 7002},
-                    "config": {"eviction_policy": "prefix-lru", "write_through": True, "max_batch": 1024, "reservation_ttl_s": 2.5}},
+        "kvstore": {
+            "nvmeHostPath": "/mnt/nvme0/kvstore",
+            "dramMiB": 65536,
+            "nvmeMiB": 512000,
+            "zone": "zone-a",
+            "cluster": "prod",
+            "ports": {"grpc": 7000, "data": 7001, "metrics": 7002},
+            "config": {
+                "eviction_policy": "prefix-lru",
+                "write_through": True,
+                "max_batch": 1024,
+                "reservation_ttl_s": 2.5,
+            },
+        },
         "engine": {"args": ["--model", "m"], "env": [{"name": "HF_HOME", "value": "/tmp/hf"}], "replicas": 2},
         "dashboard": {"port": 9000},
     },
@@ -487,20 +565,35 @@ CHART_VARIANTS: dict[str, dict[str, Any]] = {
     "tls": {"tls": {"enabled": True, "secretName": "kvstore-tls"}},
     "tls-plain-metrics": {"tls": {"enabled": True, "secretName": "kvstore-tls", "metrics": False}},
     "mtls-auth-tenants": {
-        "tls": {"enabled": True, "secretName": "node-certs", "clientCA": True, "serverName": "kvstore.default.svc",
-                "dashboardSecretName": "kvstore-dashboard-tls"},
+        "tls": {
+            "enabled": True,
+            "secretName": "node-certs",
+            "clientCA": True,
+            "serverName": "kvstore.default.svc",
+            "dashboardSecretName": "kvstore-dashboard-tls",
+        },
         "auth": {"existingSecret": "kvstore-token"},
         "tenants": {"existingSecret": "kvstore-tenants", "tokens": {"alice": "alice.token", "bob": "bob-token"}},
     },
-    "mtls-no-dashboard": {"tls": {"enabled": True, "secretName": "kvstore-tls", "clientCA": True}, "dashboard": {"enabled": False}},
+    "mtls-no-dashboard": {
+        "tls": {"enabled": True, "secretName": "kvstore-tls", "clientCA": True},
+        "dashboard": {"enabled": False},
+    },
     "long-drain": {"kvstore": {"drainTimeoutS": 45, "flushOnShutdownS": 30}, "engine": {"shutdownS": 40}},
 }
 # the plain manifests with the patches of deploy/k8s/patches/ applied in order (kubectl patch)
 MANIFEST_VARIANTS: dict[str, list[str]] = {
     "manifests": [],
     "manifests+tls": ["tls.yaml", "tls-dashboard.yaml"],
-    "manifests+mtls-auth-tenants": ["tls.yaml", "tls-dashboard.yaml", "mtls.yaml", "mtls-dashboard.yaml", "auth.yaml",
-                                    "auth-dashboard.yaml", "tenants.yaml"],
+    "manifests+mtls-auth-tenants": [
+        "tls.yaml",
+        "tls-dashboard.yaml",
+        "mtls.yaml",
+        "mtls-dashboard.yaml",
+        "auth.yaml",
+        "auth-dashboard.yaml",
+        "tenants.yaml",
+    ],
 }
 
 
@@ -546,12 +639,20 @@ class Pod:
     def env(self, c: dict[str, Any]) -> dict[str, str]:
         """The container's environment as the kubelet builds it: downward-API fields with
         sample values, ``$(VAR)`` expanded from the variables defined before it."""
-        fields = {"metadata.name": "kvstore-inference-7d9f8-x2k4p", "status.podIP": "10.1.2.3",
-                  "metadata.namespace": "default", "spec.nodeName": "gpu-node-1"}
+        fields = {
+            "metadata.name": "kvstore-inference-7d9f8-x2k4p",
+            "status.podIP": "10.1.2.3",
+            "metadata.namespace": "default",
+            "spec.nodeName": "gpu-node-1",
+        }
         out: dict[str, str] = {}
         for e in c.get("env", []):
             if "value" in e:
-                out[e["name"]] = re.sub(r"\$\$|\$\((\w+)\)", lambda m: "$" if m.group(0) == "$$" else out.get(m.group(1), m.group(0)), e["value"])
+                out[e["name"]] = re.sub(
+                    r"\$\$|\$\((\w+)\)",
+                    lambda m: "$" if m.group(0) == "$$" else out.get(m.group(1), m.group(0)),
+                    e["value"],
+                )
             else:
                 assert set(e["valueFrom"]) == {"fieldRef"}, f"unsupported env source in this test: {e}"
                 out[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
@@ -560,7 +661,9 @@ class Pod:
 
     def mount(self, c: dict[str, Any], path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
         """(volumeMount, volume) under which ``path`` lies in container ``c`` (the deepest)."""
-        mounts = sorted((m for m in c.get("volumeMounts", []) if under(path, m["mountPath"])), key=lambda m: len(m["mountPath"]))
+        mounts = sorted(
+            (m for m in c.get("volumeMounts", []) if under(path, m["mountPath"])), key=lambda m: len(m["mountPath"])
+        )
         assert mounts, f"{path} is on no volume of container {c['name']}"
         m = mounts[-1]
         assert "subPath" not in m and "subPathExpr" not in m
@@ -575,7 +678,9 @@ class Pod:
         return vol
 
     def uid(self, c: dict[str, Any]) -> int:
-        return (c.get("securityContext") or {}).get("runAsUser", (self.spec.get("securityContext") or {}).get("runAsUser"))
+        return (c.get("securityContext") or {}).get(
+            "runAsUser", (self.spec.get("securityContext") or {}).get("runAsUser")
+        )
 
 
 @dataclass
@@ -592,8 +697,15 @@ class Cluster:
         return self.kind("Deployment") + self.kind("StatefulSet")
 
     def pod(self) -> Pod:
-        (w,) = [w for w in self.kind("Deployment")
-                if any(c.get("args", [None])[0] == "serve" for c in w["spec"]["template"]["spec"].get("initContainers", []) + w["spec"]["template"]["spec"]["containers"])]
+        (w,) = [
+            w
+            for w in self.kind("Deployment")
+            if any(
+                c.get("args", [None])[0] == "serve"
+                for c in w["spec"]["template"]["spec"].get("initContainers", [])
+                + w["spec"]["template"]["spec"]["containers"]
+            )
+        ]
         return Pod(w)
 
     def config(self, pod: Pod, tmp: Path) -> NodeConfig:
@@ -686,7 +798,11 @@ def test_chart_passes_the_drain_to_the_node_and_the_grace_period_follows(tmp_pat
     assert (cfg.drain_timeout_s, cfg.flush_on_shutdown_s) == (45, 30)
     assert c.pod().spec["terminationGracePeriodSeconds"] == 40 + 45 + 30 + 10  # engine + drain + flush + 10
     default = Cluster(chart_docs({}))
-    assert default.pod().spec["terminationGracePeriodSeconds"] == 60 == Cluster(manifests()).pod().spec["terminationGracePeriodSeconds"]
+    assert (
+        default.pod().spec["terminationGracePeriodSeconds"]
+        == 60
+        == Cluster(manifests()).pod().spec["terminationGracePeriodSeconds"]
+    )
 
 
 def test_ports_agree_between_config_containers_probes_and_services(cluster: Cluster, tmp_path: Path) -> None:
@@ -759,7 +875,11 @@ def test_etcd_is_a_statefulset_or_an_external_endpoint(cluster: Cluster, tmp_pat
 def test_dashboard_follows_the_cluster(cluster: Cluster, tmp_path: Path) -> None:
     pod = cluster.pod()
     cfg = cluster.config(pod, tmp_path)
-    dash = [w for w in cluster.kind("Deployment") if w["spec"]["template"]["spec"]["containers"][0].get("args", [None])[0] == "dashboard"]
+    dash = [
+        w
+        for w in cluster.kind("Deployment")
+        if w["spec"]["template"]["spec"]["containers"][0].get("args", [None])[0] == "dashboard"
+    ]
     if not dash:
         return
     (w,) = dash
@@ -779,14 +899,19 @@ def test_dashboard_follows_the_cluster(cluster: Cluster, tmp_path: Path) -> None
         assert "tcpSocket" in probe  # /healthz wants the token
 
 
-def test_dashboard_scrapes_https_metrics_with_what_it_mounts(cluster: Cluster, secret_data: dict[str, dict[str, bytes]],
-                                                           tmp_path: Path) -> None:
+def test_dashboard_scrapes_https_metrics_with_what_it_mounts(
+    cluster: Cluster, secret_data: dict[str, dict[str, bytes]], tmp_path: Path
+) -> None:
     """With TLS the nodes serve /metrics over HTTPS: the dashboard completes a handshake
     with a node (dialling its pod IP, or the server name it is given) using only its own
     mounts: the CA alone from the node's Secret, and its own certificate under mutual TLS."""
     pod = cluster.pod()
     cfg = cluster.config(pod, tmp_path)
-    dash = [w for w in cluster.kind("Deployment") if w["spec"]["template"]["spec"]["containers"][0].get("args", [None])[0] == "dashboard"]
+    dash = [
+        w
+        for w in cluster.kind("Deployment")
+        if w["spec"]["template"]["spec"]["containers"][0].get("args", [None])[0] == "dashboard"
+    ]
     if not dash:
         return
     (w,) = dash
@@ -796,12 +921,18 @@ def test_dashboard_scrapes_https_metrics_with_what_it_mounts(cluster: Cluster, s
     node_secrets = {pod.mount(pod.sidecar, f)[1]["secret"]["secretName"] for f in private_files(cfg)}
     for m in c.get("volumeMounts", []):  # never the node's key, nor the tenants' tokens
         sec = vols[m["name"]].get("secret", {})
-        if sec.get("secretName") in node_secrets and sec["secretName"] != vols.get("token", {}).get("secret", {}).get("secretName"):
-            assert [i["key"] for i in sec.get("items", [])] == ["ca.crt"], f"the dashboard mounts more than the CA of {sec}"
+        if sec.get("secretName") in node_secrets and sec["secretName"] != vols.get("token", {}).get("secret", {}).get(
+            "secretName"
+        ):
+            assert [i["key"] for i in sec.get("items", [])] == ["ca.crt"], (
+                f"the dashboard mounts more than the CA of {sec}"
+            )
         assert m.get("readOnly")
 
     def content(path: str) -> bytes:
-        m = max((m for m in c.get("volumeMounts", []) if under(path, m["mountPath"])), key=lambda m: len(m["mountPath"]))
+        m = max(
+            (m for m in c.get("volumeMounts", []) if under(path, m["mountPath"])), key=lambda m: len(m["mountPath"])
+        )
         sec = vols[m["name"]]["secret"]
         rel = str(PurePosixPath(path).relative_to(m["mountPath"]))
         key = next((i["key"] for i in sec["items"] if i["path"] == rel), None) if "items" in sec else rel
@@ -816,21 +947,26 @@ def test_dashboard_scrapes_https_metrics_with_what_it_mounts(cluster: Cluster, s
     check_dashboard_tls(cfg, node_files, dashboard_tls_options(c["args"], pod.env(c)), content, tmp_path)
 
 
-def test_tls_and_tenant_files_come_from_secrets_the_node_accepts(cluster: Cluster, secret_data: dict[str, dict[str, bytes]],
-                                                                 tmp_path: Path) -> None:
+def test_tls_and_tenant_files_come_from_secrets_the_node_accepts(
+    cluster: Cluster, secret_data: dict[str, dict[str, bytes]], tmp_path: Path
+) -> None:
     pod = cluster.pod()
     cfg = cluster.config(pod, tmp_path)
 
     def content(path: str) -> bytes:
         m, vol = pod.mount(pod.sidecar, path)
-        assert "secret" in vol and m.get("readOnly") and "items" not in vol["secret"], f"{path}: not a read-only Secret: {vol}"
+        assert "secret" in vol and m.get("readOnly") and "items" not in vol["secret"], (
+            f"{path}: not a read-only Secret: {vol}"
+        )
         name, key = vol["secret"]["secretName"], str(PurePosixPath(path).relative_to(m["mountPath"]))
         assert key in secret_data.get(name, {}), f"{path}: Secret {name} has no key {key}"
         return secret_data[name][key]
 
     for path in private_files(cfg):  # the node's key and the tenants' tokens: not even the engine beside it reads them
         m, _ = pod.mount(pod.sidecar, path)
-        assert all(x["name"] != m["name"] for x in pod.engine.get("volumeMounts", [])), f"{path} is mounted in the engine"
+        assert all(x["name"] != m["name"] for x in pod.engine.get("volumeMounts", [])), (
+            f"{path} is mounted in the engine"
+        )
     materialize(cfg, content, tmp_path)
 
 
@@ -875,28 +1011,46 @@ def test_chart_defaults_match_the_plain_manifests(tmp_path: Path) -> None:
     a, b = plain.config(plain.pod(), tmp_path), chart.config(chart.pod(), tmp_path)
     assert a == b
     assert sorted((d["kind"], d["metadata"]["name"]) for d in plain.docs) == sorted(
-        (d["kind"], d["metadata"]["name"].replace("kvstore-inference", "inference")) for d in chart.docs)
+        (d["kind"], d["metadata"]["name"].replace("kvstore-inference", "inference")) for d in chart.docs
+    )
 
 
-@pytest.mark.parametrize("config,error", [
-    ({"no_such_key": 1}, "unknown config key"),
-    ({"dram": "1GiB"}, "cannot read config file"),  # the chart sets it: a duplicate TOML key
-    ({"max_batch": 0}, "max_batch"),
-])
-def test_chart_config_passthrough_goes_through_the_real_loader(config: dict[str, Any], error: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "config,error",
+    [
+        ({"no_such_key": 1}, "unknown config key"),
+        ({"dram": "1GiB"}, "cannot read config file"),  # the chart sets it: a duplicate TOML key
+        ({"max_batch": 0}, "max_batch"),
+    ],
+)
+def test_chart_config_passthrough_goes_through_the_real_loader(
+    config: dict[str, Any], error: str, tmp_path: Path
+) -> None:
     c = Cluster(chart_docs({"kvstore": {"config": config}}))
     with pytest.raises(InvalidArgument, match=error):
         c.config(c.pod(), tmp_path)
 
 
-@pytest.mark.parametrize("values,error", [
-    ({"tls": {"enabled": True}}, "tls.enabled needs tls.secretName"),
-    ({"tls": {"clientCA": True, "secretName": "kvstore-tls"}}, "tls.clientCA (mutual TLS) needs tls.enabled"),
-    ({"tenants": {"tokens": {"alice": "alice.token"}}, "auth": {"existingSecret": "t"}}, "tenants.tokens needs tenants.existingSecret"),
-    ({"tenants": {"existingSecret": "kvstore-tenants", "tokens": {"alice": "alice.token"}}}, "tenants need auth.existingSecret"),
-    ({"tls": {"enabled": True, "secretName": "kvstore-tls", "clientCA": True}}, "the dashboard needs tls.dashboardSecretName"),
-    ({"kvstore": {"terminationGracePeriodSeconds": 30}}, "kvstore.terminationGracePeriodSeconds is computed now"),
-])
+@pytest.mark.parametrize(
+    "values,error",
+    [
+        ({"tls": {"enabled": True}}, "tls.enabled needs tls.secretName"),
+        ({"tls": {"clientCA": True, "secretName": "kvstore-tls"}}, "tls.clientCA (mutual TLS) needs tls.enabled"),
+        (
+            {"tenants": {"tokens": {"alice": "alice.token"}}, "auth": {"existingSecret": "t"}},
+            "tenants.tokens needs tenants.existingSecret",
+        ),
+        (
+            {"tenants": {"existingSecret": "kvstore-tenants", "tokens": {"alice": "alice.token"}}},
+            "tenants need auth.existingSecret",
+        ),
+        (
+            {"tls": {"enabled": True, "secretName": "kvstore-tls", "clientCA": True}},
+            "the dashboard needs tls.dashboardSecretName",
+        ),
+        ({"kvstore": {"terminationGracePeriodSeconds": 30}}, "kvstore.terminationGracePeriodSeconds is computed now"),
+    ],
+)
 @pytest.mark.parametrize("renderer", ["lite", "helm"])
 def test_chart_refuses_tls_and_tenants_it_cannot_wire(values: dict[str, Any], error: str, renderer: str) -> None:
     import helm_lite
@@ -905,15 +1059,18 @@ def test_chart_refuses_tls_and_tenants_it_cannot_wire(values: dict[str, Any], er
         chart_docs(values, renderer)
 
 
-@pytest.mark.parametrize("template,error", [
-    ('{{ include "x" . }}', "include"),
-    ("{{ .Values.nope }}", "missing"),
-    ("{{ .Values.a | upper }}", "upper"),
-    ("{{ .Values.big }}", "1e6"),
-    ("{{ if .Values.a }}x{{ else if .Values.b }}y{{ end }}", "else"),
-    ("{{ .Values.a", "unbalanced"),
-    ("{{ with .Values.a }}{{ end }}", "with"),
-])
+@pytest.mark.parametrize(
+    "template,error",
+    [
+        ('{{ include "x" . }}', "include"),
+        ("{{ .Values.nope }}", "missing"),
+        ("{{ .Values.a | upper }}", "upper"),
+        ("{{ .Values.big }}", "1e6"),
+        ("{{ if .Values.a }}x{{ else if .Values.b }}y{{ end }}", "else"),
+        ("{{ .Values.a", "unbalanced"),
+        ("{{ with .Values.a }}{{ end }}", "with"),
+    ],
+)
 def test_helm_lite_refuses_what_it_does_not_support(template: str, error: str) -> None:
     import helm_lite
 
@@ -925,10 +1082,14 @@ def test_helm_lite_refuses_what_it_does_not_support(template: str, error: str) -
 def test_helm_lite_semantics() -> None:
     import helm_lite
 
-    r = helm_lite.Renderer({"Values": {"m": {"b": 2, "a": "x"}, "l": ["p", "q"], "n": 3, "e": ""}, "Chart": {"AppVersion": "9"}}, "t")
-    src = ("a:\n  {{- range $k, $v := .Values.m }}\n  {{ $k }}={{ toJson $v }}\n  {{- end }}\n"
-           "b: {{ .Values.e | default .Chart.AppVersion | quote }} {{ add .Values.n 4 }}\n"
-           "c:{{- toYaml .Values.l | nindent 2 }}\n{{- if .Values.e }}\nno{{ else }}\nyes{{ end }}")
+    r = helm_lite.Renderer(
+        {"Values": {"m": {"b": 2, "a": "x"}, "l": ["p", "q"], "n": 3, "e": ""}, "Chart": {"AppVersion": "9"}}, "t"
+    )
+    src = (
+        "a:\n  {{- range $k, $v := .Values.m }}\n  {{ $k }}={{ toJson $v }}\n  {{- end }}\n"
+        "b: {{ .Values.e | default .Chart.AppVersion | quote }} {{ add .Values.n 4 }}\n"
+        "c:{{- toYaml .Values.l | nindent 2 }}\n{{- if .Values.e }}\nno{{ else }}\nyes{{ end }}"
+    )
     assert r.render(helm_lite.parse(src, "t"), {}) == 'a:\n  a="x"\n  b=2\nb: "9" 7\nc:\n  - p\n  - q\nyes'
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import lmdb
 import pytest
 
-from kvstore import failpoints
+from kvstore.node import failpoints
 
 
 @pytest.fixture(autouse=True)
@@ -43,7 +43,9 @@ def test_a_step_raises_what_its_library_would() -> None:
         failpoints.hit("nvme.index.commit", errors={"enospc": lmdb.DiskError})
 
 
-@pytest.mark.parametrize("spec", ["nvme.nope=eio", "nvme.sync=explode", "nvme.sync", "nvme.sync=eio@x", "nvme.sync=eio*"])
+@pytest.mark.parametrize(
+    "spec", ["nvme.nope=eio", "nvme.sync=explode", "nvme.sync", "nvme.sync=eio@x", "nvme.sync=eio*"]
+)
 def test_bad_specs_are_refused(spec: str) -> None:
     with pytest.raises(ValueError, match="bad failpoint"):
         failpoints.parse(spec)

@@ -24,7 +24,17 @@ from hypothesis import strategies as st
 from proto_strategies import messages, mutated
 
 from kvstore import errors
-from kvstore.block import DTYPES, HEADER_SIZE, MAX_NDIM, BlockMeta, checksum, decode_block, decode_header, encode_block, encode_header
+from kvstore.block import (
+    DTYPES,
+    HEADER_SIZE,
+    MAX_NDIM,
+    BlockMeta,
+    checksum,
+    decode_block,
+    decode_header,
+    encode_block,
+    encode_header,
+)
 from kvstore.wire import ERROR_METADATA_KEY, error_from_rpc, meta_from_pb, meta_to_pb, tier_from_pb
 from protos.kvstore.v1 import kvstore_pb2 as pb
 
@@ -41,9 +51,15 @@ def blocks(draw: st.DrawFn) -> tuple[BlockMeta, bytes]:
     for d in shape:
         n *= d
     payload = draw(st.binary(min_size=n, max_size=n))
-    meta = BlockMeta.for_payload(draw(st.binary(min_size=16, max_size=16)), payload, namespace=draw(st.binary(min_size=8, max_size=8)),
-                                 parent=draw(st.binary(min_size=16, max_size=16)), token_count=draw(st.integers(0, 2**32 - 1)),
-                                 dtype=dtype, shape=shape)
+    meta = BlockMeta.for_payload(
+        draw(st.binary(min_size=16, max_size=16)),
+        payload,
+        namespace=draw(st.binary(min_size=8, max_size=8)),
+        parent=draw(st.binary(min_size=16, max_size=16)),
+        token_count=draw(st.integers(0, 2**32 - 1)),
+        dtype=dtype,
+        shape=shape,
+    )
     return meta, payload
 
 
@@ -134,14 +150,18 @@ class _Failed(grpc.RpcError):
         return self._trailing
 
 
-_NAMES = st.one_of(st.sampled_from([n for n in dir(errors) if isinstance(getattr(errors, n), type)] + ["object", "Exception"]),
-                   st.text(max_size=12))
+_NAMES = st.one_of(
+    st.sampled_from([n for n in dir(errors) if isinstance(getattr(errors, n), type)] + ["object", "Exception"]),
+    st.text(max_size=12),
+)
 
 
 @FAST
-@given(st.sampled_from(list(grpc.StatusCode)), st.one_of(st.none(), st.text(max_size=40)),
-       st.one_of(st.none(), st.lists(st.tuples(st.sampled_from([ERROR_METADATA_KEY, "other"]), _NAMES), max_size=3)))
+@given(
+    st.sampled_from(list(grpc.StatusCode)),
+    st.one_of(st.none(), st.text(max_size=40)),
+    st.one_of(st.none(), st.lists(st.tuples(st.sampled_from([ERROR_METADATA_KEY, "other"]), _NAMES), max_size=3)),
+)
 def test_any_failed_call_maps_to_a_kvstore_error(code: grpc.StatusCode, details: str | None, trailing: Any) -> None:
     e = error_from_rpc(_Failed(code, details, trailing))
     assert isinstance(e, errors.KVStoreError)
-

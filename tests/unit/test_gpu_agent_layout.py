@@ -92,7 +92,9 @@ def test_applying_the_copies_moves_exactly_the_chunk(pages: list[int]) -> None:
         base, _ = lay.layer_range(layer, C)
         eb = engine[layer].reshape(-1).view(np.uint8)
         for c in cps:
-            bb[base + c.block_offset : base + c.block_offset + c.nbytes] = eb[c.buffer_offset : c.buffer_offset + c.nbytes]
+            bb[base + c.block_offset : base + c.block_offset + c.nbytes] = eb[
+                c.buffer_offset : c.buffer_offset + c.nbytes
+            ]
     # [layer][K/V][token][head][dim]: token t of the chunk lives in page pages[t // 16], slot t % 16
     for layer in range(lay.num_layers):
         for kv in (0, 1):
@@ -104,5 +106,7 @@ def test_applying_the_copies_moves_exactly_the_chunk(pages: list[int]) -> None:
         base, _ = lay.layer_range(layer, C)
         db = back[layer].reshape(-1).view(np.uint8)
         for c in cps:
-            db[c.buffer_offset : c.buffer_offset + c.nbytes] = bb[base + c.block_offset : base + c.block_offset + c.nbytes]
+            db[c.buffer_offset : c.buffer_offset + c.nbytes] = bb[
+                base + c.block_offset : base + c.block_offset + c.nbytes
+            ]
         np.testing.assert_array_equal(back[layer][:, pages], engine[layer][:, pages])

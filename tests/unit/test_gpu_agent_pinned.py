@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gpu_agent_fakes import FakeCudart, mapped
 
 from gpu_agent.pinned import ArenaPin, HostRegistry, buffer_address
-from gpu_agent_fakes import FakeCudart, mapped
 from tiers.arena import Arena
 
 

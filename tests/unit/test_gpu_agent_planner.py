@@ -12,8 +12,17 @@ K = [bytes([i]) * 16 for i in range(10)]
 
 def plan(tiers, in_hbm=None, *, free=10, entries=(), byte_budget=1 << 40, time_budget=1e9, bw=Bandwidths(), block=MiB):
     in_hbm = in_hbm or [False] * len(tiers)
-    return plan_prefetch(tiers, in_hbm, block_bytes=block, free_slots=free, entries=list(entries), keys=K[: len(tiers)],
-                         byte_budget=byte_budget, time_budget_s=time_budget, bandwidths=bw)
+    return plan_prefetch(
+        tiers,
+        in_hbm,
+        block_bytes=block,
+        free_slots=free,
+        entries=list(entries),
+        keys=K[: len(tiers)],
+        byte_budget=byte_budget,
+        time_budget_s=time_budget,
+        bandwidths=bw,
+    )
 
 
 def test_usable_prefix_stops_at_the_first_gap() -> None:
@@ -23,7 +32,13 @@ def test_usable_prefix_stops_at_the_first_gap() -> None:
 
 
 def test_evictions_are_lru_then_deepest_first() -> None:
-    entries = [PoolEntry(K[0], 5, 0), PoolEntry(K[1], 5, 1), PoolEntry(K[2], 5, 2), PoolEntry(K[3], 1, 0), PoolEntry(K[4], 9, 3)]
+    entries = [
+        PoolEntry(K[0], 5, 0),
+        PoolEntry(K[1], 5, 1),
+        PoolEntry(K[2], 5, 2),
+        PoolEntry(K[3], 1, 0),
+        PoolEntry(K[4], 9, 3),
+    ]
     assert plan_evictions(entries, 1) == [K[3]]
     # a prompt touched together: descendants go before their ancestors
     assert plan_evictions(entries, 3) == [K[3], K[2], K[1]]
@@ -74,4 +89,13 @@ def test_pool_too_small_trims_the_plan() -> None:
 
 def test_lengths_must_agree() -> None:
     with pytest.raises(ValueError):
-        plan_prefetch(["dram"], [False, False], block_bytes=1, free_slots=1, entries=[], keys=K[:1], byte_budget=1, time_budget_s=1)
+        plan_prefetch(
+            ["dram"],
+            [False, False],
+            block_bytes=1,
+            free_slots=1,
+            entries=[],
+            keys=K[:1],
+            byte_budget=1,
+            time_budget_s=1,
+        )

@@ -85,7 +85,11 @@ def test_a_held_slot_is_not_reused_until_released_even_if_evicted() -> None:
 
 
 def test_segmented_pieces_span_extents() -> None:
-    a, b, c = torch.arange(0, 10, dtype=torch.uint8), torch.arange(10, 13, dtype=torch.uint8), torch.arange(13, 20, dtype=torch.uint8)
+    a, b, c = (
+        torch.arange(0, 10, dtype=torch.uint8),
+        torch.arange(10, 13, dtype=torch.uint8),
+        torch.arange(13, 20, dtype=torch.uint8),
+    )
     s = Segmented([a, b, c])
     assert s.nbytes == 20
     pieces = s.pieces(8, 7)
@@ -145,6 +149,10 @@ def test_gpu_agent_imports_without_torch_and_is_the_only_cuda_user() -> None:
     code = "import sys, gpu_agent, gpu_agent.demo, gpu_agent.layout, gpu_agent.planner; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "False"
-    offenders = [str(p.relative_to(ROOT)) for d in ("kvstore", "client", "tiers") for p in (ROOT / d).rglob("*.py")
-                 if "torch.cuda" in p.read_text()]
+    offenders = [
+        str(p.relative_to(ROOT))
+        for d in ("kvstore", "client", "tiers")
+        for p in (ROOT / d).rglob("*.py")
+        if "torch.cuda" in p.read_text()
+    ]
     assert offenders == []

@@ -24,7 +24,9 @@ def flash() -> EngineBuffers:
 
 
 def cpu_backend() -> EngineBuffers:  # vLLM's CPU layout: a page is one run
-    return EngineBuffers.from_tensors([torch.zeros(PAGES, 2, 4, 16, dtype=torch.float16) for _ in range(3)], PAGES, block_dim=0)
+    return EngineBuffers.from_tensors(
+        [torch.zeros(PAGES, 2, 4, 16, dtype=torch.float16) for _ in range(3)], PAGES, block_dim=0
+    )
 
 
 def cross_layer() -> EngineBuffers:  # one allocation, layers interleaved per page: pages not adjacent
@@ -66,22 +68,39 @@ def test_batched_save_and_load_move_the_bytes_the_direct_copies_move(geometry: s
     eng = CopyEngine("cpu")
     try:
         blocks = [torch.zeros(LAY.block_bytes(C), dtype=torch.uint8) for _ in pages]
-        save = BatchedSave(eng, src, src.geometry, [split(b) for b in blocks], pages, 3, LAY.layer_bytes(C),
-                           group_blocks * LAY.block_bytes(C))
+        save = BatchedSave(
+            eng,
+            src,
+            src.geometry,
+            [split(b) for b in blocks],
+            pages,
+            3,
+            LAY.layer_bytes(C),
+            group_blocks * LAY.block_bytes(C),
+        )
         assert save.run() == []  # nothing deferred: every destination took the copy
         want = direct_save(ad, src, pages)
         assert all(torch.equal(a, b) for a, b in zip(blocks, want))
 
         dst = GEOMETRIES[geometry]()
         back = [1, 3, 13, 14, 15, 20, 21, 22, -1, -1, 6, 7, 0, 2, 4, 5]  # two pages the engine already holds
-        load = BatchedLoad(eng, dst, dst.geometry, [split(b) for b in blocks], [ad.chunk_pages(back, c) for c in range(4)],
-                           LAY.layer_bytes(C), group_blocks * LAY.layer_bytes(C))
+        load = BatchedLoad(
+            eng,
+            dst,
+            dst.geometry,
+            [split(b) for b in blocks],
+            [ad.chunk_pages(back, c) for c in range(4)],
+            LAY.layer_bytes(C),
+            group_blocks * LAY.layer_bytes(C),
+        )
         for layer in range(3):
             load.layer(layer)
         for s, d in zip(src.sources, dst.sources):
             for a, b in zip(table, back):
                 if b >= 0:
-                    assert torch.equal(page(d, geometry, b).view(torch.int16), page(s, geometry, a).view(torch.int16)), (a, b)
+                    assert torch.equal(
+                        page(d, geometry, b).view(torch.int16), page(s, geometry, a).view(torch.int16)
+                    ), (a, b)
         untouched = [p for p in range(PAGES) if p not in back]
         assert all(not page(d, geometry, p).any() for d in dst.sources for p in untouched)
     finally:
@@ -101,8 +120,15 @@ def test_hbm_slots_and_host_blocks_mix_in_one_load() -> None:
     dst = flash()
     eng = CopyEngine("cpu")
     try:
-        load = BatchedLoad(eng, dst, dst.geometry, [blocks[0].clone(), split(blocks[1])],  # a pool slot, a host block
-                           [ad.chunk_pages(table[::-1], c) for c in range(2)], LAY.layer_bytes(C), 1 << 20)
+        load = BatchedLoad(
+            eng,
+            dst,
+            dst.geometry,
+            [blocks[0].clone(), split(blocks[1])],  # a pool slot, a host block
+            [ad.chunk_pages(table[::-1], c) for c in range(2)],
+            LAY.layer_bytes(C),
+            1 << 20,
+        )
         for layer in range(3):
             load.layer(layer)
     finally:

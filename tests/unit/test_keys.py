@@ -299,8 +299,16 @@ def test_check_keys_rejects_any_bad_key() -> None:
         {"model_id": "m", "tp_size": 0},
         {"model_id": "m", "hash_scheme": "xxh3-64/u32le/v0"},
     ],
-    ids=["empty-model", "chunk-0", "chunk-negative", "tp-rank-eq-size", "tp-rank-negative", "pp-rank-eq-size",
-         "tp-size-0", "unknown-scheme"],
+    ids=[
+        "empty-model",
+        "chunk-0",
+        "chunk-negative",
+        "tp-rank-eq-size",
+        "tp-rank-negative",
+        "pp-rank-eq-size",
+        "tp-size-0",
+        "unknown-scheme",
+    ],
 )
 def test_namespace_validation(kwargs) -> None:
     with pytest.raises(InvalidArgument):

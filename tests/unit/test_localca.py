@@ -1,4 +1,4 @@
-"""Throwaway TLS material (kvstore/localca.py, ``kvstore certs``) and the TLS flags of ``kvstore up``.
+"""Throwaway TLS material (kvstore/local/ca.py, ``kvstore certs``) and the TLS flags of ``kvstore up``.
 
 The certificates are checked the way they are used: the node's and the SDK's own TLS
 contexts (kvstore/tls.py) complete a handshake over a socket pair, verifying the names
@@ -20,7 +20,7 @@ import pytest
 
 from kvstore.cli import build_parser, main
 from kvstore.errors import InvalidArgument
-from kvstore.localca import CA_FILE, CERT_FILE, KEY_FILE, advertised_hosts, make, require_cryptography
+from kvstore.local.ca import CA_FILE, CERT_FILE, KEY_FILE, advertised_hosts, make, require_cryptography
 from kvstore.tls import ClientTLS, ServerTLS
 
 
@@ -56,7 +56,9 @@ def handshake(server: ssl.SSLContext, client: ClientTLS, name: str) -> str:
 
 def test_certificates_name_the_hosts_and_pass_the_node_and_sdk_contexts(tmp_path: Path) -> None:
     c = make(tmp_path / "pki", ["127.0.0.1", "node1", "*.kvstore.default.svc", "::1"], client=True)
-    assert sorted(p.name for p in (tmp_path / "pki").iterdir()) == sorted([CA_FILE, CERT_FILE, KEY_FILE, "client.crt", "client.key"])
+    assert sorted(p.name for p in (tmp_path / "pki").iterdir()) == sorted(
+        [CA_FILE, CERT_FILE, KEY_FILE, "client.crt", "client.key"]
+    )
     for key in (c.key, c.client_key):  # the CA's key is never written; the others are private
         assert stat.S_IMODE(Path(str(key)).stat().st_mode) == 0o600
     node = ServerTLS.load(c.cert, c.key, c.ca)  # what `kvstore serve --tls-client-ca-file` loads
@@ -78,11 +80,14 @@ def test_certificates_name_the_hosts_and_pass_the_node_and_sdk_contexts(tmp_path
         handshake(ServerTLS.load(other.cert, other.key).context, anonymous, "node1")
 
 
-@pytest.mark.parametrize("hosts,error", [
-    ([], "at least one host"),
-    (["bad host"], "neither an IP address nor a DNS name"),
-    (["a..b"], "neither an IP address nor a DNS name"),
-])
+@pytest.mark.parametrize(
+    "hosts,error",
+    [
+        ([], "at least one host"),
+        (["bad host"], "neither an IP address nor a DNS name"),
+        (["a..b"], "neither an IP address nor a DNS name"),
+    ],
+)
 def test_bad_hosts_are_refused(hosts: list[str], error: str, tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match=error):
         make(tmp_path, hosts)
@@ -103,12 +108,13 @@ def test_advertised_hosts_follow_what_the_node_publishes() -> None:
     assert advertised_hosts("10.0.0.5") == ["10.0.0.5"]
     assert advertised_hosts("[::1]") == ["::1", "localhost"]
     assert advertised_hosts("localhost") == ["localhost", "127.0.0.1", "::1"]
-    wild = advertised_hosts("0.0.0.0")  # the node publishes its fully qualified name (kvstore/server.py)
+    wild = advertised_hosts("0.0.0.0")  # the node publishes its fully qualified name (kvstore/node/server.py)
     assert wild[0] == socket.getfqdn() and "127.0.0.1" in wild
 
 
-def test_without_cryptography_every_entry_point_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_without_cryptography_every_entry_point_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     for mod in [m for m in sys.modules if m == "cryptography" or m.startswith("cryptography.")]:
         monkeypatch.delitem(sys.modules, mod)
     monkeypatch.setitem(sys.modules, "cryptography", None)  # import fails as if not installed
@@ -116,7 +122,7 @@ def test_without_cryptography_every_entry_point_says_what_to_install(tmp_path: P
         require_cryptography("kvstore up --tls")
     with pytest.raises(InvalidArgument, match=r"'cryptography' package.*kvstore\[tls\]"):
         make(tmp_path, ["node1"])
-    from kvstore.up import tls_files
+    from kvstore.local.up import tls_files
 
     with pytest.raises(InvalidArgument, match=r"kvstore up --tls .*kvstore\[tls\]"):
         tls_files(build_parser("up").parse_args(["up", "--tls"]))
@@ -128,8 +134,13 @@ def test_certs_command_writes_a_secret_ready_directory(tmp_path: Path, capsys: p
     out = tmp_path / "tls"
     assert main(["certs", "--out", str(out), "--client", "node1", "127.0.0.1"]) == 0
     printed = capsys.readouterr().out
-    assert f"tls_ca_file={str((out / CA_FILE).absolute())!r}" in printed and "kubectl create secret generic kvstore-tls" in printed
-    c = ClientTLS.from_options(ca_file=str(out / CA_FILE), cert_file=str(out / "client.crt"), key_file=str(out / "client.key"))
+    assert (
+        f"tls_ca_file={str((out / CA_FILE).absolute())!r}" in printed
+        and "kubectl create secret generic kvstore-tls" in printed
+    )
+    c = ClientTLS.from_options(
+        ca_file=str(out / CA_FILE), cert_file=str(out / "client.crt"), key_file=str(out / "client.key")
+    )
     assert c is not None
     assert handshake(ServerTLS.load(str(out / CERT_FILE), str(out / KEY_FILE), str(out / CA_FILE)).context, c, "node1")
     assert main(["certs", "--out", str(out), "node1"]) == 2  # never overwrites keys
@@ -141,35 +152,53 @@ def up_args(*argv: str) -> object:
     return build_parser("up").parse_args(["up", *argv])
 
 
-@pytest.mark.parametrize("argv,error", [
-    (["--tls", "--tls-cert-file", "c.pem", "--tls-key-file", "k.pem"], "either --tls or --tls-cert-file"),
-    (["--tls", "--tls-ca-file", "ca.pem"], "either --tls or --tls-cert-file"),
-    (["--tls-ca-file", "ca.pem"], "need TLS"),
-    (["--tls-client-ca-file", "ca.pem"], "need TLS"),
-    (["--tls-cert-file", "c.pem"], "go together"),
-    (["--tls-cert-file", "/nonexistent/c.pem", "--tls-key-file", "/nonexistent/k.pem"], "cannot read tls_cert_file /nonexistent/c.pem"),
-])
+@pytest.mark.parametrize(
+    "argv,error",
+    [
+        (["--tls", "--tls-cert-file", "c.pem", "--tls-key-file", "k.pem"], "either --tls or --tls-cert-file"),
+        (["--tls", "--tls-ca-file", "ca.pem"], "either --tls or --tls-cert-file"),
+        (["--tls-ca-file", "ca.pem"], "need TLS"),
+        (["--tls-client-ca-file", "ca.pem"], "need TLS"),
+        (["--tls-cert-file", "c.pem"], "go together"),
+        (
+            ["--tls-cert-file", "/nonexistent/c.pem", "--tls-key-file", "/nonexistent/k.pem"],
+            "cannot read tls_cert_file /nonexistent/c.pem",
+        ),
+    ],
+)
 def test_up_refuses_tls_flags_that_cannot_work(argv: list[str], error: str) -> None:
-    from kvstore.up import tls_files
+    from kvstore.local.up import tls_files
 
     with pytest.raises(InvalidArgument, match=error):
         tls_files(up_args(*argv))  # type: ignore[arg-type]
 
 
-def test_up_passes_own_certificates_and_prints_what_clients_need(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvstore.up import client_snippet, tls_files
+def test_up_passes_own_certificates_and_prints_what_clients_need(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvstore.local.up import client_snippet, tls_files
 
     assert tls_files(up_args()) is None  # type: ignore[arg-type]
     assert client_snippet("etcd://h:1/c", None) == "KVClient('etcd://h:1/c')"
     c = make(tmp_path / "pki", ["127.0.0.1"])
     monkeypatch.chdir(tmp_path)  # relative paths become absolute: the nodes run elsewhere
-    own = tls_files(up_args("--tls-cert-file", "pki/tls.crt", "--tls-key-file", "pki/tls.key", "--tls-ca-file", "pki/ca.crt"))  # type: ignore[arg-type]
+    own = tls_files(
+        up_args("--tls-cert-file", "pki/tls.crt", "--tls-key-file", "pki/tls.key", "--tls-ca-file", "pki/ca.crt")
+    )  # type: ignore[arg-type]
     assert own is not None and not own.generated
     assert own.node_args() == ["--tls-cert-file", c.cert, "--tls-key-file", c.key]
     assert client_snippet("etcd://h:1/c", own) == f"KVClient('etcd://h:1/c', tls_ca_file={c.ca!r})"
     mutual = tls_files(up_args("--tls-cert-file", c.cert, "--tls-key-file", c.key, "--tls-client-ca-file", c.ca))  # type: ignore[arg-type]
-    assert mutual is not None and mutual.node_args()[-3:] == ["--tls-client-ca-file", c.ca, "--no-metrics-tls"]  # no dashboard cert
-    assert mutual.describe()["mutual"] and mutual.client_kwargs() == {"tls": True, "tls_cert_file": "CLIENT.crt", "tls_key_file": "CLIENT.key"}
+    assert mutual is not None and mutual.node_args()[-3:] == [
+        "--tls-client-ca-file",
+        c.ca,
+        "--no-metrics-tls",
+    ]  # no dashboard cert
+    assert mutual.describe()["mutual"] and mutual.client_kwargs() == {
+        "tls": True,
+        "tls_cert_file": "CLIENT.crt",
+        "tls_key_file": "CLIENT.key",
+    }
     generated = tls_files(up_args("--tls"))  # type: ignore[arg-type]
     assert generated is not None and generated.generated and generated.cert_file == ""  # made when the cluster starts
     # a serve flag the nodes already get, given again through --node-arg, still parses (the last one wins)

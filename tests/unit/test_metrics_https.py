@@ -19,12 +19,12 @@ import pytest
 from tls_pki import PKI, other, pki  # noqa: F401 - fixtures
 
 from kvstore.cli import build_parser
-from kvstore.config import NodeConfig, load_config
 from kvstore.dashboard.cli import tls_options
 from kvstore.dashboard.scrape import fetch, metrics_url
 from kvstore.errors import InvalidArgument
-from kvstore.metrics import MetricsServer, NodeMetrics
-from kvstore.misses import Ledger
+from kvstore.node.config import NodeConfig, load_config
+from kvstore.node.ledger import Ledger
+from kvstore.node.metrics import MetricsServer, NodeMetrics
 from kvstore.tls import ClientTLS, ServerTLS
 
 TOKEN = "metrics-s3cret"
@@ -66,8 +66,13 @@ def test_metrics_tls_follows_the_node_unless_opted_out(pki: PKI) -> None:
     assert NodeConfig(**tls, metrics_tls=True).serves_metrics_tls()
     assert not NodeConfig(**tls, metrics_tls=False).serves_metrics_tls()
     # the file, the environment and the flag all reach it
-    assert not load_config(environ={"KVSTORE_METRICS_TLS": "false", "KVSTORE_TLS_CERT_FILE": pki.server_cert,
-                                    "KVSTORE_TLS_KEY_FILE": pki.server_key}).serves_metrics_tls()
+    assert not load_config(
+        environ={
+            "KVSTORE_METRICS_TLS": "false",
+            "KVSTORE_TLS_CERT_FILE": pki.server_cert,
+            "KVSTORE_TLS_KEY_FILE": pki.server_key,
+        }
+    ).serves_metrics_tls()
     args = build_parser("serve").parse_args(["serve", "--no-metrics-tls"])
     assert args.metrics_tls is False and build_parser("serve").parse_args(["serve"]).metrics_tls is None
     with pytest.raises(InvalidArgument, match="metrics_tls = true needs tls_cert_file"):
@@ -76,12 +81,21 @@ def test_metrics_tls_follows_the_node_unless_opted_out(pki: PKI) -> None:
 
 def test_dashboard_tls_variables_are_not_node_settings(pki: PKI) -> None:
     """The dashboard's KVSTORE_TLS_* variables do not trip the node's unknown-variable check."""
-    env = {"KVSTORE_TLS_CA_FILE": pki.ca, "KVSTORE_TLS_SERVER_NAME": "localhost",
-           "KVSTORE_TLS_CLIENT_CERT_FILE": pki.client_cert, "KVSTORE_TLS_CLIENT_KEY_FILE": pki.client_key}
+    env = {
+        "KVSTORE_TLS_CA_FILE": pki.ca,
+        "KVSTORE_TLS_SERVER_NAME": "localhost",
+        "KVSTORE_TLS_CLIENT_CERT_FILE": pki.client_cert,
+        "KVSTORE_TLS_CLIENT_KEY_FILE": pki.client_key,
+    }
     assert load_config(environ=env) == load_config(environ={})
     a = build_parser("dashboard").parse_args(["dashboard", "--nodes", "h:1", "--tls-server-name", "flag"])
-    assert tls_options(a, env) == {"tls": False, "ca_file": pki.ca, "cert_file": pki.client_cert, "key_file": pki.client_key,
-                                   "server_name": "flag"}  # a flag wins over its variable
+    assert tls_options(a, env) == {
+        "tls": False,
+        "ca_file": pki.ca,
+        "cert_file": pki.client_cert,
+        "key_file": pki.client_key,
+        "server_name": "flag",
+    }  # a flag wins over its variable
     assert metrics_url("h:1") == "http://h:1/metrics" and metrics_url("h:1", "https") == "https://h:1/metrics"
     assert metrics_url("http://h:1", "https") == "http://h:1/metrics"  # a URL keeps its scheme
 
@@ -103,7 +117,9 @@ def test_plain_http_to_the_https_port_is_refused_unserved(server: MetricsServer)
     assert not s.ok and "HTTP 400" in s.error and "https://" in s.error
 
 
-def test_untrusted_or_misnamed_certificates_fail_with_what_to_change(server: MetricsServer, pki: PKI, other: PKI) -> None:
+def test_untrusted_or_misnamed_certificates_fail_with_what_to_change(
+    server: MetricsServer, pki: PKI, other: PKI
+) -> None:
     system = fetch(url(server), token=TOKEN)  # the system roots do not know the test CA
     assert not system.ok and "--tls-ca-file" in system.error
     wrong = fetch(url(server), token=TOKEN, tls=ClientTLS.from_options(ca_file=other.ca))

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from kvstore.block import BlockMeta
-from kvstore.misses import CORRUPT, EVICTED, INVALIDATED, NEVER_STORED, KeyHistory, Ledger, NamespaceLabels
+from kvstore.node.ledger import CORRUPT, EVICTED, INVALIDATED, NEVER_STORED, KeyHistory, Ledger, NamespaceLabels
 
 
 def k(i: int) -> bytes:

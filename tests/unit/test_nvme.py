@@ -16,9 +16,9 @@ import xxhash
 from kvstore.block import BlockMeta, checksum
 from kvstore.errors import CapacityExceeded, DataDirLocked, InvalidArgument, Unavailable
 from kvstore.keys import ChunkKey
-from kvstore.policy import DEFAULT_POLICY, make_policy, LRUPolicy, PrefixAwareLRUPolicy
 from tiers.base import MissReason, Tier, TierKind
 from tiers.nvme import PAGE, NVMeTier, record_bytes
+from tiers.policy import DEFAULT_POLICY, LRUPolicy, PrefixAwareLRUPolicy, make_policy
 
 MiB = 1 << 20
 
@@ -436,7 +436,9 @@ def test_threads_read_write_delete(make) -> None:
 
 
 @pytest.mark.parametrize("size", [0, 1, 4096, 8191, 8192, 12288, 12289, 50_000])
-def test_direct_io_chunks_through_small_staging_buffers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int) -> None:
+def test_direct_io_chunks_through_small_staging_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
     import tiers.nvme as nvme
 
     monkeypatch.setattr(nvme, "STAGE_BYTES", 3 * PAGE)  # records span many staging chunks
@@ -524,6 +526,7 @@ def test_default_policy_and_admission(make) -> None:
 def test_segments_take_disk_space_only_when_used_regression(tmp_path: Path) -> None:
     """A large, empty tier must not claim its whole capacity from the filesystem at open
     (a test run, or a node with a generous --nvme on a small disk, filled the disk)."""
+
     def on_disk(d: Path) -> int:
         return sum(p.stat().st_blocks * 512 for p in d.glob("seg-*.dat"))
 

@@ -68,20 +68,31 @@ def test_a_leave_moves_only_the_leavers_keys() -> None:
 
 
 # -- bounded-v1: the default scheme (O(1) per key, weighted, bounded loads) ---------------------
-from hypothesis import given, settings, strategies as st  # noqa: E402
+import numpy as np  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 from kvstore.cluster.placement import (  # noqa: E402
-    BOUNDED_V1, EPSILON, RENDEZVOUS_V1, SLOTS, BoundedTable, check_weight, group_keys, make, placement, slot_of,
+    BOUNDED_V1,
+    EPSILON,
+    RENDEZVOUS_V1,
+    SLOTS,
+    BoundedTable,
+    check_weight,
+    group_keys,
+    make,
+    placement,
+    slot_of,
 )
 from kvstore.cluster.state import ClusterConfig, NodeInfo, parse_setting  # noqa: E402
 from kvstore.errors import InvalidArgument  # noqa: E402
 
-import numpy as np  # noqa: E402
-
 
 def shares(table: BoundedTable, ranks: int) -> np.ndarray:
     """Slots per node over the first ``ranks`` ranks (a node's exact share of the key space)."""
-    return sum(np.bincount(np.frombuffer(table.slot_owners(k), dtype=np.uint32), minlength=len(table)) for k in range(ranks))
+    return sum(
+        np.bincount(np.frombuffer(table.slot_owners(k), dtype=np.uint32), minlength=len(table)) for k in range(ranks)
+    )
 
 
 def rows(table: BoundedTable, r: int) -> list[frozenset[str]]:
@@ -97,14 +108,16 @@ def test_bounded_golden_vectors() -> None:
     # pinned: every client and node, in every release, must place keys the same way under bounded-v1
     assert slot_of(bytes(16)) == 0x193D == slot_of(bytes(4) + b"x" * 12)  # the first 4 bytes alone
     got = BoundedTable(["a", "b", "c", "d"]).owners(bytes(range(16)), 2)
-    code = ("from kvstore.cluster.placement import BoundedTable; "
-            "print(BoundedTable(['d','c','b','a']).owners(bytes(range(16)), 2))")
+    code = (
+        "from kvstore.cluster.placement import BoundedTable; "
+        "print(BoundedTable(['d','c','b','a']).owners(bytes(range(16)), 2))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == repr(got)  # the same in a fresh process, from another input order
     assert got == GOLDEN_BOUNDED
 
 
-GOLDEN_BOUNDED = ['b', 'd']
+GOLDEN_BOUNDED = ["b", "d"]
 
 
 @settings(max_examples=25, deadline=None)
@@ -146,7 +159,11 @@ def test_a_join_or_leave_moves_close_to_r_over_n(n: int) -> None:
         ideal = r / (n + 1)
         for other in (joined, left):
             frac = moved(table, other, r)
-            assert ideal * 0.8 <= frac <= ideal * 2.0, (r, frac, ideal)  # measured: 1.1-1.7x (kvstore cluster bench-placement)
+            assert ideal * 0.8 <= frac <= ideal * 2.0, (
+                r,
+                frac,
+                ideal,
+            )  # measured: 1.1-1.7x (kvstore cluster bench-placement)
     # the new node's slots are its own; only the bounded overflow moves anything else
     new_rows = rows(joined, 1)
     gained = sum("node-new" in x for x in new_rows) / SLOTS
@@ -205,12 +222,16 @@ def xxhash_key(i: int) -> bytes:
 
 def test_schemes_settings_and_cache() -> None:
     assert ClusterConfig().placement == BOUNDED_V1 and ClusterConfig().chunk_group == 1
-    assert parse_setting("placement", "rendezvous-v1") == RENDEZVOUS_V1 == parse_setting("placement", b'"rendezvous-v1"')
+    assert (
+        parse_setting("placement", "rendezvous-v1") == RENDEZVOUS_V1 == parse_setting("placement", b'"rendezvous-v1"')
+    )
     with pytest.raises(InvalidArgument, match="bounded-v1, rendezvous-v1"):
         parse_setting("placement", "maglev")
     with pytest.raises(InvalidArgument, match="<= 4096"):
         parse_setting("chunk_group", "100000")
-    assert ClusterConfig.from_raw({"placement": b'"nonsense"'}).placement == BOUNDED_V1  # a bad record keeps the default
+    assert (
+        ClusterConfig.from_raw({"placement": b'"nonsense"'}).placement == BOUNDED_V1
+    )  # a bad record keeps the default
     with pytest.raises(InvalidArgument, match="unknown placement scheme"):
         make("maglev", {"a": 100})
     members = {"a": 100, "b": 100}

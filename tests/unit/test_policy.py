@@ -1,6 +1,6 @@
 """Eviction policies.  They run on a logical tick, so a deterministic sequence of calls is the fake clock.
 
-Round protocol (module docstring of ``kvstore.policy``): iterate ``victims()``; for each
+Round protocol (module docstring of ``tiers.policy``): iterate ``victims()``; for each
 proposed key either evict it (``remove`` before asking for the next) or skip it, and a
 skipped key keeps its place.
 """
@@ -15,7 +15,7 @@ import pytest
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import NO_PARENT, ChunkKey
-from kvstore.policy import (
+from tiers.policy import (
     DEFAULT_POLICY,
     POLICIES,
     LRUPolicy,
@@ -473,7 +473,9 @@ def test_insert_many_orders_victims_as_one_insert_each(name: str) -> None:
 
     rng = random.Random(7)
     keys = [ChunkKey(bytes([i % 251, i // 251]) + bytes(14)) for i in range(600)]
-    items = [(k, NO_PARENT if i % 40 == 0 else keys[i - 1 - rng.randrange(min(i % 40, 3))], 4096) for i, k in enumerate(keys)]
+    items = [
+        (k, NO_PARENT if i % 40 == 0 else keys[i - 1 - rng.randrange(min(i % 40, 3))], 4096) for i, k in enumerate(keys)
+    ]
     items += [items[5], items[77]]  # a key inserted again is touched
     one, many = POLICIES[name](), POLICIES[name]()
     for k, p, s in items:

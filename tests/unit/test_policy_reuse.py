@@ -2,7 +2,7 @@
 
 A deterministic sequence of calls is the fake clock: priorities are logical ticks plus a
 bonus measured in ticks (REUSE / SHARE × the tier's peak block count).  The round protocol
-(skip, stop early, mutate mid-round) is the one of ``kvstore.policy``'s docstring.
+(skip, stop early, mutate mid-round) is the one of ``tiers.policy``'s docstring.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import random
 import pytest
 
 from kvstore.keys import NO_PARENT, ChunkKey
-from kvstore.policy import (
+from tiers.policy import (
     DEFAULT_POLICY,
     POLICIES,
     PrefixAwareLRUPolicy,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.sketch import MAX_COUNT, FrequencySketch
+from tiers.sketch import MAX_COUNT, FrequencySketch
 
 
 def k(i: int) -> bytes:

@@ -53,13 +53,35 @@ def test_an_open_count_and_a_failed_command() -> None:
 
 
 def _bounds(stderr: int) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run([sys.executable, "-m", "kvstore", "replay", TRACE, "--capacity", "5%", "--bounds", "--requests", "120"],
-                          stdout=subprocess.PIPE, stderr=stderr, cwd=ROOT, timeout=240)
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore", "replay", TRACE, "--capacity", "5%", "--bounds", "--requests", "120"],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        cwd=ROOT,
+        timeout=240,
+    )
 
 
 def test_replay_bounds_reports_progress_on_stderr_only() -> None:
-    r = subprocess.run([sys.executable, "-m", "kvstore", "replay", TRACE, "--capacity", "5%", "--bounds", "--requests", "120",
-                        "--json"], capture_output=True, text=True, cwd=ROOT, timeout=240)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "replay",
+            TRACE,
+            "--capacity",
+            "5%",
+            "--bounds",
+            "--requests",
+            "120",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr
     assert SUMMARY.match(r.stderr.strip().splitlines()[-1]), r.stderr
     assert r.stdout.startswith("{") and "replays in" not in r.stdout  # stdout is the JSON alone

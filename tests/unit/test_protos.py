@@ -19,7 +19,9 @@ STUBS = ["kvstore_pb2.py", "kvstore_pb2.pyi", "kvstore_pb2_grpc.py"]
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("stubs")
-    r = subprocess.run([sys.executable, "-m", "protos.generate", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "protos.generate", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     return out / "protos" / "kvstore" / "v1"
 
@@ -28,7 +30,9 @@ def generated(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_committed_stub_matches_the_generator(generated: Path, name: str) -> None:
     committed = (ROOT / "protos" / "kvstore" / "v1" / name).read_bytes()
     fresh = (generated / name).read_bytes()
-    assert fresh == committed, f"protos/kvstore/v1/{name} is stale: run `python -m protos.generate` and commit the result"
+    assert fresh == committed, (
+        f"protos/kvstore/v1/{name} is stale: run `python -m protos.generate` and commit the result"
+    )
 
 
 def test_generator_writes_nothing_else(generated: Path) -> None:

@@ -11,12 +11,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstore.bounds import FutureUses, OracleDeadLRU, OracleNextUse, _auc, _r2, bounds, predictability
 from kvstore.cli import main
-from kvstore.optimal import optimal
-from kvstore.simulator import simulate
-from kvstore.trace import Trace
-from kvstore.tracegen import GenParams, generate
+from kvstore.traces.bounds import FutureUses, OracleDeadLRU, OracleNextUse, _auc, _r2, bounds, predictability
+from kvstore.traces.format import Trace
+from kvstore.traces.generate import GenParams, generate
+from kvstore.traces.optimal import optimal
+from kvstore.traces.simulator import simulate
 
 
 def _sim(trace: Trace, capacity: int, pol: Any) -> tuple[int, ...]:
@@ -54,8 +54,15 @@ def test_bounds_are_bounded_by_the_optimum_and_deterministic(gen_trace: Trace) -
     r = bounds(gen_trace, cap)
     rows = {b.name: b for b in r.bounds}
     opt = rows["optimal"].hit_ratio
-    assert set(rows) >= {"lru", "prefix-reuse", "oracle-dead-lru", "oracle-next-use", "oracle-next-use@R2=0.5",
-                         "oracle-next-use@R2=0.5,dead-unknown", "optimal"}
+    assert set(rows) >= {
+        "lru",
+        "prefix-reuse",
+        "oracle-dead-lru",
+        "oracle-next-use",
+        "oracle-next-use@R2=0.5",
+        "oracle-next-use@R2=0.5,dead-unknown",
+        "optimal",
+    }
     for b in r.bounds:
         assert 0.0 <= b.hit_ratio <= opt + 1e-12, b
     assert rows["oracle-next-use"].hit_ratio > rows["lru"].hit_ratio

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from kvstore.cli import main
-from kvstore.trace import Trace
-from kvstore.tracegen import GenParams, generate
+from kvstore.traces.format import Trace
+from kvstore.traces.generate import GenParams, generate
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,9 @@ def test_replay_text_and_capacity_forms(capsys: Any, trace_file: Path) -> None:
 
 def test_generate(capsys: Any, tmp_path: Path) -> None:
     out_path = tmp_path / "gen.jsonl"
-    rc, out, _ = run(capsys, "replay", "--generate", str(out_path), "--requests", "120", "--seed", "3", "--turns", "3", "--json")
+    rc, out, _ = run(
+        capsys, "replay", "--generate", str(out_path), "--requests", "120", "--seed", "3", "--turns", "3", "--json"
+    )
     assert rc == 0
     o = json.loads(out)
     assert o["requests"] == 120 and Trace.load(out_path).summary() == {k: o[k] for k in Trace.load(out_path).summary()}
@@ -89,9 +91,18 @@ def test_replay_bad_input(capsys: Any, trace_file: Path, args: list[str], messag
         (["replay", "--capacity", "5", "--block-tokens", "0", "t.jsonl"], "--block-tokens must be positive"),
         (["replay", "t.jsonl", "--requests", "-1"], "--requests must be positive"),
         (["replay", "t.jsonl", "--target", "x:1", "--block-bytes", "lots"], "--block-bytes"),
-        (["plan", "t.jsonl", "--target-hit-ratio", "1.5", "--bytes-per-token", "1"], "--target-hit-ratio must lie in (0, 1]"),
-        (["plan", "t.jsonl", "--target-hit-ratio", "x", "--bytes-per-token", "1"], "--target-hit-ratio must be a ratio"),
-        (["plan", "t.jsonl", "--target-hit-ratio", "0.2", "--bytes-per-token", "1", "--fractions", "0,2"], "--fractions must each lie in (0, 1]"),
+        (
+            ["plan", "t.jsonl", "--target-hit-ratio", "1.5", "--bytes-per-token", "1"],
+            "--target-hit-ratio must lie in (0, 1]",
+        ),
+        (
+            ["plan", "t.jsonl", "--target-hit-ratio", "x", "--bytes-per-token", "1"],
+            "--target-hit-ratio must be a ratio",
+        ),
+        (
+            ["plan", "t.jsonl", "--target-hit-ratio", "0.2", "--bytes-per-token", "1", "--fractions", "0,2"],
+            "--fractions must each lie in (0, 1]",
+        ),
     ],
 )
 def test_argument_errors(capsys: Any, argv: list[str], message: str) -> None:
@@ -114,8 +125,28 @@ def test_malformed_trace_names_the_line(capsys: Any, tmp_path: Path) -> None:
 def test_plan_json_and_plot(capsys: Any, trace_file: Path, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "plan.png"
-    rc, out, _ = run(capsys, "plan", str(trace_file), "--target-hit-ratio", "25%", "--layers", "4", "--kv-heads", "2", "--head-dim", "64",
-                     "--fractions", "0.02,0.1,0.5", "--policies", "lru,prefix-reuse", "--jobs", "1", "--plot", str(png), "--json")
+    rc, out, _ = run(
+        capsys,
+        "plan",
+        str(trace_file),
+        "--target-hit-ratio",
+        "25%",
+        "--layers",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "64",
+        "--fractions",
+        "0.02,0.1,0.5",
+        "--policies",
+        "lru,prefix-reuse",
+        "--jobs",
+        "1",
+        "--plot",
+        str(png),
+        "--json",
+    )
     assert rc == 0
     o = json.loads(out)
     assert o["bytes_per_token"] == 4 * 2 * 2 * 64 * 2 and o["block_bytes"] == 512 * o["bytes_per_token"]
@@ -129,8 +160,21 @@ def test_plan_json_and_plot(capsys: Any, trace_file: Path, tmp_path: Path) -> No
 
 
 def test_plan_unreachable_target(capsys: Any, trace_file: Path) -> None:
-    rc, out, _ = run(capsys, "plan", str(trace_file), "--target-hit-ratio", "0.99", "--bytes-per-token", "1000",
-                     "--fractions", "0.1", "--policies", "lru", "--jobs", "1")
+    rc, out, _ = run(
+        capsys,
+        "plan",
+        str(trace_file),
+        "--target-hit-ratio",
+        "0.99",
+        "--bytes-per-token",
+        "1000",
+        "--fractions",
+        "0.1",
+        "--policies",
+        "lru",
+        "--jobs",
+        "1",
+    )
     assert rc == 1 and "out of reach" in out
 
 

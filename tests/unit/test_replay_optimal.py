@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.optimal import optimal
-from kvstore.policy import POLICIES
-from kvstore.simulator import simulate
-from kvstore.trace import Trace
+from kvstore.traces.format import Trace
+from kvstore.traces.optimal import optimal
+from kvstore.traces.simulator import simulate
+from tiers.policy import POLICIES
 
 SHARED = Path(__file__).resolve().parents[1] / "data" / "mooncake_synthetic_trace.jsonl"  # see tests/data/README.md
 
@@ -22,7 +22,7 @@ def brute_force(trace: Trace, capacity: int) -> int:
     miss, of storing the block or not and of which resident block to drop."""
     refs = [(b, j == 0) for bs in trace.block_ids for j, b in enumerate(bs)]
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def best(i: int, cache: frozenset[int], in_run: bool) -> int:
         if i == len(refs):
             return 0

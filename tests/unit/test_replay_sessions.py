@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from kvstore.cli import main as cli_main
-from kvstore.costmodel import CostModel, from_args
 from kvstore.errors import InvalidArgument
-from kvstore.simulator import simulate
-from kvstore.trace import Close, Trace
-from kvstore.tracegen import GenParams, generate, generate_events
+from kvstore.traces.costmodel import CostModel, from_args
+from kvstore.traces.format import Close, Trace
+from kvstore.traces.generate import GenParams, generate, generate_events
+from kvstore.traces.simulator import simulate
 
 REQ = '{{"timestamp": {t}, "input_length": 1024, "hash_ids": [{a}, {b}]{extra}}}'
 
@@ -24,7 +24,10 @@ def line(t: int, a: int, b: int, session: object = None) -> str:
 
 def test_sessions_and_closes_round_trip(tmp_path: Path) -> None:
     p = tmp_path / "t.jsonl"
-    p.write_text("\n".join([line(0, 1, 2, "s1"), line(5, 3, 4), '{"timestamp": 7, "close_session": "s1"}', line(9, 1, 2, "s2")]) + "\n")
+    p.write_text(
+        "\n".join([line(0, 1, 2, "s1"), line(5, 3, 4), '{"timestamp": 7, "close_session": "s1"}', line(9, 1, 2, "s2")])
+        + "\n"
+    )
     t = Trace.load(p)
     assert [r.session_id for r in t.requests] == ["s1", None, "s2"]
     assert t.closes == (Close(7.0, "s1", 2),) and t.has_sessions
@@ -34,11 +37,14 @@ def test_sessions_and_closes_round_trip(tmp_path: Path) -> None:
     assert t.summary()["sessions"] == 2 and t.summary()["session_closes"] == 1
 
 
-@pytest.mark.parametrize("bad, why", [
-    ('{"timestamp": 1, "close_session": "nobody"}', "line 2: close_session 'nobody' names no open session"),
-    (line(1, 5, 6, 42), "line 2: 'session_id' must be a non-empty string, got 42"),
-    ('{"timestamp": 1, "close_session": ["s1"]}', "line 2: 'close_session' must be a non-empty string"),
-])
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        ('{"timestamp": 1, "close_session": "nobody"}', "line 2: close_session 'nobody' names no open session"),
+        (line(1, 5, 6, 42), "line 2: 'session_id' must be a non-empty string, got 42"),
+        ('{"timestamp": 1, "close_session": ["s1"]}', "line 2: 'close_session' must be a non-empty string"),
+    ],
+)
 def test_bad_session_lines_are_fatal_or_skipped_with_their_line(tmp_path: Path, bad: str, why: str) -> None:
     p = tmp_path / "t.jsonl"
     p.write_text(line(0, 1, 2, "s1") + "\n" + bad + "\n" + line(2, 1, 2, "s1") + "\n")
@@ -65,7 +71,10 @@ def test_generator_closes_after_the_last_turn_and_keeps_the_requests() -> None:
 
 def test_without_session_ids_the_hinted_replay_is_the_plain_one() -> None:
     t = Trace(generate(GenParams(requests=300, seed=5)))
-    assert simulate(t, 200, "prefix-reuse", sessions=True).per_request_hits == simulate(t, 200, "prefix-reuse").per_request_hits
+    assert (
+        simulate(t, 200, "prefix-reuse", sessions=True).per_request_hits
+        == simulate(t, 200, "prefix-reuse").per_request_hits
+    )
 
 
 def test_closes_help_when_they_come_early_enough() -> None:
@@ -77,14 +86,38 @@ def test_closes_help_when_they_come_early_enough() -> None:
 
 def test_replay_cli_reports_hinted_and_two_tier_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "g.jsonl"
-    assert cli_main(["replay", "--generate", str(out), "--requests", "400", "--seed", "4", "--close-after", "5", "--json"]) == 0
+    assert (
+        cli_main(["replay", "--generate", str(out), "--requests", "400", "--seed", "4", "--close-after", "5", "--json"])
+        == 0
+    )
     capsys.readouterr()
     assert cli_main(["replay", str(out), "--capacity", "5%", "--json"]) == 0
     o = json.loads(capsys.readouterr().out)
     assert set(o["hinted"]) == {"session_ttl_s", "prefix-reuse+sessions", "lru+sessions"}
     assert o["hit_ratio"] != o["hinted"]["prefix-reuse+sessions"]["hit_ratio"]
-    assert cli_main(["replay", str(out), "--capacity", "5%", "--nvme-capacity", "50%", "--bytes-per-token", "1000",
-                     "--recompute-tps", "5000", "--dram-gbps", "10", "--nvme-gbps", "2", "--no-sessions", "--json"]) == 0
+    assert (
+        cli_main(
+            [
+                "replay",
+                str(out),
+                "--capacity",
+                "5%",
+                "--nvme-capacity",
+                "50%",
+                "--bytes-per-token",
+                "1000",
+                "--recompute-tps",
+                "5000",
+                "--dram-gbps",
+                "10",
+                "--nvme-gbps",
+                "2",
+                "--no-sessions",
+                "--json",
+            ]
+        )
+        == 0
+    )
     o = json.loads(capsys.readouterr().out)
     assert "hinted" not in o and o["nvme_capacity_blocks"] == round(0.5 * o["unique_blocks"])
     assert o["tier_hits"]["dram"] + o["tier_hits"]["nvme"] == pytest.approx(o["hit_ratio"])

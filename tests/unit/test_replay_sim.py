@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from kvstore.errors import InvalidArgument
-from kvstore.manager import TierManager
-from kvstore.policy import POLICIES, LRUPolicy, PrefixReusePolicy
-from kvstore.simulator import BytelessArena, build_manager, put_batch, simulate
-from kvstore.trace import Request, Trace
-from kvstore.tracegen import GenParams, generate
+from kvstore.node.manager import TierManager
+from kvstore.traces.format import Request, Trace
+from kvstore.traces.generate import GenParams, generate
+from kvstore.traces.simulator import BytelessArena, build_manager, put_batch, simulate
 from tiers.dram import DRAMTier
+from tiers.policy import POLICIES, LRUPolicy, PrefixReusePolicy
 
 SHARED = Path(__file__).resolve().parents[1] / "data" / "mooncake_synthetic_trace.jsonl"  # see tests/data/README.md
 

@@ -9,7 +9,7 @@ import pytest
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import NO_PARENT
-from kvstore.trace import Request, Trace, parse_request
+from kvstore.traces.format import Request, Trace, parse_request
 
 
 def line(ts=0, n=1024, out=5, ids=(1, 2), **extra) -> str:

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from kvstore.errors import InvalidArgument
-from kvstore.trace import Trace
-from kvstore.tracegen import GenParams, generate
+from kvstore.traces.format import Trace
+from kvstore.traces.generate import GenParams, generate
 
 
 def test_same_seed_same_trace_other_seed_other_trace() -> None:

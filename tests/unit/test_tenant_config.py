@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from kvstore.cli import build_parser
-from kvstore.config import NodeConfig, load_config
 from kvstore.errors import CapacityExceeded, InvalidArgument, PermissionDenied
-from kvstore.tenants import ADMIN, NO_NAMESPACE, Caller, Callers, Ownership
+from kvstore.node.config import NodeConfig, load_config
+from kvstore.node.tenants import ADMIN, NO_NAMESPACE, Caller, Callers, Ownership
 
 NS_A, NS_B, NS_C = b"A" * 8, b"B" * 8, b"C" * 8
 
@@ -41,7 +41,10 @@ def test_no_tenants_by_default() -> None:
 
 def test_toml_tenants_beside_node(tmp_path: Path) -> None:
     alice = token_file(tmp_path, "alice.token", "  alice-secret\n")
-    cfg = load_config(toml(tmp_path, f'''
+    cfg = load_config(
+        toml(
+            tmp_path,
+            f'''
 [node]
 token = "admin-secret"
 
@@ -50,7 +53,10 @@ token_file = "{alice}"
 
 [tenants.bob]
 token = ["bob-1", "bob-2"]    # two tokens: rotation
-'''), environ={})
+''',
+        ),
+        environ={},
+    )
     assert set(cfg.tenants) == {"alice", "bob"}
     assert cfg.tenants["bob"].token == ("bob-1", "bob-2")
     assert cfg.tenant_tokens() == {"alice-secret": "alice", "bob-1": "bob", "bob-2": "bob"}
@@ -77,7 +83,9 @@ def test_env_and_flag_forms_name_token_files(tmp_path: Path) -> None:
     flags = load_config(environ={}, overrides={"tenants": args.tenants})
     assert flags.tenant_tokens() == {"a1-tok": "alice", "b-tok": "bob"}
     # later wins for the whole table, like every other key: flags replace the file's tenants
-    merged = load_config(toml(tmp_path, '[tenants.carol]\ntoken = "c"\n'), environ={}, overrides={"tenants": args.tenants})
+    merged = load_config(
+        toml(tmp_path, '[tenants.carol]\ntoken = "c"\n'), environ={}, overrides={"tenants": args.tenants}
+    )
     assert set(merged.tenants) == {"alice", "bob"}
 
 
@@ -101,14 +109,17 @@ def test_empty_name_in_toml(tmp_path: Path) -> None:
         load_config(toml(tmp_path, '[tenants.""]\ntoken = "t"\n'), environ={})
 
 
-@pytest.mark.parametrize("body,match", [
-    ('bogus = 1\ntoken = "t"', "bogus"),                 # unknown key
-    ("", "token or token_file"),                          # no credential
-    ('token = ""', "empty token"),
-    ('token = ["ok", "  "]', "empty token"),
-    ('token_file = ""', "empty token"),
-    ("token = 5", "token"),
-])
+@pytest.mark.parametrize(
+    "body,match",
+    [
+        ('bogus = 1\ntoken = "t"', "bogus"),  # unknown key
+        ("", "token or token_file"),  # no credential
+        ('token = ""', "empty token"),
+        ('token = ["ok", "  "]', "empty token"),
+        ('token_file = ""', "empty token"),
+        ("token = 5", "token"),
+    ],
+)
 def test_bad_tenant_tables(tmp_path: Path, body: str, match: str) -> None:
     with pytest.raises(InvalidArgument, match=match):
         load_config(toml(tmp_path, f"[tenants.alice]\n{body}\n"), environ={})
@@ -116,7 +127,7 @@ def test_bad_tenant_tables(tmp_path: Path, body: str, match: str) -> None:
 
 def test_tenants_must_be_a_table(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match="tenants"):
-        load_config(toml(tmp_path, 'tenants = 3\n'), environ={})
+        load_config(toml(tmp_path, "tenants = 3\n"), environ={})
 
 
 def test_a_token_names_one_tenant(tmp_path: Path) -> None:
@@ -124,7 +135,9 @@ def test_a_token_names_one_tenant(tmp_path: Path) -> None:
         load_config(toml(tmp_path, '[tenants.a]\ntoken = "same"\n[tenants.b]\ntoken = " same "\n'), environ={})
     # in files it is found when the node reads them (start-up)
     f1, f2 = token_file(tmp_path, "f1", "dup\n"), token_file(tmp_path, "f2", "dup")
-    cfg = load_config(toml(tmp_path, f'[tenants.a]\ntoken_file = "{f1}"\n[tenants.b]\ntoken_file = "{f2}"\n'), environ={})
+    cfg = load_config(
+        toml(tmp_path, f'[tenants.a]\ntoken_file = "{f1}"\n[tenants.b]\ntoken_file = "{f2}"\n'), environ={}
+    )
     with pytest.raises(InvalidArgument, match="share a token"):
         cfg.tenant_tokens()
 
@@ -247,22 +260,33 @@ def test_ownership_table_was_world_readable(tmp_path: Path) -> None:
 
 
 def test_tenant_limits_parse_sizes_and_default_to_none(tmp_path: Path) -> None:
-    cfg = load_config(toml(tmp_path, '[node]\nmax_pin_ttl_s = 600\n\n[tenants.alice]\ntoken = "a"\n\n'
-                                     '[tenants.bob]\ntoken = "b"\nmax_reserved_bytes = "512MiB"\nmax_pinned_bytes = 65536\n'),
-                      environ={})
+    cfg = load_config(
+        toml(
+            tmp_path,
+            '[node]\nmax_pin_ttl_s = 600\n\n[tenants.alice]\ntoken = "a"\n\n'
+            '[tenants.bob]\ntoken = "b"\nmax_reserved_bytes = "512MiB"\nmax_pinned_bytes = 65536\n',
+        ),
+        environ={},
+    )
     assert cfg.max_pin_ttl_s == 600
     assert (cfg.tenants["alice"].max_reserved_bytes, cfg.tenants["alice"].max_pinned_bytes) == (None, None)
     assert (cfg.tenants["bob"].max_reserved_bytes, cfg.tenants["bob"].max_pinned_bytes) == (512 << 20, 65536)
     assert load_config(environ={}).max_pin_ttl_s == 3600
 
 
-@pytest.mark.parametrize("line, message", [
-    ('max_pinned_bytes = "lots"', "tenants.bob.max_pinned_bytes: not a size: 'lots'"),
-    ('max_reserved_bytes = "1.5"', "tenants.bob.max_reserved_bytes: not a whole number of bytes"),
-    ("max_reserved_bytes = -1", "tenants.bob.max_reserved_bytes: size must be non-negative"),
-    ("max_reserved_bytes = true", "tenants.bob.max_reserved_bytes: not a size: True"),
-    ("max_pin_ttl_s = 60", "tenants.bob.max_pin_ttl_s: Extra inputs are not permitted"),  # node-wide, not per tenant
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('max_pinned_bytes = "lots"', "tenants.bob.max_pinned_bytes: not a size: 'lots'"),
+        ('max_reserved_bytes = "1.5"', "tenants.bob.max_reserved_bytes: not a whole number of bytes"),
+        ("max_reserved_bytes = -1", "tenants.bob.max_reserved_bytes: size must be non-negative"),
+        ("max_reserved_bytes = true", "tenants.bob.max_reserved_bytes: not a size: True"),
+        (
+            "max_pin_ttl_s = 60",
+            "tenants.bob.max_pin_ttl_s: Extra inputs are not permitted",
+        ),  # node-wide, not per tenant
+    ],
+)
 def test_bad_tenant_limits_are_clear_errors(tmp_path: Path, line: str, message: str) -> None:
     with pytest.raises(InvalidArgument, match=re.escape(message)):
         load_config(toml(tmp_path, f'[tenants.bob]\ntoken = "b"\n{line}\n'), environ={})

@@ -13,8 +13,8 @@ import pytest
 from tls_pki import PKI, make_pki, other, pki  # noqa: F401 - fixtures
 
 from kvstore.cli import build_parser
-from kvstore.config import load_config
 from kvstore.errors import InvalidArgument
+from kvstore.node.config import load_config
 from kvstore.tls import ClientTLS, ServerTLS, explain, secure_channel
 
 
@@ -45,7 +45,9 @@ def test_tls_settings_from_file_env_and_flags(tmp_path: Path) -> None:
     cfg = load_config(f, environ={"KVSTORE_TLS_CLIENT_CA_FILE": "/etc/kvstore/tls/ca.crt"})
     assert cfg.tls_cert_file.endswith("tls.crt") and cfg.tls_client_ca_file.endswith("ca.crt")
     # the flags reach the same fields (kvstore serve passes them as overrides)
-    a = build_parser("serve").parse_args(["serve", "--tls-cert-file", "c", "--tls-key-file", "k", "--tls-client-ca-file", "ca"])
+    a = build_parser("serve").parse_args(
+        ["serve", "--tls-cert-file", "c", "--tls-key-file", "k", "--tls-client-ca-file", "ca"]
+    )
     assert (a.tls_cert_file, a.tls_key_file, a.tls_client_ca_file) == ("c", "k", "ca")
     cfg = load_config(f, environ={}, overrides={"tls_cert_file": "c", "tls_key_file": "k"})
     assert (cfg.tls_cert_file, cfg.tls_key_file) == ("c", "k")
@@ -53,7 +55,9 @@ def test_tls_settings_from_file_env_and_flags(tmp_path: Path) -> None:
 
 def test_config_does_not_read_the_files() -> None:
     # the schema checks the shape; the node reads (and checks) the files at start-up
-    cfg = load_config(environ={}, overrides={"tls_cert_file": "/nonexistent/c.pem", "tls_key_file": "/nonexistent/k.pem"})
+    cfg = load_config(
+        environ={}, overrides={"tls_cert_file": "/nonexistent/c.pem", "tls_key_file": "/nonexistent/k.pem"}
+    )
     with pytest.raises(InvalidArgument, match="cannot read tls_cert_file /nonexistent/c.pem"):
         ServerTLS.load(cfg.tls_cert_file, cfg.tls_key_file)
 
@@ -77,7 +81,10 @@ def test_server_tls_errors_name_the_setting_and_file(tmp_path: Path, pki: PKI, o
         ((pki.server_cert, str(junk)), f"tls_key_file {junk} is not a PEM file"),
         ((pki.server_cert, other.server_key), "are not a PEM certificate and its private key"),
         ((pki.server_key, pki.server_cert), "are not a PEM certificate and its private key"),
-        ((pki.server_cert, pki.server_key, pki.server_key), f"tls_client_ca_file {pki.server_key} holds no usable PEM CA certificate"),
+        (
+            (pki.server_cert, pki.server_key, pki.server_key),
+            f"tls_client_ca_file {pki.server_key} holds no usable PEM CA certificate",
+        ),
         ((pki.server_cert, pki.server_key, str(junk)), f"tls_client_ca_file {junk} is not a PEM file"),
     ]
     for args, message in cases:
@@ -193,8 +200,13 @@ def handshake(server: ssl.SSLContext, client: ssl.SSLContext) -> tuple[str, str]
 
 
 def test_tls12_suites_are_aead_only_on_both_sides(pki: PKI) -> None:
-    default_13 = {c["name"] for c in ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).get_ciphers() if c["protocol"] == "TLSv1.3"}
-    for ctx in (ServerTLS.load(pki.server_cert, pki.server_key).context, ClientTLS.from_options(ca_file=pki.ca).context):
+    default_13 = {
+        c["name"] for c in ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).get_ciphers() if c["protocol"] == "TLSv1.3"
+    }
+    for ctx in (
+        ServerTLS.load(pki.server_cert, pki.server_key).context,
+        ClientTLS.from_options(ca_file=pki.ca).context,
+    ):
         suites = ctx.get_ciphers()
         tls12 = [c for c in suites if c["protocol"] == "TLSv1.2"]
         assert tls12 and all(c["aead"] and c["kea"] == "kx-ecdhe" for c in tls12), [c["name"] for c in tls12]

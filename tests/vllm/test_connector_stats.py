@@ -11,7 +11,9 @@ pytestmark = pytest.mark.vllm
 def test_worker_stats_are_deltas_summed_over_workers_and_reduced() -> None:
     from gpu_agent.vllm.connector import STAT_KEYS, KVStoreConnector, KVStoreStats
 
-    a = KVStoreConnector.build_kv_connector_stats({"loads": 2, "load_tokens": 512, "load_us": 3000, "saves": 1, "save_us": 500})
+    a = KVStoreConnector.build_kv_connector_stats(
+        {"loads": 2, "load_tokens": 512, "load_us": 3000, "saves": 1, "save_us": 500}
+    )
     b = KVStoreStats({"loads": 1, "load_tokens": 256, "load_us": 1500, "load_errors": 2})
     assert isinstance(a, KVStoreStats) and set(a.data) == set(STAT_KEYS)
     total = a.aggregate(b).reduce()

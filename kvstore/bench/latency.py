@@ -1,0 +1,110 @@
+"""``kvstore bench --latency``: p50/p99 of single-block calls, locally and over TCP.
+
+Role: the per-call cost the batched throughput figures hide (issue 15 #2).  For each
+path (``local``: shared memory over the Unix socket; ``tcp``: the data channel) and each
+size in ``--sizes``, ``--latency-ops`` calls of each operation on one block at a time:
+``put`` (a new key each call), ``get`` (``get_into`` a pre-faulted buffer), ``exists``
+and ``match_prefix`` (one stored key; size-independent, so measured at the first size).
+Every call is timed on its own with ``perf_counter``; the figures are p50, p99 and the
+mean in microseconds, client wall time (the RPC, the copy and the node's work).
+
+A warm-up of ``ops // 10`` calls per operation runs first, untimed.  Keys are deleted
+afterwards, untimed.  No state outlives a call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import struct
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+import numpy as np
+import xxhash
+
+from kvstore.bench.kit import buffer, label, log
+from kvstore.errors import KVStoreError
+
+OPS = ("put", "get", "exists", "match_prefix")
+_run = itertools.count(int(time.time() * 1000) & 0xFFFFFFFF)
+
+
+def percentiles(samples: Sequence[float]) -> dict[str, float]:
+    """p50, p99 and mean of ``samples`` (seconds), in microseconds."""
+    a = np.asarray(samples) * 1e6
+    return {
+        "p50_us": round(float(np.percentile(a, 50)), 1),
+        "p99_us": round(float(np.percentile(a, 99)), 1),
+        "mean_us": round(float(a.mean()), 1),
+        "calls": int(a.size),
+    }
+
+
+def _times(fn: Callable[[int], Any], n: int) -> list[float]:
+    out = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        fn(i)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def measure_path(kv: Any, sizes: Sequence[int], ops: int) -> dict[str, dict[str, Any]]:
+    """``{size label: {op: percentiles}}`` of one client."""
+    run = next(_run) << 32 | os.getpid()
+    out: dict[str, dict[str, Any]] = {}
+    for si, size in enumerate(sizes):
+        src, dst = buffer(size, pattern=True), buffer(size)
+        want = xxhash.xxh3_64_intdigest(src)
+        warm = max(1, ops // 10)
+        keys = [struct.pack("<QII", run, si, i) for i in range(warm + ops)]
+        stored = keys[0]
+        try:
+            for i in range(warm):  # connections, caches, the node's first allocations
+                kv.put(keys[i], src)
+                kv.get_into(stored, dst)
+            if xxhash.xxh3_64_intdigest(dst) != want:
+                raise KVStoreError(f"get of a {label(size)} block returned bytes that differ from the put")
+            r: dict[str, Any] = {}
+
+            def put(i: int) -> None:
+                if not kv.put(keys[warm + i], src):
+                    raise KVStoreError(f"a {label(size)} put failed (node out of DRAM?)")
+
+            r["put"] = percentiles(_times(put, ops))
+            r["get"] = percentiles(_times(lambda i: kv.get_into(keys[warm + i], dst), ops))
+            if si == 0:
+                r["exists"] = percentiles(_times(lambda i: kv.exists([keys[warm + i]]), ops))
+                r["match_prefix"] = percentiles(_times(lambda i: kv.match_prefix([keys[warm + i]]), ops))
+            out[label(size)] = r
+        finally:
+            for i in range(0, len(keys), 1024):
+                kv.delete(keys[i : i + 1024])
+    return out
+
+
+def run_latency(targets: dict[str, tuple[str, str]], sizes: Sequence[int], ops: int) -> dict[str, Any]:
+    """``targets``: path name -> (target, transport).  The ``latency`` object."""
+    from client import KVClient
+
+    out: dict[str, Any] = {"ops": ops, "sizes": [label(s) for s in sizes], "paths": {}}
+    for name, (target, transport) in targets.items():
+        log(f"latency: {name}: {ops} single-block calls per operation and size ...")
+        with KVClient(target, transport=transport) as kv:
+            out["paths"][name] = measure_path(kv, sizes, ops)
+    return out
+
+
+def _cell(p: dict[str, Any] | None) -> str:
+    return f"{p['p50_us']:.0f} / {p['p99_us']:.0f}" if p else "-"
+
+
+def print_latency(r: dict[str, Any], f: TextIO) -> None:
+    print(f"single-block latency, {r['ops']} calls each (client wall time, us):", file=f)
+    print(f"{'path':<8}{'size':>8}  " + "".join(f"{op + ' p50/p99':>22}" for op in OPS), file=f)
+    for path, by_size in r["paths"].items():
+        for size, v in by_size.items():
+            cells = "".join(f"{_cell(v.get(op)):>22}" for op in OPS)
+            print(f"{path:<8}{size:>8}  {cells}", file=f)

@@ -1,0 +1,531 @@
+"""``kvstore serve``: the one wiring function of a node process.
+
+Builds, in order: the data-directory lock, the TLS material (``tls_cert_file``: read
+and checked before anything else is built), the tenants' tokens and namespace
+ownership table (with ``tenants``), the DRAM arena and tier, the NVMe tier,
+the tier manager, the metrics registry, the gRPC service (Unix socket, plaintext; TCP,
+with TLS when configured), the data channel (TLS-wrapped likewise), the reaper and (with ``metrics_port``) the ``/metrics`` endpoint
+(HTTPS with the same context on a TLS node, unless ``metrics_tls = false``); tears them down in reverse on SIGTERM/SIGINT: stop accepting, drain in-flight
+calls, demote dirty DRAM blocks to NVMe (bounded by ``flush_on_shutdown_s``), flush
+and close the index, exit 0.
+
+The drain (``drain_timeout_s``, one deadline for both): gRPC calls already running, and
+data-channel transfers already negotiated, may finish; new calls are refused at once.
+At the deadline gRPC cancels the calls still running (a cancelled put stream aborts its
+reservations, a cancelled get stream releases its lease), the data channel closes its
+connections (an unfinished put is aborted), and every reservation and lease left, such as
+a local writer's that never committed, is dropped.  Only committed blocks are ever demoted
+or indexed, so nothing half-written becomes visible, before or after a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from kvstore.errors import DataDirLocked, InvalidArgument
+from kvstore.node.config import NodeConfig
+from kvstore.node.datachannel import ConnectionCaps, DataChannelServer, raise_open_files_limit
+from kvstore.node.holds import TenantLimits
+from kvstore.node.manager import TierManager
+from kvstore.node.metrics import MetricsServer, NodeMetrics, manager_snapshot
+from kvstore.node.service import AuthInterceptor, DecodeGuard, KVStoreService
+from kvstore.node.sessions import Sessions, hinted
+from kvstore.node.tenants import Callers, Ownership
+from kvstore.tls import ServerTLS
+from protos.kvstore.v1 import kvstore_pb2 as pb
+from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from tiers.arena import Arena
+from tiers.dram import DRAMTier
+from tiers.policy import make_policy
+
+log = logging.getLogger("kvstore.node.server")
+
+GRPC_OPTIONS = [
+    ("grpc.so_reuseport", 0),  # a second node on the same port must fail, not share it
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+
+
+def human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def lock_data_dir(data_dir: Path) -> int:
+    """Hold an exclusive lock on ``data_dir`` for the life of the process."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(data_dir / "node.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DataDirLocked(f"data directory {data_dir} is in use by another running kvstore node") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
+
+
+def check_port_free(listen: str, flag: str) -> None:
+    """Refuse a TCP listener whose port is taken before anything is created (the data directory,
+    the arena), and before gRPC's core logs its own bind error: a failed start leaves nothing."""
+    host, _, port = listen.rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except OSError:
+        return  # an unresolvable host fails later, with gRPC's own message
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT does not count as taken
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise InvalidArgument(
+                f"cannot listen on {listen}: {e.strerror or e}; pick another {flag} HOST:PORT (port 0: any free port)"
+            ) from None
+
+
+class Node:
+    """One running node.  Owns every component it builds; ``stop`` releases them."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.cfg = config
+        self.endpoints: dict[str, Any] = {}
+        self._stopped = asyncio.Event()
+        self._lock_fd: int | None = None
+        self.arena: Arena | None = None
+        self._nvme: Any = None
+        self.manager: TierManager | None = None
+        self.data: DataChannelServer | None = None
+        self.server: grpc.aio.Server | None = None
+        self.cluster: Any = None  # kvstore.cluster.node.NodeAgent when cfg.etcd is set
+        self.metrics: NodeMetrics | None = None
+        self.metrics_server: MetricsServer | None = None
+        self.owners: Ownership | None = None  # with tenants: which tenant owns which namespace
+        self.tls: ServerTLS | None = None  # read once at start; the TCP listeners' credentials
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> dict[str, Any]:
+        check_port_free(self.cfg.listen, "--listen")
+        if self.cfg.data_listen:
+            check_port_free(self.cfg.data_listen, "--data-listen")
+        data_dir = Path(self.cfg.data_dir)
+        created = not data_dir.exists()
+        self._lock_fd = lock_data_dir(data_dir)
+        try:
+            return await self._start()
+        except BaseException:
+            await self._release()
+            if created:  # made by this start, which failed: nothing in it is anyone's data
+                shutil.rmtree(data_dir, ignore_errors=True)
+            raise
+
+    async def _release(self) -> None:
+        """Close whatever is still open, each part on its own: after a start that failed
+        half-way or at the end of every stop, no arena file, socket, listener or lock is left.
+        Idempotent: each part is forgotten once closed."""
+        if self.cluster is not None:
+            from kvstore.cluster.node import stop_quietly
+
+            cluster, self.cluster = self.cluster, None
+            await _quietly("leave the cluster", stop_quietly(cluster))
+        if self.metrics_server is not None:
+            _quietly_call("close /metrics", self.metrics_server.close)
+            self.metrics_server = None
+        if self.server is not None:
+            server, self.server = self.server, None
+            await _quietly("stop the gRPC server", server.stop(None))
+            with contextlib.suppress(OSError):
+                self.cfg.socket_path().unlink()
+        if self.data is not None:
+            _quietly_call("close the data channel", self.data.close)
+            self.data = None
+        if self.owners is not None:
+            _quietly_call("close the owners table", self.owners.close)
+            self.owners = None
+        if self.manager is not None:  # closes the NVMe tier (the index) and the DRAM tier (unlinks the arena)
+            _quietly_call("close the tiers", self.manager.close)
+            self.manager = None
+        elif self._nvme is not None:
+            _quietly_call("close the NVMe tier", self._nvme.close)
+        self._nvme = None
+        if self.arena is not None:  # again, whatever happened above: the arena file never outlives the node
+            _quietly_call("unlink the DRAM arena", self.arena.close)
+            self.arena = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    async def _start(self) -> dict[str, Any]:
+        cfg = self.cfg
+        data_dir = Path(cfg.data_dir)
+        if cfg.dram < (1 << 20):
+            raise InvalidArgument(f"dram={cfg.dram} bytes is too small; give at least 1MiB (e.g. --dram 1GiB)")
+        if cfg.max_block_bytes > cfg.dram:
+            # a block must fit in the DRAM arena: say so, since errors will name the lowered limit
+            log.info(
+                "max_block_bytes lowered from %d to %d, the DRAM arena's size (a block must fit in DRAM; a larger "
+                "--dram allows larger blocks)",
+                cfg.max_block_bytes,
+                cfg.dram,
+            )
+            cfg = cfg.model_copy(update={"max_block_bytes": cfg.dram})
+            self.cfg = cfg
+        if cfg.tls_cert_file:  # unreadable or invalid files fail here, before the arena is built
+            self.tls = ServerTLS.load(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
+        token = cfg.auth_token()
+        tenant_tokens = cfg.tenant_tokens()  # token files read (and checked) before anything is built
+        callers = Callers(token, tenant_tokens) if token or tenant_tokens else None
+        if tenant_tokens:  # beside the NVMe tier: it lives as long as the blocks it guards
+            authority = None
+            if cfg.etcd:  # in a cluster, etcd decides who owns a namespace; owners.lmdb caches it
+                from kvstore.cluster.etcd import OwnerRegistry
+
+                authority = OwnerRegistry(cfg.etcd, cfg.cluster, cfg.node_id)
+            self.owners = Ownership(data_dir / "owners.lmdb", authority=authority)
+        soft, hard = raise_open_files_limit()
+        log.debug("open-file limit: %d (hard %d)", soft, hard)
+        arena_file = cfg.arena_file()
+        for stale in Arena.reclaim_stale(cfg.own_arena_files()):
+            log.warning(
+                "removed %s: an arena of node %s that no running node holds (left by a node that died)",
+                stale,
+                cfg.node_id,
+            )
+        self.arena = Arena.create(arena_file, cfg.dram, prefault=cfg.prefault, mode=int(cfg.arena_mode, 8))
+        # session hints (kvstore/node/sessions.py): both tiers' policies put closed sessions' blocks first
+        sessions = Sessions(
+            idle_ttl=cfg.session_idle_ttl_s, max_sessions=cfg.max_sessions, max_keys=cfg.max_session_blocks
+        )
+        dram = DRAMTier(self.arena, policy=hinted(make_policy(cfg.eviction_policy), sessions))
+        nvme = None
+        if cfg.nvme > 0:
+            from tiers.nvme import NVMeTier
+
+            nvme = self._nvme = NVMeTier(
+                data_dir / "nvme",
+                cfg.nvme,
+                policy=hinted(make_policy(cfg.eviction_policy), sessions),
+                direct_io=cfg.direct_io,
+            )
+            if self.owners is not None and self.owners.created and len(nvme):
+                # blocks kept from before, but no record of who owns them (tenants just enabled,
+                # or owners.lmdb lost): every tenant can read them until one writes their namespace
+                log.warning(
+                    "%s is new but the NVMe tier holds %d blocks: their namespaces have no recorded owner, so "
+                    "every tenant can read them (restore owners.lmdb if it was lost, or remove %s to drop them)",
+                    self.owners.path,
+                    len(nvme),
+                    data_dir / "nvme",
+                )
+        self.manager = TierManager(
+            dram,
+            nvme,
+            write_through=cfg.write_through,
+            reservation_ttl=cfg.reservation_ttl_s,
+            lease_ttl=cfg.lease_ttl_s,
+            max_pin_ttl=cfg.max_pin_ttl_s,
+            tenant_limits={
+                name: TenantLimits(t.max_reserved_bytes, t.max_pinned_bytes, t.max_dram_bytes, t.max_nvme_bytes)
+                for name, t in cfg.tenants.items()
+            },
+            owner_of=self.owners.owner
+            if self.owners is not None
+            else None,  # blocks kept across a restart keep their owner
+            sessions=sessions,
+        )
+        loop = self._loop = asyncio.get_running_loop()
+        from kvstore import __version__
+
+        self.metrics = NodeMetrics(cfg.node_id, __version__, self._metrics_snapshot)
+
+        host, port = cfg.listen.rsplit(":", 1)
+        dhost, dport = cfg.data_listen.rsplit(":", 1) if cfg.data_listen else (host, "0")
+        self.service = KVStoreService(
+            self.manager,
+            cfg,
+            arena_path=str(self.arena.path),
+            arena_size=self.arena.size,
+            data_port=0,
+            metrics=self.metrics,
+            callers=callers,
+            owners=self.owners,
+        )
+        try:
+            self.data = DataChannelServer(
+                dhost.strip("[]"),
+                int(dport),
+                arena=self.arena,
+                loop=loop,
+                take=self.service.take_transfer,
+                finish_get=self.service.finish_get,
+                finish_put=self.service.finish_put,
+                ssl_context=self.tls.context if self.tls is not None else None,
+                caps=ConnectionCaps(cfg.data_max_connections, cfg.data_max_connections_per_peer),
+                min_rate=cfg.data_min_rate,
+            )
+        except OSError as e:
+            raise InvalidArgument(
+                f"cannot listen for the data channel on {dhost}:{dport}: {e}; pass --data-listen"
+            ) from e
+        self.service._hello.data_port = self.data.address[1]
+
+        interceptors = [AuthInterceptor(callers), DecodeGuard()] if callers is not None else [DecodeGuard()]
+        self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
+        pb_grpc.add_KVStoreServicer_to_server(self.service, self.server)
+        self.health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (
+                pb.DESCRIPTOR.services_by_name["KVStore"].full_name,
+                reflection.SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            ),
+            self.server,
+        )
+        sock = cfg.socket_path()
+        if len(str(sock)) > 100:
+            raise InvalidArgument(f"unix socket path {sock} is too long (max ~100 chars); pass --socket")
+        sock.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            sock.unlink()  # a stale socket of a dead node: we hold the data-dir lock, so it is ours
+        try:
+            self.server.add_insecure_port(f"unix:{sock}")
+        except RuntimeError as e:  # grpc raises instead of returning 0 when it cannot bind
+            raise InvalidArgument(f"cannot listen on unix socket {sock}: {e}") from None
+        try:
+            if self.tls is not None:
+                bound = self.server.add_secure_port(f"{host}:{port}", self.tls.credentials)
+            else:
+                bound = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:
+            bound = 0
+        if bound == 0:
+            raise InvalidArgument(
+                f"cannot listen on {cfg.listen} (in use?); pick another --listen HOST:PORT (port 0: any free port)"
+            )
+        os.chmod(sock, int(cfg.arena_mode, 8))
+        if cfg.metrics_port is not None:
+            if not 0 <= cfg.metrics_port <= 65535:
+                raise InvalidArgument(f"metrics_port={cfg.metrics_port} is not a TCP port (0: any free port)")
+            metrics_tls = self.tls.context if self.tls is not None and cfg.serves_metrics_tls() else None
+            if self.tls is not None and metrics_tls is None and token:
+                log.warning(
+                    "metrics_tls = false on a TLS node: /metrics is plain HTTP and every scrape sends the "
+                    "admin token in clear; drop metrics_tls to serve it over HTTPS"
+                )
+            try:
+                self.metrics_server = MetricsServer(
+                    host.strip("[]"), cfg.metrics_port, self.metrics, token=token, ssl_context=metrics_tls
+                )
+            except OSError as e:
+                raise InvalidArgument(
+                    f"cannot serve metrics on {host}:{cfg.metrics_port}: {e}; pick another --metrics-port"
+                ) from e
+        await self.server.start()
+        self.data.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("kvstore.v1.KVStore", health_pb2.HealthCheckResponse.SERVING)
+        self._reaper = loop.create_task(self._reap_forever())
+        if self.metrics_server is not None:
+            self.metrics_server.start()
+        public = cfg.advertise_host or (socket.getfqdn() if host.strip("[]") in ("0.0.0.0", "::", "") else host)
+        self.endpoints = {
+            "node_id": cfg.node_id,
+            "grpc": f"{public}:{bound}",
+            "unix": f"unix://{sock}",
+            "data": f"{public}:{self.data.address[1]}",
+            "tls": "mutual" if self.tls is not None and self.tls.mutual else "on" if self.tls is not None else "off",
+            # the scheme tells the dashboard (via the membership record) to scrape over TLS
+            "metrics": (
+                f"{'https' if self.metrics_server.tls else 'http'}://{public}:{self.metrics_server.address[1]}/metrics"
+                if self.metrics_server
+                else None
+            ),
+            "arena": str(self.arena.path),
+            "dram_bytes": cfg.dram,
+            "nvme_bytes": cfg.nvme,
+            "data_dir": str(data_dir),
+            "pid": os.getpid(),
+        }
+        if cfg.etcd:  # join the cluster only once we serve: a registered node must answer
+            from kvstore.cluster.node import NodeAgent
+
+            self.cluster = NodeAgent(cfg, self.endpoints, self.manager, owners=self.owners)
+            self.endpoints.update(await self.cluster.start())
+        return self.endpoints
+
+    def _metrics_snapshot(self) -> dict[str, Any]:
+        """Called by the metrics HTTP thread: the manager's state, read on the loop that owns it."""
+        assert self._loop is not None and self.manager is not None
+        manager, service = self.manager, self.service
+
+        async def snap() -> dict[str, Any]:
+            return manager_snapshot(manager, {"pending_transfers": len(service.transfers)})
+
+        return asyncio.run_coroutine_threadsafe(snap(), self._loop).result(timeout=5.0)
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            try:
+                self.manager.reap()
+                self.service.expire_transfers()
+            except Exception:  # never let the reaper die silently
+                log.exception("reaper round failed")
+
+    def request_stop(self) -> None:
+        self._stopped.set()
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+    async def stop(self) -> None:
+        """Drain, demote dirty blocks, then release everything (always, even if a step fails)."""
+        try:
+            await self._drain_and_flush()
+        finally:
+            await self._release()
+
+    async def _drain_and_flush(self) -> None:
+        if self.cluster is not None:  # deregister first, so clients route elsewhere while we drain
+            cluster, self.cluster = self.cluster, None
+            await cluster.stop()
+        await self.health.enter_graceful_shutdown()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.drain_timeout_s
+        await self.server.stop(
+            grace=self.cfg.drain_timeout_s
+        )  # refuses new calls; cancels what still runs at the deadline
+        while (len(self.service.transfers) or self.data.busy) and loop.time() < deadline:
+            await asyncio.sleep(0.05)  # data-channel transfers negotiated before the stop: same deadline
+        self.data.close()
+        self._reaper.cancel()
+        left = self.manager.reap(now=math.inf)  # what the drain left: unfinished writes aborted, leases dropped
+        if left["reservations"] or left["leases"]:
+            log.info(
+                "drain over: aborted %d unfinished writes, dropped %d read leases", left["reservations"], left["leases"]
+            )
+        flushed = await self.manager.flush(self.cfg.flush_on_shutdown_s)
+        if flushed:
+            log.info("demoted %d dirty blocks to NVMe before exit", flushed)
+
+
+async def _quietly(what: str, aw: Any) -> None:
+    try:
+        await aw
+    except Exception:
+        log.exception("stopping: could not %s", what)
+
+
+def _quietly_call(what: str, fn: Any) -> None:
+    try:
+        fn()
+    except Exception:
+        log.exception("stopping: could not %s", what)
+
+
+def say(text: str, out: Any) -> None:
+    """Print ``text`` to ``out``; a stream whose reader is gone never raises.
+
+    The dead stream's descriptor is pointed at ``/dev/null`` (see :func:`quiet_dead_stdio`), so
+    later prints, log records and the interpreter's last flush succeed too."""
+    try:
+        print(text, file=out, flush=True)
+    except (OSError, ValueError):
+        _to_devnull(out)
+
+
+def quiet_dead_stdio() -> None:
+    """Point ``sys.stdout``/``sys.stderr`` at ``/dev/null`` where their reader is gone.
+
+    Python exits with status 120 when its last flush of a standard stream fails, and keeps
+    the bytes a failed write left in the buffer: a node whose pipe closed would exit non-zero
+    after a clean stop."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            _to_devnull(stream)
+
+
+def _to_devnull(stream: Any) -> None:
+    try:
+        fd = stream.fileno()
+    except (OSError, ValueError, AttributeError):
+        return  # not a file (a test's StringIO): nothing to redirect
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+    with contextlib.suppress(OSError, ValueError):
+        stream.flush()  # what the failed write left in the buffer now goes to /dev/null
+
+
+async def serve(config: NodeConfig, *, out: Any = sys.stdout) -> int:
+    node = Node(config)
+    ep = await node.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, node.request_stop)
+    tls = {"on": " (TLS)", "mutual": " (TLS, client certificates required)"}.get(ep["tls"], "")
+    remote_kw = (
+        ", tls_ca_file=CA"
+        if ep["tls"] == "on"
+        else ", tls_ca_file=CA, tls_cert_file=CERT, tls_key_file=KEY"
+        if ep["tls"] == "mutual"
+        else ""
+    )
+    say(
+        f"kvstore node {ep['node_id']} serving\n"
+        f"  grpc (tcp)   {ep['grpc']}{tls}\n"
+        f"  grpc (unix)  {ep['unix']}\n"
+        f"  data channel {ep['data']}{tls}\n"
+        f"  DRAM arena   {ep['arena']} ({human(ep['dram_bytes'])})\n"
+        f"  NVMe tier    {ep['data_dir']}/nvme ({human(ep['nvme_bytes'])})\n"
+        + (f"  metrics      {ep['metrics']}\n" if ep.get("metrics") else "")
+        + f"  SDK: KVClient({ep['unix']!r}) locally, KVClient({ep['grpc']!r}{remote_kw}) remotely\n"
+        + (
+            f"  cluster      {ep['cluster']} via etcd {ep['etcd']} (registered: {ep['registered']}); "
+            f"SDK: KVClient('etcd://{ep['etcd']}/{ep['cluster']}')\n"
+            if ep.get("cluster")
+            else ""
+        )
+        + f"READY {json.dumps(ep)}",
+        out,
+    )
+    try:
+        await node.wait()
+        say("kvstore: stopping (draining calls, flushing the index)", out)
+    finally:
+        await node.stop()
+    say("kvstore: stopped", out)
+    quiet_dead_stdio()
+    return 0

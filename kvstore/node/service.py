@@ -1,0 +1,778 @@
+"""The gRPC servicer: validates requests, calls the tier manager, maps errors to status codes.
+
+Owner: nothing of its own beyond the transfer table; runs on the node's event loop
+(``grpc.aio``) next to the tier manager, so it calls the manager directly.
+Limits (keys per batch, block size) are enforced here, before any state changes.
+
+Tenants (``kvstore/node/tenants.py``): every call learns its :class:`~kvstore.node.tenants.Caller`
+from its token once, in ``_rpc``.  A tenant's reads see only blocks of namespaces it owns
+or nobody owns (the rest are misses); its writes must be to namespaces it owns or now
+claims (else ``PERMISSION_DENIED``); its deletes, pins and unpins skip keys of blocks it
+does not own, and its commits, aborts and releases skip other callers' ids, as if unknown:
+a refusal there would tell it that another tenant holds the key.  Its unfinished writes
+and pins are limited by ``[tenants.NAME] max_reserved_bytes`` and ``max_pinned_bytes``
+(the tier manager enforces them: over-limit answers are ``NO_SPACE`` per block, or
+``RESOURCE_EXHAUSTED`` when nothing of the call could be done); they count only blocks the
+tenant may see, so a refusal tells nothing about other tenants.
+
+Session hints (``kvstore/node/sessions.py``): lookups, reads and puts may name the caller's
+session (``session_id``); ``CloseSession`` ends one.  Sessions are the caller's tenant's:
+closing an id only another tenant has open is ``PERMISSION_DENIED``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from kvstore import __version__, errors
+from kvstore.block import BlockMeta
+from kvstore.keys import ChunkKey, check_key
+from kvstore.node import failpoints
+from kvstore.node.config import NodeConfig
+from kvstore.node.datachannel import OP_GET, OP_PUT, Transfer, TransferTable
+from kvstore.node.manager import Status, TierManager
+from kvstore.node.metrics import NodeMetrics
+from kvstore.node.sessions import check_session_id
+from kvstore.node.tenants import ADMIN, Caller, Callers, Ownership, authorization
+from kvstore.wire import (
+    BLOCKS_METADATA_KEY,
+    ERROR_METADATA_KEY,
+    extents_to_pb,
+    meta_from_pb,
+    meta_to_pb,
+    status_for,
+    tier_to_pb,
+)
+from protos.kvstore.v1 import kvstore_pb2 as pb
+from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from tiers.base import TierKind
+
+log = logging.getLogger(__name__)
+
+STREAM_CHUNK = 1 << 20
+
+# The caller of the unary or client-streaming call being served, set by ``_rpc`` for the
+# call's duration (``GetStream`` identifies its caller itself).  Unset means "not
+# identified": ``KVStoreService._caller`` refuses then, it never defaults to the admin.
+_CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("kvstore_caller", default=None)
+
+
+class Malformed:
+    """Stands in for a request whose bytes did not parse as its protobuf message.
+
+    grpc answers a deserializer exception with UNKNOWN (and logs a traceback); the
+    servicer turns this placeholder into INVALID_ARGUMENT like any other bad input.
+    """
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+    def invalid(self) -> errors.InvalidArgument:
+        return errors.InvalidArgument(f"malformed request message: {self.error}")
+
+
+def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse_or_flag(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as e:
+            return Malformed(str(e))
+
+    return parse_or_flag
+
+
+class DecodeGuard(grpc.aio.ServerInterceptor):
+    """Lets the KVStore servicer see undecodable requests (as :class:`Malformed`) and reject them itself."""
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if (
+            handler is None
+            or handler.request_deserializer is None
+            or not details.method.startswith("/kvstore.v1.KVStore/")
+        ):
+            return handler
+        return handler._replace(request_deserializer=_lenient(handler.request_deserializer))
+
+
+def _rpc(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Map typed errors to gRPC status codes with the error's name in trailing metadata;
+    time the call into ``kvstore_rpc_duration_seconds``."""
+    method = fn.__name__
+
+    @functools.wraps(fn)
+    async def wrapper(self: KVStoreService, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        start = time.perf_counter()
+        error: str | None = None
+        identified = None
+        try:
+            if isinstance(request, Malformed):
+                raise request.invalid()
+            identified = _CALLER.set(self._identify(context))
+            return await fn(self, request, context)
+        except errors.KVStoreError as e:
+            error = type(e).__name__
+            if isinstance(e, errors.PermissionDenied):
+                self._denied("refused")
+            context.set_trailing_metadata(((ERROR_METADATA_KEY, error),))
+            await context.abort(status_for(e), str(e))
+        except ValueError as e:  # malformed protobuf contents that slipped past validation
+            error = "InvalidArgument"
+            context.set_trailing_metadata(((ERROR_METADATA_KEY, error),))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        finally:
+            if identified is not None:
+                _CALLER.reset(identified)
+            if self.metrics is not None:
+                self.metrics.observe_rpc(method, time.perf_counter() - start, error)
+
+    return wrapper
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls without ``authorization: Bearer <token>`` of the admin or a tenant;
+    health checks stay open for probes."""
+
+    def __init__(self, token: str | Callers) -> None:
+        self._callers = token if isinstance(token, Callers) else Callers(token)
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return await continuation(details)
+        if self._callers.identify(authorization(details.invocation_metadata)) is not None:
+            return await continuation(details)
+        return _deny
+
+
+async def _deny_unary(request: Any, context: grpc.aio.ServicerContext) -> None:
+    context.set_trailing_metadata(((ERROR_METADATA_KEY, "Unauthenticated"),))
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+
+_deny = grpc.unary_unary_rpc_method_handler(_deny_unary)
+
+
+class KVStoreService(pb_grpc.KVStoreServicer):
+    def __init__(
+        self,
+        manager: TierManager,
+        config: NodeConfig,
+        *,
+        arena_path: str,
+        arena_size: int,
+        data_port: int,
+        metrics: NodeMetrics | None = None,
+        callers: Callers | None = None,
+        owners: Ownership | None = None,
+    ) -> None:
+        self.m = manager
+        self.cfg = config
+        self.metrics = metrics
+        # both or neither: a node with tenants knows who calls and who owns what
+        assert (owners is None) or (callers is not None), "tenants need their tokens"
+        self.callers = callers
+        self.owners = owners
+        self.transfers = TransferTable(manager.clock)
+        self._transfer_started: dict[int, float] = {}  # id(transfer) -> perf_counter at take
+        self._hello = pb.HelloResponse(
+            node_id=config.node_id,
+            version=__version__,
+            arena_path=arena_path,
+            arena_size=arena_size,
+            data_port=data_port,
+            max_block_bytes=config.max_block_bytes,
+            max_batch=config.max_batch,
+            lease_ttl_s=config.lease_ttl_s,
+            reservation_ttl_s=config.reservation_ttl_s,
+        )
+
+    # -- tenants --------------------------------------------------------------------
+    def _identify(self, context: Any) -> Caller:
+        """Who makes this call.  Without tenants everyone is the admin (the interceptor,
+        if any, has checked the one token already)."""
+        if self.owners is None:
+            return ADMIN
+        assert self.callers is not None
+        caller = self.callers.identify(authorization(context.invocation_metadata()))
+        if caller is None:  # the interceptor lets no such call through; never serve one
+            raise errors.Unauthenticated("missing or wrong bearer token")
+        if caller.tenant is not None and self.metrics is not None:
+            self.metrics.tenant_requests.labels(caller.tenant).inc()
+        return caller
+
+    @staticmethod
+    def _caller() -> Caller:
+        caller = _CALLER.get()
+        if caller is None:
+            raise errors.Unauthenticated("the call was not identified")
+        return caller
+
+    def _denied(self, kind: str, n: int = 1, caller: Caller | None = None) -> None:
+        """Count a tenant's denials: ``refused`` calls, ``hidden`` blocks, ``skipped`` keys and ids."""
+        caller = caller or _CALLER.get()
+        if n and caller is not None and caller.tenant is not None and self.metrics is not None:
+            self.metrics.tenant_denied.labels(caller.tenant, kind).inc(n)
+
+    def _visible(self, caller: Caller) -> Callable[[bytes], bool] | None:
+        """Reads: a tenant sees namespaces it owns and those nobody owns; None: sees all."""
+        if caller.tenant is None or self.owners is None:
+            return None
+        owners, tenant = self.owners.table(), caller.tenant
+
+        def visible(ns: bytes) -> bool:
+            if owners.get(ns, tenant) == tenant:
+                return True
+            self._denied("hidden", caller=caller)
+            return False
+
+        return visible
+
+    def _may(self, caller: Caller) -> Callable[[bytes], bool] | None:
+        """Deletes, pins: a tenant changes only blocks of namespaces it owns; None: all."""
+        if caller.tenant is None or self.owners is None:
+            return None
+        owners, tenant = self.owners.table(), caller.tenant
+
+        def may(ns: bytes) -> bool:
+            if owners.get(ns) == tenant:
+                return True
+            self._denied("skipped", caller=caller)
+            return False
+
+        return may
+
+    async def _claim(self, caller: Caller, metas: Sequence[BlockMeta]) -> None:
+        if caller.tenant is not None and self.owners is not None:
+            await self.owners.claim(caller, {m.namespace for m in metas})
+
+    def _own_ids(self, caller: Caller, ids: list[int], tenant_of: Callable[[int], str | None]) -> list[int]:
+        """``ids`` with every reservation or lease another caller made replaced by 0, which
+        names none (ids start far above it): it gets the answer an unknown id gets.
+
+        So are ids a transfer holds (the data channel or ``GetStream`` moves their bytes right
+        now and resolves them itself), whoever made them: releasing or aborting one would free
+        extents the transfer still sends from or receives into, and the next block there (any
+        tenant's) would leak to, or be overwritten by, that transfer's client."""
+        held = self.m.held
+        if caller.tenant is None:
+            return [0 if held(i) else i for i in ids]
+        out = [i if tenant_of(i) == caller.tenant and not held(i) else 0 for i in ids]
+        self._denied("skipped", sum(1 for i in ids if tenant_of(i) not in (None, caller.tenant)), caller)
+        return out
+
+    # -- validation -----------------------------------------------------------------
+    def _keys(self, raw: Sequence[bytes]) -> list[ChunkKey]:
+        if len(raw) > self.cfg.max_batch:
+            raise errors.InvalidArgument(f"{len(raw)} keys in one request; the limit is max_batch={self.cfg.max_batch}")
+        return [check_key(k) for k in raw]
+
+    def _ids(self, raw: Sequence[int]) -> list[int]:
+        if len(raw) > self.cfg.max_batch:
+            raise errors.InvalidArgument(f"{len(raw)} ids in one request; the limit is max_batch={self.cfg.max_batch}")
+        return list(raw)
+
+    def _metas(self, blocks: Sequence[pb.BlockInfo]) -> list[BlockMeta]:
+        if len(blocks) > self.cfg.max_batch:
+            raise errors.InvalidArgument(
+                f"{len(blocks)} blocks in one request; the limit is max_batch={self.cfg.max_batch}"
+            )
+        metas = [meta_from_pb(b) for b in blocks]
+        for m in metas:
+            if m.payload_len > self.cfg.max_block_bytes:
+                why = (
+                    " (the DRAM arena's size, to which the node lowered it: a block must fit in DRAM; start the node "
+                    "with a larger --dram)"
+                    if self.cfg.max_block_bytes == self.cfg.dram
+                    else ""
+                )
+                raise errors.InvalidArgument(
+                    f"block of {m.payload_len} bytes exceeds max_block_bytes={self.cfg.max_block_bytes}{why}"
+                )
+        return metas
+
+    def _lease_pb(self, leased: Any) -> pb.Lease:
+        return pb.Lease(
+            status=int(leased.status),
+            lease_id=leased.lease_id,
+            extents=extents_to_pb(leased.extents),
+            block=meta_to_pb(leased.meta) if leased.meta is not None else pb.BlockInfo(key=leased.key),
+            tier=tier_to_pb(leased.tier),
+        )
+
+    # -- RPCs -----------------------------------------------------------------------
+    @_rpc
+    async def Hello(self, request: pb.HelloRequest, context: Any) -> pb.HelloResponse:
+        return self._hello
+
+    @_rpc
+    async def Lookup(self, request: pb.KeysRequest, context: Any) -> pb.LookupResponse:
+        caller = self._caller()
+        found = self.m.exists(
+            self._keys(request.keys),
+            visible=self._visible(caller),
+            tenant=caller.tenant,
+            session=check_session_id(request.session_id),
+        )
+        return pb.LookupResponse(tiers=[tier_to_pb(t) for t in found])
+
+    @_rpc
+    async def MatchPrefix(self, request: pb.KeysRequest, context: Any) -> pb.MatchPrefixResponse:
+        caller = self._caller()
+        n, tiers = self.m.match_prefix(
+            self._keys(request.keys),
+            visible=self._visible(caller),
+            tenant=caller.tenant,
+            session=check_session_id(request.session_id),
+        )
+        return pb.MatchPrefixResponse(matched=n, tiers=[int(t) for t in tiers])
+
+    @_rpc
+    async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> pb.CloseSessionResponse:
+        session = check_session_id(request.session_id)
+        if session is None:
+            raise errors.InvalidArgument("CloseSession needs a session_id")
+        n = self.m.close_session(session, tenant=self._caller().tenant)
+        return pb.CloseSessionResponse(closed=n is not None, blocks=n or 0)
+
+    @_rpc
+    async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:
+        metas, caller = self._metas(request.blocks), self._caller()
+        await self._claim(caller, metas)
+        res = await self.m.reserve(
+            metas, tenant=caller.tenant, visible=self._visible(caller), session=check_session_id(request.session_id)
+        )
+        return pb.ReserveResponse(
+            reservations=[
+                pb.Reservation(status=int(r.status), reservation_id=r.reservation_id, extents=extents_to_pb(r.extents))
+                for r in res
+            ],
+            ttl_s=self.m.reservation_ttl,
+        )
+
+    @_rpc
+    async def Commit(self, request: pb.CommitRequest, context: Any) -> pb.StatusesResponse:
+        ids = self._ids(request.reservation_ids)
+        sums = list(request.payload_checksums) or None
+        caller = self._caller()
+        if caller.tenant is not None and not str(context.peer()).startswith("unix:"):
+            # Commit publishes, unchecked, whatever the arena holds under the reservation: only a
+            # local client can have written it.  Over TCP it would be the stale bytes of a block
+            # freed there before (another tenant's), readable by this tenant right after.
+            raise errors.PermissionDenied(
+                "Commit publishes bytes written into the shared-memory arena, which only a unix:// client maps; "
+                "over TCP put through StartPut and the data channel, or PutStream (what KVClient does)"
+            )
+        ids = self._own_ids(caller, ids, self.m.reservation_tenant)
+        sizes = [r[0].payload_len if (r := self.m.reservation(rid)) else 0 for rid in ids]
+        statuses = await self.m.commit(ids, sums)
+        self.m.counters["local_bytes_in"] += sum(n for n, st in zip(sizes, statuses) if st == Status.OK)
+        return pb.StatusesResponse(statuses=[int(s) for s in statuses])
+
+    @_rpc
+    async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.Empty:
+        self.m.abort(self._own_ids(self._caller(), self._ids(request.reservation_ids), self.m.reservation_tenant))
+        return pb.Empty()
+
+    @_rpc
+    async def Acquire(self, request: pb.KeysRequest, context: Any) -> pb.AcquireResponse:
+        caller = self._caller()
+        leased = await self.m.acquire(
+            self._keys(request.keys),
+            tenant=caller.tenant,
+            visible=self._visible(caller),
+            session=check_session_id(request.session_id),
+        )
+        self.m.counters["local_bytes_out"] += sum(x.meta.payload_len for x in leased if x.status == Status.OK)
+        failpoints.hit("node.acquire")
+        return pb.AcquireResponse(leases=[self._lease_pb(x) for x in leased], ttl_s=self.m.lease_ttl)
+
+    @_rpc
+    async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
+        return pb.ReleaseResponse(
+            valid=self.m.release(self._own_ids(self._caller(), self._ids(request.lease_ids), self.m.lease_tenant))
+        )
+
+    # The data channel needs no tenant checks of its own: a transfer id is a 16-byte secret
+    # that only StartGet/StartPut hand out, after the checks below, to the caller they
+    # checked; it moves exactly the leased or reserved blocks, once.
+    @_rpc
+    async def StartGet(self, request: pb.KeysRequest, context: Any) -> pb.StartGetResponse:
+        caller = self._caller()
+        leased = await self.m.acquire(
+            self._keys(request.keys),
+            tenant=caller.tenant,
+            visible=self._visible(caller),
+            session=check_session_id(request.session_id),
+        )
+        items = [(x.lease_id, x.meta, list(x.extents)) for x in leased if x.status == Status.OK]
+        tid = self.transfers.add(Transfer(OP_GET, self.m.clock() + self.m.lease_ttl, items)) if items else b""
+        return pb.StartGetResponse(transfer_id=tid, leases=[self._lease_pb(x) for x in leased], ttl_s=self.m.lease_ttl)
+
+    @_rpc
+    async def StartPut(self, request: pb.ReserveRequest, context: Any) -> pb.StartPutResponse:
+        metas, caller = self._metas(request.blocks), self._caller()
+        await self._claim(caller, metas)
+        res = await self.m.reserve(
+            metas, tenant=caller.tenant, visible=self._visible(caller), session=check_session_id(request.session_id)
+        )
+        items = []
+        for meta, r in zip(metas, res):
+            if r.status == Status.OK:
+                items.append((r.reservation_id, meta, list(r.extents)))
+        tid = self.transfers.add(Transfer(OP_PUT, self.m.clock() + self.m.reservation_ttl, items)) if items else b""
+        return pb.StartPutResponse(transfer_id=tid, statuses=[int(r.status) for r in res], ttl_s=self.m.reservation_ttl)
+
+    # data-channel callbacks (run on the loop, called from data-channel threads)
+    async def take_transfer(self, tid: bytes, op: int) -> Transfer | None:
+        t = self.transfers.take(tid, op)
+        if t is None:
+            return None
+        started = time.perf_counter()
+        # The data channel now owns these until finish_get/finish_put: the reaper must not
+        # free extents that a stalled transfer still sends from or receives into.
+        ids = [i for i, _, _ in t.items]
+        held = self.m.hold(lease_ids=ids) if op == OP_GET else self.m.hold(reservation_ids=ids)
+        if not held:  # some expired (or were released) before the client came: refuse the whole transfer
+            if op == OP_GET:
+                self.m.release(ids)
+            else:
+                self.m.abort(ids)
+            return None
+        # recorded only now: a refused transfer never reaches finish_get/finish_put, which pop it
+        self._transfer_started[id(t)] = started
+        return t
+
+    def _transfer_done(self, t: Transfer, op: str) -> None:
+        start = self._transfer_started.pop(id(t), None)
+        if start is not None and self.metrics is not None:
+            self.metrics.transfer_seconds.labels(op).observe(time.perf_counter() - start)
+
+    async def finish_get(self, t: Transfer, ok: bool) -> None:
+        self._transfer_done(t, "get")
+        self.m.release([lid for lid, _, _ in t.items])
+        if ok:
+            self.m.counters["tcp_bytes_out"] += sum(m.payload_len for _, m, _ in t.items)
+
+    async def finish_put(self, t: Transfer, complete: bool) -> list[int]:
+        self._transfer_done(t, "put")
+        ids = [rid for rid, _, _ in t.items]
+        if not complete:
+            self.m.abort(ids)
+            self.m.counters["data_channel_aborted_puts"] += len(ids)
+            return [int(Status.EXPIRED)] * len(ids)
+        statuses = await self.m.commit(ids, verify=True)
+        self.m.counters["tcp_bytes_in"] += sum(m.payload_len for _, m, _ in t.items)
+        return [int(s) for s in statuses]
+
+    def expire_transfers(self) -> None:
+        for t in self.transfers.expire():
+            ids = [i for i, _, _ in t.items]
+            if t.op == OP_GET:
+                self.m.release(ids)
+            else:
+                self.m.abort(ids)
+
+    # -- streaming fallback ------------------------------------------------------------
+    @_rpc
+    async def PutStream(self, request_iterator: Any, context: Any) -> pb.StatusesResponse:
+        """One batch, like ``Reserve`` + ``Commit``: each block is reserved when its header
+        arrives and filled by the chunks that follow; all are committed together once the
+        stream has ended well.  A stream that breaks a rule (more than ``max_batch`` blocks,
+        a block with too few or too many bytes, data before a header) is refused with
+        ``INVALID_ARGUMENT`` and stores nothing: every reservation it made is aborted, as
+        when the client goes away or the call is cancelled.  A client that declares its
+        block count (``BLOCKS_METADATA_KEY``) is refused before anything is read if the
+        count is over the limit."""
+        limit = self.cfg.max_batch
+        declared = _declared_blocks(context)
+        if declared is not None and declared > limit:
+            raise errors.InvalidArgument(f"a put stream of {declared} blocks; the limit is max_batch={limit}")
+        statuses: list[int] = []
+        whole: list[
+            tuple[int, int, BlockMeta]
+        ] = []  # (index, reservation id, meta) of filled blocks, committed at the end
+        current: tuple[BlockMeta, int, list[Any], int] | None = (
+            None  # meta, rid (0: not written), extents, bytes filled
+        )
+        caller = self._caller()
+        visible = self._visible(caller)
+
+        def close(cur: tuple[BlockMeta, int, list[Any], int]) -> None:
+            meta, rid, _extents, filled = cur
+            if rid == 0:
+                return
+            if filled != meta.payload_len:
+                raise errors.InvalidArgument(
+                    f"stream for key {meta.key.hex()} carried {filled} bytes; its header says {meta.payload_len}"
+                )
+            whole.append((len(statuses) - 1, rid, meta))
+
+        try:
+            async for chunk in request_iterator:
+                if isinstance(chunk, Malformed):
+                    raise chunk.invalid()
+                if chunk.HasField("block"):
+                    if current is not None:
+                        close(current)
+                        current = None
+                    if len(statuses) >= limit:
+                        raise errors.InvalidArgument(
+                            f"more than max_batch={limit} blocks in one stream; none was stored"
+                        )
+                    if declared is not None and len(statuses) >= declared:
+                        raise errors.InvalidArgument(
+                            f"more blocks than the {declared} the stream declared ({BLOCKS_METADATA_KEY}); none was stored"
+                        )
+                    (meta,) = self._metas([chunk.block])
+                    await self._claim(caller, [meta])
+                    # over the tenant's max_reserved_bytes: NO_SPACE for this block, the stream goes on
+                    (r,) = await self.m.reserve(
+                        [meta],
+                        tenant=caller.tenant,
+                        visible=visible,
+                        refuse_over_limit=False,
+                        session=check_session_id(chunk.session_id),
+                    )
+                    statuses.append(int(r.status))
+                    current = (meta, r.reservation_id if r.status == Status.OK else 0, list(r.extents), 0)
+                if current is None:
+                    raise errors.InvalidArgument("the first chunk of a put stream must carry its block header")
+                meta, rid, extents, filled = current
+                data = chunk.data
+                if filled + len(data) > meta.payload_len:
+                    raise errors.InvalidArgument(
+                        f"stream for key {meta.key.hex()} carries more bytes than its header says"
+                    )
+                if rid and self.m.reservation(rid) is None:
+                    # reclaimed at its deadline while the client stalled: its space may be
+                    # another block's by now, so not one more byte goes there
+                    statuses[-1] = int(Status.EXPIRED)
+                    rid = 0
+                if rid and data:
+                    views = self.m.dram.arena.views(extents, meta.payload_len)
+                    _write_at(views, filled, memoryview(data))
+                current = (meta, rid, extents, filled + len(data))
+            if current is not None:
+                close(current)
+                current = None
+            # a reservation reclaimed at its deadline meanwhile answers EXPIRED here
+            committed = await self.m.commit([rid for _, rid, _ in whole], verify=True) if whole else []
+            for (i, _rid, meta), st in zip(whole, committed):
+                statuses[i] = int(st)
+                if st == Status.OK:
+                    self.m.counters["grpc_stream_bytes_in"] += meta.payload_len
+            whole.clear()
+        finally:
+            # refused, cancelled, or the client went away: nothing of this stream becomes visible
+            # (ids already committed or reclaimed are no longer reservations: aborting them is a no-op)
+            self.m.abort([rid for _, rid, _ in whole] + ([current[1]] if current is not None and current[1] else []))
+        return pb.StatusesResponse(statuses=statuses)
+
+    async def GetStream(self, request: pb.KeysRequest, context: Any) -> Any:
+        start = time.perf_counter()
+        error: str | None = None
+        try:
+            async with contextlib.aclosing(self._get_stream(request, context)) as chunks:  # leases go back at once
+                async for chunk in chunks:
+                    yield chunk
+        except BaseException as e:  # noqa: B036 - only named, then re-raised
+            error = type(e).__name__
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.observe_rpc("GetStream", time.perf_counter() - start, error)
+
+    async def _get_stream(self, request: pb.KeysRequest, context: Any) -> Any:
+        try:
+            if isinstance(request, Malformed):
+                raise request.invalid()
+            keys = self._keys(request.keys)
+            session = check_session_id(request.session_id)
+            caller = self._identify(context)
+        except errors.KVStoreError as e:
+            context.set_trailing_metadata(((ERROR_METADATA_KEY, type(e).__name__),))
+            await context.abort(status_for(e), str(e))
+            return
+        visible = self._visible(caller)
+        for i, key in enumerate(keys):
+            # one request, however many keys
+            (x,) = await self.m.acquire([key], request=i == 0, tenant=caller.tenant, visible=visible, session=session)
+            if x.status != Status.OK:
+                yield pb.BlockChunk(block=pb.BlockInfo(key=key), status=int(x.status))
+                continue
+            try:
+                self.m.hold(lease_ids=[x.lease_id])  # a slow reader must not outlive the lease mid-block
+                views = self.m.dram.arena.views(list(x.extents), x.meta.payload_len)
+                first = True
+                for v in views:
+                    for off in range(0, max(v.nbytes, 1), STREAM_CHUNK):
+                        part = bytes(v[off : off + STREAM_CHUNK])
+                        if first:
+                            yield pb.BlockChunk(block=meta_to_pb(x.meta), data=part, status=pb.KEY_STATUS_OK)
+                            first = False
+                        else:
+                            yield pb.BlockChunk(data=part)
+                if first:  # an empty payload has no views, but the client still needs its header chunk
+                    yield pb.BlockChunk(block=meta_to_pb(x.meta), status=pb.KEY_STATUS_OK)
+                self.m.counters["grpc_stream_bytes_out"] += x.meta.payload_len
+            finally:
+                self.m.release([x.lease_id])
+
+    # -- management ------------------------------------------------------------------
+    @_rpc
+    async def Delete(self, request: pb.KeysRequest, context: Any) -> pb.DeleteResponse:
+        return pb.DeleteResponse(count=await self.m.delete(self._keys(request.keys), may=self._may(self._caller())))
+
+    @_rpc
+    async def Invalidate(self, request: pb.InvalidateRequest, context: Any) -> pb.DeleteResponse:
+        if len(request.namespace) != 8:
+            raise errors.InvalidArgument(f"a namespace fingerprint is 8 bytes, got {len(request.namespace)}")
+        ns, caller = bytes(request.namespace), self._caller()
+        if self.owners is not None and not self.owners.may_modify(caller, ns):
+            raise errors.PermissionDenied(
+                f"tenant {caller.tenant!r} does not own namespace {ns.hex()}: only its owner or the admin may invalidate it"
+            )
+        return pb.DeleteResponse(count=await self.m.invalidate(ns))
+
+    def _changeable(self, keys: list[ChunkKey]) -> list[ChunkKey]:
+        """Pins: the keys whose stored block the caller may change (absent keys stay: no-ops)."""
+        may = self._may(self._caller())
+        if may is None:
+            return keys
+        return [k for k in keys if (ns := self.m.namespace_of(k)) is None or may(ns)]
+
+    @_rpc
+    async def Pin(self, request: pb.PinRequest, context: Any) -> pb.DeleteResponse:
+        caller = self._caller()
+        return pb.DeleteResponse(
+            count=self.m.pin(self._changeable(self._keys(request.keys)), request.ttl_s, tenant=caller.tenant)
+        )
+
+    @_rpc
+    async def Unpin(self, request: pb.KeysRequest, context: Any) -> pb.DeleteResponse:
+        return pb.DeleteResponse(count=self.m.unpin(self._changeable(self._keys(request.keys))))
+
+    @_rpc
+    async def ReportHits(self, request: pb.ReportHitsRequest, context: Any) -> pb.Empty:
+        from kvstore.node.ledger import CLIENT_MISS_REASONS, OPS
+
+        if request.op not in OPS:
+            raise errors.InvalidArgument(f"op must be one of {OPS}, got {request.op!r}")
+        tier = ""
+        if request.miss_reason:
+            if request.miss_reason not in CLIENT_MISS_REASONS:
+                raise errors.InvalidArgument(
+                    f"a reported miss_reason is one of {CLIENT_MISS_REASONS}, got {request.miss_reason!r}"
+                )
+        elif request.remote:
+            tier = "remote"
+        elif request.tier == pb.TIER_HBM:
+            tier = "hbm"
+        elif request.blocks or not (request.short_copies or request.namespace_name):
+            raise errors.InvalidArgument(
+                "report HBM hits (tier TIER_HBM), a remote node's hits (remote=true) "
+                "or a cluster client's misses (miss_reason)"
+            )
+        if (
+            request.blocks > self.cfg.max_batch * 64
+            or request.tokens > request.blocks * (1 << 20)
+            or request.short_copies > self.cfg.max_batch * 64
+        ):
+            raise errors.InvalidArgument(
+                f"implausible report: {request.blocks} blocks, {request.tokens} tokens, "
+                f"{request.short_copies} short copies"
+            )
+        if request.namespace and len(request.namespace) != 8:
+            raise errors.InvalidArgument(f"a namespace fingerprint is 8 bytes, got {len(request.namespace)}")
+        if request.namespace_name and (
+            not request.namespace or len(request.namespace_name) > 200 or not request.namespace_name.isprintable()
+        ):
+            raise errors.InvalidArgument(
+                "a namespace_name is printable, at most 200 characters, and names a namespace fingerprint"
+            )
+        caller = self._caller()
+        if (
+            request.namespace
+            and caller.tenant is not None
+            and self.owners is not None
+            and self.owners.owner(bytes(request.namespace)) not in (None, caller.tenant)
+        ):
+            # not counted, and silently: a refusal would tell, without claiming anything (as a
+            # write would), that another tenant owns the namespace
+            self._denied("skipped", caller=caller)
+            return pb.Empty()
+        ns = bytes(request.namespace) or None
+        if request.miss_reason:
+            self.m.ledger.report_misses(request.op, request.miss_reason, request.blocks, ns)
+        elif request.blocks:
+            self.m.ledger.report(request.op, tier, request.blocks, request.tokens, ns)
+        self.m.ledger.short_copies += request.short_copies
+        if request.namespace_name:
+            self.m.ledger.name(bytes(request.namespace), request.namespace_name)
+        return pb.Empty()
+
+    @_rpc
+    async def Stats(self, request: pb.Empty, context: Any) -> pb.StatsResponse:
+        s = self.m.stats()
+        tiers = [
+            pb.TierStats(
+                tier=int(TierKind[name.upper()]),
+                capacity_bytes=t["capacity_bytes"],
+                used_bytes=t["used_bytes"],
+                blocks=t["blocks"],
+            )
+            for name, t in s["tiers"].items()
+        ]
+        counters = {k: int(v) for k, v in s["counters"].items()}
+        if "nvme" in s["tiers"]:
+            counters["nvme_corrupt_blocks"] = int(s["tiers"]["nvme"].get("corrupt_blocks", 0))
+        counters["pending_transfers"] = len(self.transfers)
+        counters["active_transfers"] = len(self._transfer_started)  # taken by a connection, not yet finished
+        return pb.StatsResponse(
+            node_id=self.cfg.node_id,
+            tiers=tiers,
+            counters=counters,
+            reservations=s["reservations"],
+            leases=s["leases"],
+            pins=s["pins"],
+        )
+
+
+def _declared_blocks(context: Any) -> int | None:
+    """The block count a put stream declared in its metadata (an upper bound), if any."""
+    for k, v in context.invocation_metadata() or ():
+        if k == BLOCKS_METADATA_KEY:
+            try:
+                n = int(v)
+            except ValueError:
+                n = -1
+            if n < 0:
+                raise errors.InvalidArgument(f"{BLOCKS_METADATA_KEY} must be a block count, got {v!r:.40}")
+            return n
+    return None
+
+
+def _write_at(views: list[memoryview], offset: int, data: memoryview) -> None:
+    """Copy ``data`` into the concatenation of ``views`` starting at byte ``offset``."""
+    pos = 0
+    for v in views:
+        if offset >= v.nbytes:
+            offset -= v.nbytes
+            continue
+        n = min(v.nbytes - offset, data.nbytes - pos)
+        v[offset : offset + n] = data[pos : pos + n]
+        pos += n
+        offset = 0
+        if pos >= data.nbytes:
+            return

@@ -1,0 +1,283 @@
+"""``kvstore plan``: the DRAM and NVMe sizes that reach a target prefix hit ratio on a trace.
+
+    kvstore plan TRACE --target-hit-ratio 0.3 --bytes-per-token 131072 --plot plan.png
+    kvstore plan TRACE --target-hit-ratio 30% --layers 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 --json
+
+Method (parsing and reporting here; replays in :mod:`kvstore.traces.sweep`):
+
+1. sweep the capacities (``--fractions`` of the trace's unique blocks) for every policy and
+   the offline optimum;
+2. for the planned policy (the node's default unless ``--policy``) and for the optimum,
+   find the smallest capacity that reaches the target: the first sweep point that does,
+   then bisection between it and the point before (to 1 %);
+3. bytes = blocks × ``block_tokens`` × bytes per token (``--bytes-per-token``, or from the
+   model's KV layout: layers × 2 (K and V; 1 with ``--mla``) × kv heads × head dim × dtype size);
+4. split, the way the node's tiers work together: DRAM victims are demoted to NVMe and NVMe
+   hits are promoted back (keeping their NVMe copy), so NVMe must hold the whole planned set
+   and DRAM only the part that should be served at memory speed.  DRAM is sized as the
+   smallest capacity whose hit ratio reaches ``--dram-share`` × target (by default 80 % of
+   the hits come from DRAM); NVMe as the planned capacity.  A DRAM-only plan (``--nvme 0``)
+   is the planned capacity in DRAM.
+
+The optimum's capacity is a lower bound no online policy reaches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from kvstore.block import DTYPES
+from kvstore.errors import InvalidArgument
+from kvstore.keys import KVLayout
+from kvstore.progress import Progress
+from kvstore.traces.format import DEFAULT_BLOCK_TOKENS, Trace
+from kvstore.traces.replay import gap_closed, positive_int
+from kvstore.traces.simulator import DEFAULT_PUT_BATCH, check_policy
+from kvstore.traces.sweep import DEFAULT_FRACTIONS, OPTIMAL, SweepPoint, capacities_for, smallest_capacity, sweep
+from tiers.policy import DEFAULT_POLICY, POLICIES
+
+GiB = 1 << 30
+
+
+def parse_ratio(v: str) -> float:
+    s = v.strip()
+    try:
+        r = float(s[:-1]) / 100 if s.endswith("%") else float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--target-hit-ratio must be a ratio like 0.3 or 30%, got {v!r}") from None
+    if not 0 < r <= 1:
+        raise argparse.ArgumentTypeError(f"--target-hit-ratio must lie in (0, 1] (or (0%, 100%]), got {v!r}")
+    return r
+
+
+def parse_fractions(v: str) -> list[float]:
+    try:
+        out = [float(x[:-1]) / 100 if x.strip().endswith("%") else float(x) for x in v.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--fractions must be comma-separated fractions like 0.01,0.05,0.2 (or 1%,5%), got {v!r}"
+        ) from None
+    if not out or any(not 0 < f <= 1 for f in out):
+        raise argparse.ArgumentTypeError(f"--fractions must each lie in (0, 1], got {v!r}")
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", metavar="TRACE", help="Mooncake-format JSON-lines trace")
+    p.add_argument(
+        "--target-hit-ratio",
+        required=True,
+        type=parse_ratio,
+        metavar="R",
+        help="prefix hit ratio to reach, e.g. 0.3 or 30%%",
+    )
+    size = p.add_argument_group("KV bytes per token (one of)")
+    size.add_argument("--bytes-per-token", type=positive_int("--bytes-per-token"), metavar="N")
+    size.add_argument("--layers", type=positive_int("--layers"), metavar="L")
+    size.add_argument("--kv-heads", type=positive_int("--kv-heads"), metavar="H")
+    size.add_argument("--head-dim", type=positive_int("--head-dim"), metavar="D")
+    size.add_argument("--dtype", default="float16", help=f"KV dtype (default float16; one of {sorted(DTYPES)})")
+    size.add_argument("--mla", action="store_true", help="one joint latent per token instead of separate K and V")
+    p.add_argument(
+        "--block-tokens",
+        type=positive_int("--block-tokens"),
+        default=DEFAULT_BLOCK_TOKENS,
+        help="tokens per hash id (default 512)",
+    )
+    p.add_argument("--requests", type=positive_int("--requests"), metavar="N", help="use only the first N requests")
+    p.add_argument("--policy", default=DEFAULT_POLICY, help=f"policy to plan for (default {DEFAULT_POLICY})")
+    p.add_argument(
+        "--policies", help=f"policies to sweep and plot, comma-separated (default: all of {sorted(POLICIES)})"
+    )
+    p.add_argument(
+        "--fractions",
+        type=parse_fractions,
+        default=list(DEFAULT_FRACTIONS),
+        help="sweep capacities as fractions of unique blocks (default 0.01,0.02,0.05,0.1,0.2,0.5)",
+    )
+    p.add_argument(
+        "--dram-share",
+        type=float,
+        default=0.8,
+        metavar="S",
+        help="share of the target hit ratio DRAM alone must reach (default 0.8)",
+    )
+    p.add_argument(
+        "--put-batch",
+        type=positive_int("--put-batch"),
+        default=DEFAULT_PUT_BATCH,
+        help="blocks per put call in the replays (default 16)",
+    )
+    p.add_argument("--jobs", type=positive_int("--jobs"), help="replays in parallel (default: CPU count)")
+    p.add_argument("--plot", metavar="PNG", help="write hit ratio against capacity for every policy and the optimum")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def bytes_per_token(a: argparse.Namespace) -> int:
+    shape = (a.layers, a.kv_heads, a.head_dim)
+    if a.bytes_per_token and any(shape):
+        raise InvalidArgument("give --bytes-per-token or --layers/--kv-heads/--head-dim, not both")
+    if a.bytes_per_token:
+        return int(a.bytes_per_token)
+    if not all(shape):
+        missing = [f for f, v in zip(("--layers", "--kv-heads", "--head-dim"), shape) if not v]
+        if len(missing) == 3:
+            raise InvalidArgument(
+                "give the KV size: --bytes-per-token N, or --layers, --kv-heads and --head-dim (with --dtype)"
+            )
+        raise InvalidArgument(f"the model's KV layout also needs {', '.join(missing)}")
+    if a.dtype not in DTYPES:
+        raise InvalidArgument(f"unknown --dtype {a.dtype!r}; choose one of {sorted(DTYPES)}")
+    layout = KVLayout(num_layers=a.layers, num_kv_heads=a.kv_heads, head_dim=a.head_dim, kv_split=not a.mla)
+    return layout.bytes_per_token(DTYPES[a.dtype][1])
+
+
+def _needed(
+    trace: Trace, points: list[SweepPoint], name: str, target: float, batch: int, progress: Progress | None = None
+) -> int | None:
+    """Smallest capacity (blocks) at which ``name`` reaches ``target``; None if even all unique blocks do not."""
+    prev = 0
+    for p in points:
+        if p.hit_ratio[name] >= target:
+            return smallest_capacity(trace, name, target, prev, p.capacity_blocks, batch=batch, progress=progress)
+        prev = p.capacity_blocks
+    top = trace.unique_blocks  # no eviction at all: the unlimited hit ratio
+    if prev >= top or trace.summary()["unlimited_hit_ratio"] < target:  # type: ignore[operator]
+        return None
+    return smallest_capacity(trace, name, target, prev, top, batch=batch, progress=progress)
+
+
+def _plan(
+    trace: Trace, points: list[SweepPoint], a: argparse.Namespace, target: float, prog: Progress
+) -> tuple[int | None, int | None, int]:
+    """The capacities that reach ``target``: the policy's, the optimum's, and the policy's DRAM share."""
+    need = _needed(trace, points, a.policy, target, a.put_batch, prog)
+    need_opt = _needed(trace, points, OPTIMAL, target, a.put_batch, prog)
+    dram = (
+        (_needed(trace, points, a.policy, a.dram_share * target, a.put_batch, prog) or need) if need is not None else 0
+    )
+    return need, need_opt, dram
+
+
+def _gib(blocks: int, block_bytes: int) -> float:
+    return blocks * block_bytes / GiB
+
+
+def main(a: argparse.Namespace) -> int:
+    bpt = bytes_per_token(a)
+    check_policy(a.policy)
+    policies = [s.strip() for s in a.policies.split(",") if s.strip()] if a.policies else sorted(POLICIES)
+    for name in policies:
+        check_policy(name)
+    if a.policy not in policies:
+        policies.append(a.policy)
+    if not 0 < a.dram_share <= 1:
+        raise InvalidArgument(f"--dram-share must lie in (0, 1], got {a.dram_share}")
+    trace = Trace.load(a.trace, block_tokens=a.block_tokens, limit=a.requests)
+    summary = trace.summary()
+    block_bytes = a.block_tokens * bpt
+    target = a.target_hit_ratio
+    prog = Progress("kvstore plan", unit="replays")  # the sweep's count, then the bisections' (open-ended)
+    with prog:
+        points = sweep(
+            trace, capacities_for(trace, a.fractions), policies, batch=a.put_batch, jobs=a.jobs, progress=prog
+        )
+        prog.total = None  # bisections: as many as it takes
+        need, need_opt, dram = _plan(trace, points, a, target, prog)
+    out: dict[str, Any] = {
+        "trace": a.trace,
+        **summary,
+        "target_hit_ratio": target,
+        "policy": a.policy,
+        "bytes_per_token": bpt,
+        "block_tokens": a.block_tokens,
+        "block_bytes": block_bytes,
+        "sweep": [
+            {
+                "capacity_blocks": p.capacity_blocks,
+                "fraction": p.fraction,
+                "capacity_bytes": p.capacity_blocks * block_bytes,
+                "hit_ratio": p.hit_ratio,
+                "gap_closed": {
+                    n: gap_closed(p.hit_ratio[n], p.hit_ratio["lru"], p.hit_ratio[OPTIMAL]) for n in policies
+                }
+                if "lru" in p.hit_ratio
+                else None,
+            }
+            for p in points
+        ],
+    }
+    out["reachable"] = need is not None
+    if need is not None:
+        out["plan"] = {
+            "capacity_blocks": need,
+            "total_bytes": need * block_bytes,
+            "dram_bytes": dram * block_bytes,
+            "dram_blocks": dram,
+            "nvme_bytes": need * block_bytes,
+            "dram_only_bytes": need * block_bytes,
+            "dram_share": a.dram_share,
+        }
+    if need_opt is not None:
+        out["optimal_capacity_blocks"] = need_opt
+        out["optimal_bytes"] = need_opt * block_bytes
+    if a.plot:
+        from kvstore.traces.plan_plot import plot_sweep
+
+        marks = {}
+        if need is not None:
+            marks[f"{a.policy}: {_gib(need, block_bytes):.3g} GiB"] = need
+        if need_opt is not None:
+            marks[f"optimum: {_gib(need_opt, block_bytes):.3g} GiB"] = need_opt
+        plot_sweep(
+            points,
+            a.plot,
+            title=f"{a.trace}: {summary['requests']} requests, {summary['unique_blocks']:,} unique blocks of {a.block_tokens} tokens",
+            unique_blocks=trace.unique_blocks,
+            unlimited=summary["unlimited_hit_ratio"],
+            block_bytes=block_bytes,  # type: ignore[arg-type]
+            target=target,
+            marks=marks,
+        )
+        out["plot"] = a.plot
+    if a.json:
+        print(json.dumps(out))
+    else:
+        _print_report(out, policies, block_bytes)
+    return 0 if need is not None else 1
+
+
+def _print_report(o: dict[str, Any], policies: list[str], block_bytes: int) -> None:
+    print(
+        f"trace  {o['trace']}: {o['requests']} requests, {o['unique_blocks']:,} unique blocks of {o['block_tokens']} tokens "
+        f"({block_bytes / 2**20:.1f} MiB each at {o['bytes_per_token']:,} bytes/token); unlimited-capacity hit ratio "
+        f"{100 * o['unlimited_hit_ratio']:.2f}%"
+    )
+    names = [*policies, OPTIMAL]
+    print(f"{'capacity':>9} {'blocks':>8} {'GiB':>9} " + " ".join(f"{n:>13}" for n in names))
+    for p in o["sweep"]:
+        print(
+            f"{100 * p['fraction']:8.1f}% {p['capacity_blocks']:8,} {p['capacity_bytes'] / GiB:9.2f} "
+            + " ".join(f"{100 * p['hit_ratio'][n]:12.2f}%" for n in names)
+        )
+    t = 100 * o["target_hit_ratio"]
+    if not o["reachable"]:
+        print(f"target {t:.1f}% is out of reach: even unlimited capacity gives {100 * o['unlimited_hit_ratio']:.2f}%")
+    else:
+        pl = o["plan"]
+        print(
+            f"plan for {t:.1f}% with {o['policy']}: {pl['capacity_blocks']:,} blocks = {pl['total_bytes'] / GiB:.2f} GiB of KV"
+        )
+        print(
+            f"  DRAM {pl['dram_bytes'] / GiB:.2f} GiB ({pl['dram_blocks']:,} blocks: alone they reach {pl['dram_share'] * t:.1f}%) "
+            f"+ NVMe {pl['nvme_bytes'] / GiB:.2f} GiB (holds the whole set)"
+        )
+        print(f"  or DRAM only: {pl['dram_only_bytes'] / GiB:.2f} GiB with --nvme 0")
+    if "optimal_capacity_blocks" in o:
+        print(
+            f"  lower bound (offline optimum): {o['optimal_capacity_blocks']:,} blocks = {o['optimal_bytes'] / GiB:.2f} GiB"
+        )
+    if "plot" in o:
+        print(f"plot   {o['plot']}")

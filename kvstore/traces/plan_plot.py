@@ -1,0 +1,92 @@
+"""The capacity planner's plot: hit ratio against capacity for every policy and the optimum.
+
+matplotlib is an optional dependency (the ``plan`` extra); it is imported here only, with
+the non-interactive Agg backend, so ``kvstore plan`` without ``--plot`` never needs it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from kvstore.errors import InvalidArgument
+from kvstore.traces.sweep import OPTIMAL, SweepPoint
+
+GiB = 1 << 30
+
+
+def pct_label(fraction: float) -> str:
+    """A tick's percentage to two significant digits: capacities are whole blocks, so 1% of a
+    trace's blocks is 0.9995% or 1.0065% of them, and a tick says "1%" (not "0.999%")."""
+    return f"{float(f'{100 * fraction:.2g}'):g}%"
+
+
+def plot_sweep(
+    points: Sequence[SweepPoint],
+    path: str | os.PathLike[str],
+    *,
+    title: str,
+    unique_blocks: int,
+    unlimited: float,
+    block_bytes: int | None = None,
+    target: float | None = None,
+    marks: dict[str, int] | None = None,
+) -> None:
+    """Write a PNG: one line per policy (the optimum dashed), log-scaled capacity axis in blocks
+    (and GiB on top when ``block_bytes`` is known), the target as a horizontal line and the
+    planned capacities (``marks``: label → blocks) as vertical ones."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib import ticker
+    except ImportError:
+        raise InvalidArgument(
+            "--plot needs matplotlib: pip install 'kvstore[plan]' (or pip install matplotlib)"
+        ) from None
+    if not points:
+        raise InvalidArgument("nothing to plot: the sweep is empty")
+    caps = [p.capacity_blocks for p in points]
+    names = list(points[0].hit_ratio)
+    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=120)
+    styles = ["o-", "s-", "^-", "D-", "v-", "P-", "X-"]
+    for i, name in enumerate(n for n in names if n != OPTIMAL):
+        ax.plot(
+            caps,
+            [100 * p.hit_ratio[name] for p in points],
+            styles[i % len(styles)],
+            label=name,
+            linewidth=1.6,
+            markersize=4,
+        )
+    ax.plot(caps, [100 * p.hit_ratio[OPTIMAL] for p in points], "k--", label="offline optimum (Belady)", linewidth=1.6)
+    ax.axhline(
+        100 * unlimited, color="grey", linestyle=":", linewidth=1, label=f"unlimited capacity ({100 * unlimited:.1f}%)"
+    )
+    if target is not None:
+        ax.axhline(100 * target, color="tab:red", linestyle="-.", linewidth=1, label=f"target {100 * target:.1f}%")
+    for label, blocks in (marks or {}).items():
+        ax.axvline(blocks, color="tab:red", linestyle=":", linewidth=1)
+        ax.annotate(label, (blocks, 2), rotation=90, fontsize=8, color="tab:red", ha="right", va="bottom")
+    ax.set_xscale("log")
+    ax.set_xticks(caps, [f"{c:,}\n{pct_label(c / unique_blocks)}" for c in caps])
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+    ax.set_xlabel(f"capacity in blocks, and % of the trace's {unique_blocks:,} unique blocks")
+    ax.set_ylabel("prefix hit ratio (% of blocks)")
+    ax.set_ylim(0, max(5.0, 100 * unlimited * 1.08))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_title(title, fontsize=10, pad=30 if block_bytes else 6)
+    ax.legend(loc="upper left", fontsize=8)
+    if block_bytes:
+        sec = ax.secondary_xaxis("top", functions=(lambda b: b * block_bytes / GiB, lambda g: g * GiB / block_bytes))
+        sec.set_xlabel("capacity (GiB of KV)")
+        sec.xaxis.set_major_formatter(ticker.FuncFormatter(lambda g, _: f"{g:,.0f}" if g >= 10 else f"{g:.3g}"))
+        sec.xaxis.set_minor_formatter(ticker.NullFormatter())
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    except OSError as e:
+        raise InvalidArgument(f"--plot: cannot write {path}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
