@@ -1,4 +1,4 @@
-"""Client side of the data channel (framing in ``kvstore/node/datachannel.py``).
+"""Client side of the data channel (frame codec in :mod:`kvstore.framing`, shared with the node).
 
 A small pool of blocking TCP connections to one node.  Each transfer takes a
 connection, moves the bytes with ``sendall`` / ``recv_into`` straight from or into
@@ -22,7 +22,7 @@ from typing import Any
 import xxhash
 
 from kvstore.errors import DeadlineExceeded, Unavailable
-from kvstore.node.datachannel import (
+from kvstore.framing import (
     COUNT,
     OP_GET,
     OP_PUT,
@@ -31,7 +31,7 @@ from kvstore.node.datachannel import (
     REQUEST,
     REQUEST_MAGIC,
     STATUS_OK,
-    _recv_into_exact,
+    recv_into_exact,
 )
 from kvstore.tls import explain
 
@@ -98,7 +98,7 @@ class DataChannelPool:
             try:
                 s.sendall(REQUEST.pack(REQUEST_MAGIC, OP_GET, transfer_id))
                 head = bytearray(REPLY.size)
-                got_reply = _recv_into_exact(s, memoryview(head))
+                got_reply = recv_into_exact(s, memoryview(head))
             except ssl.SSLError as e:
                 if reused:
                     got_reply = False
@@ -118,7 +118,7 @@ class DataChannelPool:
             sums: list[int] = []
             for out in outs:
                 h = xxhash.xxh3_64() if hashed else None
-                if not _recv_into_exact(s, out, h):
+                if not recv_into_exact(s, out, h):
                     raise Unavailable("the data channel closed mid-transfer")
                 if h is not None:
                     sums.append(h.intdigest())
@@ -143,14 +143,14 @@ class DataChannelPool:
             for p in payloads:
                 s.sendall(p)
             head = bytearray(REPLY.size + COUNT.size)
-            if not _recv_into_exact(s, memoryview(head)):
+            if not recv_into_exact(s, memoryview(head)):
                 raise Unavailable(self._closed_early())
             magic, status = REPLY.unpack_from(head)
             (n,) = COUNT.unpack_from(head, REPLY.size)
             if magic != REPLY_MAGIC or status != STATUS_OK or n != len(payloads):
                 raise Unavailable(f"data channel refused the transfer (status {status})")
             statuses = bytearray(n)
-            if n and not _recv_into_exact(s, memoryview(statuses)):
+            if n and not recv_into_exact(s, memoryview(statuses)):
                 raise Unavailable("the data channel closed before the statuses")
             ok = True
             return list(statuses)

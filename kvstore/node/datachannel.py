@@ -1,6 +1,7 @@
 """The data channel: bulk block bytes over a TCP socket, straight from and into the arena.
 
-Framing (all integers little-endian; see ``protos/kvstore/v1/DATA_CHANNEL.md``)::
+Framing (all integers little-endian; see ``protos/kvstore/v1/DATA_CHANNEL.md``; the codec is
+:mod:`kvstore.framing`, shared with the SDK)::
 
     client → node   request   "KVDC" u8 op (1 GET, 2 PUT) 3x pad, 16-byte transfer id
     GET:  node → client  "KVDS" u32 status; if status == 0, each hit block's payload
@@ -56,7 +57,6 @@ import resource
 import secrets
 import socket
 import ssl
-import struct
 import threading
 import time
 from collections import Counter
@@ -64,26 +64,23 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore.block import BlockMeta
+
+# the frame codec, shared with the SDK (the frame names stay importable from here)
+from kvstore.framing import COUNT, OP_GET, OP_PUT, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC, STATUS_OK
+from kvstore.framing import TransferCut as _TransferCut
+from kvstore.framing import recv_exact_small as _recv_exact_small
+from kvstore.framing import recv_into_exact as _recv_into_exact
+from kvstore.framing import send_by as _send_by
 from tiers.allocator import Extent
 from tiers.arena import Arena
 
 log = logging.getLogger(__name__)
 
-REQUEST = struct.Struct("<4sB3x16s")
-REPLY = struct.Struct("<4sI")
-COUNT = struct.Struct("<I")
-REQUEST_MAGIC = b"KVDC"
-REPLY_MAGIC = b"KVDS"
-OP_GET = 1
-OP_PUT = 2
-STATUS_OK = 0
-STATUS_EXPIRED = 1
 FIRST_FRAME_TIMEOUT_S = 5.0  # a new connection must finish its handshake and send its request by then
 IDLE_TIMEOUT_S = 300.0  # a pooled connection may wait this long between transfers
 TRANSFER_GRACE_S = 2.0  # added to every transfer's bound: connection set-up, a slow first window
 DEFAULT_MIN_RATE = 8 << 20  # bytes/s a transfer may not fall below, on average, once its own deadline passed
 MAX_CONNECTIONS = 4096  # the total cap's ceiling, whatever the open-file limit
-_PIECE = 1 << 20  # sendall in pieces of this size, each under the time left to the transfer
 _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _WARN_EVERY_S = 5.0
 
@@ -420,62 +417,9 @@ class DataChannelServer:
         return True
 
 
-class _TransferCut(TimeoutError):
-    """A transfer ran past its bound (``DataChannelServer._bound``)."""
-
-
-def _time_left(conn: socket.socket, deadline: float) -> None:
-    """Set ``conn``'s timeout to what is left until ``deadline``; raise ``_TransferCut`` when nothing is."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise _TransferCut
-    conn.settimeout(left)
-
-
-def _send_by(conn: socket.socket, view: memoryview, deadline: float) -> None:
-    """``sendall`` finished by ``deadline``: a socket timeout bounds a whole ``sendall`` (and a TLS
-    ``write``), so each piece is sent under the time left."""
-    for off in range(0, view.nbytes, _PIECE):
-        _time_left(conn, deadline)
-        try:
-            conn.sendall(view[off : off + _PIECE])
-        except TimeoutError:
-            raise _TransferCut from None
-
-
 def _peer(conn: socket.socket) -> str:
     try:
         host, port = conn.getpeername()[:2]
         return f"{host}:{port}"
     except OSError:
         return "a closed peer"
-
-
-def _recv_exact_small(conn: socket.socket, n: int, deadline: float) -> bytes | None:
-    buf = bytearray(n)
-    return bytes(buf) if _recv_into_exact(conn, memoryview(buf), deadline=deadline) else None
-
-
-def _recv_into_exact(
-    conn: socket.socket, view: memoryview, hasher: Any = None, *, deadline: float | None = None
-) -> bool:
-    """Fill ``view`` from ``conn``; False on a clean or abrupt end of stream.
-
-    ``hasher`` (an xxhash object), if given, is fed each piece as it lands.  ``deadline``
-    (``time.monotonic``), if given, bounds the whole fill: past it ``_TransferCut`` is raised."""
-    pos, n = 0, view.nbytes
-    while pos < n:
-        if deadline is not None:
-            _time_left(conn, deadline)
-        try:
-            got = conn.recv_into(view[pos:], n - pos)
-        except TimeoutError:
-            if deadline is None:
-                raise
-            raise _TransferCut from None
-        if got == 0:
-            return False
-        if hasher is not None:
-            hasher.update(view[pos : pos + got])
-        pos += got
-    return True
