@@ -17,6 +17,24 @@ from typing import Any
 from kvstore.errors import KVStoreError
 
 
+class DeprecatedSpelling(argparse.Action):
+    """Stores a flag's value like ``store``, and warns on stderr when the flag was given by one
+    of its ``deprecated`` spellings (kept for one release after a rename; see CHANGELOG.md)."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, deprecated: tuple[str, ...] = (), **kw: Any) -> None:
+        self.deprecated = deprecated
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any, option_string: str | None = None
+    ) -> None:
+        if option_string in self.deprecated:
+            print(
+                f"{parser.prog}: warning: {option_string} is deprecated, use {self.option_strings[0]}", file=sys.stderr
+            )
+        setattr(ns, self.dest, values)
+
+
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config", metavar="FILE", help="TOML config file ([node] table); KVSTORE_* env and flags override it"
@@ -47,7 +65,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--read-lease-ttl",
-        dest="lease_ttl_s",
+        dest="read_lease_ttl_s",
         type=float,
         metavar="S",
         help="read lease lifetime in seconds (default 30)",
@@ -58,11 +76,15 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", metavar="NAME", help="cluster name in etcd (default 'default')")
     p.add_argument("--zone", metavar="ZONE", help="failure zone published in this node's membership record")
     p.add_argument(
+        "--membership-ttl",
         "--lease-ttl",
-        dest="etcd_lease_ttl_s",
+        dest="membership_ttl_s",
+        action=DeprecatedSpelling,
+        deprecated=("--lease-ttl",),
         type=float,
         metavar="S",
-        help="TTL of this node's etcd membership lease in seconds (default 10; kept alive every TTL/3)",
+        help="TTL of this node's etcd membership lease in seconds (default 10; kept alive every TTL/3); "
+        "--lease-ttl is its deprecated spelling",
     )
     p.add_argument(
         "--reservation-ttl",
@@ -140,7 +162,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
             "write_through",
             "token_file",
             "tenants",
-            "lease_ttl_s",
+            "read_lease_ttl_s",
             "reservation_ttl_s",
             "max_pin_ttl_s",
             "session_idle_ttl_s",
@@ -151,7 +173,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
             "etcd",
             "cluster",
             "zone",
-            "etcd_lease_ttl_s",
+            "membership_ttl_s",
             "tls_cert_file",
             "tls_key_file",
             "tls_client_ca_file",

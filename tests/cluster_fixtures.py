@@ -66,7 +66,7 @@ class Cluster:
             self.etcd.endpoint,
             "--cluster",
             self.name,
-            "--lease-ttl",
+            "--membership-ttl",
             str(LEASE_TTL),
             "--dram",
             "64MiB",

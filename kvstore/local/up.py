@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.children import ServeProcess
+from kvstore.cli import DeprecatedSpelling
 from kvstore.cluster.local_etcd import ETCD_HINT, LocalEtcd, find_etcd
 from kvstore.errors import KVStoreError
 
@@ -56,7 +57,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dram", default="256MiB", metavar="SIZE", help="DRAM arena per node (default 256MiB)")
     p.add_argument("--nvme", default="1GiB", metavar="SIZE", help="NVMe tier per node (default 1GiB; 0 disables)")
     p.add_argument(
-        "--lease-ttl", type=float, default=10.0, metavar="S", help="membership lease TTL of each node (default 10 s)"
+        "--membership-ttl",
+        "--lease-ttl",
+        dest="membership_ttl",
+        action=DeprecatedSpelling,
+        deprecated=("--lease-ttl",),
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="etcd membership lease TTL of each node (default 10 s); --lease-ttl is its deprecated spelling",
     )
     p.add_argument("--etcd-bin", metavar="PATH", help="etcd server binary (default: `etcd` on PATH)")
     p.add_argument(
@@ -196,8 +205,8 @@ class NodeChild(ServeProcess):
             a.dram,
             "--nvme",
             a.nvme,
-            "--lease-ttl",
-            str(a.lease_ttl),
+            "--membership-ttl",
+            str(a.membership_ttl),
             "--log-level",
             a.log_level,
             "--metrics-port",

@@ -3,6 +3,10 @@
 Precedence, lowest first: defaults → config file (TOML) → ``KVSTORE_*`` environment →
 command-line flags.  Unknown keys anywhere are errors that name the key and list the
 valid ones.  Runtime state never lives here.
+
+Renamed keys (``DEPRECATED_KEYS``): the old spelling still works in the file, the environment
+and the overrides for one release, with a ``FutureWarning`` naming the new one; giving both
+spellings in one layer is an error.  The old attribute names stay readable as properties.
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ import os
 import re
 import socket
 import tomllib
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -49,6 +54,11 @@ CLIENT_ENV = {
     "KVSTORE_TLS_CLIENT_CERT_FILE",
     "KVSTORE_TLS_CLIENT_KEY_FILE",
     "KVSTORE_FAILPOINTS",
+}
+# old key -> new key: `lease_ttl_s` was the read lease beside `etcd_lease_ttl_s`, the membership one
+DEPRECATED_KEYS = {
+    "lease_ttl_s": "read_lease_ttl_s",
+    "etcd_lease_ttl_s": "membership_ttl_s",
 }
 
 
@@ -192,7 +202,7 @@ class NodeConfig(BaseModel):
         None, description="O_DIRECT on NVMe segment files; unset: use it where the filesystem allows."
     )
     reservation_ttl_s: float = Field(30.0, gt=0, description="Unfinished writes are reclaimed after this many seconds.")
-    lease_ttl_s: float = Field(30.0, gt=0, description="Read leases expire after this many seconds.")
+    read_lease_ttl_s: float = Field(30.0, gt=0, description="Read leases expire after this many seconds.")
     max_pin_ttl_s: float = Field(
         3600.0,
         gt=0,
@@ -277,7 +287,7 @@ class NodeConfig(BaseModel):
         "default", description="Cluster name: membership, config and namespaces live under /kvstore/<cluster>/ in etcd."
     )
     zone: str = Field("", description="Failure zone of this node, published in its membership record.")
-    etcd_lease_ttl_s: float = Field(
+    membership_ttl_s: float = Field(
         10.0,
         ge=1,
         description="TTL of the etcd lease that holds this node's membership record (whole seconds, rounded up).",
@@ -344,6 +354,16 @@ class NodeConfig(BaseModel):
         return v
 
     # -- derived -----------------------------------------------------------------------
+    @property
+    def lease_ttl_s(self) -> float:
+        """Deprecated name of ``read_lease_ttl_s`` (read leases, not membership)."""
+        return self.read_lease_ttl_s
+
+    @property
+    def etcd_lease_ttl_s(self) -> float:
+        """Deprecated name of ``membership_ttl_s`` (the etcd lease of the membership record)."""
+        return self.membership_ttl_s
+
     def socket_path(self) -> Path:
         return Path(self.socket) if self.socket else Path(self.data_dir) / "kvstore.sock"
 
@@ -425,12 +445,24 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
         if not name.startswith(ENV_PREFIX) or name in CLIENT_ENV:
             continue
         key = name[len(ENV_PREFIX) :].lower()
-        if key not in fields:
+        if key not in fields and key not in DEPRECATED_KEYS:
             raise InvalidArgument(
                 f"unknown environment variable {name}; known: {', '.join(ENV_PREFIX + f.upper() for f in fields)}"
             )
         out[key] = value
-    return out
+    return _renamed(out, "environment variable", lambda k: ENV_PREFIX + k.upper())
+
+
+def _renamed(layer: dict[str, Any], what: str, spell: Callable[[str], str] = str) -> dict[str, Any]:
+    """``layer`` with its deprecated keys under their new names, warning for each one used."""
+    for old, new in DEPRECATED_KEYS.items():
+        if old not in layer:
+            continue
+        if new in layer:
+            raise InvalidArgument(f"{what} {spell(old)} and {spell(new)} are one setting: give only {spell(new)}")
+        warnings.warn(f"{what} {spell(old)} is deprecated, use {spell(new)}", FutureWarning, stacklevel=3)
+        layer[new] = layer.pop(old)
+    return layer
 
 
 def load_config(
@@ -453,7 +485,7 @@ def load_config(
             node, data = data, {}
         if data:
             raise InvalidArgument(f"unknown section(s) in {file}: {sorted(data)}; put settings under [node]")
-        merged.update(node or {})
+        merged.update(_renamed(dict(node or {}), f"{file}: config key"))
         if tenants is not None:
             if "tenants" in merged:
                 raise InvalidArgument(
@@ -461,7 +493,7 @@ def load_config(
                 )
             merged["tenants"] = tenants
     merged.update(_env_overrides(os.environ if environ is None else environ))
-    merged.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    merged.update(_renamed({k: v for k, v in (overrides or {}).items() if v is not None}, "setting"))
     unknown = sorted(set(merged) - set(NodeConfig.model_fields))
     if unknown:
         raise InvalidArgument(f"unknown config key(s) {unknown}; known: {sorted(NodeConfig.model_fields)}")
