@@ -42,6 +42,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import Sequence
@@ -169,7 +170,7 @@ class SaveHandle:
 
 def arena_buffer(client: Any) -> memoryview:
     """The node's arena as this process maps it (``KVClient.arena_buffer``)."""
-    return client.arena_buffer()  # type: ignore[no-any-return]
+    return client.arena_buffer()
 
 
 class GPUAgent:
@@ -266,7 +267,7 @@ class GPUAgent:
 
     def _tiers(self, keys: list[ChunkKey]) -> list[str | None]:
         try:
-            return self.client.lookup(keys)  # type: ignore[no-any-return]
+            return self.client.lookup(keys)
         except KVStoreError as e:  # fail open: a store that cannot answer is a miss
             self._count("store_errors", 1)
             log.warning("kvstore lookup failed (%s); treating as a miss", e)
@@ -330,7 +331,7 @@ class GPUAgent:
             return PrefetchResult(0, plan.resident, plan.prefix, plan.limit)
         # Slots are reserved (invisible to loads), filled on the prefetch stream, and published
         # only once the copy completed and the lease proved valid; any failure gives them back.
-        jobs: list[tuple[bytes, int, int, Segmented]] = []  # key, depth, slot, source
+        jobs: list[tuple[ChunkKey, int, int, Segmented]] = []  # key, depth, slot, source
         published = False
         try:
             with leased:
@@ -480,7 +481,7 @@ class GPUAgent:
         same stream: each is ordered after the compute that ``load`` waited for."""
         for i, fut in enumerate(futures, start=1):
             try:
-                fut.set_result(self.engine.submit("h2d", lambda i=i: layer(i), uses=dst.sources[i : i + 1]))
+                fut.set_result(self.engine.submit("h2d", functools.partial(layer, i), uses=dst.sources[i : i + 1]))
             except BaseException as e:
                 log.warning("queueing layer %d of a load failed: %s", i, e)
                 for f in futures[i - 1 :]:

@@ -140,7 +140,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     from gpu_agent.copy_engine import host_tensor, normalize_device
     from gpu_agent.layout import KVCacheLayout
     from kvstore.block import BlockMeta
-    from kvstore.keys import NO_PARENT
+    from kvstore.keys import NO_PARENT, ChunkKey
 
     if torch.device(a.device).type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(
@@ -229,7 +229,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             arena = {"h2d_small": clock.time(copies_on_stream(torch, h2d, arena_pairs), a.iters)}
         # HBM -> arena: into freshly reserved (writable) extents, aborted afterwards
         metas = [
-            BlockMeta(ns.fingerprint, os.urandom(16), NO_PARENT, C, lay.dtype, lay.block_shape(C), block, 0)
+            BlockMeta(ns.fingerprint, ChunkKey(os.urandom(16)), NO_PARENT, C, lay.dtype, lay.block_shape(C), block, 0)
             for _ in range(a.blocks)
         ]
         with client.reserve(metas) as res:
@@ -291,8 +291,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         n = 256
         x = torch.randn(n, n, device=device, dtype=torch.float32)
         while n < 16384:
-            t = clock.time(lambda: x @ x, 3)
-            if t >= per_layer:
+            t_mm = clock.time(lambda: x @ x, 3)  # noqa: B023 - timed here, before x changes
+            if t_mm >= per_layer:
                 break
             n = int(n * 1.5)
             x = torch.randn(n, n, device=device, dtype=torch.float32)

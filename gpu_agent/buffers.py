@@ -100,7 +100,7 @@ class EngineBuffers:
         for i, t in enumerate(tensors):
             if t.dtype != t0.dtype or t.device != t0.device:
                 raise Incompatible(f"KV tensor {i} is {t.dtype} on {t.device}; layer 0 is {t0.dtype} on {t0.device}")
-        layers = tuple((_storage_bytes(t), t.storage_offset() * t.element_size()) for t in tensors)
+        layers = tuple((_storage_bytes(t), int(t.storage_offset()) * t.element_size()) for t in tensors)
         return cls(layers, geos.pop(), t0.dtype, t0.device, tuple(tensors))
 
     @classmethod
@@ -140,5 +140,5 @@ class EngineBuffers:
 def page_layout_name(prefix: str, t: torch.Tensor, block_dim: int) -> str:
     """A stable name for the byte order inside ``t``'s pages: the interior dimensions'
     sizes from outermost to innermost (what two engines must share to exchange blocks)."""
-    dims = sorted((d for d in range(t.dim()) if d != block_dim and t.shape[d] > 1), key=lambda d: -t.stride(d))
+    dims = sorted((d for d in range(t.dim()) if d != block_dim and t.shape[d] > 1), key=lambda d: -t.stride()[d])
     return f"{prefix}:" + "x".join(str(t.shape[d]) for d in dims) + f"@{math.prod(t.shape[d] for d in dims)}"

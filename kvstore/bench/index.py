@@ -35,6 +35,7 @@ import numpy as np
 
 from kvstore.bench.kit import MiB, label, log
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+from kvstore.keys import ChunkKey
 
 CHAIN = 1000
 TARGETS = {200_000: 3.0, 1_000_000: 15.0}  # restart_s at most, by size (issue 15)
@@ -50,8 +51,8 @@ def rss_anon(pid: int | str = "self") -> int:
     return 0
 
 
-def _key(i: int) -> bytes:
-    return struct.pack("<QQ", 0x1DE7, i)
+def _key(i: int) -> ChunkKey:
+    return ChunkKey(struct.pack("<QQ", 0x1DE7, i))
 
 
 def _fill(directory: Path, n: int, size: int, capacity: int) -> float:

@@ -57,7 +57,7 @@ def measure_path(kv: Any, sizes: Sequence[int], ops: int) -> dict[str, dict[str,
     out: dict[str, dict[str, Any]] = {}
     for si, size in enumerate(sizes):
         src, dst = buffer(size, pattern=True), buffer(size)
-        want = xxhash.xxh3_64_intdigest(src)
+        want = xxhash.xxh3_64_intdigest(src.data)
         warm = max(1, ops // 10)
         keys = [struct.pack("<QII", run, si, i) for i in range(warm + ops)]
         stored = keys[0]
@@ -65,19 +65,20 @@ def measure_path(kv: Any, sizes: Sequence[int], ops: int) -> dict[str, dict[str,
             for i in range(warm):  # connections, caches, the node's first allocations
                 kv.put(keys[i], src)
                 kv.get_into(stored, dst)
-            if xxhash.xxh3_64_intdigest(dst) != want:
+            if xxhash.xxh3_64_intdigest(dst.data) != want:
                 raise KVStoreError(f"get of a {label(size)} block returned bytes that differ from the put")
             r: dict[str, Any] = {}
+            # B023: each closure below runs to completion within this iteration of the loop
 
             def put(i: int) -> None:
-                if not kv.put(keys[warm + i], src):
-                    raise KVStoreError(f"a {label(size)} put failed (node out of DRAM?)")
+                if not kv.put(keys[warm + i], src):  # noqa: B023
+                    raise KVStoreError(f"a {label(size)} put failed (node out of DRAM?)")  # noqa: B023
 
             r["put"] = percentiles(_times(put, ops))
-            r["get"] = percentiles(_times(lambda i: kv.get_into(keys[warm + i], dst), ops))
+            r["get"] = percentiles(_times(lambda i: kv.get_into(keys[warm + i], dst), ops))  # noqa: B023
             if si == 0:
-                r["exists"] = percentiles(_times(lambda i: kv.exists([keys[warm + i]]), ops))
-                r["match_prefix"] = percentiles(_times(lambda i: kv.match_prefix([keys[warm + i]]), ops))
+                r["exists"] = percentiles(_times(lambda i: kv.exists([keys[warm + i]]), ops))  # noqa: B023
+                r["match_prefix"] = percentiles(_times(lambda i: kv.match_prefix([keys[warm + i]]), ops))  # noqa: B023
             out[label(size)] = r
         finally:
             for i in range(0, len(keys), 1024):

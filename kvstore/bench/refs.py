@@ -90,7 +90,7 @@ class DirectIOFile:
 
     def read_into(self, dst: Sequence[np.ndarray], block_bytes: int) -> None:
         for j, d in enumerate(dst):
-            _pread_all(self.fd, memoryview(d), j * block_bytes)
+            _pread_all(self.fd, d.data, j * block_bytes)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -127,10 +127,10 @@ def socket_peer_main(wrap: Callable[[socket.socket], socket.socket] | None = Non
         views = blocks(buf, size)
         if op == b"G":
             for i in range(count):
-                s.sendall(views[i % len(views)])
+                s.sendall(views[i % len(views)].data)
         elif op == b"P":
             for i in range(count):
-                _recv_exact(s, memoryview(views[i % len(views)]))
+                _recv_exact(s, views[i % len(views)].data)
             s.sendall(b"K")
 
 
@@ -154,12 +154,12 @@ class SocketPeer:
     def get(self, dst: Sequence[np.ndarray]) -> None:
         self.s.sendall(_PEER_REQ.pack(b"G", dst[0].size, len(dst)))
         for d in dst:
-            _recv_exact(self.s, memoryview(d))
+            _recv_exact(self.s, d.data)
 
     def put(self, src: Sequence[np.ndarray]) -> None:
         self.s.sendall(_PEER_REQ.pack(b"P", src[0].size, len(src)))
         for v in src:
-            self.s.sendall(v)
+            self.s.sendall(v.data)
         _recv_exact(self.s, memoryview(bytearray(1)))
 
     def close(self) -> None:
@@ -258,7 +258,7 @@ class Redis:
     def set_many(self, keys: Sequence[bytes], values: Sequence[np.ndarray]) -> None:
         for k, v in zip(keys, values):  # pipelined: all commands, then all replies
             self.s.sendall(self._head(b"SET", k, tail=v.nbytes))
-            self.s.sendall(v)
+            self.s.sendall(v.data)
             self.s.sendall(b"\r\n")
         for _ in keys:
             if self._line() != b"+OK":
@@ -269,7 +269,7 @@ class Redis:
         for out in outs:
             if int(self._line()[1:]) != out.nbytes:
                 raise Unavailable("redis GET returned a missing or wrong-sized value")
-            self._read_into(memoryview(out))
+            self._read_into(out.data)
             self._line()  # the CRLF after the bulk string
 
     def close(self) -> None:

@@ -124,7 +124,7 @@ def main(a: argparse.Namespace) -> int:
     scheme = "https" if tls is not None else "http"
     try:
         if a.nodes:
-            source = StaticNodes(a.nodes.split(","), scheme=scheme)
+            source: StaticNodes | EtcdNodes = StaticNodes(a.nodes.split(","), scheme=scheme)
         else:
             from kvstore.cluster.state import parse_target
 

@@ -76,7 +76,7 @@ class ClusterModel:
     ) -> None:
         """Apply one poll: ``results[name] = (url, scrape or None, error when there is no url)``."""
         now = time.time() if now is None else now
-        deltas: collections.Counter[str] = collections.Counter()
+        deltas: collections.defaultdict[str, float] = collections.defaultdict(float)
         with self._lock:
             for name, (url, scrape, err) in results.items():
                 st = self.nodes.get(name)
@@ -219,7 +219,7 @@ class ClusterModel:
             return []
         t1, last = self._latency[-1]
         t0, first = self._latency[0]
-        out = []
+        out: list[dict[str, Any]] = []
         for method, (bounds, counts) in last.items():
             base = first.get(method)
             window = counts

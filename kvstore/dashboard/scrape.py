@@ -51,7 +51,7 @@ class _NodeHTTPS(http.client.HTTPSConnection):
 
     def connect(self) -> None:
         http.client.HTTPConnection.connect(self)  # TCP (and a proxy tunnel, if any)
-        self.sock = self._tls.wrap(self.sock, self._tunnel_host or self.host)
+        self.sock = self._tls.wrap(self.sock, getattr(self, "_tunnel_host", None) or self.host)  # http.client's
 
 
 class _HTTPSHandler(urllib.request.HTTPSHandler):

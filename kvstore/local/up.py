@@ -297,6 +297,7 @@ class LocalCluster:
         from kvstore.tls import ClientTLS, explain, secure_channel
 
         client = ClientTLS.from_options(tls=True, ca_file=files.ca_file)
+        assert client is not None  # tls=True always gives one
         for n in self.nodes:
             target = str(n.endpoints.get("grpc"))
             try:
@@ -337,7 +338,7 @@ class LocalCluster:
         }
 
     def dead_nodes(self) -> list[str]:
-        return [n.node_id for n in self.nodes if n.proc is not None and n.proc.poll() is not None]
+        return [str(n.node_id) for n in self.nodes if n.proc is not None and n.proc.poll() is not None]
 
     def stop(self) -> None:
         if self.dashboard is not None:
