@@ -2,9 +2,9 @@
 
 A cache miss is never an exception: lookups return ``None`` or a result object.
 These exceptions are for contract violations (bad input), capacity, transport
-and corruption.  The SDK maps gRPC status codes onto them in exactly one place
-(``client/_errors.py``); the node maps them back onto status codes in one place
-(``kvstore/node/service.py``).
+and corruption.  They cross gRPC as status codes, and both directions are one table in
+one place, ``kvstore/wire.py``: ``status_for`` (the node's servicer aborts a call with it)
+and ``error_from_rpc`` (the SDK raises what it returns).
 """
 
 from __future__ import annotations
