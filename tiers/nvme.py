@@ -15,8 +15,18 @@ then the payload padded to 4 KiB (``tiers/nvme_format.py``).  Records are writte
 filesystem takes it (aligned ``mmap`` staging buffers, or straight from a page-aligned
 caller buffer) and with buffered ``pwritev`` where it does not.
 
-Owner: the :class:`NVMeTier` instance owns the files, the lmdb environment, the
-in-memory index mirror, the allocator and the policy instance.
+The tier is composed of parts, each in its own module:
+
+* ``tiers/nvme_segments.py``: the segment files, their layout and the record I/O (O_DIRECT staging);
+* ``tiers/nvme_index.py``: index entries, their lmdb copy, and loading them at open;
+* ``tiers/nvme_recovery.py``: checking the index before lmdb maps it, rebuilding it from the segments;
+* ``tiers/nvme_format.py``: the record and index-entry formats.
+
+This module is the tier itself: the :class:`~tiers.base.Tier` protocol, the in-memory index,
+the allocator and the eviction policy, the reader counts and the order of a write's steps.
+
+Owner: the :class:`NVMeTier` instance owns its parts, the in-memory index, the allocator
+and the policy instance.
 
 Invariants:
 
@@ -44,90 +54,31 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-import errno
 import fcntl
+import functools
 import gc
 import logging
-import mmap
 import os
-import struct
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import lmdb
 
-from kvstore.block import HEADER_SIZE, BlockMeta, checksum, decode_header, encode_header, verify_payload
-from kvstore.errors import BlockFormatError, CapacityExceeded, CorruptBlock, DataDirLocked, InvalidArgument, Unavailable
+from kvstore.block import BlockMeta, checksum
+from kvstore.errors import BlockFormatError, CapacityExceeded, DataDirLocked, InvalidArgument, Unavailable
 from kvstore.keys import ChunkKey
 from kvstore.node import failpoints
-from tiers.allocator import Extent, ExtentAllocator
 from tiers.base import MissReason, ReadResult, TierKind
-from tiers.nvme_format import (
-    INDEX_VALUE,
-    INDEX_VALUE_V1,
-    INDEX_VALUE_VERSION,
-    PAGE,
-    addr,
-    close_stage,
-    index_meta,
-    index_parent,
-    index_payload_len,
-    index_value,
-    io_all,
-    probe_direct_io,
-    record_bytes,
-    segment_name,
-)
-from tiers.nvme_recovery import Rebuild, finish, index_damage, move_aside, scan_segments, segment_bytes_on_disk
+from tiers.nvme_format import PAGE, record_bytes
+from tiers.nvme_index import Entry, LmdbIndex, load_entries
+from tiers.nvme_recovery import Rebuild, finish
+from tiers.nvme_segments import DISK_FULL, MEDIA_ERRORS, Layout, Segments, choose_direct_io
 from tiers.policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 
+__all__ = ["PAGE", "BlockLocation", "NVMeTier", "Rebuild", "record_bytes"]
+
 log = logging.getLogger(__name__)
-
-STAGE_BYTES = 8 << 20  # staging buffer: the unit of O_DIRECT I/O for unaligned caller buffers
-_STAGE_POOL_MAX = 4
-_ZEROS = bytes(PAGE)
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-_MEDIA_ERRORS = (errno.EIO, errno.ENODATA, errno.EBADMSG)
-
-
-class _Entry:
-    """One stored block.  Mutable fields (``readers``, ``dead``) change under the tier lock.
-
-    ``meta`` is decoded from the index entry (``raw``) on first use: an open builds no
-    :class:`BlockMeta` for the many blocks nobody asks about, which is most of its time
-    and memory per block.  Decoding twice in a race yields equal metas (harmless)."""
-
-    __slots__ = ("key", "_meta", "raw", "seg", "off", "length", "vaddr", "seq", "readers", "dead")
-
-    def __init__(
-        self,
-        key: ChunkKey,
-        meta: BlockMeta | None,
-        seg: int,
-        off: int,
-        length: int,
-        vaddr: int,
-        seq: int,
-        raw: bytes = b"",
-    ) -> None:
-        self.key, self._meta, self.raw = key, meta, raw
-        self.seg, self.off, self.length, self.vaddr, self.seq = seg, off, length, vaddr, seq
-        self.readers = 0
-        self.dead = False
-
-    @property
-    def meta(self) -> BlockMeta:
-        """The block's meta (``CorruptBlock`` if the index entry it comes from does not describe one)."""
-        m = self._meta
-        if m is None:
-            m = self._meta = index_meta(self.key, self.raw)
-        return m
-
-    def value(self) -> bytes:
-        if self._meta is None:
-            return self.raw  # loaded from lmdb at open: still what lmdb holds
-        return index_value(self.seg, self.off, self.length, self.seq, self._meta)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -188,13 +139,10 @@ class NVMeTier:
         self._commit_lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # signalled when _inflight drops to 0
         self._inflight = 0  # reads and writes under way
-        self._index: dict[ChunkKey, _Entry] = {}
-        self._pending: list[_Entry] = []  # removed from memory, delete not yet committed to lmdb
-        self._stages: list[mmap.mmap] = []
-        self._fds: list[int] = []
-        self._preallocated: set[int] = set()  # segments whose extent is reserved on disk
-        self._in_use: set[int] = set()  # segments that held data when the tier opened
-        self._env: lmdb.Environment | None = None
+        self._index: dict[ChunkKey, Entry] = {}
+        self._pending: list[Entry] = []  # removed from memory, delete not yet committed to lmdb
+        self._lmdb: LmdbIndex | None = None
+        self._segments: Segments | None = None
         self._closed = False
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._acquire_dir_lock()
@@ -221,305 +169,43 @@ class NVMeTier:
         return fd
 
     def _open(self, cap: int, segment_bytes: int, direct_io: bool | None) -> None:
-        probe = probe_direct_io(self.directory) if direct_io is not False else False
-        if probe is None:  # a full disk fails open: the node starts and serves what it holds
-            log.warning(
-                "cannot probe O_DIRECT on %s: the filesystem is full; using %s I/O",
-                self.directory,
-                "direct" if direct_io else "buffered",
-            )
-        can_direct = bool(probe)
-        if direct_io and probe is False:
-            raise InvalidArgument(
-                f"the filesystem of {self.directory} refuses O_DIRECT (tmpfs?); pass direct_io=None or False"
-            )
-        self.direct_io = can_direct if direct_io is None else direct_io
-        index_dir = self.directory / "index.lmdb"
-        # never let lmdb map an index it cannot trust (a truncated one faults the process):
-        # a damaged or lost one is moved aside and rebuilt from the self-describing segments
-        damage = index_damage(index_dir)
-        if damage is not None:
-            self._set_aside(index_dir, damage)
-        seg_hint = min(segment_bytes, cap) // PAGE * PAGE
-        raw: list[tuple[bytes, bytes]] = []
-        for attempt in (1, 2):
-            try:
-                if self.rebuild is not None:
-                    seg_hint = segment_bytes_on_disk(self.directory, segment_name) or seg_hint
-                seg = self._open_env(index_dir, cap, seg_hint, segment_bytes)
-                if self.rebuild is None:
-                    with self._env.begin() as txn:  # type: ignore[union-attr]
-                        raw = list(txn.cursor(db=self._db))
-                break
-            except lmdb.Error as e:  # damage the check did not see
-                if attempt == 2 or self.rebuild is not None:
-                    raise
-                if self._env is not None:
-                    self._env.close()
-                    self._env = None
-                self._set_aside(index_dir, f"lmdb: {e!r}")
-        self.segment_bytes = seg
-        n = -(-cap // seg)
-        self._seg_sizes = [seg] * (n - 1) + [cap - (n - 1) * seg]
-        self._stride = seg + PAGE
+        """Index (checked, or planned for a rebuild), then segments, then memory from the index."""
+        self.direct_io = choose_direct_io(self.directory, direct_io)
+        idx = self._lmdb = LmdbIndex(self.directory, cap, segment_bytes, sync=self.sync)
+        self.rebuild = idx.rebuild
+        self.segment_bytes = idx.segment_bytes
+        layout = self._layout = Layout(idx.segment_bytes, cap)
+        self._stride = layout.stride
+        self._nsegments = len(layout.sizes)
         self._capacity = cap
-        self._max_record = max(self._seg_sizes)
-        self._alloc = ExtentAllocator((n - 1) * self._stride + self._seg_sizes[-1], unit=PAGE)
-        for i in range(n - 1):  # the gap pages that keep records inside one segment
-            self._alloc.reserve_exact(Extent(i * self._stride + seg, PAGE))
-        self._gap_bytes = (n - 1) * PAGE
-        self._open_segments()
-        if self.rebuild is not None:
-            raw = self._rebuild_index(self.rebuild)
+        self._max_record = layout.max_record
+        self._alloc = layout.allocator()
+        self._gap_bytes = layout.gap_bytes
+        seg = self._segments = Segments(self.directory, layout, direct_io=self.direct_io)
+        raw = idx.fill(seg.scan(self.rebuild)) if self.rebuild is not None else idx.take_loaded()
         # millions of new objects, none in a cycle: the collector's passes over them
         # (generation 2 several times) were a third of an open
         collecting = gc.isenabled()
         gc.disable()
         try:
-            self._load_index(raw)
+            loaded = load_entries(raw, layout, self._alloc, seg.read_header)
         finally:
             if collecting:
                 gc.enable()
+        del raw
+        self._index = loaded.entries
+        self.corrupt_blocks += loaded.corrupt
+        self.dropped_on_open += loaded.dropped
+        self._policy.insert_many(loaded.order)
+        idx.tidy(loaded.drop, loaded.rewrite)
+        self._seq = loaded.top_seq
         if self.rebuild is not None:
             self.rebuild.recovered = len(self._index)
             finish(self.rebuild, self.directory)
 
-    def _set_aside(self, index_dir: Path, damage: str) -> None:
-        """Move a damaged index aside; plan a rebuild if any segment holds data."""
-        moved = move_aside(index_dir)
-        if any(p.stat().st_size for p in self.directory.glob("seg-*.dat")):
-            self.rebuild = Rebuild(reason=damage)
-        if moved is not None:
-            log.error(
-                "the NVMe index %s cannot be used (%s): moved it to %s%s",
-                index_dir,
-                damage,
-                moved,
-                "; rebuilding it from the segment files" if self.rebuild else "",
-            )
-
-    def _open_env(self, index_dir: Path, cap: int, seg_hint: int, asked: int) -> int:
-        """Open (or create) the lmdb index; its stored segment size, else ``seg_hint`` (stored)."""
-        # the index names every stored key and namespace: the node's alone, like the segments.
-        # lmdb's ``mode`` is also what it would mkdir the directory with (0600: not searchable
-        # by a non-root owner), so the directory is made here first
-        index_dir.mkdir(mode=0o700, exist_ok=True)
-        self._env = lmdb.open(
-            str(index_dir),
-            map_size=min(max(32 << 20, cap // (2 * PAGE) * 512), 1 << 40),
-            max_dbs=2,
-            sync=self.sync,
-            metasync=self.sync,
-            readahead=False,
-            mode=0o600,
-        )
-        self._db = self._env.open_db(b"blocks")
-        config = self._env.open_db(b"config")
-        with self._env.begin(write=True) as txn:
-            stored = txn.get(b"segment_bytes", db=config)
-            if stored is None:
-                txn.put(b"segment_bytes", struct.pack("<Q", seg_hint), db=config)
-                return seg_hint
-        seg = int(
-            struct.unpack("<Q", stored)[0]
-        )  # locations are (segment, offset): the layout of an existing directory wins
-        if seg != asked:
-            log.info("%s keeps its segment_bytes=%d (asked for %d)", self.directory, seg, asked)
-        return seg
-
-    def _rebuild_index(self, report: Rebuild) -> list[tuple[bytes, bytes]]:
-        """Scan the segments in use for verified records and commit them as the index (one txn)."""
-        assert self._env is not None
-        stage = self._acquire_stage()
-        try:
-            used = [(i, self._fds[i], size) for i, size in enumerate(self._seg_sizes) if i in self._in_use]
-            found = scan_segments(used, memoryview(stage), report)
-        finally:
-            self._release_stage(stage)
-        raw = [
-            (bytes(r.meta.key), _Entry(r.meta.key, r.meta, seg, r.offset, r.length, 0, seq).value())
-            for seq, (seg, r) in enumerate(found, start=1)
-        ]
-        with self._env.begin(write=True) as txn:
-            for k, v in raw:
-                txn.put(k, v, db=self._db)
-        self._env.sync(True)
-        return raw
-
     def _seg_path(self, i: int) -> Path:
-        return self.directory / segment_name(i)
-
-    def _open_segments(self) -> None:
-        flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.direct_io else 0)
-        for i, size in enumerate(self._seg_sizes):
-            fd = os.open(self._seg_path(i), flags, 0o600)  # every tenant's KV bytes: the node's alone, like the arena
-            self._fds.append(fd)
-            st_size = os.fstat(fd).st_size
-            if st_size > size:
-                os.ftruncate(fd, size)
-            if st_size:  # in use before: keep it whole; an untouched one is preallocated on first write
-                self._in_use.add(i)
-                try:
-                    self._preallocate(i)
-                except (CapacityExceeded, OSError) as e:  # the next write tries again; a start must not fail on it
-                    log.warning("cannot preallocate %s now: %s", self._seg_path(i), e)
-        i = len(self._seg_sizes)
-        while self._seg_path(i).exists():  # segments beyond a reduced capacity
-            self._seg_path(i).unlink()
-            i += 1
-        dfd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-
-    def _preallocate(self, seg: int) -> None:
-        """Reserve a segment's whole extent on disk, once, before its first record.
-
-        Segments are preallocated lazily so a large, mostly empty tier does not take its
-        full capacity from the filesystem at start-up.  Idempotent and thread-safe
-        (``posix_fallocate`` of an allocated range is a no-op)."""
-        if seg in self._preallocated:
-            return
-        size = self._seg_sizes[seg]
-        try:
-            failpoints.hit("nvme.preallocate")
-            os.posix_fallocate(self._fds[seg], 0, size)
-        except OSError as e:
-            if e.errno in _DISK_FULL:
-                raise CapacityExceeded(
-                    f"cannot preallocate {size} bytes for {self._seg_path(seg)}: the filesystem is full; "
-                    "lower the NVMe capacity_bytes or free disk space"
-                ) from e
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            os.ftruncate(self._fds[seg], size)  # no fallocate here: sparse file; ENOSPC may come on write
-        self._preallocated.add(seg)
-
-    def _load_index(self, raw: list[tuple[bytes, bytes]]) -> None:
-        """Rebuild memory from lmdb's entries: a scan of the index, no record read.
-
-        Version-2 entries carry their block's meta (checked for self-consistency here,
-        decoded on first use; the header on disk is checked on every read).  Version-1
-        entries (older directories) have their record's header read and are rewritten as
-        version 2.  Entries that overlap keep the newest; bad ones are dropped and counted."""
-        assert self._env is not None
-        drop: list[bytes] = []
-        kept: list[tuple[int, int, int, bytes, bytes]] = []  # (vaddr, length, seq, key, value)
-        sizes, stride, nseg = self._seg_sizes, self._stride, len(self._seg_sizes)
-        unpack, fixed = INDEX_VALUE.unpack_from, INDEX_VALUE.size
-        top = 0
-        for key, value in raw:
-            fields = unpack(value) if len(key) == 16 and len(value) >= fixed else None
-            if fields is not None and fields[4] > top:
-                top = fields[4]
-            if fields is None or not (
-                (
-                    fields[0] == INDEX_VALUE_VERSION
-                    and (plen := index_payload_len(value)) is not None
-                    and record_bytes(plen) == fields[3]
-                )
-                or (fields[0] == INDEX_VALUE_V1 and len(value) == fixed)
-            ):
-                self.corrupt_blocks += 1
-                drop.append(key)
-                continue
-            _, seg, off, length, seq, _ = fields
-            if seg >= nseg or off + length > sizes[seg]:
-                self.dropped_on_open += 1
-                drop.append(key)
-                continue
-            if off % PAGE or length % PAGE or length < PAGE:
-                self.corrupt_blocks += 1
-                drop.append(key)
-                continue
-            kept.append((seg * stride + off, length, seq, key, value))
-        kept = self._reserve_extents(kept, drop)
-        migrate = [k for k in kept if k[4][0] == INDEX_VALUE_V1]
-        metas = self._read_headers(migrate, drop) if migrate else {}
-        kept.sort(key=lambda k: k[2])  # parents are mostly older: insert them first
-        index, order = self._index, []
-        for vaddr, length, seq, key, value in kept:
-            seg, off = divmod(vaddr, stride)
-            if value[0] == INDEX_VALUE_VERSION:
-                index[key] = _Entry(ChunkKey(key), None, seg, off, length, vaddr, seq, value)
-                order.append((ChunkKey(key), index_parent(value), length))
-            elif (meta := metas.get(key)) is not None:
-                index[key] = _Entry(ChunkKey(key), meta, seg, off, length, vaddr, seq)
-                order.append((ChunkKey(key), meta.parent, length))
-        self._policy.insert_many(order)
-        del order
-        for attempt in (1, 2) if drop or metas else ():
-            try:
-                with self._env.begin(write=True) as txn:
-                    for key in drop:
-                        txn.delete(key, db=self._db)
-                    for key in metas:  # version 1 -> 2: the next open reads no header
-                        txn.put(key, index[key].value(), db=self._db)
-                break
-            except lmdb.Error as e:  # a full disk: they are only out of memory, and dropped again next time
-                if attempt == 1 and isinstance(e, lmdb.MapFullError):  # version 2 entries are longer
-                    self._env.set_mapsize(self._env.info()["map_size"] * 2)
-                    continue
-                log.warning(
-                    "could not update %d entries of the NVMe index of %s: %r", len(drop) + len(metas), self.directory, e
-                )
-        self._seq = top
-
-    def _reserve_extents(
-        self, kept: list[tuple[int, int, int, bytes, bytes]], drop: list[bytes]
-    ) -> list[tuple[int, int, int, bytes, bytes]]:
-        """Reserve the entries' extents in the allocator; of overlapping ones the newest wins."""
-        kept.sort()
-        try:
-            self._alloc.reserve_many(kept)
-            return kept
-        except InvalidArgument:  # two entries overlap (a damaged index): reserve nothing that way
-            pass
-        out = []
-        for k in sorted(kept, key=lambda k: -k[2]):  # a damaged index: one at a time, newest first
-            try:
-                self._alloc.reserve_exact(Extent(k[0], k[1]))
-            except InvalidArgument:
-                self.corrupt_blocks += 1
-                drop.append(k[3])
-                continue
-            out.append(k)
-        return out
-
-    def _read_headers(
-        self, todo: list[tuple[int, int, int, bytes, bytes]], drop: list[bytes]
-    ) -> dict[bytes, BlockMeta]:
-        """The metas of version-1 entries, from their records' headers (checked against the entry)."""
-        metas: dict[bytes, BlockMeta] = {}
-        hdr = self._acquire_stage()
-        try:
-            for vaddr, length, _, key, value in sorted(todo):
-                seg, off = divmod(vaddr, self._stride)
-                try:
-                    io_all(os.preadv, self._fds[seg], [memoryview(hdr)[:PAGE]], off)
-                    meta = decode_header(memoryview(hdr)[:HEADER_SIZE], expect_key=key)
-                    if (
-                        meta.payload_checksum != INDEX_VALUE.unpack(value)[5]
-                        or record_bytes(meta.payload_len) != length
-                    ):
-                        raise CorruptBlock("header disagrees with the index")
-                except (BlockFormatError, OSError) as e:
-                    if isinstance(e, OSError) and e.errno not in _MEDIA_ERRORS:
-                        raise
-                    log.warning("dropping NVMe block %s at open: %s", key.hex(), e)
-                    self.corrupt_blocks += 1
-                    self._alloc.free([Extent(vaddr, length)])
-                    drop.append(key)
-                    continue
-                metas[key] = meta
-        finally:
-            self._release_stage(hdr)
-        return metas
-
-    @staticmethod
-    def _seq_of(value: bytes) -> int:
-        return INDEX_VALUE.unpack_from(value)[4] if len(value) >= INDEX_VALUE.size else -1
+        assert self._segments is not None
+        return self._segments.path(i)
 
     # -- queries (event-loop safe: memory only) ---------------------------------------
     @property
@@ -592,7 +278,7 @@ class NVMeTier:
                 "dropped_on_open": self.dropped_on_open,
                 **self.recovery(),
                 "pending_index_deletes": len(self._pending),
-                "segments": len(self._seg_sizes),
+                "segments": self._nsegments,
                 "segment_bytes": self.segment_bytes,
                 "direct_io": self.direct_io,
             }
@@ -662,13 +348,15 @@ class NVMeTier:
             views.append(mv)
         if not views:
             return
-        entries: list[_Entry] = []
+        entries: list[Entry] = []
         with self._lock:
             self._enter()
+            segments = self._segments  # open until the last operation in flight ends
+            assert segments is not None
             for (meta, _), mv in zip(items, views):
                 got = self._alloc.allocate(record_bytes(mv.nbytes), contiguous=True)
                 if got is None:
-                    self._alloc.free([Extent(e.vaddr, e.length) for e in entries])
+                    self._alloc.free([e.extent() for e in entries])
                     self._exit()
                     raise CapacityExceeded(
                         f"no free NVMe extent for {len(items)} block(s) now ({self._alloc.free_bytes} bytes free, "
@@ -677,59 +365,51 @@ class NVMeTier:
                 v = got[0]
                 self._seq += 1
                 seg, off = divmod(v.offset, self._stride)
-                entries.append(_Entry(meta.key, meta, seg, off, v.length, v.offset, self._seq))
+                entries.append(Entry(meta.key, meta, seg, off, v.length, v.offset, self._seq))
             must_flush = any(
                 p.vaddr < e.vaddr + e.length and e.vaddr < p.vaddr + p.length for p in self._pending for e in entries
             )
         committed = False
         try:
             for seg in sorted({e.seg for e in entries}):
-                self._preallocate(seg)
+                segments.preallocate(seg)
             if must_flush:
                 self.flush()
-            for e, mv in zip(entries, views):
-                failpoints.hit("nvme.write", short=lambda: self._write_header_only(e))
-                self._transfer(e, mv, writing=True)
+            for ent, mv in zip(entries, views):
+                failpoints.hit(
+                    "nvme.write", short=functools.partial(segments.write_header_only, ent.seg, ent.off, ent.meta)
+                )
+                self._transfer(ent, mv, writing=True)
             if self.sync:
-                for seg in sorted({e.seg for e in entries}):
-                    failpoints.hit("nvme.sync")
-                    os.fdatasync(self._fds[seg])
+                segments.sync({e.seg for e in entries})
             self._commit(entries)
             committed = True
         except OSError as err:
-            if err.errno in _DISK_FULL:
+            if err.errno in DISK_FULL:
                 raise CapacityExceeded(f"the disk under {self.directory} is full: {err}") from err
             raise
         finally:
             with self._lock:
                 if not committed:
-                    self._alloc.free([Extent(e.vaddr, e.length) for e in entries])
+                    self._alloc.free([e.extent() for e in entries])
                 self._exit()
 
     def flush(self) -> None:
         """Commit queued index deletes to lmdb (writes do this on their own)."""
         self._commit([])
 
-    def _commit(self, entries: list[_Entry]) -> None:
-        assert self._env is not None
+    def _commit(self, entries: list[Entry]) -> None:
+        assert self._lmdb is not None
         with self._commit_lock:
             with self._lock:
                 drained, self._pending = self._pending, []
             if not drained and not entries:
                 return
             try:
-                try:
-                    self._commit_txn(drained, entries)
-                except lmdb.MapFullError:  # the map was sized for typical churn: double it, once
-                    self._env.set_mapsize(self._env.info()["map_size"] * 2)
-                    self._commit_txn(drained, entries)
-            except BaseException as e:
+                self._lmdb.commit(drained, entries)
+            except BaseException:
                 with self._lock:
                     self._pending[:0] = drained
-                if isinstance(e, lmdb.Error):  # mapped once, here: callers see the tier's error types
-                    if isinstance(e, (lmdb.MapFullError, lmdb.DiskError)):
-                        raise CapacityExceeded(f"the NVMe index under {self.directory} cannot grow: {e}") from e
-                    raise OSError(errno.EIO, f"the NVMe index under {self.directory} failed: {e!r}") from e
                 raise
             with self._lock:
                 for e in entries:
@@ -739,52 +419,19 @@ class NVMeTier:
                     if old is not None:
                         self._retire(old)
 
-    def _commit_txn(self, drained: list[_Entry], entries: list[_Entry]) -> None:
-        assert self._env is not None
-        with self._env.begin(write=True) as txn:
-            failpoints.hit("nvme.index.commit", errors={"enospc": lmdb.DiskError, "edquot": lmdb.DiskError})
-            for p in drained:  # only if lmdb still holds that very entry
-                v = txn.get(p.key, db=self._db)
-                if v is not None and self._seq_of(v) == p.seq:
-                    txn.delete(p.key, db=self._db)
-            for e in entries:
-                txn.put(e.key, e.value(), db=self._db)
-
-    def _write_header_only(self, e: _Entry) -> None:
-        """A torn record (failpoint ``nvme.write=short``): its header, and none of its payload."""
-        buf = mmap.mmap(-1, PAGE)  # page-aligned, as O_DIRECT wants
-        try:
-            buf[:HEADER_SIZE] = encode_header(e.meta)
-            io_all(os.pwritev, self._fds[e.seg], [memoryview(buf)], e.off)
-        finally:
-            close_stage(buf)
-
-    def _retire(self, e: _Entry) -> None:
+    def _retire(self, e: Entry) -> None:
         """Under ``_lock``: ``e`` has left the index; free its space once nobody reads it."""
         e.dead = True
         if e.readers == 0:
-            self._alloc.free([Extent(e.vaddr, e.length)])
+            self._alloc.free([e.extent()])
 
     # -- data I/O (never under a lock) ----------------------------------------------------
-    def _acquire_stage(self) -> mmap.mmap:
-        with self._lock:
-            if self._stages:
-                return self._stages.pop()
-        return mmap.mmap(-1, STAGE_BYTES)
-
-    def _release_stage(self, stage: mmap.mmap) -> None:
-        with self._lock:
-            if len(self._stages) < _STAGE_POOL_MAX and not self._closed:
-                self._stages.append(stage)
-                return
-        close_stage(stage)
-
     def read_into(self, key: ChunkKey, out: object) -> ReadResult:
         """Copy ``key``'s payload into ``out`` after verifying header and payload checksum."""
         try:
             omv = memoryview(out).cast("B")  # type: ignore[arg-type]
-        except (TypeError, ValueError) as e:
-            raise InvalidArgument(f"out must be a contiguous writable buffer: {e}") from None
+        except (TypeError, ValueError) as err:
+            raise InvalidArgument(f"out must be a contiguous writable buffer: {err}") from None
         if omv.readonly:
             raise InvalidArgument("out must be writable")
         with self._lock:
@@ -801,7 +448,7 @@ class NVMeTier:
         try:
             self._transfer(e, omv[: e.meta.payload_len], writing=False)
         except (BlockFormatError, OSError) as err:
-            if isinstance(err, OSError) and err.errno not in _MEDIA_ERRORS:
+            if isinstance(err, OSError) and err.errno not in MEDIA_ERRORS:
                 raise
             log.warning("NVMe block %s is corrupt, dropping it: %s", key.hex(), err)
             corrupt = True
@@ -816,66 +463,15 @@ class NVMeTier:
                     self._pending.append(e)
                     e.dead = True
                 if e.dead and e.readers == 0:
-                    self._alloc.free([Extent(e.vaddr, e.length)])
+                    self._alloc.free([e.extent()])
         if corrupt:
             return ReadResult(key, miss=MissReason.CORRUPT)
         return ReadResult(key, meta=e.meta, nbytes=e.meta.payload_len)
 
-    def _transfer(self, e: _Entry, mv: memoryview, writing: bool) -> None:
+    def _transfer(self, e: Entry, mv: memoryview, writing: bool) -> None:
         """Write ``e``'s record from ``mv``, or read it into ``mv`` and verify it (raises on doubt)."""
-        fd, n = self._fds[e.seg], mv.nbytes
-        op = os.pwritev if writing else os.preadv
-        page = encode_header(e.meta) + _ZEROS[HEADER_SIZE:] if writing else bytearray(PAGE)
-        if not self.direct_io:  # buffered: straight from / into the caller's buffer, any alignment
-            pad = memoryview(_ZEROS)[: e.length - PAGE - n] if writing else mv[:0]
-            io_all(op, fd, [memoryview(page), mv, pad], e.off)
-            if not writing:
-                self._check(e, page, mv)
-            return
-        stage = self._acquire_stage()
-        s = memoryview(stage)
-        try:
-            if addr(mv) % PAGE == 0:  # aligned caller buffer: its whole pages move without a copy
-                full = n // PAGE * PAGE
-                tail = n - full
-                if writing:
-                    s[:PAGE] = page
-                    s[PAGE : PAGE + tail] = mv[full:]
-                    s[PAGE + tail : 2 * PAGE] = _ZEROS[tail:]
-                io_all(op, fd, [s[:PAGE], mv[:full], s[PAGE : 2 * PAGE] if tail else s[:0]], e.off)
-                if not writing:
-                    mv[full:] = s[PAGE : PAGE + tail]
-                    self._check(e, s[:HEADER_SIZE], mv)
-                return
-            for pos in range(0, e.length, STAGE_BYTES):  # otherwise through the staging buffer
-                hi = min(pos + STAGE_BYTES, e.length)
-                a, b = max(pos, PAGE), min(hi, PAGE + n)  # the payload's share of this chunk
-                if writing:
-                    if pos == 0:
-                        s[:PAGE] = page
-                    if a < b:
-                        s[a - pos : b - pos] = mv[a - PAGE : b - PAGE]
-                    z = max(pos, PAGE + n)
-                    if z < hi:
-                        s[z - pos : hi - pos] = _ZEROS[: hi - z]
-                io_all(op, fd, [s[: hi - pos]], e.off + pos)
-                if not writing:
-                    if pos == 0:  # a bad header fails before the rest is read
-                        self._check(e, s[:HEADER_SIZE], None)
-                    if a < b:
-                        mv[a - PAGE : b - PAGE] = s[a - pos : b - pos]
-            if not writing:
-                verify_payload(e.meta, mv)
-        finally:
-            del s
-            self._release_stage(stage)
-
-    @staticmethod
-    def _check(e: _Entry, hdr: object, payload: memoryview | None) -> None:
-        if decode_header(hdr, expect_key=e.key) != e.meta:
-            raise CorruptBlock(f"header of {e.key.hex()} disagrees with the index")
-        if payload is not None:
-            verify_payload(e.meta, payload)
+        assert self._segments is not None
+        self._segments.transfer(e.seg, e.off, e.length, e.meta, mv, writing=writing)
 
     # -- lifetime -------------------------------------------------------------------------
     def _enter(self) -> None:
@@ -899,10 +495,10 @@ class NVMeTier:
             if not self._idle.wait_for(lambda: self._inflight == 0, timeout):
                 log.error("closing %s with %d operations still in flight", self.directory, self._inflight)
         try:
-            if self._env is not None:
+            if self._lmdb is not None:
                 self.flush()
                 if self.sync:
-                    self._env.sync(True)
+                    self._lmdb.sync()
         except (CapacityExceeded, OSError, lmdb.Error) as e:  # a full or failing disk must not stop a shutdown
             log.error(
                 "closing %s: could not commit %d index deletes (%r); those blocks may be back after a restart",
@@ -914,16 +510,12 @@ class NVMeTier:
             self._release()
 
     def _release(self) -> None:
-        if self._env is not None:
-            self._env.close()
-            self._env = None
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
-        with self._lock:
-            stages, self._stages = self._stages, []
-        for st in stages:
-            close_stage(st)
+        if self._lmdb is not None:
+            self._lmdb.close()
+            self._lmdb = None
+        if self._segments is not None:
+            self._segments.close()
+            self._segments = None
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = -1

@@ -1,9 +1,10 @@
 """The NVMe tier's on-disk format (how a record lies in a segment, what an index entry holds)
 and the raw I/O helpers that read and write it.
 
-Role: the layout shared by the tier (``tiers/nvme.py``), which writes and reads records,
-and the index recovery (``tiers/nvme_recovery.py``), which finds them again without an
-index.  No state.
+Role: the layout shared by the segment I/O (``tiers/nvme_segments.py``), which writes and
+reads records, the index (``tiers/nvme_index.py``), which stores and loads entries, and the
+index recovery (``tiers/nvme_recovery.py``), which finds records again without an index.
+No state.
 
 A record is the 160-byte block header (``kvstore.block``) padded to one ``PAGE``, then
 the payload padded to ``PAGE``; it starts on a page boundary of its segment and never

@@ -8,8 +8,9 @@ pages here, a full read-only walk in a child process); a damaged one is moved as
 (:func:`move_aside`) and the entries are found again by scanning the segment files for
 self-describing records (:func:`scan_segment`), every one verified end to end.
 
-Owner: no state.  Called by ``NVMeTier._open`` while it holds the data directory's lock,
-before anything else touches the index or the segments.
+Owner: no state.  Called while :class:`tiers.nvme.NVMeTier` opens and holds the data
+directory's lock, before anything else touches the index or the segments: the check by
+``tiers/nvme_index.py`` (``LmdbIndex``), the scan by ``tiers/nvme_segments.py`` (``Segments.scan``).
 
 Invariants:
 

@@ -439,9 +439,9 @@ def test_threads_read_write_delete(make) -> None:
 def test_direct_io_chunks_through_small_staging_buffers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int
 ) -> None:
-    import tiers.nvme as nvme
+    import tiers.nvme_segments as segments
 
-    monkeypatch.setattr(nvme, "STAGE_BYTES", 3 * PAGE)  # records span many staging chunks
+    monkeypatch.setattr(segments, "STAGE_BYTES", 3 * PAGE)  # records span many staging chunks
     with NVMeTier(tmp_path / "d", 4 * MiB, segment_bytes=MiB, sync=False) as t:
         meta, data = block("c", size)
         t.write(meta, memoryview(b"\0" + data)[1:])  # unaligned: staged in chunks when direct
