@@ -1,4 +1,4 @@
-"""The GPU agent: the inference worker's side of kvstore (DESIGN §5).
+"""The GPU agent: the inference worker's side of kvstore (architecture §7).
 
 The only package that imports ``torch.cuda``.  Importing ``gpu_agent`` itself imports
 nothing heavy (the ``kvstore`` CLI registers ``gpu_agent.demo`` at start-up and the

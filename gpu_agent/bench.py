@@ -28,7 +28,7 @@ tensors, to check the script itself; its numbers mean little):
    ``hidden = t_load + t_compute - t_overlap``; reported as ``hidden / t_load`` and
    ``hidden / (t_load + t_compute)``.
 
-DESIGN §10's target: arena → HBM ≥ 0.8 × pinned ``cudaMemcpyAsync``, overlapped with compute.
+architecture §15's target: arena → HBM ≥ 0.8 × pinned ``cudaMemcpyAsync``, overlapped with compute.
 Starts a private node (DRAM sized for the blocks, no NVMe) unless ``--target`` is given.
 """
 

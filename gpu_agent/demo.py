@@ -74,7 +74,7 @@ class WorkerProcess:
             "PYTHONUNBUFFERED": "1",
             "TRANSFORMERS_VERBOSITY": "error",
             # keep freed memory in the process: without it every large activation is a fresh mmap
-            # whose first touch runs at 0.4-0.9 GB/s (DESIGN §9) and TTFTs measure page faults
+            # whose first touch runs at 0.4-0.9 GB/s (architecture §14) and TTFTs measure page faults
             "GLIBC_TUNABLES": os.environ.get(
                 "GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=4294967296"
             ),

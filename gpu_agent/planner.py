@@ -25,7 +25,7 @@ GB = 1e9
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Bandwidths:
-    """Bytes per second of each hop, for time estimates (defaults: DESIGN §9 and a PCIe 4 x16 link)."""
+    """Bytes per second of each hop, for time estimates (defaults: architecture §14 and a PCIe 4 x16 link)."""
 
     dram_to_hbm: float = 20 * GB
     nvme_to_dram: float = 1.5 * GB

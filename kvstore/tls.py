@@ -1,4 +1,4 @@
-"""TLS for a node's TCP listeners and for the SDK's connections to them (DESIGN §8).
+"""TLS for a node's TCP listeners and for the SDK's connections to them (architecture §10).
 
 A node configured with ``tls_cert_file`` / ``tls_key_file`` serves gRPC on its TCP
 listener with ``grpc.ssl_server_credentials`` and wraps every accepted data-channel

@@ -1,4 +1,4 @@
-"""The references ``kvstore bench`` measures its paths against, in the same run (DESIGN §9, §10).
+"""The references ``kvstore bench`` measures its paths against, in the same run (architecture §14, §15).
 
 One concern each, none of them kvstore code:
 
