@@ -20,12 +20,29 @@ Method (parsing and reporting here; replays in :mod:`kvstore.traces.sweep`):
    is the planned capacity in DRAM.
 
 The optimum's capacity is a lower bound no online policy reaches.
+
+Two tiers, priced (``--nvme-fractions``, ``--dram-price-per-gib``, ``--nvme-price-per-gib``,
+``--budget``): the planned policy is replayed through the node's DRAM *and* NVMe tier
+managers (:func:`kvstore.traces.sweep.grid`) at every split of the grid DRAM
+``--fractions`` × NVMe (0 and ``--nvme-fractions``), each split's cost is
+``dram GiB × dram price + nvme GiB × nvme price``, and the planner answers
+
+* ``cheapest_for_target``: the cheapest split whose hit ratio reaches the target
+  (ties: fewer bytes); if none does, it says so and names the best split it found;
+* ``best_for_budget``: the split with the highest hit ratio costing at most ``--budget``
+  (ties: cheaper), with its prefill time saved per request when the cost model's inputs
+  are given (:mod:`kvstore.traces.costmodel`: ``--recompute-tps``, ``--dram-gbps``,
+  ``--nvme-gbps`` or ``--bench``).
+
+Answers are grid points: as fine as the fractions asked for (no bisection in two dimensions).
+``--heatmap PNG`` draws the grid's hit ratios with both answers marked.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
 from kvstore.block import DTYPES
@@ -35,10 +52,21 @@ from kvstore.progress import Progress
 from kvstore.traces.format import DEFAULT_BLOCK_TOKENS, Trace
 from kvstore.traces.replay import gap_closed, positive_int
 from kvstore.traces.simulator import DEFAULT_PUT_BATCH, check_policy
-from kvstore.traces.sweep import DEFAULT_FRACTIONS, OPTIMAL, SweepPoint, capacities_for, smallest_capacity, sweep
+from kvstore.traces.sweep import (
+    DEFAULT_FRACTIONS,
+    OPTIMAL,
+    GridPoint,
+    SweepPoint,
+    capacities_for,
+    grid,
+    smallest_capacity,
+    sweep,
+)
 from tiers.policy import DEFAULT_POLICY, POLICIES
 
 GiB = 1 << 30
+DEFAULT_NVME_FRACTIONS = (0.1, 0.2, 0.5, 1.0)
+"""The two-tier grid's NVMe sizes (with 0, DRAM only), as fractions of unique blocks."""
 
 
 def parse_ratio(v: str) -> float:
@@ -64,14 +92,33 @@ def parse_fractions(v: str) -> list[float]:
     return out
 
 
+def money(flag: str):  # argparse type factory: a finite, non-negative amount
+    def conv(v: str) -> float:
+        try:
+            x = float(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a number, got {v!r}") from None
+        if not (math.isfinite(x) and x >= 0):
+            raise argparse.ArgumentTypeError(f"{flag} must be a non-negative number, got {v!r}")
+        return x
+
+    return conv
+
+
+def parse_nvme_fractions(v: str) -> list[float]:
+    try:
+        return parse_fractions(v)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("--fractions", "--nvme-fractions")) from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", metavar="TRACE", help="Mooncake-format JSON-lines trace")
     p.add_argument(
         "--target-hit-ratio",
-        required=True,
         type=parse_ratio,
         metavar="R",
-        help="prefix hit ratio to reach, e.g. 0.3 or 30%%",
+        help="prefix hit ratio to reach, e.g. 0.3 or 30%% (required unless --budget is given)",
     )
     size = p.add_argument_group("KV bytes per token (one of)")
     size.add_argument("--bytes-per-token", type=positive_int("--bytes-per-token"), metavar="N")
@@ -113,6 +160,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=positive_int("--jobs"), help="replays in parallel (default: CPU count)")
     p.add_argument("--plot", metavar="PNG", help="write hit ratio against capacity for every policy and the optimum")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    two = p.add_argument_group("two tiers and prices (a DRAM x NVMe grid through the node's tier managers)")
+    two.add_argument(
+        "--nvme-fractions",
+        type=parse_nvme_fractions,
+        metavar="F,F,...",
+        help="NVMe sizes to sweep, fractions of unique blocks (default with prices or --budget: 0.1,0.2,0.5,1; "
+        "NVMe 0, DRAM only, is always in the grid)",
+    )
+    two.add_argument(
+        "--dram-price-per-gib", type=money("--dram-price-per-gib"), metavar="P", help="price of 1 GiB of DRAM"
+    )
+    two.add_argument(
+        "--nvme-price-per-gib", type=money("--nvme-price-per-gib"), metavar="P", help="price of 1 GiB of NVMe"
+    )
+    two.add_argument(
+        "--budget",
+        type=money("--budget"),
+        metavar="B",
+        help="what DRAM + NVMe may cost (same unit as the prices): report the best split within it",
+    )
+    two.add_argument("--recompute-tps", type=float, metavar="TOK/S", help="prefill tokens/s (cost model)")
+    two.add_argument("--dram-gbps", type=float, metavar="GB/S", help="KV load rate from DRAM (cost model)")
+    two.add_argument("--nvme-gbps", type=float, metavar="GB/S", help="KV load rate from NVMe (cost model)")
+    two.add_argument("--bench", metavar="FILE", help="`kvstore bench --engine --json` output: measured load rates")
+    two.add_argument("--heatmap", metavar="PNG", help="write the grid's hit ratios as a heat map, answers marked")
 
 
 def bytes_per_token(a: argparse.Namespace) -> int:
@@ -165,6 +237,27 @@ def _gib(blocks: int, block_bytes: int) -> float:
     return blocks * block_bytes / GiB
 
 
+def _two_tier(a: argparse.Namespace) -> bool:
+    return a.nvme_fractions is not None or any(
+        v is not None for v in (a.dram_price_per_gib, a.nvme_price_per_gib, a.budget)
+    )
+
+
+def check_arguments(a: argparse.Namespace) -> None:
+    """What argparse cannot check alone: which flags need which."""
+    if a.target_hit_ratio is None and a.budget is None:
+        raise InvalidArgument(
+            "give --target-hit-ratio R (the cheapest size that reaches it), --budget B (the best split it buys), or both"
+        )
+    if _two_tier(a) and (a.dram_price_per_gib is None or a.nvme_price_per_gib is None):
+        raise InvalidArgument(
+            "a two-tier plan (--nvme-fractions, --budget) prices its splits: give --dram-price-per-gib and "
+            "--nvme-price-per-gib (any currency, the same as --budget's)"
+        )
+    if not 0 < a.dram_share <= 1:
+        raise InvalidArgument(f"--dram-share must lie in (0, 1], got {a.dram_share}")
+
+
 def main(a: argparse.Namespace) -> int:
     bpt = bytes_per_token(a)
     check_policy(a.policy)
@@ -173,8 +266,13 @@ def main(a: argparse.Namespace) -> int:
         check_policy(name)
     if a.policy not in policies:
         policies.append(a.policy)
-    if not 0 < a.dram_share <= 1:
-        raise InvalidArgument(f"--dram-share must lie in (0, 1], got {a.dram_share}")
+    check_arguments(a)
+    two_tier = _two_tier(a)
+    model = None
+    if two_tier:
+        from kvstore.traces import costmodel
+
+        model = costmodel.from_args(a.recompute_tps, bpt, a.dram_gbps, a.nvme_gbps, a.bench)
     trace = Trace.load(a.trace, block_tokens=a.block_tokens, limit=a.requests)
     summary = trace.summary()
     block_bytes = a.block_tokens * bpt
@@ -184,8 +282,20 @@ def main(a: argparse.Namespace) -> int:
         points = sweep(
             trace, capacities_for(trace, a.fractions), policies, batch=a.put_batch, jobs=a.jobs, progress=prog
         )
+        splits: list[GridPoint] = []
+        if two_tier:
+            nvme_caps = [0, *capacities_for(trace, a.nvme_fractions or DEFAULT_NVME_FRACTIONS)]
+            splits = grid(
+                trace,
+                capacities_for(trace, a.fractions),
+                nvme_caps,
+                a.policy,
+                batch=a.put_batch,
+                jobs=a.jobs,
+                progress=prog,
+            )
         prog.total = None  # bisections: as many as it takes
-        need, need_opt, dram = _plan(trace, points, a, target, prog)
+        need, need_opt, dram = _plan(trace, points, a, target, prog) if target is not None else (None, None, 0)
     out: dict[str, Any] = {
         "trace": a.trace,
         **summary,
@@ -209,7 +319,10 @@ def main(a: argparse.Namespace) -> int:
             for p in points
         ],
     }
-    out["reachable"] = need is not None
+    ok = True
+    if target is not None:
+        out["reachable"] = need is not None
+        ok = need is not None
     if need is not None:
         out["plan"] = {
             "capacity_blocks": need,
@@ -223,6 +336,24 @@ def main(a: argparse.Namespace) -> int:
     if need_opt is not None:
         out["optimal_capacity_blocks"] = need_opt
         out["optimal_bytes"] = need_opt * block_bytes
+    if two_tier:
+        rows = [_split_json(p, trace, a, block_bytes, model) for p in splits]
+        out["prices"] = {"dram_per_gib": a.dram_price_per_gib, "nvme_per_gib": a.nvme_price_per_gib}
+        out["grid"] = {
+            "dram_blocks": sorted({p.dram_blocks for p in splits}),
+            "nvme_blocks": sorted({p.nvme_blocks for p in splits}),
+            "splits": rows,
+        }
+        if model is not None:
+            out["cost_model"] = model.to_json()
+        unlimited = float(summary["unlimited_hit_ratio"])  # type: ignore[arg-type]
+        if target is not None:
+            out["cheapest_for_target"] = cheapest_for_target(rows, target, unlimited)
+            ok = ok and out["cheapest_for_target"]["found"]
+        if a.budget is not None:
+            out["budget"] = a.budget
+            out["best_for_budget"] = best_for_budget(rows, a.budget)
+            ok = ok and out["best_for_budget"]["found"]
     if a.plot:
         from kvstore.traces.plan_plot import plot_sweep
 
@@ -242,11 +373,100 @@ def main(a: argparse.Namespace) -> int:
             marks=marks,
         )
         out["plot"] = a.plot
+    if a.heatmap:
+        if not two_tier:
+            raise InvalidArgument("--heatmap draws the two-tier grid: give the prices (and --nvme-fractions)")
+        from kvstore.traces.plan_plot import plot_grid
+
+        plot_grid(
+            out["grid"]["splits"],
+            a.heatmap,
+            title=f"{a.trace}: {a.policy}, DRAM x NVMe ({summary['unique_blocks']:,} unique blocks of {a.block_tokens} tokens)",
+            unlimited=float(summary["unlimited_hit_ratio"]),  # type: ignore[arg-type]
+            marks={
+                k: out[k]["split"]
+                for k in ("cheapest_for_target", "best_for_budget")
+                if k in out and out[k]["split"] is not None
+            },
+        )
+        out["heatmap"] = a.heatmap
     if a.json:
         print(json.dumps(out))
     else:
         _print_report(out, policies, block_bytes)
-    return 0 if need is not None else 1
+    return 0 if ok else 1
+
+
+def _split_json(p: GridPoint, trace: Trace, a: argparse.Namespace, block_bytes: int, model: Any) -> dict[str, Any]:
+    """One split of the grid as ``kvstore plan --json`` reports it."""
+    u = trace.unique_blocks
+    unlimited = float(trace.summary()["unlimited_hit_ratio"])  # type: ignore[arg-type]
+    dram_gib, nvme_gib = _gib(p.dram_blocks, block_bytes), _gib(p.nvme_blocks, block_bytes)
+    row: dict[str, Any] = {
+        "dram_blocks": p.dram_blocks,
+        "nvme_blocks": p.nvme_blocks,
+        "dram_fraction": p.dram_blocks / u,
+        "nvme_fraction": p.nvme_blocks / u,
+        "dram_bytes": p.dram_blocks * block_bytes,
+        "nvme_bytes": p.nvme_blocks * block_bytes,
+        "cost": dram_gib * a.dram_price_per_gib + nvme_gib * a.nvme_price_per_gib,
+        "hit_ratio": p.hit_ratio,
+        "fraction_of_unlimited": p.hit_ratio / unlimited if unlimited else None,
+        "tier_hits": {"dram": p.dram_hits / trace.total_blocks, "nvme": p.nvme_hits / trace.total_blocks}
+        if trace.total_blocks
+        else {"dram": 0.0, "nvme": 0.0},
+    }
+    if model is not None:
+        saved = model.saved_s(p.hit_tokens, p.dram_hits, p.nvme_hits, trace.block_tokens)
+        row["prefill_saved_s_per_request"] = saved / len(trace) if len(trace) else 0.0
+    return row
+
+
+def _describe(r: dict[str, Any]) -> str:
+    return (
+        f"DRAM {r['dram_bytes'] / GiB:.3g} GiB ({r['dram_blocks']:,} blocks) + NVMe {r['nvme_bytes'] / GiB:.3g} GiB "
+        f"({r['nvme_blocks']:,} blocks), cost {r['cost']:.4g}: hit ratio {100 * r['hit_ratio']:.2f}%"
+    )
+
+
+def cheapest_for_target(rows: list[dict[str, Any]], target: float, unlimited: float) -> dict[str, Any]:
+    """The cheapest split of the grid that reaches ``target`` (ties: fewer bytes), or why none does."""
+    ok = [r for r in rows if r["hit_ratio"] >= target]
+    if ok:
+        r = min(ok, key=lambda r: (r["cost"], r["dram_bytes"] + r["nvme_bytes"], -r["hit_ratio"]))
+        return {"found": True, "split": r, "answer": f"cheapest for {100 * target:.1f}%: {_describe(r)}"}
+    best = max(rows, key=lambda r: (r["hit_ratio"], -r["cost"]), default=None)
+    if target > unlimited:
+        why = f"even unlimited capacity gives {100 * unlimited:.2f}% on this trace"
+    else:
+        why = "add larger --fractions or --nvme-fractions"
+    found = f"; the best split of the grid is {_describe(best)}" if best is not None else ""
+    return {
+        "found": False,
+        "split": None,
+        "best_split": best,
+        "answer": f"no split reaches {100 * target:.1f}%: {why}{found}",
+    }
+
+
+def best_for_budget(rows: list[dict[str, Any]], budget: float) -> dict[str, Any]:
+    """The split of the grid with the highest hit ratio costing at most ``budget`` (ties: cheaper), or why none."""
+    ok = [r for r in rows if r["cost"] <= budget * (1 + 1e-12)]
+    if ok:
+        r = max(ok, key=lambda r: (r["hit_ratio"], -r["cost"], -(r["dram_bytes"] + r["nvme_bytes"])))
+        saved = (
+            f"; prefill saved {1000 * r['prefill_saved_s_per_request']:.1f} ms per request"
+            if "prefill_saved_s_per_request" in r
+            else ""
+        )
+        return {"found": True, "split": r, "answer": f"best for a budget of {budget:.4g}: {_describe(r)}{saved}"}
+    cheap = min(rows, key=lambda r: r["cost"], default=None)
+    return {
+        "found": False,
+        "split": None,
+        "answer": f"a budget of {budget:.4g} buys no split of the grid"
+        + (f": the cheapest is {_describe(cheap)}" if cheap is not None else ""),
+    }
 
 
 def _print_report(o: dict[str, Any], policies: list[str], block_bytes: int) -> None:
@@ -262,6 +482,17 @@ def _print_report(o: dict[str, Any], policies: list[str], block_bytes: int) -> N
             f"{100 * p['fraction']:8.1f}% {p['capacity_blocks']:8,} {p['capacity_bytes'] / GiB:9.2f} "
             + " ".join(f"{100 * p['hit_ratio'][n]:12.2f}%" for n in names)
         )
+    if o["target_hit_ratio"] is not None:
+        _print_one_tier(o)
+    if "grid" in o:
+        _print_grid(o)
+    if "plot" in o:
+        print(f"plot   {o['plot']}")
+    if "heatmap" in o:
+        print(f"heatmap {o['heatmap']}")
+
+
+def _print_one_tier(o: dict[str, Any]) -> None:
     t = 100 * o["target_hit_ratio"]
     if not o["reachable"]:
         print(f"target {t:.1f}% is out of reach: even unlimited capacity gives {100 * o['unlimited_hit_ratio']:.2f}%")
@@ -279,5 +510,25 @@ def _print_report(o: dict[str, Any], policies: list[str], block_bytes: int) -> N
         print(
             f"  lower bound (offline optimum): {o['optimal_capacity_blocks']:,} blocks = {o['optimal_bytes'] / GiB:.2f} GiB"
         )
-    if "plot" in o:
-        print(f"plot   {o['plot']}")
+
+
+def _print_grid(o: dict[str, Any]) -> None:
+    g = o["grid"]
+    by = {(r["dram_blocks"], r["nvme_blocks"]): r for r in g["splits"]}
+    u = o["unique_blocks"]
+    print(
+        f"two tiers ({o['policy']}; prices per GiB: DRAM {o['prices']['dram_per_gib']:g}, NVMe {o['prices']['nvme_per_gib']:g}): "
+        "hit ratio (cost) by DRAM row x NVMe column, % of unique blocks"
+    )
+    print(f"{'DRAM':>8} " + " ".join(f"{'NVMe ' + format(100 * n / u, '.3g') + '%':>20}" for n in g["nvme_blocks"]))
+    for d in g["dram_blocks"]:
+        cells = [by[(d, n)] for n in g["nvme_blocks"]]
+        print(
+            f"{100 * d / u:7.3g}% "
+            + " ".join(
+                f"{format(100 * r['hit_ratio'], '.2f') + '% (' + format(r['cost'], '.3g') + ')':>20}" for r in cells
+            )
+        )
+    for k in ("cheapest_for_target", "best_for_budget"):
+        if k in o:
+            print(("" if o[k]["found"] else "NOT FOUND: ") + o[k]["answer"])

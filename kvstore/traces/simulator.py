@@ -6,7 +6,7 @@ over a real :class:`~tiers.dram.DRAMTier` holding the named policy from
 (``kvstore/node/server.py``).  The only stand-in is the arena: a :class:`BytelessArena` of
 ``capacity`` one-byte units, so a block takes one unit and no payload bytes exist.
 The manager's coroutines never suspend without an NVMe tier, so a whole replay runs
-inside one ``asyncio.run`` at a few microseconds per block.
+inside one event loop (:func:`run_replay`: virtual time, so a replay never depends on the machine's load) at a few microseconds per block.
 
 What one request does (live mode, ``kvstore/traces/live.py``, sends the same calls over
 the SDK, so both modes give the same hit ratios on a node started with ``--nvme 0`` and
@@ -242,6 +242,36 @@ def build_manager(
     )
 
 
+class _VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """An event loop whose clock stands still while anything is ready to run and jumps to the
+    next timer when nothing is.
+
+    The manager waits on timers in one place a replay reaches (``asyncio.sleep(0.001)`` while
+    another eviction round demotes the only candidates); on a real clock, how many other
+    callbacks run before it wakes depends on the machine's load, and a two-tier replay's hit
+    ratio with it.  On this clock every replay of a trace takes the same steps.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._virtual = 0.0
+
+    def time(self) -> float:
+        return self._virtual
+
+    def _run_once(self) -> None:
+        scheduled = self._scheduled  # type: ignore[attr-defined]
+        if not self._ready and scheduled:  # type: ignore[attr-defined]
+            self._virtual = max(self._virtual, scheduled[0].when())
+        super()._run_once()  # type: ignore[misc]
+
+
+def run_replay(coro: Any) -> Any:
+    """``asyncio.run`` on a :class:`_VirtualTimeLoop`: deterministic whatever the machine's load."""
+    with asyncio.Runner(loop_factory=_VirtualTimeLoop) as runner:
+        return runner.run(coro)
+
+
 class TraceClock:
     """The replay's clock: the timestamp of the event being replayed, in seconds."""
 
@@ -330,7 +360,7 @@ def simulate(
     m = build_manager(capacity_blocks, policy, nvme_blocks=nvme_blocks, sessions=hints)
     by_tier: collections.Counter[str] = collections.Counter()
     try:
-        hits = asyncio.run(
+        hits = run_replay(
             replay_requests(
                 m, trace, put_batch(capacity_blocks, batch), before_request=before_request, tier_hits=by_tier
             )

@@ -134,3 +134,58 @@ def smallest_capacity(
         else:
             lo = mid
     return hi
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GridPoint:
+    """One DRAM × NVMe split of a two-tier sweep (``nvme_blocks`` 0: DRAM only)."""
+
+    dram_blocks: int
+    nvme_blocks: int
+    hit_ratio: float
+    hit_tokens: int
+    dram_hits: int  # hit blocks the lookups found in DRAM
+    nvme_hits: int  # ... and in NVMe
+
+
+def _one_split(job: tuple[str, int, int, int]) -> GridPoint:
+    name, dram, nvme, batch = job
+    assert _trace is not None
+    r = simulate(_trace, dram, name, batch=batch, nvme_blocks=nvme)
+    by_tier = dict(r.tier_hits)
+    return GridPoint(dram, nvme, r.hit_ratio, r.hit_tokens, by_tier.get("dram", 0), by_tier.get("nvme", 0))
+
+
+def grid(
+    trace: Trace,
+    dram_capacities: Sequence[int],
+    nvme_capacities: Sequence[int],
+    policy: str,
+    *,
+    batch: int = DEFAULT_PUT_BATCH,
+    jobs: int | None = None,
+    progress: Progress | None = None,
+) -> list[GridPoint]:
+    """Every ``(DRAM, NVMe)`` split through the node's two tier managers (NVMe 0: DRAM only),
+    in DRAM-major order, smallest first.  Deterministic whatever ``jobs``."""
+    check_policy(policy)
+    drams = sorted({check_capacity(c) for c in dram_capacities})
+    nvmes = sorted({c if c == 0 else check_capacity(c) for c in nvme_capacities})
+    work = [(policy, d, n, batch) for d in drams for n in nvmes]
+    if progress is not None:
+        progress.total = (progress.total or 0) + len(work)
+
+    def done(p: GridPoint) -> GridPoint:
+        if progress is not None:
+            progress.update(note=f"DRAM {p.dram_blocks:,} + NVMe {p.nvme_blocks:,} blocks: {100 * p.hit_ratio:.1f}%")
+        return p
+
+    n_jobs = jobs if jobs is not None else (os.cpu_count() or 1)
+    if n_jobs <= 1 or len(work) <= 1:
+        _init(trace)
+        points = [done(_one_split(j)) for j in work]
+    else:
+        order = sorted(work, key=lambda j: -(j[1] + j[2]))  # the slow (large) ones first
+        with ProcessPoolExecutor(max_workers=min(n_jobs, len(order)), initializer=_init, initargs=(trace,)) as ex:
+            points = [done(p) for p in ex.map(_one_split, order)]
+    return sorted(points, key=lambda p: (p.dram_blocks, p.nvme_blocks))
