@@ -32,7 +32,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -54,6 +54,9 @@ from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tiers.arena import Arena
 from tiers.dram import DRAMTier
 from tiers.policy import make_policy
+
+if TYPE_CHECKING:
+    from tiers.nvme import NVMeTier
 
 log = logging.getLogger("kvstore.node.server")
 
@@ -117,7 +120,7 @@ class Node:
         self._stopped = asyncio.Event()
         self._lock_fd: int | None = None
         self.arena: Arena | None = None
-        self._nvme: Any = None
+        self._nvme: NVMeTier | None = None
         self.manager: TierManager | None = None
         self.data: DataChannelServer | None = None
         self.server: grpc.aio.Server | None = None
@@ -180,90 +183,23 @@ class Node:
             self._lock_fd = None
 
     async def _start(self) -> dict[str, Any]:
-        cfg = self.cfg
-        data_dir = Path(cfg.data_dir)
-        if cfg.dram < (1 << 20):
-            raise InvalidArgument(f"dram={cfg.dram} bytes is too small; give at least 1MiB (e.g. --dram 1GiB)")
-        if cfg.max_block_bytes > cfg.dram:
-            # a block must fit in the DRAM arena: say so, since errors will name the lowered limit
-            log.info(
-                "max_block_bytes lowered from %d to %d, the DRAM arena's size (a block must fit in DRAM; a larger "
-                "--dram allows larger blocks)",
-                cfg.max_block_bytes,
-                cfg.dram,
-            )
-            cfg = cfg.model_copy(update={"max_block_bytes": cfg.dram})
-            self.cfg = cfg
-        if cfg.tls_cert_file:  # unreadable or invalid files fail here, before the arena is built
+        """Build the node in dependency order, each step one concern; ``_release`` undoes any prefix."""
+        cfg = self.cfg = _fitted(self.cfg)
+        # everything read from files (TLS material, token files) is read and checked before anything is built
+        if cfg.tls_cert_file:
             self.tls = ServerTLS.load(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
-        token = cfg.auth_token()
-        tenant_tokens = cfg.tenant_tokens()  # token files read (and checked) before anything is built
+        token, tenant_tokens = cfg.auth_token(), cfg.tenant_tokens()
         callers = Callers(token, tenant_tokens) if token or tenant_tokens else None
-        if tenant_tokens:  # beside the NVMe tier: it lives as long as the blocks it guards
-            authority = None
-            if cfg.etcd:  # in a cluster, etcd decides who owns a namespace; owners.lmdb caches it
-                from kvstore.cluster.etcd import OwnerRegistry
-
-                authority = OwnerRegistry(cfg.etcd, cfg.cluster, cfg.node_id)
-            self.owners = Ownership(data_dir / "owners.lmdb", authority=authority)
+        if tenant_tokens:
+            self.owners = self._build_ownership()
         soft, hard = raise_open_files_limit()
         log.debug("open-file limit: %d (hard %d)", soft, hard)
-        arena_file = cfg.arena_file()
-        for stale in Arena.reclaim_stale(cfg.own_arena_files()):
-            log.warning(
-                "removed %s: an arena of node %s that no running node holds (left by a node that died)",
-                stale,
-                cfg.node_id,
-            )
-        self.arena = Arena.create(arena_file, cfg.dram, prefault=cfg.prefault, mode=int(cfg.arena_mode, 8))
-        # session hints (kvstore/node/sessions.py): both tiers' policies put closed sessions' blocks first
-        sessions = Sessions(
-            idle_ttl=cfg.session_idle_ttl_s, max_sessions=cfg.max_sessions, max_keys=cfg.max_session_blocks
-        )
-        dram = DRAMTier(self.arena, policy=hinted(make_policy(cfg.eviction_policy), sessions))
-        nvme = None
-        if cfg.nvme > 0:
-            from tiers.nvme import NVMeTier
-
-            nvme = self._nvme = NVMeTier(
-                data_dir / "nvme",
-                cfg.nvme,
-                policy=hinted(make_policy(cfg.eviction_policy), sessions),
-                direct_io=cfg.direct_io,
-            )
-            if self.owners is not None and self.owners.created and len(nvme):
-                # blocks kept from before, but no record of who owns them (tenants just enabled,
-                # or owners.lmdb lost): every tenant can read them until one writes their namespace
-                log.warning(
-                    "%s is new but the NVMe tier holds %d blocks: their namespaces have no recorded owner, so "
-                    "every tenant can read them (restore owners.lmdb if it was lost, or remove %s to drop them)",
-                    self.owners.path,
-                    len(nvme),
-                    data_dir / "nvme",
-                )
-        self.manager = TierManager(
-            dram,
-            nvme,
-            write_through=cfg.write_through,
-            reservation_ttl=cfg.reservation_ttl_s,
-            lease_ttl=cfg.lease_ttl_s,
-            max_pin_ttl=cfg.max_pin_ttl_s,
-            tenant_limits={
-                name: TenantLimits(t.max_reserved_bytes, t.max_pinned_bytes, t.max_dram_bytes, t.max_nvme_bytes)
-                for name, t in cfg.tenants.items()
-            },
-            owner_of=self.owners.owner
-            if self.owners is not None
-            else None,  # blocks kept across a restart keep their owner
-            sessions=sessions,
-        )
+        self.arena = self._build_arena()
+        self.manager = self._build_tiers()
         loop = self._loop = asyncio.get_running_loop()
         from kvstore import __version__
 
         self.metrics = NodeMetrics(cfg.node_id, __version__, self._metrics_snapshot)
-
-        host, port = cfg.listen.rsplit(":", 1)
-        dhost, dport = cfg.data_listen.rsplit(":", 1) if cfg.data_listen else (host, "0")
         self.service = KVStoreService(
             self.manager,
             cfg,
@@ -274,8 +210,98 @@ class Node:
             callers=callers,
             owners=self.owners,
         )
+        self.data = self._build_data_channel(loop)
+        self.service._hello.data_port = self.data.address[1]
+        self.server, self.health = _grpc_server(self.service, callers)
+        sock = self._listen_unix(self.server)
+        bound = self._listen_tcp(self.server)
+        self.metrics_server = self._build_metrics_server(token)
+        await self._serve(loop)
+        self.endpoints = self._endpoints(bound, sock)
+        if cfg.etcd:  # join the cluster only once we serve: a registered node must answer
+            from kvstore.cluster.node import NodeAgent
+
+            self.cluster = NodeAgent(cfg, self.endpoints, self.manager, owners=self.owners)
+            self.endpoints.update(await self.cluster.start())
+        return self.endpoints
+
+    # -- the steps of _start ----------------------------------------------------------------
+    def _build_ownership(self) -> Ownership:
+        """With tenants: the table of which tenant owns which namespace, kept beside the NVMe tier
+        (it lives as long as the blocks it guards); in a cluster a cache of etcd's."""
+        cfg = self.cfg
+        authority = None
+        if cfg.etcd:  # in a cluster, etcd decides who owns a namespace; owners.lmdb caches it
+            from kvstore.cluster.etcd import OwnerRegistry
+
+            authority = OwnerRegistry(cfg.etcd, cfg.cluster, cfg.node_id)
+        return Ownership(Path(cfg.data_dir) / "owners.lmdb", authority=authority)
+
+    def _build_arena(self) -> Arena:
+        """The DRAM arena, after removing this node's arena files that no running node holds."""
+        cfg = self.cfg
+        for stale in Arena.reclaim_stale(cfg.own_arena_files()):
+            log.warning(
+                "removed %s: an arena of node %s that no running node holds (left by a node that died)",
+                stale,
+                cfg.node_id,
+            )
+        return Arena.create(cfg.arena_file(), cfg.dram, prefault=cfg.prefault, mode=int(cfg.arena_mode, 8))
+
+    def _build_tiers(self) -> TierManager:
+        """The DRAM tier, the NVMe tier (``nvme > 0``) and the tier manager over them."""
+        cfg = self.cfg
+        assert self.arena is not None
+        # session hints (kvstore/node/sessions.py): both tiers' policies put closed sessions' blocks first
+        sessions = Sessions(
+            idle_ttl=cfg.session_idle_ttl_s, max_sessions=cfg.max_sessions, max_keys=cfg.max_session_blocks
+        )
+        dram = DRAMTier(self.arena, policy=hinted(make_policy(cfg.eviction_policy), sessions))
+        nvme = self._nvme = self._build_nvme(sessions) if cfg.nvme > 0 else None
+        return TierManager(
+            dram,
+            nvme,
+            write_through=cfg.write_through,
+            reservation_ttl=cfg.reservation_ttl_s,
+            lease_ttl=cfg.lease_ttl_s,
+            max_pin_ttl=cfg.max_pin_ttl_s,
+            tenant_limits={
+                name: TenantLimits(t.max_reserved_bytes, t.max_pinned_bytes, t.max_dram_bytes, t.max_nvme_bytes)
+                for name, t in cfg.tenants.items()
+            },
+            # blocks kept across a restart keep their owner
+            owner_of=self.owners.owner if self.owners is not None else None,
+            sessions=sessions,
+        )
+
+    def _build_nvme(self, sessions: Sessions) -> NVMeTier:
+        from tiers.nvme import NVMeTier
+
+        cfg = self.cfg
+        directory = Path(cfg.data_dir) / "nvme"
+        nvme = NVMeTier(
+            directory, cfg.nvme, policy=hinted(make_policy(cfg.eviction_policy), sessions), direct_io=cfg.direct_io
+        )
+        if self.owners is not None and self.owners.created and len(nvme):
+            # blocks kept from before, but no record of who owns them (tenants just enabled,
+            # or owners.lmdb lost): every tenant can read them until one writes their namespace
+            log.warning(
+                "%s is new but the NVMe tier holds %d blocks: their namespaces have no recorded owner, so "
+                "every tenant can read them (restore owners.lmdb if it was lost, or remove %s to drop them)",
+                self.owners.path,
+                len(nvme),
+                directory,
+            )
+        return nvme
+
+    def _build_data_channel(self, loop: asyncio.AbstractEventLoop) -> DataChannelServer:
+        """The data channel's listener (``data_listen``; else any free port on the gRPC host)."""
+        cfg = self.cfg
+        assert self.arena is not None
+        host = cfg.listen.rsplit(":", 1)[0]
+        dhost, dport = cfg.data_listen.rsplit(":", 1) if cfg.data_listen else (host, "0")
         try:
-            self.data = DataChannelServer(
+            return DataChannelServer(
                 dhost.strip("[]"),
                 int(dport),
                 arena=self.arena,
@@ -291,60 +317,64 @@ class Node:
             raise InvalidArgument(
                 f"cannot listen for the data channel on {dhost}:{dport}: {e}; pass --data-listen"
             ) from e
-        self.service._hello.data_port = self.data.address[1]
 
-        interceptors = [AuthInterceptor(callers), DecodeGuard()] if callers is not None else [DecodeGuard()]
-        self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
-        pb_grpc.add_KVStoreServicer_to_server(self.service, self.server)
-        self.health = health_aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (
-                pb.DESCRIPTOR.services_by_name["KVStore"].full_name,
-                reflection.SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            ),
-            self.server,
-        )
-        sock = cfg.socket_path()
+    def _listen_unix(self, server: grpc.aio.Server) -> Path:
+        """gRPC on the node's Unix socket (plaintext: local clients, who map the arena)."""
+        sock = self.cfg.socket_path()
         if len(str(sock)) > 100:
             raise InvalidArgument(f"unix socket path {sock} is too long (max ~100 chars); pass --socket")
         sock.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             sock.unlink()  # a stale socket of a dead node: we hold the data-dir lock, so it is ours
         try:
-            self.server.add_insecure_port(f"unix:{sock}")
+            server.add_insecure_port(f"unix:{sock}")
         except RuntimeError as e:  # grpc raises instead of returning 0 when it cannot bind
             raise InvalidArgument(f"cannot listen on unix socket {sock}: {e}") from None
+        return sock
+
+    def _listen_tcp(self, server: grpc.aio.Server) -> int:
+        """gRPC on ``listen`` (with TLS when configured); the port bound."""
+        cfg = self.cfg
+        host, port = cfg.listen.rsplit(":", 1)
         try:
             if self.tls is not None:
-                bound = self.server.add_secure_port(f"{host}:{port}", self.tls.credentials)
+                bound = server.add_secure_port(f"{host}:{port}", self.tls.credentials)
             else:
-                bound = self.server.add_insecure_port(f"{host}:{port}")
+                bound = server.add_insecure_port(f"{host}:{port}")
         except RuntimeError:
             bound = 0
         if bound == 0:
             raise InvalidArgument(
                 f"cannot listen on {cfg.listen} (in use?); pick another --listen HOST:PORT (port 0: any free port)"
             )
-        os.chmod(sock, int(cfg.arena_mode, 8))
-        if cfg.metrics_port is not None:
-            if not 0 <= cfg.metrics_port <= 65535:
-                raise InvalidArgument(f"metrics_port={cfg.metrics_port} is not a TCP port (0: any free port)")
-            metrics_tls = self.tls.context if self.tls is not None and cfg.serves_metrics_tls() else None
-            if self.tls is not None and metrics_tls is None and token:
-                log.warning(
-                    "metrics_tls = false on a TLS node: /metrics is plain HTTP and every scrape sends the "
-                    "admin token in clear; drop metrics_tls to serve it over HTTPS"
-                )
-            try:
-                self.metrics_server = MetricsServer(
-                    host.strip("[]"), cfg.metrics_port, self.metrics, token=token, ssl_context=metrics_tls
-                )
-            except OSError as e:
-                raise InvalidArgument(
-                    f"cannot serve metrics on {host}:{cfg.metrics_port}: {e}; pick another --metrics-port"
-                ) from e
+        os.chmod(cfg.socket_path(), int(cfg.arena_mode, 8))
+        return bound
+
+    def _build_metrics_server(self, token: str) -> MetricsServer | None:
+        """``/metrics`` on ``metrics_port`` (HTTPS with the node's TLS context unless ``metrics_tls = false``)."""
+        cfg = self.cfg
+        if cfg.metrics_port is None:
+            return None
+        assert self.metrics is not None
+        if not 0 <= cfg.metrics_port <= 65535:
+            raise InvalidArgument(f"metrics_port={cfg.metrics_port} is not a TCP port (0: any free port)")
+        metrics_tls = self.tls.context if self.tls is not None and cfg.serves_metrics_tls() else None
+        if self.tls is not None and metrics_tls is None and token:
+            log.warning(
+                "metrics_tls = false on a TLS node: /metrics is plain HTTP and every scrape sends the "
+                "admin token in clear; drop metrics_tls to serve it over HTTPS"
+            )
+        host = cfg.listen.rsplit(":", 1)[0]
+        try:
+            return MetricsServer(host.strip("[]"), cfg.metrics_port, self.metrics, token=token, ssl_context=metrics_tls)
+        except OSError as e:
+            raise InvalidArgument(
+                f"cannot serve metrics on {host}:{cfg.metrics_port}: {e}; pick another --metrics-port"
+            ) from e
+
+    async def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start every listener, report SERVING, start the reaper."""
+        assert self.server is not None and self.data is not None
         await self.server.start()
         self.data.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -352,8 +382,14 @@ class Node:
         self._reaper = loop.create_task(self._reap_forever())
         if self.metrics_server is not None:
             self.metrics_server.start()
+
+    def _endpoints(self, bound: int, sock: Path) -> dict[str, Any]:
+        """What the node tells the world (the READY line, the cluster's membership record)."""
+        cfg = self.cfg
+        assert self.data is not None and self.arena is not None
+        host = cfg.listen.rsplit(":", 1)[0]
         public = cfg.advertise_host or (socket.getfqdn() if host.strip("[]") in ("0.0.0.0", "::", "") else host)
-        self.endpoints = {
+        return {
             "node_id": cfg.node_id,
             "grpc": f"{public}:{bound}",
             "unix": f"unix://{sock}",
@@ -368,15 +404,9 @@ class Node:
             "arena": str(self.arena.path),
             "dram_bytes": cfg.dram,
             "nvme_bytes": cfg.nvme,
-            "data_dir": str(data_dir),
+            "data_dir": str(Path(cfg.data_dir)),
             "pid": os.getpid(),
         }
-        if cfg.etcd:  # join the cluster only once we serve: a registered node must answer
-            from kvstore.cluster.node import NodeAgent
-
-            self.cluster = NodeAgent(cfg, self.endpoints, self.manager, owners=self.owners)
-            self.endpoints.update(await self.cluster.start())
-        return self.endpoints
 
     def _metrics_snapshot(self) -> dict[str, Any]:
         """Called by the metrics HTTP thread: the manager's state, read on the loop that owns it."""
@@ -435,6 +465,41 @@ class Node:
         flushed = await self.manager.flush(self.cfg.flush_on_shutdown_s)
         if flushed:
             log.info("demoted %d dirty blocks to NVMe before exit", flushed)
+
+
+def _fitted(cfg: NodeConfig) -> NodeConfig:
+    """``cfg`` checked for what a node cannot start with, and with ``max_block_bytes`` lowered to
+    the DRAM arena's size if it was larger (a block must fit in DRAM)."""
+    if cfg.dram < (1 << 20):
+        raise InvalidArgument(f"dram={cfg.dram} bytes is too small; give at least 1MiB (e.g. --dram 1GiB)")
+    if cfg.max_block_bytes > cfg.dram:
+        # say so, since errors will name the lowered limit
+        log.info(
+            "max_block_bytes lowered from %d to %d, the DRAM arena's size (a block must fit in DRAM; a larger "
+            "--dram allows larger blocks)",
+            cfg.max_block_bytes,
+            cfg.dram,
+        )
+        cfg = cfg.model_copy(update={"max_block_bytes": cfg.dram})
+    return cfg
+
+
+def _grpc_server(service: KVStoreService, callers: Callers | None) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
+    """The gRPC server with the KVStore service, health checking and reflection (no port yet)."""
+    interceptors = [AuthInterceptor(callers), DecodeGuard()] if callers is not None else [DecodeGuard()]
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
+    pb_grpc.add_KVStoreServicer_to_server(service, server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (
+            pb.DESCRIPTOR.services_by_name["KVStore"].full_name,
+            reflection.SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        ),
+        server,
+    )
+    return server, health
 
 
 async def _quietly(what: str, aw: Any) -> None:
