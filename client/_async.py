@@ -1,16 +1,22 @@
-"""``AsyncKVClient``: the asyncio SDK over the same :mod:`client._core`."""
+"""``AsyncKVClient``: the asyncio SDK over the same :mod:`client._core`.
+
+The driver (``AsyncKVClient._run``) performs the core's instructions on the caller's event
+loop; blocking ones (``Io``: copies, data-channel transfers) in worker threads.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import grpc
 
 from client._api import AsyncBlockCalls
-from client._core import IDEMPOTENT, ClientCore, Op, T, Timeouts, as_key_list, fingerprint, report_request
-from client._sync import CHANNEL_OPTIONS, RETRIES, resolve_token, rpc_error, stream_metadata
+from client._channel import CHANNEL_OPTIONS, RETRIES, etcd_route, resolve_token, rpc_error, stream_metadata
+from client._core import IDEMPOTENT, ClientCore, Op, T, as_key_list, fingerprint, report_request
+from client._instructions import GetStream, Io, PutStream, Rpc, RpcNoWait, instruction
+from client._options import ClientKwargs, ClientOptions
 from kvstore.aio import await_to_the_end
 from kvstore.errors import Unavailable
 from kvstore.keys import Namespace, check_key
@@ -23,38 +29,32 @@ class AsyncKVClient(AsyncBlockCalls):
     """The asyncio twin of :class:`client.KVClient` (same methods, awaited).
 
     Copies and data-channel transfers run in worker threads so the event loop stays free.
-    Use it from one event loop.  TLS keyword arguments as for :class:`client.KVClient`.
+    Use it from one event loop.  Options (``ClientOptions`` or keyword arguments) as for
+    :class:`client.KVClient`; for an ``etcd://`` target use :func:`client.connect_async`.
     """
 
-    def __new__(cls, target: str, **kwargs: Any) -> Any:
-        # an etcd://HOST:PORT/CLUSTER target routes over a whole cluster (client/_cluster.py);
-        # every other target is one node, handled below as before
-        if cls is AsyncKVClient and isinstance(target, str) and target.startswith("etcd://"):
-            from client._cluster import AsyncClusterClient
-
-            return AsyncClusterClient(target, **kwargs)
+    def __new__(cls, target: str, options: ClientOptions | None = None, **kwargs: Any) -> Any:
+        # deprecated, for one release: an etcd:// target returns an AsyncClusterClient (use client.connect_async)
+        if cls is AsyncKVClient:
+            route = etcd_route("async", target, "AsyncKVClient", "client.connect_async")
+            if route is not None:
+                return route(target, options, **kwargs)
         return super().__new__(cls)
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        token: str | None = None,
-        token_file: str | None = None,
-        timeouts: Timeouts | None = None,
-        transport: str = "auto",
-        verify: bool = True,
-        tls: bool = False,
-        tls_ca_file: str | None = None,
-        tls_cert_file: str | None = None,
-        tls_key_file: str | None = None,
-        tls_server_name: str | None = None,
-    ) -> None:
+    def __init__(self, target: str, options: ClientOptions | None = None, **kwargs: Unpack[ClientKwargs]) -> None:
+        opts = ClientOptions.of(options, dict(kwargs))
+        self.options = opts
         self._tls = ClientTLS.from_options(
-            tls=tls, ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file, server_name=tls_server_name
+            tls=opts.tls,
+            ca_file=opts.tls_ca_file,
+            cert_file=opts.tls_cert_file,
+            key_file=opts.tls_key_file,
+            server_name=opts.tls_server_name,
         )
-        self._core = ClientCore(target, transport=transport, timeouts=timeouts, verify=verify, tls=self._tls)
-        tok = resolve_token(token, token_file)
+        self._core = ClientCore(
+            target, transport=opts.transport, timeouts=opts.timeouts, verify=opts.verify, tls=self._tls
+        )
+        tok = resolve_token(opts.token, opts.token_file)
         self._metadata = (("authorization", f"Bearer {tok}"),) if tok else ()
         # made on first use: a grpc.aio channel belongs to the loop it was created on, and
         # clients are often constructed before the loop that uses them (asyncio.run(main()))
@@ -94,6 +94,36 @@ class AsyncKVClient(AsyncBlockCalls):
         self._inflight.add(task)
         task.add_done_callback(_forget(self._inflight))
 
+    async def _perform(self, instr: Any, cancelled: bool) -> Any:
+        match instr:
+            case RpcNoWait(method, request):
+                self._fire(method, request)
+                return None
+            case Rpc(method, request) if cancelled:
+                # after a cancel the op only gives things back (Abort, Release): sent, not
+                # awaited, so the cancel takes effect now even if the node hangs
+                self._fire(method, request)
+                return None
+            case Rpc(method, request):
+                return await self._rpc(method, request)
+            case Io(fn):
+                return await _uncancellable_thread(fn)
+            case PutStream(chunks, blocks):
+                try:
+                    return await self._stub.PutStream(
+                        chunks(), timeout=self._core.timeouts.data, metadata=stream_metadata(self._metadata, blocks)
+                    )
+                except grpc.RpcError as e:
+                    raise rpc_error(e, self._tls, self._core.target.grpc_target) from None
+            case GetStream(request):
+                try:
+                    call = self._stub.GetStream(request, timeout=self._core.timeouts.data, metadata=self._metadata)
+                    return [c async for c in call]
+                except grpc.RpcError as e:
+                    raise rpc_error(e, self._tls, self._core.target.grpc_target) from None
+            case other:
+                raise AssertionError(f"unknown instruction {other!r:.80}")
+
     async def _run(self, op: Op[T]) -> T:
         self._core.check_open()
         cancelled = False
@@ -101,36 +131,7 @@ class AsyncKVClient(AsyncBlockCalls):
             instr = next(op)
             while True:
                 try:
-                    kind = instr[0]
-                    if kind == "rpc_nowait" or (kind == "rpc" and cancelled):
-                        # after a cancel the op only gives things back (Abort, Release): sent,
-                        # not awaited, so the cancel takes effect now even if the node hangs
-                        self._fire(instr[1], instr[2])
-                        result = None
-                    elif kind == "rpc":
-                        result = await self._rpc(instr[1], instr[2])
-                    elif kind == "io":
-                        result = await _uncancellable_thread(instr[1])
-                    elif kind == "put_stream":
-                        chunks = instr[1]
-                        try:
-                            result = await self._stub.PutStream(
-                                chunks(),
-                                timeout=self._core.timeouts.data,
-                                metadata=stream_metadata(self._metadata, instr),
-                            )
-                        except grpc.RpcError as e:
-                            raise rpc_error(e, self._tls, self._core.target.grpc_target) from None
-                    elif kind == "get_stream":
-                        try:
-                            call = self._stub.GetStream(
-                                instr[1], timeout=self._core.timeouts.data, metadata=self._metadata
-                            )
-                            result = [c async for c in call]
-                        except grpc.RpcError as e:
-                            raise rpc_error(e, self._tls, self._core.target.grpc_target) from None
-                    else:
-                        raise AssertionError(f"unknown instruction {kind}")
+                    result = await self._perform(instruction(instr), cancelled)
                 except BaseException as e:  # noqa: B036 - thrown into the op, which re-raises it
                     # a KVStoreError, or this task cancelled (the caller gave up): either way the
                     # op first gives back what it holds (aborts, releases) rather than leaving

@@ -1,20 +1,12 @@
 """The SDK core shared by ``KVClient`` and ``AsyncKVClient``.
 
-Every operation is written once, as a generator that *yields instructions* and gets
-their results sent back (a sans-I/O core):
-
-* ``("rpc", method, request)``  → the driver makes the unary gRPC call;
-* ``("rpc_nowait", method, request)`` → the driver starts the call and does not wait
-  (releases whose outcome is already known);
-* ``("io", fn)``                → the driver runs a blocking function (copies, the data
-  channel): inline in the sync client, in a worker thread in the async one;
-* ``("put_stream", chunks[, n])`` / ``("get_stream", request)`` → the streaming fallback
-  (``n``: the stream's block count, declared to the node in metadata).
-
-So the sync and async clients differ only in their ~40-line drivers, and tests can
-drive the core with any transport.  Errors raised by a driver are thrown back into
-the generator, which cleans up (aborts reservations, releases leases) before they
-propagate.
+Every operation is written once, as a generator that *yields instructions*
+(:mod:`client._instructions`: ``Rpc``, ``RpcNoWait``, ``Io``, ``PutStream``, ``GetStream``)
+and gets their results sent back (a sans-I/O core).  So the sync and async clients differ
+only in their drivers (a ``match`` over the instructions), and tests can drive the core
+with a fake node and a fake transport (``tests/unit/test_client_core.py``).  Errors raised
+by a driver are thrown back into the generator, which cleans up (aborts reservations,
+releases leases) before they propagate.
 
 Session hints: ``session`` (the SDK's ``session_id=``; a string, or None) on puts, reads and lookups goes to the node
 in each request's ``session_id``, so the blocks stay valuable while the session is open;
@@ -23,34 +15,57 @@ in each request's ``session_id``, so the blocks stay valuable while the session 
 No request exceeds the node's ``max_batch`` (learnt from ``Hello``): batch operations go
 in batches that fit, so a caller never meets the limit, whatever it passes.
 
-Paths, chosen per target:
-* ``unix://`` target: **shared memory**.  gRPC carries only extents and leases; the
-  bytes are copied between the caller's buffer and the node's arena, which this
-  process maps once.
-* ``host:port`` target: the **data channel** (bytes on a raw TCP socket, received
-  straight into the caller's buffer; TLS-wrapped when the client has TLS settings);
-  ``transport="grpc-stream"`` forces the slow streaming fallback.
+Transports (:mod:`client._transports`), chosen per target after the first ``Hello``:
+* ``unix://`` target: **shared memory** (``SharedMemory``).  gRPC carries only extents and
+  leases; the bytes are copied between the caller's buffer and the node's arena, which this
+  process maps once.  If the arena cannot be mapped (another machine's ``/dev/shm``) and
+  the transport was ``"auto"``, the streaming fallback.
+* ``host:port`` target: the **data channel** (``DataChannel``: bytes on a raw TCP socket,
+  received straight into the caller's buffer; TLS-wrapped when the client has TLS settings);
+  ``transport="grpc-stream"`` forces the slow streaming fallback (``GrpcStream``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from client._datachannel import DataChannelPool
-from kvstore.block import DTYPES, BlockMeta, checksum, verify_payload
-from kvstore.errors import BlockFormatError, InvalidArgument, Unavailable
-from kvstore.keys import NO_PARENT, ChunkKey, check_key
-from kvstore.node.sessions import check_session_id
+from client._instructions import RETRY, Op, Rpc, RpcNoWait, T, quietly
+from client._options import Timeouts
+from client._stats import Counters
+from client._transports import (
+    BY_NAME,
+    STREAM_BATCH_BYTES,
+    STREAM_CHUNK,
+    DataChannel,
+    GrpcStream,
+    SharedMemory,
+    Transport,
+)
+from kvstore.block import DTYPES, BlockMeta, checksum
+from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.keys import NO_PARENT, check_key
+from kvstore.shm import ArenaMapping, as_bytes_view
+from kvstore.vocabulary import check_session_id
 from kvstore.wire import TIER_NAMES, extents_from_pb, meta_from_pb, meta_to_pb
 from protos.kvstore.v1 import kvstore_pb2 as pb
-from tiers.arena import Arena, as_bytes_view
 
-T = TypeVar("T")
-Op = Generator[tuple[Any, ...], Any, T]
+__all__ = [  # names other SDK modules (and the cluster router) import from here
+    "IDEMPOTENT",
+    "STREAM_BATCH_BYTES",
+    "STREAM_CHUNK",
+    "TRANSPORTS",
+    "ClientCore",
+    "Op",
+    "T",
+    "Target",
+    "Timeouts",
+    "as_key_list",
+    "fingerprint",
+    "session_field",
+]
 
 IDEMPOTENT = {
     "Hello",
@@ -65,12 +80,8 @@ IDEMPOTENT = {
     "Abort",
     "CloseSession",
 }
-STREAM_CHUNK = 1 << 20
-# A put stream's blocks are all reserved until the stream ends (the node commits them
-# together): this many bytes per stream keep it far inside the reservation deadline.
-STREAM_BATCH_BYTES = 256 << 20
-_RETRY = object()  # a key the node could not bring into DRAM for this batch
-TRANSPORTS = ("auto", "shm", "data-channel", "grpc-stream")
+TRANSPORTS = ("auto", *BY_NAME)  # the names ``transport=`` takes
+_T = TypeVar("_T", bound=Transport)
 
 
 def _relearn_node_on_unavailable(op: Callable[..., Op[T]]) -> Callable[..., Op[T]]:
@@ -86,15 +97,6 @@ def _relearn_node_on_unavailable(op: Callable[..., Op[T]]) -> Callable[..., Op[T
             raise
 
     return wrapper
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Timeouts:
-    """Seconds.  ``rpc``: each control call; ``data``: socket I/O of a transfer; ``connect``: opening sockets."""
-
-    rpc: float = 10.0
-    data: float = 60.0
-    connect: float = 5.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -209,25 +211,28 @@ class ClientCore:
         self,
         target: str,
         *,
-        transport: str = "auto",
+        transport: str | Transport = "auto",
         timeouts: Timeouts | None = None,
         verify: bool = True,
         tls: Any = None,
     ) -> None:
-        if transport not in TRANSPORTS:
+        if not isinstance(transport, Transport) and transport not in TRANSPORTS:
             raise InvalidArgument(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.target = Target.parse(target)
-        self.transport = transport
+        self.requested = transport  # a name ("auto": by target), or a Transport object to use as is
         self.timeouts = timeouts or Timeouts()
         self.verify = verify
         self.tls = tls  # kvstore.tls.ClientTLS | None: the owning client's, for the data channel
         self.hello: pb.HelloResponse | None = None
         self.stale = False  # the node was unreachable: ask for its Hello again before the next operation
-        self.arena: Arena | None = None
-        self.pool: DataChannelPool | None = None
-        self.path = ""
+        self.transport: Transport | None = None  # chosen at the first Hello
         self.closed = False
         self.named: set[bytes] = set()  # namespaces whose name the node was sent
+
+    @property
+    def arena(self) -> ArenaMapping | None:
+        """The node's arena as this process maps it, on the shared-memory transport; else None."""
+        return self.transport.arena if isinstance(self.transport, SharedMemory) else None
 
     def check_open(self) -> None:
         if self.closed:
@@ -235,54 +240,44 @@ class ClientCore:
 
     # -- connection set-up -------------------------------------------------------------
     def ensure_hello(self) -> Op[None]:
-        if self.hello is not None and not self.stale and not self._arena_replaced():
+        if self.hello is not None and not self.stale and not (self.transport is not None and self.transport.stale()):
             return
-        hello = yield ("rpc", "Hello", pb.HelloRequest())
-        path = self.transport
-        if path == "auto":
-            path = "shm" if self.target.local else "data-channel"
-        if path == "shm":
-            if not self.target.local:
-                raise InvalidArgument("transport='shm' needs a unix:// target on the node's machine")
-            try:
-                self.arena = Arena.attach(hello.arena_path, hello.arena_size)
-            except Unavailable:
-                if self.transport == "shm":
-                    raise
-                path = "grpc-stream"  # same machine, but the arena is not shared with us
-        if path == "data-channel":
-            if self.target.local:
-                raise InvalidArgument("transport='data-channel' needs a host:port target")
-            if self.pool is not None:  # a restarted node: the old port is gone
-                self.pool.close()
-            self.pool = DataChannelPool(
-                self.target.host,
-                hello.data_port,
-                connect_timeout=self.timeouts.connect,
-                io_timeout=self.timeouts.data,
-                tls=self.tls,
-            )
-        self.path = path
+        hello = yield Rpc("Hello", pb.HelloRequest())
+        self.transport = self._connect(hello)
         self.hello = hello
         self.stale = False
 
-    def _arena_replaced(self) -> bool:
-        """The node restarted (or stopped) since we mapped its arena: it replaced the file,
-        so our mapping is a dead arena.  Seen even by a client that made no call meanwhile
-        (one stat, about a microsecond)."""
-        return self.path == "shm" and self.arena is not None and self.arena.replaced()
+    def _connect(self, hello: pb.HelloResponse) -> Transport:
+        """The transport for the node that answered ``hello``, bound to it: the same object as
+        before when the kind is unchanged (a restarted node), so its resources are replaced."""
+        bind = {"host": self.target.host, "hello": hello, "timeouts": self.timeouts, "tls": self.tls}
+        if isinstance(self.requested, Transport):
+            self.requested.connect(**bind)
+            return self.requested
+        name = self.requested
+        if name == "auto":
+            name = "shm" if self.target.local else "data-channel"
+        if name == "shm":
+            if not self.target.local:
+                raise InvalidArgument("transport='shm' needs a unix:// target on the node's machine")
+            shm = self._reuse(SharedMemory)
+            try:
+                shm.connect(**bind)
+                return shm
+            except Unavailable:
+                if self.requested == "shm":
+                    raise
+                name = "grpc-stream"  # same machine, but the arena is not shared with us
+        if name == "data-channel":
+            if self.target.local:
+                raise InvalidArgument("transport='data-channel' needs a host:port target")
+            dc = self._reuse(DataChannel)
+            dc.connect(**bind)
+            return dc
+        return self._reuse(GrpcStream)
 
-    def _live_arena(self, granted: Sequence[int], undo: str, undo_request: Any) -> Op[Arena]:
-        """The arena that Reserve/Acquire grants refer to, checked after the call (a node
-        restarted since ``ensure_hello`` may have answered it; read after the call, so it is
-        what another thread's reconnect mapped meanwhile).  If the node replaced its arena,
-        give the grants back (``undo``) and fail like any call during a restart."""
-        arena = self.arena
-        assert arena is not None
-        if granted and arena.replaced():
-            yield from self._quietly(undo, undo_request)
-            raise Unavailable("the node restarted (its arena file was replaced); the next call reconnects")
-        return arena
+    def _reuse(self, kind: type[_T]) -> _T:
+        return self.transport if isinstance(self.transport, kind) else kind()
 
     def _batches(
         self, n: int, sizes: Sequence[int] | None = None, *, limit: int | None = None, budget: int | None = None
@@ -352,12 +347,12 @@ class ClientCore:
         if name and metas and metas[0].namespace not in self.named:
             # once per namespace: the node shows this name instead of the fingerprint (dashboard, /metrics)
             self.named.add(metas[0].namespace)
-            yield (
-                "rpc_nowait",
-                "ReportHits",
-                pb.ReportHitsRequest(op="get", namespace=metas[0].namespace, namespace_name=name),
+            yield RpcNoWait(
+                "ReportHits", pb.ReportHitsRequest(op="get", namespace=metas[0].namespace, namespace_name=name)
             )
-        if self.path != "shm":  # the shm path hashes as it copies and sends the sums with Commit
+        transport = self.transport
+        assert transport is not None
+        if not transport.hashes_while_copying:  # shared memory hashes as it copies and sends the sums with Commit
             metas = [dataclasses.replace(m, payload_checksum=checksum(v)) for m, v in zip(metas, views)]
         for m in metas:
             if m.payload_len > self.hello.max_block_bytes:
@@ -366,92 +361,11 @@ class ClientCore:
                     "(its max_block_bytes setting, or its DRAM arena's size if smaller: a block must fit in DRAM)"
                 )
         stored = [False] * len(keys)
-        budget = STREAM_BATCH_BYTES if self.path == "grpc-stream" else None
-        for batch in self._batches(len(keys), [m.payload_len for m in metas], budget=budget):
-            bm = [metas[i] for i in batch]
-            bv = [views[i] for i in batch]
-            if self.path == "shm":
-                ok = yield from self._put_shm(bm, bv, sid)
-            elif self.path == "data-channel":
-                ok = yield from self._put_tcp(bm, bv, sid)
-            else:
-                ok = yield from self._put_stream(bm, bv, sid)
+        for batch in self._batches(len(keys), [m.payload_len for m in metas], budget=transport.batch_bytes):
+            ok = yield from transport.put([metas[i] for i in batch], [views[i] for i in batch], sid)
             for i, good in zip(batch, ok):
                 stored[i] = good
         return stored
-
-    def _put_shm(self, metas: list[BlockMeta], views: list[memoryview], sid: str = "") -> Op[list[bool]]:
-        assert self.arena is not None
-        t0 = time.monotonic()
-        resp = yield ("rpc", "Reserve", pb.ReserveRequest(blocks=[meta_to_pb(m) for m in metas], session_id=sid))
-        # The node started the reservations' deadline after t0.  Past it, their space may
-        # already be another block's: a block whose copy would start that late is not copied.
-        stop_at = t0 + resp.ttl_s - min(1.0, 0.1 * resp.ttl_s)
-        ids, todo = [], []
-        out = [False] * len(metas)
-        for i, r in enumerate(resp.reservations):
-            if r.status == pb.KEY_STATUS_EXISTS:
-                out[i] = True
-            elif r.status == pb.KEY_STATUS_OK:
-                ids.append(r.reservation_id)
-                todo.append((i, extents_from_pb(r.extents)))
-        if not ids:
-            return out
-        arena = yield from self._live_arena(ids, "Abort", pb.AbortRequest(reservation_ids=ids))
-
-        def copy_in() -> list[int]:
-            # hashing each chunk right after copying it, while it is in cache, costs ~0.15x a copy;
-            # hashing the payload first (a second pass over main memory) costs ~0.4x
-            sums = []
-            for i, extents in todo:
-                if time.monotonic() >= stop_at:
-                    break
-                sums.append(arena.write_hashed(extents, views[i]))
-            return sums
-
-        try:
-            sums = yield ("io", copy_in)
-        except BaseException:
-            yield from self._quietly("Abort", pb.AbortRequest(reservation_ids=ids))
-            raise
-        if len(sums) < len(ids):  # too slow: the rest are not stored
-            yield from self._quietly("Abort", pb.AbortRequest(reservation_ids=ids[len(sums) :]))
-            ids = ids[: len(sums)]
-            if not ids:
-                return out
-        resp = yield ("rpc", "Commit", pb.CommitRequest(reservation_ids=ids, payload_checksums=sums))
-        for (i, _), st in zip(todo, resp.statuses):
-            out[i] = st == pb.KEY_STATUS_OK
-        return out
-
-    def _put_tcp(self, metas: list[BlockMeta], views: list[memoryview], sid: str = "") -> Op[list[bool]]:
-        assert self.pool is not None
-        resp = yield ("rpc", "StartPut", pb.ReserveRequest(blocks=[meta_to_pb(m) for m in metas], session_id=sid))
-        out = [s == pb.KEY_STATUS_EXISTS for s in resp.statuses]
-        send = [i for i, s in enumerate(resp.statuses) if s == pb.KEY_STATUS_OK]
-        if not send:
-            return out
-        pool, tid = self.pool, resp.transfer_id
-        statuses = yield ("io", lambda: pool.put(tid, [views[i] for i in send]))
-        for i, st in zip(send, statuses):
-            out[i] = st == pb.KEY_STATUS_OK
-        return out
-
-    def _put_stream(self, metas: list[BlockMeta], views: list[memoryview], sid: str = "") -> Op[list[bool]]:
-        def chunks() -> Any:
-            for m, v in zip(metas, views):
-                first = True
-                for off in range(0, max(v.nbytes, 1), STREAM_CHUNK):
-                    data = bytes(v[off : off + STREAM_CHUNK])
-                    yield (
-                        pb.BlockChunk(block=meta_to_pb(m), data=data, session_id=sid)
-                        if first
-                        else pb.BlockChunk(data=data)
-                    )
-                    first = False
-
-        resp = yield ("put_stream", chunks, len(metas))
-        return [s in (pb.KEY_STATUS_OK, pb.KEY_STATUS_EXISTS) for s in resp.statuses]
 
     # -- reads --------------------------------------------------------------------------
     @_relearn_node_on_unavailable
@@ -465,6 +379,8 @@ class ClientCore:
         if out_views is not None and len(out_views) != len(ks):
             raise InvalidArgument(f"{len(ks)} keys but {len(out_views)} output buffers")
         yield from self.ensure_hello()
+        transport = self.transport
+        assert transport is not None
         result: list[Any] = [None] * len(ks)
         pending = list(range(len(ks)))
         limit = None
@@ -474,14 +390,9 @@ class ClientCore:
                 idx = [pending[j] for j in batch]
                 bk = [ks[i] for i in idx]
                 bo = [out_views[i] for i in idx] if out_views is not None else None
-                if self.path == "shm":
-                    got = yield from self._get_shm(bk, bo, sid)
-                elif self.path == "data-channel":
-                    got = yield from self._get_tcp(bk, bo, sid)
-                else:
-                    got = yield from self._get_stream(bk, bo, sid)
+                got = yield from transport.get(bk, bo, sid, verify=self.verify)
                 for i, g in zip(idx, got):
-                    if g is _RETRY:
+                    if g is RETRY:
                         retry.append(i)
                     else:
                         result[i] = g
@@ -492,127 +403,6 @@ class ClientCore:
             pending = retry
         return result
 
-    @staticmethod
-    def _dest(meta: BlockMeta, out: memoryview | None) -> memoryview:
-        if out is None:
-            return memoryview(bytearray(meta.payload_len))
-        if out.nbytes < meta.payload_len:
-            raise InvalidArgument(
-                f"output buffer holds {out.nbytes} bytes; block {meta.key.hex()} has {meta.payload_len}"
-            )
-        return out[: meta.payload_len]
-
-    def _get_shm(self, keys: list[ChunkKey], outs: list[memoryview] | None, sid: str = "") -> Op[list[Any]]:
-        assert self.arena is not None
-        t0 = time.monotonic()
-        resp = yield ("rpc", "Acquire", pb.KeysRequest(keys=keys, session_id=sid))
-        ids = [x.lease_id for x in resp.leases if x.status == pb.KEY_STATUS_OK]
-        result: list[Any] = [None] * len(keys)
-        arena = yield from self._live_arena(ids, "Release", pb.ReleaseRequest(lease_ids=ids))
-        try:
-            plan = []
-            for i, x in enumerate(resp.leases):
-                if x.status == pb.KEY_STATUS_NO_SPACE:
-                    result[i] = _RETRY
-                elif x.status == pb.KEY_STATUS_OK:
-                    meta = meta_from_pb(x.block)
-                    dest = self._dest(meta, outs[i]) if outs is not None else None
-                    plan.append((i, extents_from_pb(x.extents), meta, dest))
-            copied: list[Any] = []
-
-            def copy_out() -> None:
-                for _, extents, meta, dest in plan:
-                    if dest is not None:
-                        arena.read_into(extents, dest, meta.payload_len)
-                        copied.append(meta.payload_len)
-                    else:  # get(): one copy, arena -> a new bytes object
-                        views = arena.views(extents, meta.payload_len)
-                        copied.append(bytes(views[0]) if len(views) == 1 else b"".join(views))
-
-            yield ("io", copy_out)
-        except BaseException:
-            if ids:
-                yield from self._quietly("Release", pb.ReleaseRequest(lease_ids=ids))
-            raise
-        if not ids:
-            valid: Sequence[bool] = []
-        elif time.monotonic() - t0 < resp.ttl_s - min(1.0, 0.1 * resp.ttl_s):
-            # The copy ended well before the leases' deadline (which the node started after
-            # t0), so no lease can have expired under it: release without waiting for the answer.
-            yield ("rpc_nowait", "Release", pb.ReleaseRequest(lease_ids=ids))
-            valid = [True] * len(ids)
-        else:
-            valid = (yield ("rpc", "Release", pb.ReleaseRequest(lease_ids=ids))).valid
-        for (i, _, _, _), ok, value in zip(plan, valid, copied):
-            if ok:  # an expired lease means the bytes may have been reused under us: a miss
-                result[i] = value
-        return result
-
-    def _get_tcp(self, keys: list[ChunkKey], outs: list[memoryview] | None, sid: str = "") -> Op[list[Any]]:
-        assert self.pool is not None
-        resp = yield ("rpc", "StartGet", pb.KeysRequest(keys=keys, session_id=sid))
-        plan = []
-        result: list[Any] = [None] * len(keys)
-        try:
-            for i, x in enumerate(resp.leases):
-                if x.status == pb.KEY_STATUS_NO_SPACE:
-                    result[i] = _RETRY
-                elif x.status == pb.KEY_STATUS_OK:
-                    meta = meta_from_pb(x.block)
-                    plan.append((i, meta, self._dest(meta, outs[i] if outs else None)))
-        except BaseException:
-            # no bytes will be fetched (e.g. an output buffer is too small): give the leases back
-            # now rather than leaving them pinned until the transfer expires
-            ids = [x.lease_id for x in resp.leases if x.status == pb.KEY_STATUS_OK]
-            if ids:
-                yield from self._quietly("Release", pb.ReleaseRequest(lease_ids=ids))
-            raise
-        if not plan:
-            return result
-        pool, tid = self.pool, resp.transfer_id
-        verify = self.verify
-        sums = yield ("io", lambda: pool.get(tid, [d for _, _, d in plan], hashed=verify))
-        for n, (i, meta, dest) in enumerate(plan):
-            if verify and sums[n] != meta.payload_checksum:
-                continue  # corrupted in flight: a miss, never wrong bytes
-            result[i] = meta.payload_len if outs is not None else bytes(dest)
-        return result
-
-    def _get_stream(self, keys: list[ChunkKey], outs: list[memoryview] | None, sid: str = "") -> Op[list[Any]]:
-        chunks = yield ("get_stream", pb.KeysRequest(keys=keys, session_id=sid))
-        result: list[Any] = [None] * len(keys)
-        idx = -1
-        meta: BlockMeta | None = None
-        dest: memoryview | None = None
-        pos = 0
-
-        def done() -> None:
-            if meta is not None and dest is not None and pos == meta.payload_len:
-                try:
-                    if self.verify:
-                        verify_payload(meta, dest)
-                    result[idx] = meta.payload_len if outs is not None else bytes(dest)
-                except BlockFormatError:
-                    pass
-
-        for c in chunks:
-            if c.HasField("block"):
-                done()
-                idx += 1
-                meta, dest, pos = None, None, 0
-                if c.status != pb.KEY_STATUS_OK:
-                    continue
-                meta = meta_from_pb(c.block)
-                dest = self._dest(meta, outs[idx] if outs else None)
-            if dest is not None and c.data:
-                n = len(c.data)
-                if pos + n > dest.nbytes:
-                    raise Unavailable("stream carried more bytes than the block header says")
-                dest[pos : pos + n] = c.data
-                pos += n
-        done()
-        return result
-
     # -- small calls --------------------------------------------------------------------
     @_relearn_node_on_unavailable
     def lookup(self, keys: Sequence[bytes], *, session: str | None = None) -> Op[list[str | None]]:
@@ -621,7 +411,7 @@ class ClientCore:
         limit = yield from self._limit(len(ks))
         out: list[str | None] = []
         for span in self._spans(len(ks), limit):
-            resp = yield ("rpc", "Lookup", pb.KeysRequest(keys=ks[span], session_id=sid))
+            resp = yield Rpc("Lookup", pb.KeysRequest(keys=ks[span], session_id=sid))
             out += [TIER_NAMES.get(t) for t in resp.tiers]
         return out
 
@@ -633,7 +423,7 @@ class ClientCore:
         matched, tiers = 0, []
         for span in self._spans(len(ks), limit):
             part = ks[span]
-            resp = yield ("rpc", "MatchPrefix", pb.KeysRequest(keys=part, session_id=sid))
+            resp = yield Rpc("MatchPrefix", pb.KeysRequest(keys=part, session_id=sid))
             matched += resp.matched
             tiers += [TIER_NAMES.get(t, "?") for t in resp.tiers]
             if resp.matched < len(part):  # a gap: the prefix ends in this batch
@@ -647,12 +437,12 @@ class ClientCore:
         sid = session_field(session)
         if not sid:
             raise InvalidArgument("close_session needs a session id")
-        resp = yield ("rpc", "CloseSession", pb.CloseSessionRequest(session_id=sid))
+        resp = yield Rpc("CloseSession", pb.CloseSessionRequest(session_id=sid))
         return resp.blocks if resp.closed else None
 
     def call(self, method: str, request: Any) -> Op[Any]:
         """One unary call; the response as is."""
-        return (yield ("rpc", method, request))
+        return (yield Rpc(method, request))
 
     @_relearn_node_on_unavailable
     def simple(self, method: str, request: Any, field: str = "count") -> Op[Any]:
@@ -661,7 +451,7 @@ class ClientCore:
         n = len(request.keys) if field == "count" and hasattr(request, "keys") else 0
         limit = yield from self._limit(n)
         if n <= limit:
-            resp = yield ("rpc", method, request)
+            resp = yield Rpc(method, request)
             return getattr(resp, field)
         total = 0
         for span in self._spans(n, limit):
@@ -669,7 +459,7 @@ class ClientCore:
             part.CopyFrom(request)
             del part.keys[:]
             part.keys.extend(request.keys[span])
-            total += getattr((yield ("rpc", method, part)), field)
+            total += getattr((yield Rpc(method, part)), field)
         return total
 
     def release_ids(self, ids: Sequence[int]) -> Op[list[bool]]:
@@ -677,7 +467,7 @@ class ClientCore:
         limit = yield from self._limit(len(ids))
         valid: list[bool] = []
         for span in self._spans(len(ids), limit):
-            valid += (yield ("rpc", "Release", pb.ReleaseRequest(lease_ids=ids[span]))).valid
+            valid += (yield Rpc("Release", pb.ReleaseRequest(lease_ids=ids[span]))).valid
         return valid
 
     def commit_ids(self, ids: Sequence[int], checksums: Sequence[int] | None) -> Op[list[bool]]:
@@ -686,7 +476,7 @@ class ClientCore:
         stored: list[bool] = []
         for span in self._spans(len(ids), limit):
             req = pb.CommitRequest(reservation_ids=ids[span], payload_checksums=checksums[span] if checksums else [])
-            stored += [st == pb.KEY_STATUS_OK for st in (yield ("rpc", "Commit", req)).statuses]
+            stored += [st == pb.KEY_STATUS_OK for st in (yield Rpc("Commit", req)).statuses]
         return stored
 
     def abort_ids(self, ids: Sequence[int], *, quietly: bool = False) -> Op[None]:
@@ -695,12 +485,12 @@ class ClientCore:
         for span in self._spans(len(ids), limit):
             req = pb.AbortRequest(reservation_ids=ids[span])
             if quietly:
-                yield from self._quietly("Abort", req)
+                yield from quietly("Abort", req)
             else:
-                yield ("rpc", "Abort", req)
+                yield Rpc("Abort", req)
 
     def stats(self) -> Op[dict[str, Any]]:
-        r = yield ("rpc", "Stats", pb.Empty())
+        r = yield Rpc("Stats", pb.Empty())
         return {
             "node_id": r.node_id,
             "tiers": {
@@ -711,7 +501,7 @@ class ClientCore:
                 }
                 for t in r.tiers
             },
-            "counters": dict(r.counters),
+            "counters": Counters(r.counters),  # counters["name"]: 0 if not counted yet, KeyError if no such counter
             "reservations": r.reservations,
             "leases": r.leases,
             "pins": r.pins,
@@ -724,7 +514,8 @@ class ClientCore:
         """Lease keys; return (lease ids, metas or None, arena views or None) per key."""
         sid = session_field(session)
         yield from self.ensure_hello()
-        if self.path != "shm" or self.arena is None:
+        shm = self.transport
+        if not isinstance(shm, SharedMemory) or shm.arena is None:
             raise InvalidArgument("zero-copy views need a unix:// target whose arena this process can map")
         from client._zerocopy import views_of
 
@@ -735,9 +526,9 @@ class ClientCore:
         views: list[Any] = []
         try:
             for span in self._spans(len(ks), limit):
-                resp = yield ("rpc", "Acquire", pb.KeysRequest(keys=ks[span], session_id=sid))
+                resp = yield Rpc("Acquire", pb.KeysRequest(keys=ks[span], session_id=sid))
                 granted = [x.lease_id for x in resp.leases if x.status == pb.KEY_STATUS_OK]
-                arena = yield from self._live_arena(granted, "Release", pb.ReleaseRequest(lease_ids=granted))
+                arena = yield from shm.live_arena(granted, "Release", pb.ReleaseRequest(lease_ids=granted))
                 for x in resp.leases:
                     if x.status == pb.KEY_STATUS_OK:
                         meta = meta_from_pb(x.block)
@@ -750,7 +541,7 @@ class ClientCore:
         except BaseException:
             if ids:  # the earlier batches' leases go back
                 for span in self._spans(len(ids), limit):
-                    yield from self._quietly("Release", pb.ReleaseRequest(lease_ids=ids[span]))
+                    yield from quietly("Release", pb.ReleaseRequest(lease_ids=ids[span]))
             raise
         return ids, metas, views
 
@@ -760,7 +551,8 @@ class ClientCore:
         """Reserve space; return (reservation ids of the writable ones, views or None, existed) per meta."""
         sid = session_field(session)
         yield from self.ensure_hello()
-        if self.path != "shm" or self.arena is None:
+        shm = self.transport
+        if not isinstance(shm, SharedMemory) or shm.arena is None:
             raise InvalidArgument("zero-copy views need a unix:// target whose arena this process can map")
         from client._zerocopy import views_of
 
@@ -771,9 +563,9 @@ class ClientCore:
         try:
             for span in self._spans(len(metas), limit):
                 part = list(metas[span])
-                resp = yield ("rpc", "Reserve", pb.ReserveRequest(blocks=[meta_to_pb(m) for m in part], session_id=sid))
+                resp = yield Rpc("Reserve", pb.ReserveRequest(blocks=[meta_to_pb(m) for m in part], session_id=sid))
                 granted = [r.reservation_id for r in resp.reservations if r.status == pb.KEY_STATUS_OK]
-                arena = yield from self._live_arena(granted, "Abort", pb.AbortRequest(reservation_ids=granted))
+                arena = yield from shm.live_arena(granted, "Abort", pb.AbortRequest(reservation_ids=granted))
                 for m, r in zip(part, resp.reservations):
                     existed.append(r.status == pb.KEY_STATUS_EXISTS)
                     if r.status == pb.KEY_STATUS_OK:
@@ -787,20 +579,11 @@ class ClientCore:
             raise
         return ids, views, existed
 
-    def _quietly(self, method: str, request: Any) -> Op[None]:
-        """Best-effort cleanup call; its failure must not mask the original error."""
-        try:
-            yield ("rpc", method, request)
-        except Exception:
-            pass
-
     def close(self) -> None:
         self.closed = True
-        if self.pool is not None:
-            self.pool.close()
-        if self.arena is not None:
-            self.arena.close(unlink=False)
-            self.arena = None
+        transport = self.transport or (self.requested if isinstance(self.requested, Transport) else None)
+        if transport is not None:
+            transport.close()
 
 
 def as_key_list(keys: object) -> list[bytes]:

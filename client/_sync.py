@@ -1,119 +1,45 @@
-"""``KVClient``: the blocking SDK over :mod:`client._core`."""
+"""``KVClient``: the blocking SDK over :mod:`client._core`.
+
+The driver (``KVClient._run``) performs the core's instructions (:mod:`client._instructions`)
+in the calling thread.  Thread-safe: the core's state is what it learnt from ``Hello`` and
+its transport, both safe to share (see :mod:`client._transports`).
+"""
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 import grpc
 
 from client._api import BlockCalls
-from client._core import IDEMPOTENT, ClientCore, Op, T, Timeouts, as_key_list, fingerprint, report_request
+from client._channel import (
+    CHANNEL_OPTIONS,
+    FINALIZE_WAIT_S,
+    RETRIES,
+    Inflight,
+    etcd_route,
+    finalize_channel,
+    resolve_token,
+    rpc_error,
+    stream_metadata,
+)
+from client._core import IDEMPOTENT, ClientCore, Op, T, as_key_list, fingerprint, report_request
+from client._instructions import GetStream, Io, PutStream, Rpc, RpcNoWait, instruction
+from client._options import ClientKwargs, ClientOptions
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.keys import Namespace, check_key
-from kvstore.tls import ClientTLS, explain, secure_channel
-from kvstore.wire import BLOCKS_METADATA_KEY, error_from_rpc
-
-if False:  # typing only
-    from client._zerocopy import LeasedBlocks, ReservedBlocks
-    from kvstore.block import BlockMeta
+from kvstore.tls import ClientTLS, secure_channel
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-    # reconnect to a restarted node within seconds, not gRPC's default of up to 120 s
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-    # a keepalive time makes gRPC set TCP_USER_TIMEOUT (= the keepalive timeout) on its
-    # sockets: a connection whose packets went unacknowledged for 5 s (a network partition)
-    # is closed and reopened, instead of waiting out TCP's backed-off retransmissions for
-    # about as long again as the partition lasted once it heals (every client in the process
-    # shares that connection).  Pings stay rare: only during calls, and further apart than
-    # the 5 min gRPC servers allow by default.  Regression: tests/fault/test_partition_netns.py
-    ("grpc.keepalive_time_ms", 360_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-]
-RETRIES = 2
-# How long a client that was never closed waits, at garbage collection or interpreter exit,
-# for the calls it started without waiting (releases) before cancelling them.  A cancelled
-# release costs nothing lasting: the node drops the lease at its TTL.
-FINALIZE_WAIT_S = 2.0
+if TYPE_CHECKING:
+    from client._zerocopy import LeasedBlocks, ReservedBlocks
+    from kvstore.block import BlockMeta
 
-
-class Inflight:
-    """Calls a client started without waiting (``Release``), kept so they are finished or
-    cancelled before the client, or the interpreter, goes.
-
-    A gRPC future still running at interpreter exit hangs it: its ``__del__`` takes the
-    call's lock, which gRPC's polling thread may hold when daemon threads are frozen.  So the
-    client's finalizer (``weakref.finalize``: on GC and at exit, while threads still run) waits
-    for them briefly, cancels the rest and drops them.  It must not refer to the client."""
-
-    __slots__ = ("calls", "lock")
-
-    def __init__(self) -> None:
-        self.calls: list[Any] = []
-        self.lock = threading.Lock()
-
-    def add(self, call: Any) -> None:
-        with self.lock:
-            self.calls = [f for f in self.calls if not f.done()]
-            self.calls.append(call)
-
-    def __bool__(self) -> bool:
-        return bool(self.calls)
-
-    def drain(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds in all for the calls; cancel those still running."""
-        with self.lock:
-            pending, self.calls = self.calls, []
-        end = time.monotonic() + timeout
-        for f in pending:
-            try:
-                f.result(timeout=max(0.0, end - time.monotonic()))
-            except Exception:  # noqa: BLE001 - a release's outcome is not needed (leases expire)
-                f.cancel()
-
-
-def finalize_channel(inflight: Inflight, channel: grpc.Channel, timeout: float) -> None:
-    """Finish or cancel the client's calls in flight, then close its channel."""
-    inflight.drain(timeout)
-    channel.close()
-
-
-def resolve_token(token: str | None, token_file: str | None) -> str:
-    """Explicit token → token file → ``KVSTORE_TOKEN`` → ``KVSTORE_TOKEN_FILE``; empty: no auth."""
-    if token:
-        return token
-    path = token_file or (None if os.environ.get("KVSTORE_TOKEN") else os.environ.get("KVSTORE_TOKEN_FILE"))
-    if path:
-        try:
-            with open(path) as f:
-                return f.read().strip()
-        except OSError as e:
-            raise InvalidArgument(f"cannot read token file {path}: {e}") from e
-    return os.environ.get("KVSTORE_TOKEN", "")
-
-
-def stream_metadata(metadata: tuple[tuple[str, str], ...], instr: tuple[Any, ...]) -> tuple[tuple[str, str], ...]:
-    """A put stream's metadata: the call's, and its block count when the op declared one."""
-    return (*metadata, (BLOCKS_METADATA_KEY, str(instr[2]))) if len(instr) > 2 else metadata
-
-
-def rpc_error(e: grpc.RpcError, tls: ClientTLS | None, target: str) -> KVStoreError:
-    """``error_from_rpc``, plus what to check when a connection failed the way a TLS mismatch does."""
-    err = error_from_rpc(e)
-    if isinstance(err, Unavailable):
-        msg = explain(str(err), tls, target)
-        if msg != str(err):
-            return type(err)(msg)
-    return err
+__all__ = ["KVClient", "resolve_token"]  # resolve_token: still imported from here by the cluster clients
 
 
 class KVClient(BlockCalls):
@@ -129,37 +55,35 @@ class KVClient(BlockCalls):
     and ``tls_server_name`` (the name to verify instead of the host dialled).  The files are
     read once, here; the gRPC channel and the data channel use the same settings.  Unix
     socket targets stay plaintext whatever is passed.
+
+    Options: ``options=ClientOptions(...)`` (:class:`client.ClientOptions`) or the same fields
+    as keyword arguments.  For an ``etcd://`` cluster target use :func:`client.connect`
+    (``KVClient("etcd://...")`` still returns a ``ClusterClient`` in this release, with a
+    ``DeprecationWarning``).
     """
 
-    def __new__(cls, target: str, **kwargs: Any) -> Any:
-        # an etcd://HOST:PORT/CLUSTER target routes over a whole cluster (client/_cluster.py);
-        # every other target is one node, handled below as before
-        if cls is KVClient and isinstance(target, str) and target.startswith("etcd://"):
-            from client._cluster import ClusterClient
-
-            return ClusterClient(target, **kwargs)
+    def __new__(cls, target: str, options: ClientOptions | None = None, **kwargs: Any) -> Any:
+        # deprecated, for one release: an etcd:// target returns a ClusterClient (use client.connect)
+        if cls is KVClient:
+            route = etcd_route("sync", target, "KVClient", "client.connect")
+            if route is not None:
+                return route(target, options, **kwargs)
         return super().__new__(cls)
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        token: str | None = None,
-        token_file: str | None = None,
-        timeouts: Timeouts | None = None,
-        transport: str = "auto",
-        verify: bool = True,
-        tls: bool = False,
-        tls_ca_file: str | None = None,
-        tls_cert_file: str | None = None,
-        tls_key_file: str | None = None,
-        tls_server_name: str | None = None,
-    ) -> None:
+    def __init__(self, target: str, options: ClientOptions | None = None, **kwargs: Unpack[ClientKwargs]) -> None:
+        opts = ClientOptions.of(options, dict(kwargs))
+        self.options = opts
         self._tls = ClientTLS.from_options(
-            tls=tls, ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file, server_name=tls_server_name
+            tls=opts.tls,
+            ca_file=opts.tls_ca_file,
+            cert_file=opts.tls_cert_file,
+            key_file=opts.tls_key_file,
+            server_name=opts.tls_server_name,
         )
-        self._core = ClientCore(target, transport=transport, timeouts=timeouts, verify=verify, tls=self._tls)
-        tok = resolve_token(token, token_file)
+        self._core = ClientCore(
+            target, transport=opts.transport, timeouts=opts.timeouts, verify=opts.verify, tls=self._tls
+        )
+        tok = resolve_token(opts.token, opts.token_file)
         self._metadata = (("authorization", f"Bearer {tok}"),) if tok else ()
         self._channel = secure_channel(self._core.target.grpc_target, self._tls, CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
@@ -194,39 +118,36 @@ class KVClient(BlockCalls):
     def _drain(self) -> None:
         self._inflight.drain(self._core.timeouts.rpc)
 
+    def _perform(self, instr: Any) -> Any:
+        match instruction(instr):
+            case Rpc(method, request):
+                return self._rpc(method, request)
+            case RpcNoWait(method, request):
+                return self._start(method, request)
+            case Io(fn):
+                return fn()
+            case PutStream(chunks, blocks):
+                try:
+                    return self._stub.PutStream(
+                        chunks(), timeout=self._core.timeouts.data, metadata=stream_metadata(self._metadata, blocks)
+                    )
+                except grpc.RpcError as e:
+                    raise rpc_error(e, self._tls, self._core.target.grpc_target) from None
+            case GetStream(request):
+                try:
+                    return list(
+                        self._stub.GetStream(request, timeout=self._core.timeouts.data, metadata=self._metadata)
+                    )
+                except grpc.RpcError as e:
+                    raise rpc_error(e, self._tls, self._core.target.grpc_target) from None
+
     def _run(self, op: Op[T]) -> T:
         self._core.check_open()
         try:
             instr = next(op)
             while True:
                 try:
-                    kind = instr[0]
-                    if kind == "rpc":
-                        result = self._rpc(instr[1], instr[2])
-                    elif kind == "rpc_nowait":
-                        result = self._start(instr[1], instr[2])
-                    elif kind == "io":
-                        result = instr[1]()
-                    elif kind == "put_stream":
-                        try:
-                            result = self._stub.PutStream(
-                                instr[1](),
-                                timeout=self._core.timeouts.data,
-                                metadata=stream_metadata(self._metadata, instr),
-                            )
-                        except grpc.RpcError as e:
-                            raise rpc_error(e, self._tls, self._core.target.grpc_target) from None
-                    elif kind == "get_stream":
-                        try:
-                            result = list(
-                                self._stub.GetStream(
-                                    instr[1], timeout=self._core.timeouts.data, metadata=self._metadata
-                                )
-                            )
-                        except grpc.RpcError as e:
-                            raise rpc_error(e, self._tls, self._core.target.grpc_target) from None
-                    else:
-                        raise AssertionError(f"unknown instruction {kind}")
+                    result = self._perform(instr)
                 except BaseException as e:  # noqa: B036 - thrown into the op, which re-raises it
                     # a KVStoreError, or an interrupt: the op first gives back what it holds
                     instr = op.throw(e)

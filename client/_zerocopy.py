@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstore.block import BlockMeta
-from tiers.allocator import Extent
-from tiers.arena import Arena
+from kvstore.shm import ArenaMapping
+from kvstore.vocabulary import Extent
 
 
 @dataclasses.dataclass
@@ -75,6 +75,6 @@ class ReservedBlocks:
         self.abort()  # no-op after commit
 
 
-def views_of(arena: Arena, extents: list[Extent], nbytes: int, *, writable: bool) -> list[memoryview]:
+def views_of(arena: ArenaMapping, extents: list[Extent], nbytes: int, *, writable: bool) -> list[memoryview]:
     vs = arena.views(extents, nbytes)
     return vs if writable else [v.toreadonly() for v in vs]

@@ -13,9 +13,8 @@ import grpc
 from kvstore import errors
 from kvstore.block import BlockMeta
 from kvstore.keys import ChunkKey
+from kvstore.vocabulary import Extent, TierKind
 from protos.kvstore.v1 import kvstore_pb2 as pb
-from tiers.allocator import Extent
-from tiers.base import TierKind
 
 ERROR_METADATA_KEY = "kvstore-error"
 # request metadata of PutStream: at most this many blocks follow (the node refuses a count over max_batch up front)

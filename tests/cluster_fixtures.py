@@ -122,10 +122,10 @@ class Cluster:
         asyncio.run(go())
 
     def client(self, **kw: Any) -> Any:
-        from client import KVClient, Timeouts
+        from client import Timeouts, connect
 
         kw.setdefault("timeouts", Timeouts(**FAST))
-        c = KVClient(self.target, **kw)
+        c = connect(self.target, **kw)
         self.clients.append(c)
         return c
 

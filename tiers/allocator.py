@@ -15,24 +15,12 @@ Invariants: free extents never overlap or touch (touching ones are merged);
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 from sortedcontainers import SortedDict, SortedList
 
 from kvstore.errors import InvalidArgument
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Extent:
-    """A byte range ``[offset, offset + length)``; both are multiples of the allocator unit."""
-
-    offset: int
-    length: int
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.length
+from kvstore.vocabulary import Extent as Extent  # re-exported: the tiers and the node import it from here
 
 
 class ExtentAllocator:

@@ -19,14 +19,7 @@ from typing import Protocol, runtime_checkable
 
 from kvstore.block import BlockMeta
 from kvstore.keys import ChunkKey
-
-
-class TierKind(enum.IntEnum):
-    """Where a block lives, fastest first.  Values match the protobuf ``Tier`` enum."""
-
-    HBM = 1
-    DRAM = 2
-    NVME = 3
+from kvstore.vocabulary import TierKind as TierKind  # re-exported: shared with the wire and the SDK
 
 
 class MissReason(enum.Enum):

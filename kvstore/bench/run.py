@@ -52,8 +52,8 @@ import xxhash
 
 from kvstore.bench import tls as benchtls
 from kvstore.bench.kit import PAGE, Best, KiB, MiB, batched, blocks, buffer, label, log, ratio, timed
+from kvstore.bench.nodes import private_node
 from kvstore.bench.refs import DirectIOFile, Redis, SocketPeer, drop_caches, memcpy
-from kvstore.children import ServeProcess
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.node.config import default_data_dir, parse_size
 from kvstore.progress import Progress
@@ -279,30 +279,6 @@ def _print_targets(r: dict[str, Any], f: TextIO) -> None:
 
 
 # -- SDK benchmark: the node and the paths --------------------------------------------------
-def private_node(dram: int, workdir: Path, *, extra: Sequence[str] = (), tag: str = "") -> ServeProcess:
-    """A ``kvstore serve`` child on free ports with its data dir under ``workdir``; ``stop`` ends it."""
-    suffix = f"-{tag}" if tag else ""  # a second node of the same run (the tls path's)
-    arena = Path("/dev/shm") / f"kvstore-bench-{os.getpid()}-{workdir.name[-8:]}{suffix}.arena"
-    node = ServeProcess(
-        workdir / f"node{suffix}",
-        "--listen",
-        "127.0.0.1:0",
-        "--dram",
-        str(dram),
-        "--nvme",
-        "0",
-        "--log-level",
-        "WARNING",
-        *extra,
-        node_id=f"bench-{os.getpid()}{suffix}",
-        arena_path=str(arena),
-    )
-    try:
-        return node.start(timeout=120)
-    except RuntimeError as e:
-        raise Unavailable(f"the benchmark's node did not start: {e}") from None
-
-
 class SDKPath:
     """One path (client) of the SDK; ``rep`` times one put and one get of the working set."""
 

@@ -32,8 +32,8 @@ class TLSBench:
     """A private TLS node, the SDK options that reach it, and the raw TLS socket reference."""
 
     def __init__(self, workdir: Path, dram: int, capacity: int) -> None:
+        from kvstore.bench.nodes import private_node
         from kvstore.bench.refs import SocketPeer
-        from kvstore.bench.run import private_node
         from kvstore.tls import ClientTLS
 
         self.ca, cert, key = throwaway_certificates(workdir / "tls")
@@ -59,7 +59,7 @@ class TLSBench:
     @staticmethod
     def sdk_cipher(kv: Any) -> str:
         """The cipher a client's data-channel connections negotiated (its pool keeps them)."""
-        pool = getattr(kv._core, "pool", None)
+        pool = getattr(kv._core.transport, "pool", None)  # the data channel's (client._transports.DataChannel)
         for s in getattr(pool, "_idle", []):
             c = s.cipher() if hasattr(s, "cipher") else None
             if c:

@@ -30,6 +30,7 @@ from conftest import ROOT, NodeProcess, clean_env, start_clean, stop_clean
 from tls_pki import PKI, other, pki  # noqa: F401 - fixtures
 
 from client import AsyncKVClient, KVClient, Timeouts, Unauthenticated, Unavailable
+from client._transports import DataChannel
 from kvstore.node.datachannel import OP_GET, REQUEST, REQUEST_MAGIC
 
 TOKEN = "tls-s3cret"
@@ -108,9 +109,9 @@ def round_trip(kv: KVClient) -> None:
 
 def assert_tls_data_channel(kv: KVClient) -> None:
     """The bytes above moved over the data channel, on TLS sockets (the pool keeps them)."""
-    core = kv._core
-    assert core.path == "data-channel" and core.pool is not None and core.pool._idle
-    for s in core.pool._idle:
+    transport = kv._core.transport
+    assert isinstance(transport, DataChannel) and transport.pool is not None and transport.pool._idle
+    for s in transport.pool._idle:
         assert isinstance(s, ssl.SSLSocket) and s.version() in ("TLSv1.2", "TLSv1.3")
 
 

@@ -252,8 +252,9 @@ def test_up_tls_serves_tls_with_the_ca_it_prints(tmp_path: Path) -> None:
         with KVClient(nodes[0]["grpc"], tls_ca_file=tls["ca_file"], timeouts=fast) as kv:
             k, payload = os.urandom(16), os.urandom((3 << 20) + 5)
             assert kv.put(k, payload) and kv.get(k) == payload
-            assert kv._core.path == "data-channel" and kv._core.pool is not None and kv._core.pool._idle
-            assert all(isinstance(s, ssl.SSLSocket) for s in kv._core.pool._idle)
+            pool = getattr(kv._core.transport, "pool", None)  # the data channel's
+            assert kv._core.transport.name == "data-channel" and pool is not None and pool._idle
+            assert all(isinstance(s, ssl.SSLSocket) for s in pool._idle)
 
         # a plaintext client is refused, at once, with the setting to change
         t0 = time.monotonic()

@@ -1,0 +1,131 @@
+"""Names the node, the SDK and the tools agree on, with no behaviour of their own.
+
+* :class:`TierKind`: where a block lives (values match the protobuf ``Tier`` enum);
+  :mod:`tiers.base` re-exports it for the tiers.
+* :class:`Extent`: a byte range of an arena or a file; the allocators hand them out
+  (:mod:`tiers.allocator`), the wire carries them (:mod:`kvstore.wire`), clients copy
+  into and out of them (:mod:`kvstore.shm`).
+* Miss reasons: the ``reason`` label values of ``kvstore_miss_blocks_total`` (the node's
+  hit ledger, ``kvstore/node/ledger.py``, documents each) and the two a cluster client
+  reports itself (``ReportHits``).  Part of the metrics contract: never rename.
+* Session ids: what a ``session_id`` may be (:func:`check_session_id`), checked by the
+  SDK before sending and by the node on receipt.
+* Node counters: the names ``Stats`` may report (:data:`NODE_COUNTERS`); a node reports a
+  counter once it has counted something, so a reader takes an absent known name as 0.
+
+Owns no state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from kvstore.errors import InvalidArgument
+
+
+class TierKind(enum.IntEnum):
+    """Where a block lives, fastest first.  Values match the protobuf ``Tier`` enum."""
+
+    HBM = 1
+    DRAM = 2
+    NVME = 3
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Extent:
+    """A byte range ``[offset, offset + length)``; both are multiples of the allocator unit."""
+
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+# -- miss reasons (label values of kvstore_miss_blocks_total) ----------------------------
+NEVER_STORED = "never_stored"
+EVICTED = "evicted"
+INVALIDATED = "invalidated"
+CORRUPT = "corrupt"
+NODE_DOWN = "node_down"  # client side: the owner did not answer
+DEADLINE = "deadline"  # client side: the owner answered after the call's deadline
+REASONS = (NEVER_STORED, EVICTED, INVALIDATED, CORRUPT, NODE_DOWN, DEADLINE)
+CLIENT_MISS_REASONS = (NODE_DOWN, DEADLINE)  # what cluster clients report (``ReportHits``)
+
+# -- session ids ---------------------------------------------------------------------------
+MAX_SESSION_ID = 256  # bytes (UTF-8)
+
+
+def check_session_id(session: object) -> str | None:
+    """A session id as callers pass it: None or "" (no session), else a printable string."""
+    if session is None or session == "":
+        return None
+    if not isinstance(session, str):
+        raise InvalidArgument(f"a session id is a string, got {type(session).__name__}")
+    if len(session.encode()) > MAX_SESSION_ID or not session.isprintable():
+        raise InvalidArgument(f"a session id is printable and at most {MAX_SESSION_ID} bytes, got {session!r:.80}")
+    return session
+
+
+# -- node counters (StatsResponse.counters) ---------------------------------------------------
+NODE_COUNTERS = frozenset(
+    {
+        "active_transfers",
+        "corrupt_blocks",
+        "corrupt_demotions",
+        "corrupt_puts",
+        "data_channel_aborted_puts",
+        "deletes",
+        "demoted_bytes",
+        "demotions",
+        "dram_evictions",
+        "get_bytes",
+        "get_hits_dram",
+        "get_hits_nvme",
+        "get_misses",
+        "get_misses_corrupt",
+        "get_no_space",
+        "grpc_stream_bytes_in",
+        "grpc_stream_bytes_out",
+        "invalidated_blocks",
+        "leases_expired",
+        "local_bytes_in",
+        "local_bytes_out",
+        "match_prefix_calls",
+        "match_prefix_hits",
+        "match_prefix_keys",
+        "nvme_corrupt_blocks",
+        "nvme_evictions",
+        "nvme_rejected",
+        "nvme_write_failures",
+        "pending_transfers",
+        "pin_tenant_limit",
+        "pins_ttl_capped",
+        "promoted_bytes",
+        "promotions",
+        "put_bytes",
+        "puts",
+        "puts_deduplicated",
+        "puts_shadowed",
+        "quota_evictions_dram",
+        "quota_evictions_nvme",
+        "quota_rejected_nvme",
+        "reservations_reclaimed",
+        "reserve_no_space",
+        "reserve_tenant_limit",
+        "reserve_tenant_quota",
+        "session_blocks_dead",
+        "session_blocks_revived",
+        "session_dead_forgotten",
+        "session_keys_untracked",
+        "sessions_close_unknown",
+        "sessions_closed",
+        "sessions_evicted",
+        "sessions_expired",
+        "sessions_opened",
+        "tcp_bytes_in",
+        "tcp_bytes_out",
+    }
+)
