@@ -57,6 +57,10 @@ class Tier(Protocol):
 
     def contains(self, key: ChunkKey) -> bool: ...
 
+    def keys(self) -> list[ChunkKey]:
+        """A snapshot of the stored keys."""
+        ...
+
     def meta(self, key: ChunkKey) -> BlockMeta | None: ...
 
     def count_prefix(self, keys: Sequence[ChunkKey]) -> int:
@@ -91,6 +95,29 @@ class Tier(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class LowerTier(Tier, Protocol):
+    """A tier below DRAM that the tier manager demotes blocks to and promotes them from
+    (``kvstore/node/movers.py``): the NVMe tier and its wrappers.  Thread-safe: the manager
+    calls the blocking methods (``write_many``, ``read_into``) from executor threads and the
+    rest from its event loop."""
+
+    corrupt_blocks: int
+    """Blocks dropped because their bytes failed verification, since the tier opened."""
+
+    def write_many(self, items: Sequence[tuple[BlockMeta, object]]) -> None:
+        """Store blocks as one group commit, all or nothing (``CapacityExceeded`` or ``OSError``)."""
+        ...
+
+    def admit(self, key: ChunkKey, size: int) -> bool:
+        """Whether the tier's admission filter takes a block of ``size`` bytes now."""
+        ...
+
+    def recovery(self) -> dict[str, int]:
+        """What recovering the tier's index at open found (counts; zeros if nothing was recovered)."""
+        ...
 
 
 def count_prefix(tier: Tier, keys: Sequence[ChunkKey]) -> int:

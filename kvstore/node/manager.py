@@ -82,7 +82,7 @@ from kvstore.node.outcomes import Leased, Reserved, Status
 from kvstore.node.quotas import Occupancy, OwnerOf, QuotaNVMe, TenantQuotas, caps_of
 from kvstore.node.sessions import Sessions
 from tiers.allocator import Extent
-from tiers.base import TierKind
+from tiers.base import LowerTier, TierKind
 from tiers.dram import DRAMTier
 
 __all__ = ["Leased", "Reserved", "Status", "TierManager", "Visible"]
@@ -95,7 +95,7 @@ class TierManager:
     def __init__(
         self,
         dram: DRAMTier,
-        nvme: Any | None = None,
+        nvme: LowerTier | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
         write_through: bool = False,
@@ -635,11 +635,9 @@ class TierManager:
 
     async def invalidate(self, namespace: bytes) -> int:
         keys = [k for k in self.dram.keys() if (m := self.dram.meta(k)) is not None and m.namespace == namespace]
-        if self.nvme is not None:
+        if (nvme := self.nvme) is not None:
             nv = await self.movers.io(
-                lambda: [
-                    k for k in self.nvme.keys() if (m := self.nvme.meta(k)) is not None and m.namespace == namespace
-                ]
+                lambda: [k for k in nvme.keys() if (m := nvme.meta(k)) is not None and m.namespace == namespace]
             )
             seen = set(keys)  # once: a set per key made this quadratic (minutes for a big namespace)
             keys.extend(k for k in nv if k not in seen)
@@ -710,7 +708,7 @@ class TierManager:
         return await self.movers.flush(deadline_s)
 
     def stats(self) -> dict[str, Any]:
-        tiers = {
+        tiers: dict[str, dict[str, Any]] = {
             "dram": {
                 "capacity_bytes": self.dram.capacity_bytes,
                 "used_bytes": self.dram.used_bytes,
@@ -722,8 +720,8 @@ class TierManager:
                 "capacity_bytes": self.nvme.capacity_bytes,
                 "used_bytes": self.nvme.used_bytes,
                 "blocks": len(self.nvme),
-                "corrupt_blocks": getattr(self.nvme, "corrupt_blocks", 0),
-                "recovery": self.nvme.recovery() if hasattr(self.nvme, "recovery") else {},
+                "corrupt_blocks": self.nvme.corrupt_blocks,
+                "recovery": self.nvme.recovery(),
             }
         return {
             "tiers": tiers,

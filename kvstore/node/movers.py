@@ -49,7 +49,7 @@ from kvstore.node.holds import Holds, allocation
 from kvstore.node.ledger import CORRUPT, EVICTED
 from kvstore.node.outcomes import Status
 from tiers.allocator import Extent
-from tiers.base import MissReason
+from tiers.base import LowerTier, MissReason
 from tiers.dram import DRAMTier
 
 log = logging.getLogger("kvstore.node.manager")  # the tier manager's log, as before the split
@@ -62,7 +62,7 @@ class TierMovers:
     def __init__(
         self,
         dram: DRAMTier,
-        nvme: Any | None,
+        nvme: LowerTier | None,
         holds: Holds,
         *,
         executor: ThreadPoolExecutor,
@@ -370,6 +370,6 @@ class TierMovers:
             return self.nvme.read_into(key, self.dram.arena.buf[extents[0].offset : extents[0].offset + max(n, 1)])
         tmp = bytearray(n)
         res = self.nvme.read_into(key, tmp)
-        if res.hit:
+        if res.meta is not None:  # a hit
             self.dram.arena.write(extents, memoryview(tmp)[: res.meta.payload_len])
         return res
