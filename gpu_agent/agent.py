@@ -545,7 +545,9 @@ class GPUAgent:
             valid = leased.release() if leased is not None else []
         if not all(valid):
             self._count("expired_leases", valid.count(False))
-            log.error("a read lease expired during a load: the loaded KV may be wrong; raise the node's --lease-ttl")
+            log.error(
+                "a read lease expired during a load: the loaded KV may be wrong; raise the node's --read-lease-ttl"
+            )
             return False
         return ok
 
