@@ -58,7 +58,7 @@ class BlockCalls:
                 [data],
                 namespace=namespace,
                 parents=[parent],
-                token_counts=[token_count],  # type: ignore[no-any-return]
+                token_counts=[token_count],
                 **with_session(self._core, session_id),
             )
         )[0]
@@ -79,25 +79,25 @@ class BlockCalls:
                 list(datas),
                 namespace=namespace,
                 parents=parents,
-                token_counts=token_counts,  # type: ignore[no-any-return]
+                token_counts=token_counts,
                 **with_session(self._core, session_id),
             )
         )
 
     def get(self, key: bytes, *, session_id: str | None = None) -> bytes | None:
-        return self._run(self._core.get_many_into([key], None, **with_session(self._core, session_id)))[0]  # type: ignore[no-any-return]
+        return self._run(self._core.get_many_into([key], None, **with_session(self._core, session_id)))[0]
 
     def get_into(self, key: bytes, out: object, *, session_id: str | None = None) -> int | None:
         """Copy a block into ``out`` (bytes-like, numpy array or CPU tensor); bytes written, or None on a miss."""
-        return self._run(self._core.get_many_into([key], [out], **with_session(self._core, session_id)))[0]  # type: ignore[no-any-return]
+        return self._run(self._core.get_many_into([key], [out], **with_session(self._core, session_id)))[0]
 
     def get_many(self, keys: Sequence[bytes], *, session_id: str | None = None) -> list[bytes | None]:
-        return self._run(self._core.get_many_into(list(keys), None, **with_session(self._core, session_id)))  # type: ignore[no-any-return]
+        return self._run(self._core.get_many_into(list(keys), None, **with_session(self._core, session_id)))
 
     def get_many_into(
         self, keys: Sequence[bytes], outs: Sequence[object], *, session_id: str | None = None
     ) -> list[int | None]:
-        return self._run(self._core.get_many_into(list(keys), list(outs), **with_session(self._core, session_id)))  # type: ignore[no-any-return]
+        return self._run(self._core.get_many_into(list(keys), list(outs), **with_session(self._core, session_id)))
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return [t is not None for t in self.lookup(keys)]
@@ -130,7 +130,7 @@ class AsyncBlockCalls:
                     [data],
                     namespace=namespace,
                     parents=[parent],
-                    token_counts=[token_count],  # type: ignore[no-any-return]
+                    token_counts=[token_count],
                     **with_session(self._core, session_id),
                 )
             )
@@ -152,24 +152,24 @@ class AsyncBlockCalls:
                 list(datas),
                 namespace=namespace,
                 parents=parents,
-                token_counts=token_counts,  # type: ignore[no-any-return]
+                token_counts=token_counts,
                 **with_session(self._core, session_id),
             )
         )
 
     async def get(self, key: bytes, *, session_id: str | None = None) -> bytes | None:
-        return (await self._run(self._core.get_many_into([key], None, **with_session(self._core, session_id))))[0]  # type: ignore[no-any-return]
+        return (await self._run(self._core.get_many_into([key], None, **with_session(self._core, session_id))))[0]
 
     async def get_into(self, key: bytes, out: object, *, session_id: str | None = None) -> int | None:
-        return (await self._run(self._core.get_many_into([key], [out], **with_session(self._core, session_id))))[0]  # type: ignore[no-any-return]
+        return (await self._run(self._core.get_many_into([key], [out], **with_session(self._core, session_id))))[0]
 
     async def get_many(self, keys: Sequence[bytes], *, session_id: str | None = None) -> list[bytes | None]:
-        return await self._run(self._core.get_many_into(list(keys), None, **with_session(self._core, session_id)))  # type: ignore[no-any-return]
+        return await self._run(self._core.get_many_into(list(keys), None, **with_session(self._core, session_id)))
 
     async def get_many_into(
         self, keys: Sequence[bytes], outs: Sequence[object], *, session_id: str | None = None
     ) -> list[int | None]:
-        return await self._run(self._core.get_many_into(list(keys), list(outs), **with_session(self._core, session_id)))  # type: ignore[no-any-return]
+        return await self._run(self._core.get_many_into(list(keys), list(outs), **with_session(self._core, session_id)))
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return [t is not None for t in await self.lookup(keys)]

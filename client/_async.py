@@ -141,7 +141,7 @@ class AsyncKVClient(AsyncBlockCalls):
                     continue
                 instr = op.send(result)
         except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
+            return stop.value
 
     async def lookup(self, keys: Sequence[bytes], *, session_id: str | None = None) -> list[str | None]:
         return await self._run(self._core.lookup(as_key_list(keys), session=session_id))

@@ -32,7 +32,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from client._instructions import RETRY, Op, Rpc, RpcNoWait, T, quietly
+from client._instructions import RETRY, Op, Rpc, RpcNoWait, T, best_effort
 from client._options import Timeouts
 from client._stats import Counters
 from client._transports import (
@@ -178,12 +178,13 @@ def describe(
 
     ``with_checksum=False`` leaves ``payload_checksum`` 0 for the caller to fill in later.
     """
-    dtype, shape = "uint8", (data.nbytes,)
+    dtype: str = "uint8"
+    shape: tuple[int, ...] = (data.nbytes,)
     np_dtype = getattr(obj, "dtype", None)
     if np_dtype is not None and hasattr(obj, "shape"):
         name = _dtype_name(np_dtype)
         if name in DTYPES:
-            dtype, shape = name, tuple(int(d) for d in obj.shape)  # type: ignore[attr-defined]
+            dtype, shape = name, tuple(int(d) for d in obj.shape)
             if len(shape) > 8 or (not shape and data.nbytes):
                 dtype, shape = "uint8", (data.nbytes,)
     return BlockMeta(
@@ -199,10 +200,11 @@ def describe(
 
 
 class ClientCore:
-    """Holds what a client learned about its node and the resources that go with it.
+    """Holds what a client learned about its node (its ``Hello``) and the transport bound to it.
 
-    Owned by one client object; the arena mapping and the data-channel pool are
-    thread-safe for the disjoint copies the operations make.
+    Owned by one client object.  ``transport``: the :class:`~client._transports.Transport` chosen
+    at the first ``Hello`` (None before), from ``requested`` (a name, or a Transport object used
+    as is); it is thread-safe for the disjoint copies the operations make.
     """
 
     SESSION_HINTS = True  # its calls take session= (client/_api.py: with_session)
@@ -485,7 +487,7 @@ class ClientCore:
         for span in self._spans(len(ids), limit):
             req = pb.AbortRequest(reservation_ids=ids[span])
             if quietly:
-                yield from quietly("Abort", req)
+                yield from best_effort("Abort", req)
             else:
                 yield Rpc("Abort", req)
 
@@ -541,7 +543,7 @@ class ClientCore:
         except BaseException:
             if ids:  # the earlier batches' leases go back
                 for span in self._spans(len(ids), limit):
-                    yield from quietly("Release", pb.ReleaseRequest(lease_ids=ids[span]))
+                    yield from best_effort("Release", pb.ReleaseRequest(lease_ids=ids[span]))
             raise
         return ids, metas, views
 
@@ -601,7 +603,7 @@ def report_request(blocks: int, tokens: int, tier: str, op: str, namespace: obje
         raise InvalidArgument(f"report hits served from 'hbm' or 'remote', got {tier!r}")
     if blocks < 0 or tokens < 0:
         raise InvalidArgument("blocks and tokens must be non-negative")
-    ns = fingerprint(namespace) if namespace is not None else b""  # type: ignore[arg-type]
+    ns = fingerprint(namespace) if namespace is not None else b""
     return pb.ReportHitsRequest(
         op=op, tier=pb.TIER_HBM, blocks=blocks, tokens=tokens, namespace=ns, remote=tier == "remote"
     )

@@ -86,7 +86,7 @@ def instruction(instr: Instruction | tuple[Any, ...]) -> Instruction:
 RETRY = object()  # a key the node could not bring into DRAM for this batch: the core retries it
 
 
-def quietly(method: str, request: Any) -> Op[None]:
+def best_effort(method: str, request: Any) -> Op[None]:
     """Best-effort cleanup call; its failure must not mask the original error."""
     try:
         yield Rpc(method, request)

@@ -154,7 +154,7 @@ class KVClient(BlockCalls):
                     continue
                 instr = op.send(result)
         except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
+            return stop.value
 
     # -- API (put / get / exists: client._api.BlockCalls) -----------------------------------
     def lookup(self, keys: Sequence[bytes], *, session_id: str | None = None) -> list[str | None]:

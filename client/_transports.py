@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 from client._datachannel import DataChannelPool
-from client._instructions import RETRY, GetStream, Io, Op, PutStream, Rpc, RpcNoWait, dest_view, quietly
+from client._instructions import RETRY, GetStream, Io, Op, PutStream, Rpc, RpcNoWait, best_effort, dest_view
 from kvstore.block import BlockMeta, verify_payload
 from kvstore.errors import BlockFormatError, Unavailable
 from kvstore.keys import ChunkKey
@@ -99,7 +99,7 @@ class SharedMemory(Transport):
         if arena is None:
             raise Unavailable("this client has not mapped the node's arena (no Hello yet)")
         if granted and arena.replaced():
-            yield from quietly(undo, undo_request)
+            yield from best_effort(undo, undo_request)
             raise Unavailable("the node restarted (its arena file was replaced); the next call reconnects")
         return arena
 
@@ -134,10 +134,10 @@ class SharedMemory(Transport):
         try:
             sums = yield Io(copy_in)
         except BaseException:
-            yield from quietly("Abort", pb.AbortRequest(reservation_ids=ids))
+            yield from best_effort("Abort", pb.AbortRequest(reservation_ids=ids))
             raise
         if len(sums) < len(ids):  # too slow: the rest are not stored
-            yield from quietly("Abort", pb.AbortRequest(reservation_ids=ids[len(sums) :]))
+            yield from best_effort("Abort", pb.AbortRequest(reservation_ids=ids[len(sums) :]))
             ids = ids[: len(sums)]
             if not ids:
                 return out
@@ -175,7 +175,7 @@ class SharedMemory(Transport):
             yield Io(copy_out)
         except BaseException:
             if ids:
-                yield from quietly("Release", pb.ReleaseRequest(lease_ids=ids))
+                yield from best_effort("Release", pb.ReleaseRequest(lease_ids=ids))
             raise
         if not ids:
             valid: Sequence[bool] = []
@@ -240,7 +240,7 @@ class DataChannel(Transport):
             # now rather than leaving them pinned until the transfer expires
             ids = [x.lease_id for x in resp.leases if x.status == pb.KEY_STATUS_OK]
             if ids:
-                yield from quietly("Release", pb.ReleaseRequest(lease_ids=ids))
+                yield from best_effort("Release", pb.ReleaseRequest(lease_ids=ids))
             raise
         if not plan:
             return result

@@ -24,7 +24,7 @@ class LeasedBlocks:
     """Blocks held under read leases.  ``views[i]`` is None for a miss; else the block's
     extents as read-only memoryviews (usually one) into the shared arena."""
 
-    keys: list[bytes]
+    keys: Sequence[bytes]
     metas: list[BlockMeta | None]
     views: list[list[memoryview] | None]
     _release: Callable[[], list[bool]]
@@ -50,7 +50,7 @@ class ReservedBlocks:
     """Space reserved for new blocks.  ``views[i]`` is None when the key is already
     stored (nothing to write) or the node had no room; else writable views to fill."""
 
-    keys: list[bytes]
+    keys: Sequence[bytes]
     metas: list[BlockMeta]
     views: list[list[memoryview] | None]
     _commit: Callable[[list[int] | None], list[bool]]

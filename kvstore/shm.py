@@ -138,7 +138,7 @@ def as_bytes_view(obj: object, *, writable: bool = False) -> memoryview:
         # a torch tensor: must be on the CPU and contiguous for a zero-copy view
         if getattr(obj, "device", None) is not None and str(obj.device) != "cpu":  # type: ignore[attr-defined]
             raise InvalidArgument(f"tensor is on {obj.device}; the SDK takes CPU tensors (use gpu_agent for HBM)")  # type: ignore[attr-defined]
-        if not obj.is_contiguous():  # type: ignore[attr-defined]
+        if not obj.is_contiguous():
             raise InvalidArgument("tensor must be contiguous")
         import numpy as np
 
@@ -149,7 +149,7 @@ def as_bytes_view(obj: object, *, writable: bool = False) -> memoryview:
             import torch
 
             arr = t.view(torch.uint8).numpy()
-        mv = memoryview(np.ascontiguousarray(arr))
+        mv = memoryview(np.ascontiguousarray(arr))  # type: ignore[arg-type]  # ndarray is a buffer; numpy's stubs do not say so
     else:
         try:
             mv = memoryview(obj)  # type: ignore[arg-type]

@@ -63,9 +63,10 @@ def error_from_rpc(e: grpc.RpcError) -> errors.KVStoreError:
     details = (e.details() if hasattr(e, "details") else None) or str(code)
     name = None
     try:
-        for md in e.trailing_metadata() or ():  # type: ignore[attr-defined]
-            if md[0] == ERROR_METADATA_KEY:
-                name = md[1]
+        for md in e.trailing_metadata() or ():
+            # (key, value): a namedtuple from a sync call, a plain tuple from grpc.aio
+            if md[0] == ERROR_METADATA_KEY:  # type: ignore[index]
+                name = md[1]  # type: ignore[index]
     except Exception:
         pass
     cls = _BY_NAME.get(name or "") or _BY_CODE.get(code, errors.KVStoreError)

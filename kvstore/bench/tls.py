@@ -16,6 +16,7 @@ benchmark's temporary directory and go with it (``TLSBench.close``).
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -39,6 +40,7 @@ class TLSBench:
         self.ca, cert, key = throwaway_certificates(workdir / "tls")
         self.client_kw: dict[str, Any] = {"tls_ca_file": self.ca}
         client = ClientTLS.from_options(ca_file=self.ca)
+        assert client is not None  # a CA file always makes TLS settings
         self._closers: list[Any] = []
         try:
             self.node = private_node(dram, workdir, extra=("--tls-cert-file", cert, "--tls-key-file", key), tag="tls")
@@ -51,7 +53,10 @@ class TLSBench:
                 wrap=lambda sock: client.wrap(sock, "127.0.0.1"),
             )
             self._closers.append(self.peer.close)
-            self.socket_cipher = f"{self.peer.s.version()} {self.peer.s.cipher()[0]}"
+            sock = self.peer.s
+            assert isinstance(sock, ssl.SSLSocket)  # wrapped by ``client.wrap`` above
+            cipher = sock.cipher()
+            self.socket_cipher = f"{sock.version()} {cipher[0] if cipher else '?'}"
         except BaseException:
             self.close()
             raise

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -47,7 +48,7 @@ class FakeNode:
         keys = list(getattr(request, "keys", ()))
         assert len(keys) <= self.max_batch, f"{method} of {len(keys)} keys over max_batch={self.max_batch}"
         if method == "Lookup":
-            return pb.LookupResponse(tiers=[pb.TIER_DRAM if k in self.blocks else 0 for k in keys])
+            return pb.LookupResponse(tiers=[pb.TIER_DRAM if k in self.blocks else pb.TIER_UNSPECIFIED for k in keys])
         if method == "MatchPrefix":
             n = next((i for i, k in enumerate(keys) if k not in self.blocks), len(keys))
             return pb.MatchPrefixResponse(matched=n, tiers=[pb.TIER_DRAM] * n)
@@ -228,6 +229,15 @@ def test_zero_copy_views_need_the_shared_memory_transport() -> None:
     assert core.arena is None
 
 
+def test_best_effort_aborts_swallow_the_nodes_refusal_and_plain_ones_raise_it() -> None:
+    core, node, _ = core_and_node(max_batch=2)
+    drive(core.lookup([key(1), key(2)]), node)  # learn max_batch
+    assert drive(core.abort_ids([1, 2, 3], quietly=True), node) is None  # the fake node refuses Abort
+    assert [len(r.reservation_ids) for m, r in node.calls if m == "Abort"] == [2, 1]
+    with pytest.raises(AssertionError, match="does not answer Abort"):
+        drive(core.abort_ids([4]), node)
+
+
 def test_close_closes_the_transport() -> None:
     core, node, transport = core_and_node()
     drive(core.lookup([key(1)]), node)
@@ -239,7 +249,10 @@ def test_close_closes_the_transport() -> None:
 
 def test_instructions_from_the_tuple_form_are_still_understood() -> None:
     req = pb.KeysRequest(keys=[key(1)])
-    chunks = list  # any callable
+
+    def chunks() -> Iterator[pb.BlockChunk]:
+        yield pb.BlockChunk()
+
     assert instruction(("rpc", "Lookup", req)) == Rpc("Lookup", req)
     assert instruction(("rpc_nowait", "Release", req)) == RpcNoWait("Release", req)
     assert instruction(("put_stream", chunks, 3)) == PutStream(chunks, 3)
@@ -277,7 +290,7 @@ def test_connect_returns_the_client_for_the_target_and_the_old_spelling_warns() 
     finally:
         cluster.close()
     with pytest.warns(DeprecationWarning, match=r"use client.connect"):
-        old = KVClient("etcd://127.0.0.1:1/c", wait_s=0, prefer_local=False)
+        old = KVClient("etcd://127.0.0.1:1/c", wait_s=0, prefer_local=False)  # type: ignore[call-arg]
     try:
         assert type(old).__name__ == "ClusterClient"
     finally:
