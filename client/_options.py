@@ -10,9 +10,12 @@ uses them, once, when it is made.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from kvstore.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from client._transports import Transport
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,7 +43,7 @@ class ClientOptions:
     token: str | None = None
     token_file: str | None = None
     timeouts: Timeouts | None = None
-    transport: Any = "auto"  # a name, or a client._transports.Transport (tests)
+    transport: str | Transport = "auto"  # a name, or a Transport object (tests: an in-process fake)
     verify: bool = True
     tls: bool = False
     tls_ca_file: str | None = None
@@ -79,7 +82,7 @@ class ClientKwargs(TypedDict, total=False):
     token: str | None
     token_file: str | None
     timeouts: Timeouts | None
-    transport: Any
+    transport: str | Transport
     verify: bool
     tls: bool
     tls_ca_file: str | None

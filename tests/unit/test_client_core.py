@@ -7,6 +7,7 @@ drivers are exercised against real nodes in tests/integration/test_sdk.py."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +18,7 @@ import xxhash
 from client import ClientOptions, KVClient, Timeouts, connect
 from client._core import ClientCore
 from client._instructions import RETRY, GetStream, Io, Op, PutStream, Rpc, RpcNoWait, instruction
+from client._stats import Counters
 from client._transports import Transport
 from kvstore.block import BlockMeta
 from kvstore.errors import InvalidArgument, Unavailable
@@ -275,6 +277,14 @@ def test_client_options_merge_keyword_arguments_and_refuse_unknown_or_doubled_on
         ClientOptions.of(base, {"verify": True})
     with pytest.raises(dataclasses.FrozenInstanceError):
         base.verify = True  # type: ignore[misc]
+
+
+def test_counters_read_zero_until_counted_and_refuse_a_name_no_node_reports() -> None:
+    c = Counters({"puts": 3})
+    assert c["puts"] == 3 and c["dram_evictions"] == 0  # known, not counted yet
+    with pytest.raises(KeyError, match="no node counter named 'dram_evictons'"):
+        c["dram_evictons"]
+    assert json.loads(json.dumps({"counters": c})) == {"counters": {"puts": 3}}  # still a dict to print
 
 
 def test_connect_returns_the_client_for_the_target_and_the_old_spelling_warns() -> None:
