@@ -26,6 +26,12 @@ Routing rules:
   this client saw before the membership or the placement scheme changed, for
   ``handoff_window_s``): on a hit there the block is copied to the current owners (a
   hand-off read).
+* **Hot keys** (:mod:`kvstore.cluster.hot`): a key the owners published as read-hot has
+  ``k`` extra copies on more nodes (the same ones for every client); reads and lookups
+  of it go first to one of its ``R + k`` copies chosen at random (live ones), then to
+  the owners in rank order.  A copy missing on the extra chosen is read from an owner
+  and written to that extra (with its exact metadata, as a hand-off read): extras fill
+  on first read.  A dead extra is skipped like any failed node.
 * **Failures**: a node that answers ``Unavailable`` or ``DeadlineExceeded`` (every call
   has a deadline) counts as a miss (in :meth:`ClusterClient.miss_counts`, reasons
   ``node_down`` / ``deadline``: nodes cannot count what never reached them) and is marked *suspect*: calls skip it for
@@ -53,6 +59,7 @@ import collections
 import dataclasses
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -69,6 +76,7 @@ from client._core import (
     fingerprint,
 )
 from kvstore.block import BlockMeta, verify_payload
+from kvstore.cluster import hot as _hot
 from kvstore.cluster.membership import Membership
 from kvstore.cluster.placement import Placement, group_keys, placement
 from kvstore.cluster.state import ClusterSnapshot, NodeInfo, effective_fingerprint, parse_target
@@ -117,6 +125,19 @@ class Plan:
     ring: Placement
     r: int
     previous: tuple[Placement, ...]  # placements before recent membership changes, newest first
+    hot: Mapping[bytes, int] = dataclasses.field(default_factory=dict)  # read-hot key -> extra copies
+    _extras: dict[bytes, list[str]] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def extras(self, key: bytes) -> list[str]:
+        """The extra copies of a hot key (live members only); [] for other keys."""
+        k = self.hot.get(key)
+        if not k:
+            return []
+        got = self._extras.get(key)
+        if got is None:
+            got = [n for n in _hot.extras(self.ring, key, self.r, k) if n in self.nodes]
+            self._extras[key] = got
+        return got
 
     def owners(self, key: bytes) -> list[str]:
         return self.ring.owners(key, self.r)
@@ -295,6 +316,9 @@ class ClusterCore:
         # short copies; the drivers send it with ReportHits after each call (take_report)
         self._unreported: collections.Counter[tuple[str, str]] = collections.Counter()
         self._unreported_short = 0
+        self._rng = random.Random()
+        self.hot_reads = 0  # reads of hot keys sent to an extra copy first
+        self.hot_fills = 0  # extra copies this client wrote (a hot key missing on its extra)
 
     # -- membership and placement ----------------------------------------------------------
     def _seen(self, snap: ClusterSnapshot) -> None:
@@ -338,7 +362,14 @@ class ClusterCore:
         previous = tuple(
             placement(scheme, dict(members)) for scheme, members in history if any(n in nodes for n, _ in members)
         )
-        plan = Plan(snap, nodes, placement(snap.config.placement, {n: i.weight for n, i in nodes.items()}), r, previous)
+        plan = Plan(
+            snap,
+            nodes,
+            placement(snap.config.placement, {n: i.weight for n, i in nodes.items()}),
+            r,
+            previous,
+            snap.hot if snap.nodes else {},
+        )
         self._plan = (id(snap), now, plan)
         return plan
 
@@ -531,6 +562,60 @@ class ClusterCore:
                             why[i] = why[i] or down
         return result, where
 
+    def _spread(
+        self, plan: Plan, keys: Sequence[bytes], owners: list[list[str]]
+    ) -> tuple[list[list[str]], dict[int, str]]:
+        """Candidates per key with hot keys' reads spread over their copies (see the module doc),
+        and the keys whose first candidate is an extra (index -> that node)."""
+        if not plan.hot:
+            return owners, {}
+        cands, first_extra = list(owners), {}
+        for i, key in enumerate(keys):
+            ext = plan.extras(key)
+            if not ext:
+                continue
+            own = owners[i]
+            live = [n for n in (*own, *ext) if n not in self.suspects]
+            if not live:
+                continue
+            pick = live[self._rng.randrange(len(live))]
+            cands[i] = [pick, *(n for n in own if n != pick)]
+            if pick not in own:
+                first_extra[i] = pick
+        if first_extra:
+            with self._misses_lock:
+                self.hot_reads += len(first_extra)
+        return cands, first_extra
+
+    def _fill_extras(
+        self, plan: Plan, keys: list[ChunkKey], first_extra: dict[int, str], where: list[str | None]
+    ) -> ClusterOp[None]:
+        """Write to each extra chosen first the hot keys it missed (an owner answered instead)."""
+        todo: dict[str, list[tuple[int, str]]] = {}  # answering node -> (key index, extra to fill)
+        for i, extra in first_extra.items():
+            src = where[i]
+            if src is not None and src != extra and extra not in self.suspects:
+                todo.setdefault(src, []).append((i, extra))
+        if not todo:
+            return
+        calls = [(src, _fetch_with_meta([keys[i] for i, _ in items], self.verify)) for src, items in todo.items()]
+        results = yield ("fanout", plan, calls)
+        copies: dict[str, list[tuple[BlockMeta, bytes]]] = {}
+        for (src, _), res in zip(calls, results):
+            if self.failed(src, res, plan):
+                continue
+            for (_, extra), got in zip(todo[src], res):
+                if got is not None:
+                    copies.setdefault(extra, []).append(got)
+        if not copies:
+            return
+        puts = [(n, _put_blocks([m for m, _ in items], [p for _, p in items])) for n, items in copies.items()]
+        results = yield ("fanout", plan, puts)
+        for (n, _), res in zip(puts, results):
+            if not self.failed(n, res, plan):
+                with self._misses_lock:
+                    self.hot_fills += sum(bool(x) for x in res)
+
     def _count_misses(self, result: list[Any], why: list[str | None], op: str) -> None:
         """Count the keys that stayed missing because an owner failed (``miss_counts``)."""
         counts = collections.Counter(w for r, w in zip(result, why) if r is None and w is not None)
@@ -570,12 +655,13 @@ class ClusterCore:
             raise InvalidArgument(f"{len(ks)} keys but {len(outs)} output buffers")
         plan = self.plan()
         owners = plan.owners_many(ks)
-        # 1) the owners, in rank order
+        cands, first_extra = self._spread(plan, ks, owners)
+        # 1) the owners, in rank order (a hot key: one of its copies first)
         why: list[str | None] = [None] * len(ks)
-        result, _ = yield from self._rounds(
+        result, where = yield from self._rounds(
             plan,
             ks,
-            owners,
+            cands,
             lambda idx: (
                 lambda core: core.get_many_into(
                     [ks[i] for i in idx], [outs[i] for i in idx] if outs is not None else None
@@ -584,6 +670,8 @@ class ClusterCore:
             hit=lambda v: v is not None,
             why=why,
         )
+        if first_extra:
+            yield from self._fill_extras(plan, ks, first_extra, where)
         # 2) hand-off: the previous owners of keys every owner missed
         missing = [i for i, v in enumerate(result) if v is None] if plan.previous else []
         cands = [plan.handoff(ks[i], owners[i]) for i in missing]
@@ -631,9 +719,10 @@ class ClusterCore:
         """Tier and node of each key: owners first, then previous owners (a later get hands it off)."""
         ks = [check_key(k) for k in as_key_list(keys)]
         plan = self.plan()
-        cands = plan.owners_many(ks)
+        owners = plan.owners_many(ks)
+        cands, _ = self._spread(plan, ks, owners)
         if plan.previous:
-            cands = [o + plan.handoff(k, o) for k, o in zip(ks, cands)]
+            cands = [c + plan.handoff(k, o) for k, o, c in zip(ks, owners, cands)]
         why: list[str | None] = [None] * len(ks)
         tiers, where = yield from self._rounds(
             plan,

@@ -592,6 +592,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--batch-bytes", type=_size, default=64 * MiB, metavar="SIZE", help="bytes per batched call (default 64MiB)"
     )
     p.add_argument("--quick", action="store_true", help="small and fast: 32MiB working set, 4MiB blocks, 2 reps")
+    g = p.add_argument_group("--cluster-sim (kvstore.cluster.simbench)")
+    g.add_argument(
+        "--cluster-sim",
+        action="store_true",
+        help="instead: cluster figures at sizes one machine cannot run (placement, moves, balance, fan-out, "
+        "hot-node load in-process; membership convergence against a private etcd when one is installed)",
+    )
+    g.add_argument("--nodes", default="3,64,256,1000", metavar="N[,N]", help="cluster sizes (default 3,64,256,1000)")
+    g.add_argument(
+        "--no-membership", action="store_true", help="skip the etcd membership measurement (its 1,000-node harness)"
+    )
     g = p.add_argument_group("--engine")
     g.add_argument("--block", type=_size, default=4 * MiB, metavar="SIZE", help="block size (default 4MiB)")
     g.add_argument(
@@ -655,6 +666,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(a: argparse.Namespace) -> int:
+    if a.cluster_sim:
+        from kvstore.cluster import simbench
+
+        sim = simbench.cluster_sim(simbench._ints(a.nodes), membership=not a.no_membership, quick=a.quick)
+        simbench.print_cluster_sim(sim, sys.stderr if a.json else sys.stdout)
+        if a.json:
+            print(json.dumps(sim, sort_keys=True), flush=True)
+        return 0
     a.repeat = a.repeat or (2 if a.quick else 5)
     a.working_set = a.working_set or (32 * MiB if a.quick else 256 * MiB)
     if a.sizes is None:

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import aetcd
 import aetcd.exceptions
 
+from kvstore.cluster import hot as _hot
 from kvstore.cluster import state
 from kvstore.cluster.state import ClusterConfig, ClusterSnapshot, NamespaceRecord, NodeInfo, OwnerRecord
 from kvstore.errors import InvalidArgument, Unavailable
@@ -130,6 +131,7 @@ class _Builder:
         self.namespaces: dict[bytes, NamespaceRecord] = {}
         self.registrations: dict[str, tuple[int, int]] = {}
         self.owners: dict[bytes, OwnerRecord] = {}  # filled by a full load only (see apply)
+        self.hot = _hot.HotTable()
         self.revision = 0
         self.etcd_cluster_id = 0  # etcd's own cluster id: a new etcd (data lost) has a new one
 
@@ -150,8 +152,15 @@ class _Builder:
                     self.nodes.pop(name, None)
                     self.registrations.pop(name, None)
                 else:
-                    self.nodes[name] = NodeInfo.from_json(value)
+                    info = NodeInfo.from_json(value)
+                    if info.node_id != name:  # two records would claim one id: neither key nor record wins
+                        raise ValueError(f"record of node {name!r} names node {info.node_id!r}")
+                    self.nodes[name] = info
                     self.registrations[name] = (revision, lease)
+            elif kind == "hot" and name:
+                self.hot.set(name, None)  # a record that does not parse counts as none
+                if value is not None:
+                    self.hot.set(name, _hot.from_json(value))
             elif kind == "config" and name:
                 if value is None:
                     self.config_raw.pop(name, None)
@@ -193,6 +202,7 @@ class _Builder:
             registrations=dict(self.registrations),
             connected=connected,
             loaded=True,
+            hot=dict(self.hot.merged),
         )
 
 
@@ -237,13 +247,18 @@ class ClusterWatcher:
         timeout: float = 2.0,
         ping_s: float = 5.0,
         on_owners: Callable[[OwnersUpdate], None] | None = None,
+        batch_s: float = 0.005,
     ) -> None:
         self.cluster = state.check_cluster_name(cluster)
+        self.batch_s = batch_s
         self.session = EtcdSession(endpoints, timeout=timeout)
         self.on_snapshot = on_snapshot
         self.on_owners = on_owners
         self.ping_s = ping_s
         self.last: ClusterSnapshot = ClusterSnapshot(cluster)
+        self.loads = 0  # full reads of the cluster prefix (start-up, and after each lost watch)
+        self.events = 0  # watch events applied
+        self.publishes = 0  # snapshots published from the watch (one per batch of events)
 
     def _owners(self, update: OwnersUpdate) -> None:
         if self.on_owners is None:
@@ -265,6 +280,7 @@ class ClusterWatcher:
         while True:
             try:
                 b, rev = await _load(self.session, self.cluster)
+                self.loads += 1
                 self._owners(OwnersUpdate(dict(b.owners), True, rev, b.etcd_cluster_id))
                 b.owners.clear()  # the callback keeps its own table; events carry changes from here
                 self._publish(b.freeze(connected=True))
@@ -290,11 +306,25 @@ class ClusterWatcher:
         client = await self.session.client()
         watch = await asyncio.wait_for(client.watch_prefix(b.prefix, start_revision=rev + 1), self.session.timeout)
 
+        loop = asyncio.get_running_loop()
+        pending: list[asyncio.Handle] = []
+
+        def publish() -> None:
+            pending.clear()
+            self.publishes += 1
+            self._publish(b.freeze(connected=True))
+
         async def consume() -> None:
+            # Events are applied one by one to the builder (O(1) each: nothing re-reads etcd);
+            # the snapshot is published once per batch: the events that arrive within
+            # ``batch_s`` of the first (a burst of joins or leaves, and everything that queued
+            # while a subscriber was busy building a placement table) give one snapshot.
             async for ev in watch:
+                self.events += 1
                 owner = b.apply(ev.kv.key, ev.kv.value if ev.kind == "PUT" else None, ev.kv.mod_revision, ev.kv.lease)
                 if owner is None:
-                    self._publish(b.freeze(connected=True))
+                    if not pending:
+                        pending.append(loop.call_later(self.batch_s, publish))
                 else:  # not in the snapshot: no new snapshot either
                     self._owners(OwnersUpdate({owner[0]: owner[1]}, False, ev.kv.mod_revision))
             raise Unavailable("the etcd watch ended")
@@ -313,6 +343,8 @@ class ClusterWatcher:
             for t in done:
                 t.result()  # raises what ended it
         finally:
+            for h in pending:
+                h.cancel()
             for t in tasks:
                 t.cancel()
             with contextlib.suppress(Exception):
@@ -566,11 +598,16 @@ async def claim_owners(
     ``tenant`` (another node claimed them for it meanwhile) are fine: the rest are claimed
     again.  If another tenant owns one of them, the answer holds the owners found and the
     rest of the batch stays unclaimed (the caller refuses the write)."""
-    todo, out = list(dict.fromkeys(bytes(ns) for ns in namespaces)), {}
+    todo = list(dict.fromkeys(bytes(ns) for ns in namespaces))
+    out: dict[bytes, OwnerRecord] = {}
     for _ in range(16):
         if not todo:
             return out
-        got = await session.run(lambda c: _claim(c, cluster, todo, tenant, node), "claiming a namespace")
+
+        async def attempt(c: aetcd.Client, batch: list[bytes] = todo) -> dict[bytes, OwnerRecord]:
+            return await _claim(c, cluster, batch, tenant, node)
+
+        got = await session.run(attempt, "claiming a namespace")
         out.update(got)
         if any(r.tenant != tenant for r in got.values()):
             return out

@@ -6,6 +6,12 @@ that owns the tier manager, so reclaiming calls the manager directly).  Nothing 
 is on the data path: if etcd is down the node keeps serving, its registration retries
 and re-registers when etcd returns (see :class:`~kvstore.cluster.etcd.Registration`).
 
+Hot keys (:mod:`kvstore.cluster.hot`, when the cluster setting ``hot_extras`` is above 0):
+the node counts the keys it serves (the ledger's ``on_hits``), weighs them every
+``hot_window_s`` and publishes the read-hot keys it owns in ``hot/<node id>`` on its
+lease; as an extra of another node's hot key it drops its copy once the key leaves the
+hot set.
+
 Reclaim: when a namespace's epoch rises to ``E``, every block whose recorded namespace
 is the effective fingerprint of an older epoch (``effective_fingerprint(fp, e)``,
 ``e < E``) is deleted from DRAM and NVMe in one pass.  The first snapshot after start-up
@@ -23,17 +29,21 @@ import time
 from typing import Any
 
 from kvstore import __version__
-from kvstore.cluster.etcd import ClusterWatcher, OwnerRegistry, Registration
+from kvstore.cluster import hot as _hot
+from kvstore.cluster.etcd import ETCD_ERRORS, ClusterWatcher, OwnerRegistry, Registration
 from kvstore.cluster.owners import OwnersFollower
-from kvstore.cluster.state import ClusterSnapshot, NodeInfo, effective_fingerprint
+from kvstore.cluster.placement import Placement, placement
+from kvstore.cluster.state import ClusterSnapshot, NodeInfo, effective_fingerprint, hot_key
 from kvstore.errors import Unavailable
+from kvstore.keys import ChunkKey
 from kvstore.node.config import NodeConfig
 from kvstore.node.manager import TierManager
 from kvstore.node.tenants import Ownership
 
 log = logging.getLogger("kvstore.cluster.node")
 
-MAX_HEIR_EPOCHS = 16  # how many earlier epochs a namespace's new epoch looks back for its owner
+MAX_HEIR_EPOCHS = 16
+HEAT_SAMPLE = 4  # the heat counter sees 1 in 4 of the keys served (about 0.5 us per key served)  # how many earlier epochs a namespace's new epoch looks back for its owner
 
 
 class NodeAgent:
@@ -77,6 +87,15 @@ class NodeAgent:
         self._reclaim_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[Any]] = []
         self._pending: set[asyncio.Task[Any]] = set()
+        # hot keys: what this node serves, what it published, the extra copies it holds
+        self.heat = _hot.HeatCounter(sample=HEAT_SAMPLE)
+        self.hot_published: dict[bytes, int] = {}
+        self._hot_lease: int | None = None
+        self.extra_copies = _hot.ExtraCopies(cfg.node_id)
+        self.extras_dropped = 0
+        self._extras_task: asyncio.Task[Any] | None = None
+        self._extras_again = False
+        manager.ledger.on_hits = self._on_hits
 
     async def start(self, first_timeout: float = 5.0) -> dict[str, Any]:
         """Register (waiting up to ``first_timeout`` s; an unreachable etcd is retried in the
@@ -90,7 +109,11 @@ class NodeAgent:
                 "cannot register with etcd at %s yet (%s); serving anyway, retrying in the background", self.cfg.etcd, e
             )
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self.registration.run()), loop.create_task(self.watcher.run())]
+        self._tasks = [
+            loop.create_task(self.registration.run()),
+            loop.create_task(self.watcher.run()),
+            loop.create_task(self._hot_loop()),
+        ]
         out = {
             "cluster": self.cfg.cluster,
             "etcd": self.cfg.etcd,
@@ -121,11 +144,111 @@ class NodeAgent:
             t.cancel()
         await asyncio.gather(*self._pending, return_exceptions=True)
 
+    # -- hot keys (kvstore.cluster.hot) ----------------------------------------------------------
+    def _on_hits(self, hits: list[tuple[str, Any]]) -> None:
+        if self.snapshot.config.hot_extras > 0:
+            self.heat.add_many([meta.key for _, meta in hits])
+
+    async def _table(self, snap: ClusterSnapshot) -> Placement | None:
+        """The placement of ``snap`` (built off the loop the first time: it is cached)."""
+        members = snap.members()
+        if not members:
+            return None
+        return await asyncio.get_running_loop().run_in_executor(None, placement, snap.config.placement, members)
+
+    async def _hot_loop(self) -> None:
+        """Every ``hot_window_s``: weigh this window's reads, publish the hot keys this node owns."""
+        while True:
+            window = self.snapshot.config.hot_window_s
+            await asyncio.sleep(window)
+            try:
+                await self._hot_window(window)
+            except asyncio.CancelledError:
+                raise
+            except (*ETCD_ERRORS, Unavailable) as e:
+                log.debug("cannot publish hot keys yet: %s", e)
+            except Exception:
+                log.exception("hot keys: weighing or publishing failed")
+
+    async def _hot_window(self, window: float) -> None:
+        counts, total = self.heat.take()
+        snap = self.snapshot
+        cfg = snap.config
+        hot: dict[bytes, int] = {}
+        if cfg.hot_extras > 0 and counts and snap.connected:
+            table = await self._table(snap)
+            if table is not None:
+                me, r = self.cfg.node_id, cfg.replication
+                hot = _hot.decide(
+                    counts,
+                    total,
+                    window,
+                    r=r,
+                    current=snap.hot,
+                    owns=lambda key: me in table.owners(key, r),
+                    floor=cfg.hot_reads_per_s,
+                    max_extras=cfg.hot_extras,
+                )
+        await self._publish_hot(hot)
+
+    async def _publish_hot(self, hot: dict[bytes, int]) -> None:
+        """Write ``hot/<node id>`` (on the node's lease) when the set or the lease changed."""
+        lease = self.registration.lease_id
+        if hot == self.hot_published and (lease == self._hot_lease or not hot):
+            return
+        key = hot_key(self.cfg.cluster, self.cfg.node_id)
+        if not hot:
+            await self.registration.session.run(lambda c: c.delete(key), "clearing hot keys")
+        elif lease is None:
+            return  # not registered (yet): the record would outlive the node
+        else:
+            raw = _hot.to_json(hot)
+            await self.registration.session.run(lambda c: c.put(key, raw, lease=lease), "publishing hot keys")
+        if hot.keys() != self.hot_published.keys():
+            log.info("hot keys: %d (extra copies %s)", len(hot), _hot.summary(hot))
+        self.hot_published, self._hot_lease = hot, lease
+
+    def _extras_changed(self) -> None:
+        """Drop the extra copies this node holds of keys that left the hot set (one task at a time)."""
+        if self._extras_task is not None and not self._extras_task.done():
+            self._extras_again = True
+            return
+        self._extras_task = asyncio.get_running_loop().create_task(self._drop_extras())
+        self._pending.add(self._extras_task)
+        self._extras_task.add_done_callback(self._pending.discard)
+
+    async def _drop_extras(self) -> None:
+        while True:
+            self._extras_again = False
+            snap = self.snapshot
+            if snap.hot or self.extra_copies.held:
+                table = await self._table(snap)
+                gone = self.extra_copies.update(table, snap.hot, snap.config.replication)
+                if gone:
+                    n = await self.manager.delete([ChunkKey(k) for k in gone])
+                    self.extras_dropped += n
+                    self.manager.counters["hot_extra_dropped_blocks"] += n
+                    # a reader may still be filling a copy it routed by an older view: drop once more later
+                    await asyncio.sleep(snap.config.hot_window_s)
+                    again = [k for k in gone if k not in self.extra_copies.held]
+                    if again:
+                        n = await self.manager.delete([ChunkKey(k) for k in again])
+                        self.extras_dropped += n
+                        self.manager.counters["hot_extra_dropped_blocks"] += n
+            if not self._extras_again:
+                return
+
     # -- namespace epochs ---------------------------------------------------------------------
     def _on_snapshot(self, snap: ClusterSnapshot) -> None:
-        self.snapshot = snap
+        prev, self.snapshot = self.snapshot, snap
         if not snap.connected:
             return
+        if (
+            snap.hot is not prev.hot
+            and (snap.hot or self.extra_copies.held)
+            and (snap.hot != prev.hot or snap.nodes.keys() != prev.nodes.keys())
+        ):
+            self._extras_changed()
         if self.owners is not None:
             self._earlier = {
                 rec.effective: [

@@ -12,6 +12,9 @@ SDK read snapshots).  The etcd key schema, under ``/kvstore/<cluster>/``:
                                       "updated_at": unix seconds}``
 ``owners/<fingerprint hex>``          JSON :class:`OwnerRecord`: the tenant that owns the
                                       namespace (nodes with tenants; created only if absent)
+``hot/<node_id>``                     JSON ``{"keys": {key hex: extra copies}}``: the read-hot
+                                      keys a node owns (:mod:`kvstore.cluster.hot`), on the
+                                      node's lease
 ====================================  ==============================================
 
 **Epochs.** Bumping a namespace's epoch invalidates its KV everywhere.  The epoch is
@@ -66,6 +69,10 @@ def namespace_key(cluster: str, fingerprint: bytes) -> bytes:
 
 def owners_prefix(cluster: str) -> bytes:
     return f"{prefix(cluster)}owners/".encode()
+
+
+def hot_key(cluster: str, node_id: str) -> bytes:
+    return f"{prefix(cluster)}hot/{node_id}".encode()
 
 
 def owner_key(cluster: str, fingerprint: bytes) -> bytes:
@@ -123,6 +130,27 @@ CONFIG: dict[str, Setting] = {
         "(1: every chunk placed alone); changing it re-keys every prefix, like an invalidation",
         maximum=4096,
     ),
+    "hot_extras": Setting(
+        int,
+        0,
+        0,
+        "the most extra copies a read-hot key gets beyond its R owners, on more nodes, while it stays hot "
+        "(0: hot replicas off; see kvstore.cluster.hot)",
+        maximum=1024,
+    ),
+    "hot_reads_per_s": Setting(
+        float,
+        100.0,
+        0.01,
+        "reads per second below which a key never counts as hot (the floor of the per-copy load target)",
+    ),
+    "hot_window_s": Setting(
+        float,
+        2.0,
+        0.1,
+        "how often a node weighs its keys' read heat (and how long an idle key keeps its extra copies, at least)",
+        maximum=600.0,
+    ),
 }
 
 
@@ -160,6 +188,9 @@ class ClusterConfig:
     handoff_window_s: float = 300.0
     placement: str = _placement.DEFAULT_SCHEME
     chunk_group: int = 1
+    hot_extras: int = 0
+    hot_reads_per_s: float = 100.0
+    hot_window_s: float = 2.0
 
     @classmethod
     def from_raw(cls, raw: Mapping[str, bytes]) -> ClusterConfig:
@@ -290,6 +321,8 @@ class ClusterSnapshot:
     registrations: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     connected: bool = False  # False: etcd unreachable, this is the last view we had
     loaded: bool = False  # False: never reached etcd (the view is empty, not known-empty)
+    # read-hot keys -> extra copies (the most any live publisher asked for): kvstore.cluster.hot
+    hot: Mapping[bytes, int] = dataclasses.field(default_factory=dict)
 
     def members(self) -> dict[str, int]:
         """Live nodes and their placement weights (what placement is a function of)."""

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import collections
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import xxhash
@@ -172,6 +172,7 @@ class Ledger:
         self.ns_misses: collections.Counter[tuple[str, str]] = collections.Counter()
         self.short_copies = 0  # block copies cluster clients' puts could not write (reported to this node)
         self.names: dict[str, str] = {}  # namespace label -> readable name, for labels that have one
+        self.on_hits: Callable[[list[tuple[str, BlockMeta]]], None] | None = None  # kvstore.cluster.hot's heat
 
     def tag(self, meta: BlockMeta | None) -> int:
         return self.namespaces.tag(meta.namespace) if meta is not None else _TAG_UNKNOWN
@@ -192,6 +193,9 @@ class Ledger:
         """
         if request:
             self.requests[op] += 1
+        if self.on_hits is not None:
+            hits = list(hits)
+            self.on_hits(hits)
         # aggregate first (one dict op per hit), then touch the counters once per (tier, namespace)
         groups: dict[tuple[str, bytes], list[int]] = {}
         for tier, meta in hits:
