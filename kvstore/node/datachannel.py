@@ -50,20 +50,15 @@ the connection threads, never across I/O).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import errno
 import logging
 import resource
-import secrets
 import socket
 import ssl
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
-
-from kvstore.block import BlockMeta
 
 # the frame codec, shared with the SDK (the frame names stay importable from here)
 from kvstore.framing import COUNT, OP_GET, OP_PUT, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC, STATUS_OK
@@ -71,8 +66,7 @@ from kvstore.framing import TransferCut as _TransferCut
 from kvstore.framing import recv_exact_small as _recv_exact_small
 from kvstore.framing import recv_into_exact as _recv_into_exact
 from kvstore.framing import send_by as _send_by
-from tiers.allocator import Extent
-from tiers.arena import Arena
+from kvstore.node.transfers import Transfer, Transfers
 
 log = logging.getLogger(__name__)
 
@@ -155,63 +149,26 @@ class _Throttled:
         self._held, self._next = 0, now + self._every
 
 
-@dataclasses.dataclass(slots=True)
-class Transfer:
-    op: int
-    deadline: float
-    # GET: (lease_id, meta, extents); PUT: (reservation_id, meta, extents)
-    items: list[tuple[int, BlockMeta, list[Extent]]]
-
-
-class TransferTable:
-    """Pending transfers by id.  Owned by the event loop."""
-
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self._clock = clock
-        self._pending: dict[bytes, Transfer] = {}
-
-    def add(self, transfer: Transfer) -> bytes:
-        tid = secrets.token_bytes(16)
-        self._pending[tid] = transfer
-        return tid
-
-    def take(self, tid: bytes, op: int) -> Transfer | None:
-        t = self._pending.get(tid)
-        if t is None or t.op != op:
-            return None
-        del self._pending[tid]
-        return t
-
-    def expire(self) -> list[Transfer]:
-        now = self._clock()
-        gone = [tid for tid, t in self._pending.items() if t.deadline <= now]
-        return [self._pending.pop(tid) for tid in gone]
-
-    def __len__(self) -> int:
-        return len(self._pending)
-
-
 class DataChannelServer:
-    """Accepts data-channel connections and moves bytes between sockets and the arena."""
+    """Accepts data-channel connections and moves bytes between sockets and the arena.
+
+    What a transfer id names, and what happens to its leases or reservations, is
+    ``transfers``'s (``kvstore/node/transfers.py``): a connection takes its transfer there, moves
+    the bytes of the arena views the taken transfer carries, and finishes it there."""
 
     def __init__(
         self,
         host: str,
         port: int,
         *,
-        arena: Arena,
+        transfers: Transfers,
         loop: asyncio.AbstractEventLoop,
-        take: Callable[[bytes, int], Any],  # coroutine fn: (tid, op) -> Transfer | None
-        finish_get: Callable[[Transfer, bool], Any],  # coroutine fn: release leases
-        finish_put: Callable[[Transfer, bool], Any],  # coroutine fn: commit (True) or abort -> list[int]
-        on_bytes: Callable[[str, int], None] | None = None,
         ssl_context: ssl.SSLContext | None = None,  # TLS on every connection (server side), or plaintext
         caps: ConnectionCaps | None = None,  # default: from the open-file limit
         min_rate: float = DEFAULT_MIN_RATE,  # bytes/s; bounds how long a transfer holds its leases or reservations
     ) -> None:
         if min_rate <= 0:
             raise ValueError(f"min_rate must be positive, got {min_rate}")
-        self._arena = arena
         self._caps = caps if caps is not None else ConnectionCaps()
         self._min_rate = float(min_rate)
         self.refused = 0  # connections closed at accept, over a cap
@@ -220,10 +177,7 @@ class DataChannelServer:
         self._refusals = _Throttled()
         self._ssl = ssl_context
         self._loop = loop
-        self._take = take
-        self._finish_get = finish_get
-        self._finish_put = finish_put
-        self._on_bytes = on_bytes or (lambda path, n: None)
+        self._transfers = transfers
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -342,7 +296,7 @@ class DataChannelServer:
                 with self._lock:  # counted before the take: a draining node sees it pending or busy, never neither
                     self._busy += 1
                 try:
-                    transfer = self._call(self._take(tid, op))
+                    transfer = self._call(self._transfers.take(tid, op))
                     if transfer is None:
                         return  # unknown, expired or replayed id: close at once
                     cut_at = self._bound(transfer)
@@ -353,12 +307,11 @@ class DataChannelServer:
                             return
                     except _TransferCut:
                         self.cut += 1
-                        size = sum(meta.payload_len for _, meta, _ in transfer.items)
                         log.warning(
                             "data channel: cut a %s of %d bytes from %s at its time bound (the peer moved them "
                             "slower than %.0f bytes/s); its %s ended",
                             "get" if op == OP_GET else "put",
-                            size,
+                            transfer.nbytes,
                             _peer(conn),
                             self._min_rate,
                             "leases" if op == OP_GET else "reservations",
@@ -382,36 +335,29 @@ class DataChannelServer:
 
     def _bound(self, t: Transfer) -> float:
         """When ``t`` is cut (``time.monotonic``; ``t.deadline`` is the manager's clock, the same one)."""
-        size = sum(meta.payload_len for _, meta, _ in t.items)
-        return max(t.deadline, time.monotonic() + size / self._min_rate) + TRANSFER_GRACE_S
+        return max(t.deadline, time.monotonic() + t.nbytes / self._min_rate) + TRANSFER_GRACE_S
 
     def _serve_get(self, conn: socket.socket, t: Transfer, cut_at: float) -> None:
         ok = False
         try:
             _send_by(conn, memoryview(REPLY.pack(REPLY_MAGIC, STATUS_OK)), cut_at)
-            sent = 0
-            for _lid, meta, extents in t.items:
-                for view in self._arena.views(extents, meta.payload_len):
+            for views in t.views:
+                for view in views:
                     _send_by(conn, view, cut_at)
-                sent += meta.payload_len
             ok = True
-            self._on_bytes("tcp_out", sent)
         finally:
-            self._call(self._finish_get(t, ok))
+            self._call(self._transfers.finish_get(t, ok))
 
     def _serve_put(self, conn: socket.socket, t: Transfer, cut_at: float) -> bool:
         complete = False
         try:
-            got = 0
-            for _rid, meta, extents in t.items:
-                for view in self._arena.views(extents, meta.payload_len):
+            for views in t.views:
+                for view in views:
                     if not _recv_into_exact(conn, view, deadline=cut_at):
                         return False
-                got += meta.payload_len
             complete = True
-            self._on_bytes("tcp_in", got)
         finally:
-            statuses = self._call(self._finish_put(t, complete))
+            statuses = self._call(self._transfers.finish_put(t, complete))
         conn.settimeout(FIRST_FRAME_TIMEOUT_S)  # the reservations are resolved: only the reply is left to send
         conn.sendall(REPLY.pack(REPLY_MAGIC, STATUS_OK) + COUNT.pack(len(statuses)) + bytes(statuses))
         return True

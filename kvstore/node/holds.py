@@ -87,6 +87,8 @@ class Lease:
     alloc: int  # first extent offset: identifies the allocation
     deadline: float
     tenant: str | None = None
+    extents: tuple[Extent, ...] = ()  # the leased block's payload, in place while the lease lives
+    nbytes: int = 0  # its payload length
 
 
 class Holds:
@@ -141,9 +143,17 @@ class Holds:
         return [rid for rid, r in self.reservations.items() if r.deadline <= now]
 
     # -- leases and references -----------------------------------------------------------
-    def lease(self, key: ChunkKey, alloc: int, deadline: float, tenant: str | None) -> int:
+    def lease(
+        self,
+        key: ChunkKey,
+        alloc: int,
+        deadline: float,
+        tenant: str | None,
+        extents: tuple[Extent, ...] = (),
+        nbytes: int = 0,
+    ) -> int:
         lid = next(self._ids)
-        self.leases[lid] = Lease(key, alloc, deadline, tenant)
+        self.leases[lid] = Lease(key, alloc, deadline, tenant, extents, nbytes)
         self.refs[alloc] += 1
         return lid
 

@@ -70,7 +70,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Literal
 
 from kvstore.block import BlockMeta, checksum
 from kvstore.errors import CapacityExceeded, InvalidArgument
@@ -85,10 +85,14 @@ from tiers.allocator import Extent
 from tiers.base import LowerTier, TierKind
 from tiers.dram import DRAMTier
 
-__all__ = ["Leased", "Reserved", "Status", "TierManager", "Visible"]
+__all__ = ["BytePath", "Direction", "Leased", "Reserved", "Status", "TierManager", "Visible"]
 
 Visible = Callable[[bytes], bool]
 """Whether the caller may see (or change) blocks of a namespace fingerprint."""
+
+BytePath = Literal["local", "tcp", "grpc_stream"]
+"""How payload bytes move: the shared-memory arena, the TCP data channel, a gRPC stream."""
+Direction = Literal["in", "out"]
 
 
 class TierManager:
@@ -582,7 +586,7 @@ class TierManager:
         ext = self.dram.extents(key)
         meta = self.dram.meta(key)
         assert ext is not None and meta is not None
-        lid = self.holds.lease(key, ext[0].offset, deadline, tenant)
+        lid = self.holds.lease(key, ext[0].offset, deadline, tenant, tuple(ext), meta.payload_len)
         self.dram.touch(key)
         self.counters["get_hits_nvme" if tier == TierKind.NVME else "get_hits_dram"] += 1
         self.counters["get_bytes"] += meta.payload_len
@@ -590,6 +594,38 @@ class TierManager:
 
     def release(self, ids: Sequence[int]) -> list[bool]:
         return [self.holds.release(lid) for lid in ids]
+
+    # -- the bytes of reservations and leases (kvstore/node/transfers.py, the gRPC streams) -----
+    def reserved_views(self, rid: int) -> list[memoryview] | None:
+        """Writable views of a live reservation's payload space, in order; None if it is no
+        longer reserved (committed, aborted or reclaimed: its space may be another block's)."""
+        r = self.holds.reservations.get(rid)
+        return self.dram.arena.views(r.extents, r.meta.payload_len) if r is not None else None
+
+    def write_reserved(self, rid: int, offset: int, data: memoryview) -> bool:
+        """Copy ``data`` into reservation ``rid``'s payload space from byte ``offset`` on; False,
+        and nothing written, if it is no longer reserved."""
+        views = self.reserved_views(rid)
+        if views is None:
+            return False
+        if data.nbytes:
+            _write_at(views, offset, data)
+        return True
+
+    def leased_views(self, lid: int) -> list[memoryview] | None:
+        """Views of a live lease's block payload, in order (read them only while the lease
+        lives); None if the lease is gone (released or expired)."""
+        lease = self.holds.leases.get(lid)
+        return self.dram.arena.views(lease.extents, lease.nbytes) if lease is not None else None
+
+    def moved(self, path: BytePath, direction: Direction, nbytes: int) -> None:
+        """Count payload bytes that left (``out``) or entered (``in``) the node by ``path``."""
+        self.counters[f"{path}_bytes_{direction}"] += nbytes
+
+    def abort_cut(self, ids: Sequence[int]) -> None:
+        """Abort the reservations of a transfer that ended before all its bytes came."""
+        self.abort(ids)
+        self.counters["data_channel_aborted_puts"] += len(ids)
 
     def _checksum_extents(self, extents: Sequence[Extent], nbytes: int) -> int:
         views = self.dram.arena.views(extents, nbytes)
@@ -753,3 +789,18 @@ class TierManager:
         if self.nvme is not None:
             self.nvme.close()
         self.dram.close()
+
+
+def _write_at(views: list[memoryview], offset: int, data: memoryview) -> None:
+    """Copy ``data`` into the concatenation of ``views`` starting at byte ``offset``."""
+    pos = 0
+    for v in views:
+        if offset >= v.nbytes:
+            offset -= v.nbytes
+            continue
+        n = min(v.nbytes - offset, data.nbytes - pos)
+        v[offset : offset + n] = data[pos : pos + n]
+        pos += n
+        offset = 0
+        if pos >= data.nbytes:
+            return

@@ -48,6 +48,7 @@ from kvstore.node.metrics import MetricsServer, NodeMetrics, manager_snapshot
 from kvstore.node.service import AuthInterceptor, DecodeGuard, KVStoreService
 from kvstore.node.sessions import Sessions, hinted
 from kvstore.node.tenants import Callers, Ownership
+from kvstore.node.transfers import Transfers
 from kvstore.tls import ServerTLS
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -200,18 +201,20 @@ class Node:
         from kvstore import __version__
 
         self.metrics = NodeMetrics(cfg.node_id, __version__, self._metrics_snapshot)
+        # negotiated by the service, moved by the data channel
+        self.transfers = Transfers(self.manager, self.metrics)
+        self.data = self._build_data_channel(loop)
         self.service = KVStoreService(
             self.manager,
             cfg,
             arena_path=str(self.arena.path),
             arena_size=self.arena.size,
-            data_port=0,
+            data_port=self.data.address[1],
+            transfers=self.transfers,
             metrics=self.metrics,
             callers=callers,
             owners=self.owners,
         )
-        self.data = self._build_data_channel(loop)
-        self.service._hello.data_port = self.data.address[1]
         self.server, self.health = _grpc_server(self.service, callers)
         sock = self._listen_unix(self.server)
         bound = self._listen_tcp(self.server)
@@ -297,18 +300,14 @@ class Node:
     def _build_data_channel(self, loop: asyncio.AbstractEventLoop) -> DataChannelServer:
         """The data channel's listener (``data_listen``; else any free port on the gRPC host)."""
         cfg = self.cfg
-        assert self.arena is not None
         host = cfg.listen.rsplit(":", 1)[0]
         dhost, dport = cfg.data_listen.rsplit(":", 1) if cfg.data_listen else (host, "0")
         try:
             return DataChannelServer(
                 dhost.strip("[]"),
                 int(dport),
-                arena=self.arena,
+                transfers=self.transfers,
                 loop=loop,
-                take=self.service.take_transfer,
-                finish_get=self.service.finish_get,
-                finish_put=self.service.finish_put,
                 ssl_context=self.tls.context if self.tls is not None else None,
                 caps=ConnectionCaps(cfg.data_max_connections, cfg.data_max_connections_per_peer),
                 min_rate=cfg.data_min_rate,
@@ -411,10 +410,10 @@ class Node:
     def _metrics_snapshot(self) -> dict[str, Any]:
         """Called by the metrics HTTP thread: the manager's state, read on the loop that owns it."""
         assert self._loop is not None and self.manager is not None
-        manager, service = self.manager, self.service
+        manager, transfers = self.manager, self.transfers
 
         async def snap() -> dict[str, Any]:
-            return manager_snapshot(manager, {"pending_transfers": len(service.transfers)})
+            return manager_snapshot(manager, {"pending_transfers": transfers.pending})
 
         return asyncio.run_coroutine_threadsafe(snap(), self._loop).result(timeout=5.0)
 
@@ -423,7 +422,7 @@ class Node:
             await asyncio.sleep(0.5)
             try:
                 self.manager.reap()
-                self.service.expire_transfers()
+                self.transfers.expire()
             except Exception:  # never let the reaper die silently
                 log.exception("reaper round failed")
 
@@ -453,7 +452,7 @@ class Node:
         await self.server.stop(
             grace=self.cfg.drain_timeout_s
         )  # refuses new calls; cancels what still runs at the deadline
-        while (len(self.service.transfers) or self.data.busy) and loop.time() < deadline:
+        while (self.transfers.pending or self.data.busy) and loop.time() < deadline:
             await asyncio.sleep(0.05)  # data-channel transfers negotiated before the stop: same deadline
         self.data.close()
         self._reaper.cancel()

@@ -1,7 +1,10 @@
 """The gRPC servicer: validates requests, calls the tier manager, maps errors to status codes.
 
-Owner: nothing of its own beyond the transfer table; runs on the node's event loop
-(``grpc.aio``) next to the tier manager, so it calls the manager directly.
+Owner: nothing of its own; runs on the node's event loop (``grpc.aio``) next to the tier
+manager (``self.manager``), so it calls the manager directly.  Data-channel transfers are
+negotiated here (``StartGet``/``StartPut``) and owned by ``kvstore/node/transfers.py``; the
+bytes of reservations and leases (``PutStream``, ``GetStream``) go through the manager's
+``write_reserved`` / ``leased_views``, never the arena directly.
 Limits (keys per batch, block size) are enforced here, before any state changes.
 
 Tenants (``kvstore/node/tenants.py``): every call learns its :class:`~kvstore.node.tenants.Caller`
@@ -38,11 +41,11 @@ from kvstore.block import BlockMeta
 from kvstore.keys import ChunkKey, check_key
 from kvstore.node import failpoints
 from kvstore.node.config import NodeConfig
-from kvstore.node.datachannel import OP_GET, OP_PUT, Transfer, TransferTable
 from kvstore.node.manager import Status, TierManager
 from kvstore.node.metrics import NodeMetrics
 from kvstore.node.sessions import check_session_id
 from kvstore.node.tenants import ADMIN, Caller, Callers, Ownership, authorization
+from kvstore.node.transfers import Transfers
 from kvstore.wire import (
     BLOCKS_METADATA_KEY,
     ERROR_METADATA_KEY,
@@ -172,19 +175,19 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         arena_path: str,
         arena_size: int,
         data_port: int,
+        transfers: Transfers,
         metrics: NodeMetrics | None = None,
         callers: Callers | None = None,
         owners: Ownership | None = None,
     ) -> None:
-        self.m = manager
+        self.manager = manager
         self.cfg = config
         self.metrics = metrics
         # both or neither: a node with tenants knows who calls and who owns what
         assert (owners is None) or (callers is not None), "tenants need their tokens"
         self.callers = callers
         self.owners = owners
-        self.transfers = TransferTable(manager.clock)
-        self._transfer_started: dict[int, float] = {}  # id(transfer) -> perf_counter at take
+        self.transfers = transfers
         self._hello = pb.HelloResponse(
             node_id=config.node_id,
             version=__version__,
@@ -264,7 +267,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         now and resolves them itself), whoever made them: releasing or aborting one would free
         extents the transfer still sends from or receives into, and the next block there (any
         tenant's) would leak to, or be overwritten by, that transfer's client."""
-        held = self.m.held
+        held = self.manager.held
         if caller.tenant is None:
             return [0 if held(i) else i for i in ids]
         out = [i if tenant_of(i) == caller.tenant and not held(i) else 0 for i in ids]
@@ -318,7 +321,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_rpc
     async def Lookup(self, request: pb.KeysRequest, context: Any) -> pb.LookupResponse:
         caller = self._caller()
-        found = self.m.exists(
+        found = self.manager.exists(
             self._keys(request.keys),
             visible=self._visible(caller),
             tenant=caller.tenant,
@@ -329,7 +332,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_rpc
     async def MatchPrefix(self, request: pb.KeysRequest, context: Any) -> pb.MatchPrefixResponse:
         caller = self._caller()
-        n, tiers = self.m.match_prefix(
+        n, tiers = self.manager.match_prefix(
             self._keys(request.keys),
             visible=self._visible(caller),
             tenant=caller.tenant,
@@ -342,14 +345,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         session = check_session_id(request.session_id)
         if session is None:
             raise errors.InvalidArgument("CloseSession needs a session_id")
-        n = self.m.close_session(session, tenant=self._caller().tenant)
+        n = self.manager.close_session(session, tenant=self._caller().tenant)
         return pb.CloseSessionResponse(closed=n is not None, blocks=n or 0)
 
     @_rpc
     async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:
         metas, caller = self._metas(request.blocks), self._caller()
         await self._claim(caller, metas)
-        res = await self.m.reserve(
+        res = await self.manager.reserve(
             metas, tenant=caller.tenant, visible=self._visible(caller), session=check_session_id(request.session_id)
         )
         return pb.ReserveResponse(
@@ -357,7 +360,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 pb.Reservation(status=int(r.status), reservation_id=r.reservation_id, extents=extents_to_pb(r.extents))
                 for r in res
             ],
-            ttl_s=self.m.reservation_ttl,
+            ttl_s=self.manager.reservation_ttl,
         )
 
     @_rpc
@@ -373,34 +376,40 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 "Commit publishes bytes written into the shared-memory arena, which only a unix:// client maps; "
                 "over TCP put through StartPut and the data channel, or PutStream (what KVClient does)"
             )
-        ids = self._own_ids(caller, ids, self.m.reservation_tenant)
-        sizes = [r[0].payload_len if (r := self.m.reservation(rid)) else 0 for rid in ids]
-        statuses = await self.m.commit(ids, sums)
-        self.m.counters["local_bytes_in"] += sum(n for n, st in zip(sizes, statuses) if st == Status.OK)
+        ids = self._own_ids(caller, ids, self.manager.reservation_tenant)
+        sizes = [r[0].payload_len if (r := self.manager.reservation(rid)) else 0 for rid in ids]
+        statuses = await self.manager.commit(ids, sums)
+        self.manager.moved("local", "in", sum(n for n, st in zip(sizes, statuses) if st == Status.OK))
         return pb.StatusesResponse(statuses=[int(s) for s in statuses])
 
     @_rpc
     async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.Empty:
-        self.m.abort(self._own_ids(self._caller(), self._ids(request.reservation_ids), self.m.reservation_tenant))
+        self.manager.abort(
+            self._own_ids(self._caller(), self._ids(request.reservation_ids), self.manager.reservation_tenant)
+        )
         return pb.Empty()
 
     @_rpc
     async def Acquire(self, request: pb.KeysRequest, context: Any) -> pb.AcquireResponse:
         caller = self._caller()
-        leased = await self.m.acquire(
+        leased = await self.manager.acquire(
             self._keys(request.keys),
             tenant=caller.tenant,
             visible=self._visible(caller),
             session=check_session_id(request.session_id),
         )
-        self.m.counters["local_bytes_out"] += sum(x.meta.payload_len for x in leased if x.status == Status.OK)
+        self.manager.moved(
+            "local", "out", sum(x.meta.payload_len for x in leased if x.status == Status.OK and x.meta is not None)
+        )
         failpoints.hit("node.acquire")
-        return pb.AcquireResponse(leases=[self._lease_pb(x) for x in leased], ttl_s=self.m.lease_ttl)
+        return pb.AcquireResponse(leases=[self._lease_pb(x) for x in leased], ttl_s=self.manager.lease_ttl)
 
     @_rpc
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
         return pb.ReleaseResponse(
-            valid=self.m.release(self._own_ids(self._caller(), self._ids(request.lease_ids), self.m.lease_tenant))
+            valid=self.manager.release(
+                self._own_ids(self._caller(), self._ids(request.lease_ids), self.manager.lease_tenant)
+            )
         )
 
     # The data channel needs no tenant checks of its own: a transfer id is a 16-byte secret
@@ -409,79 +418,28 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_rpc
     async def StartGet(self, request: pb.KeysRequest, context: Any) -> pb.StartGetResponse:
         caller = self._caller()
-        leased = await self.m.acquire(
+        leased = await self.manager.acquire(
             self._keys(request.keys),
             tenant=caller.tenant,
             visible=self._visible(caller),
             session=check_session_id(request.session_id),
         )
-        items = [(x.lease_id, x.meta, list(x.extents)) for x in leased if x.status == Status.OK]
-        tid = self.transfers.add(Transfer(OP_GET, self.m.clock() + self.m.lease_ttl, items)) if items else b""
-        return pb.StartGetResponse(transfer_id=tid, leases=[self._lease_pb(x) for x in leased], ttl_s=self.m.lease_ttl)
+        tid = self.transfers.start_get(leased)
+        return pb.StartGetResponse(
+            transfer_id=tid, leases=[self._lease_pb(x) for x in leased], ttl_s=self.manager.lease_ttl
+        )
 
     @_rpc
     async def StartPut(self, request: pb.ReserveRequest, context: Any) -> pb.StartPutResponse:
         metas, caller = self._metas(request.blocks), self._caller()
         await self._claim(caller, metas)
-        res = await self.m.reserve(
+        res = await self.manager.reserve(
             metas, tenant=caller.tenant, visible=self._visible(caller), session=check_session_id(request.session_id)
         )
-        items = []
-        for meta, r in zip(metas, res):
-            if r.status == Status.OK:
-                items.append((r.reservation_id, meta, list(r.extents)))
-        tid = self.transfers.add(Transfer(OP_PUT, self.m.clock() + self.m.reservation_ttl, items)) if items else b""
-        return pb.StartPutResponse(transfer_id=tid, statuses=[int(r.status) for r in res], ttl_s=self.m.reservation_ttl)
-
-    # data-channel callbacks (run on the loop, called from data-channel threads)
-    async def take_transfer(self, tid: bytes, op: int) -> Transfer | None:
-        t = self.transfers.take(tid, op)
-        if t is None:
-            return None
-        started = time.perf_counter()
-        # The data channel now owns these until finish_get/finish_put: the reaper must not
-        # free extents that a stalled transfer still sends from or receives into.
-        ids = [i for i, _, _ in t.items]
-        held = self.m.hold(lease_ids=ids) if op == OP_GET else self.m.hold(reservation_ids=ids)
-        if not held:  # some expired (or were released) before the client came: refuse the whole transfer
-            if op == OP_GET:
-                self.m.release(ids)
-            else:
-                self.m.abort(ids)
-            return None
-        # recorded only now: a refused transfer never reaches finish_get/finish_put, which pop it
-        self._transfer_started[id(t)] = started
-        return t
-
-    def _transfer_done(self, t: Transfer, op: str) -> None:
-        start = self._transfer_started.pop(id(t), None)
-        if start is not None and self.metrics is not None:
-            self.metrics.transfer_seconds.labels(op).observe(time.perf_counter() - start)
-
-    async def finish_get(self, t: Transfer, ok: bool) -> None:
-        self._transfer_done(t, "get")
-        self.m.release([lid for lid, _, _ in t.items])
-        if ok:
-            self.m.counters["tcp_bytes_out"] += sum(m.payload_len for _, m, _ in t.items)
-
-    async def finish_put(self, t: Transfer, complete: bool) -> list[int]:
-        self._transfer_done(t, "put")
-        ids = [rid for rid, _, _ in t.items]
-        if not complete:
-            self.m.abort(ids)
-            self.m.counters["data_channel_aborted_puts"] += len(ids)
-            return [int(Status.EXPIRED)] * len(ids)
-        statuses = await self.m.commit(ids, verify=True)
-        self.m.counters["tcp_bytes_in"] += sum(m.payload_len for _, m, _ in t.items)
-        return [int(s) for s in statuses]
-
-    def expire_transfers(self) -> None:
-        for t in self.transfers.expire():
-            ids = [i for i, _, _ in t.items]
-            if t.op == OP_GET:
-                self.m.release(ids)
-            else:
-                self.m.abort(ids)
+        tid = self.transfers.start_put(metas, res)
+        return pb.StartPutResponse(
+            transfer_id=tid, statuses=[int(r.status) for r in res], ttl_s=self.manager.reservation_ttl
+        )
 
     # -- streaming fallback ------------------------------------------------------------
     @_rpc
@@ -537,7 +495,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     (meta,) = self._metas([chunk.block])
                     await self._claim(caller, [meta])
                     # over the tenant's max_reserved_bytes: NO_SPACE for this block, the stream goes on
-                    (r,) = await self.m.reserve(
+                    (r,) = await self.manager.reserve(
                         [meta],
                         tenant=caller.tenant,
                         visible=visible,
@@ -554,29 +512,28 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     raise errors.InvalidArgument(
                         f"stream for key {meta.key.hex()} carries more bytes than its header says"
                     )
-                if rid and self.m.reservation(rid) is None:
+                if rid and not self.manager.write_reserved(rid, filled, memoryview(data)):
                     # reclaimed at its deadline while the client stalled: its space may be
                     # another block's by now, so not one more byte goes there
                     statuses[-1] = int(Status.EXPIRED)
                     rid = 0
-                if rid and data:
-                    views = self.m.dram.arena.views(extents, meta.payload_len)
-                    _write_at(views, filled, memoryview(data))
                 current = (meta, rid, extents, filled + len(data))
             if current is not None:
                 close(current)
                 current = None
             # a reservation reclaimed at its deadline meanwhile answers EXPIRED here
-            committed = await self.m.commit([rid for _, rid, _ in whole], verify=True) if whole else []
+            committed = await self.manager.commit([rid for _, rid, _ in whole], verify=True) if whole else []
             for (i, _rid, meta), st in zip(whole, committed):
                 statuses[i] = int(st)
                 if st == Status.OK:
-                    self.m.counters["grpc_stream_bytes_in"] += meta.payload_len
+                    self.manager.moved("grpc_stream", "in", meta.payload_len)
             whole.clear()
         finally:
             # refused, cancelled, or the client went away: nothing of this stream becomes visible
             # (ids already committed or reclaimed are no longer reservations: aborting them is a no-op)
-            self.m.abort([rid for _, rid, _ in whole] + ([current[1]] if current is not None and current[1] else []))
+            self.manager.abort(
+                [rid for _, rid, _ in whole] + ([current[1]] if current is not None and current[1] else [])
+            )
         return pb.StatusesResponse(statuses=statuses)
 
     async def GetStream(self, request: pb.KeysRequest, context: Any) -> Any:
@@ -607,13 +564,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         visible = self._visible(caller)
         for i, key in enumerate(keys):
             # one request, however many keys
-            (x,) = await self.m.acquire([key], request=i == 0, tenant=caller.tenant, visible=visible, session=session)
+            (x,) = await self.manager.acquire(
+                [key], request=i == 0, tenant=caller.tenant, visible=visible, session=session
+            )
             if x.status != Status.OK:
                 yield pb.BlockChunk(block=pb.BlockInfo(key=key), status=int(x.status))
                 continue
             try:
-                self.m.hold(lease_ids=[x.lease_id])  # a slow reader must not outlive the lease mid-block
-                views = self.m.dram.arena.views(list(x.extents), x.meta.payload_len)
+                self.manager.hold(lease_ids=[x.lease_id])  # a slow reader must not outlive the lease mid-block
+                views = self.manager.leased_views(x.lease_id)
+                assert views is not None  # leased just now, and nothing awaited since
                 first = True
                 for v in views:
                     for off in range(0, max(v.nbytes, 1), STREAM_CHUNK):
@@ -625,14 +585,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                             yield pb.BlockChunk(data=part)
                 if first:  # an empty payload has no views, but the client still needs its header chunk
                     yield pb.BlockChunk(block=meta_to_pb(x.meta), status=pb.KEY_STATUS_OK)
-                self.m.counters["grpc_stream_bytes_out"] += x.meta.payload_len
+                self.manager.moved("grpc_stream", "out", x.meta.payload_len)
             finally:
-                self.m.release([x.lease_id])
+                self.manager.release([x.lease_id])
 
     # -- management ------------------------------------------------------------------
     @_rpc
     async def Delete(self, request: pb.KeysRequest, context: Any) -> pb.DeleteResponse:
-        return pb.DeleteResponse(count=await self.m.delete(self._keys(request.keys), may=self._may(self._caller())))
+        return pb.DeleteResponse(
+            count=await self.manager.delete(self._keys(request.keys), may=self._may(self._caller()))
+        )
 
     @_rpc
     async def Invalidate(self, request: pb.InvalidateRequest, context: Any) -> pb.DeleteResponse:
@@ -643,25 +605,25 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise errors.PermissionDenied(
                 f"tenant {caller.tenant!r} does not own namespace {ns.hex()}: only its owner or the admin may invalidate it"
             )
-        return pb.DeleteResponse(count=await self.m.invalidate(ns))
+        return pb.DeleteResponse(count=await self.manager.invalidate(ns))
 
     def _changeable(self, keys: list[ChunkKey]) -> list[ChunkKey]:
         """Pins: the keys whose stored block the caller may change (absent keys stay: no-ops)."""
         may = self._may(self._caller())
         if may is None:
             return keys
-        return [k for k in keys if (ns := self.m.namespace_of(k)) is None or may(ns)]
+        return [k for k in keys if (ns := self.manager.namespace_of(k)) is None or may(ns)]
 
     @_rpc
     async def Pin(self, request: pb.PinRequest, context: Any) -> pb.DeleteResponse:
         caller = self._caller()
         return pb.DeleteResponse(
-            count=self.m.pin(self._changeable(self._keys(request.keys)), request.ttl_s, tenant=caller.tenant)
+            count=self.manager.pin(self._changeable(self._keys(request.keys)), request.ttl_s, tenant=caller.tenant)
         )
 
     @_rpc
     async def Unpin(self, request: pb.KeysRequest, context: Any) -> pb.DeleteResponse:
-        return pb.DeleteResponse(count=self.m.unpin(self._changeable(self._keys(request.keys))))
+        return pb.DeleteResponse(count=self.manager.unpin(self._changeable(self._keys(request.keys))))
 
     @_rpc
     async def ReportHits(self, request: pb.ReportHitsRequest, context: Any) -> pb.Empty:
@@ -714,17 +676,17 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             return pb.Empty()
         ns = bytes(request.namespace) or None
         if request.miss_reason:
-            self.m.ledger.report_misses(request.op, request.miss_reason, request.blocks, ns)
+            self.manager.ledger.report_misses(request.op, request.miss_reason, request.blocks, ns)
         elif request.blocks:
-            self.m.ledger.report(request.op, tier, request.blocks, request.tokens, ns)
-        self.m.ledger.short_copies += request.short_copies
+            self.manager.ledger.report(request.op, tier, request.blocks, request.tokens, ns)
+        self.manager.ledger.short_copies += request.short_copies
         if request.namespace_name:
-            self.m.ledger.name(bytes(request.namespace), request.namespace_name)
+            self.manager.ledger.name(bytes(request.namespace), request.namespace_name)
         return pb.Empty()
 
     @_rpc
     async def Stats(self, request: pb.Empty, context: Any) -> pb.StatsResponse:
-        s = self.m.stats()
+        s = self.manager.stats()
         tiers = [
             pb.TierStats(
                 tier=int(TierKind[name.upper()]),
@@ -737,8 +699,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         counters = {k: int(v) for k, v in s["counters"].items()}
         if "nvme" in s["tiers"]:
             counters["nvme_corrupt_blocks"] = int(s["tiers"]["nvme"].get("corrupt_blocks", 0))
-        counters["pending_transfers"] = len(self.transfers)
-        counters["active_transfers"] = len(self._transfer_started)  # taken by a connection, not yet finished
+        counters["pending_transfers"] = self.transfers.pending
+        counters["active_transfers"] = self.transfers.active  # taken by a connection, not yet finished
         return pb.StatsResponse(
             node_id=self.cfg.node_id,
             tiers=tiers,
@@ -761,18 +723,3 @@ def _declared_blocks(context: Any) -> int | None:
                 raise errors.InvalidArgument(f"{BLOCKS_METADATA_KEY} must be a block count, got {v!r:.40}")
             return n
     return None
-
-
-def _write_at(views: list[memoryview], offset: int, data: memoryview) -> None:
-    """Copy ``data`` into the concatenation of ``views`` starting at byte ``offset``."""
-    pos = 0
-    for v in views:
-        if offset >= v.nbytes:
-            offset -= v.nbytes
-            continue
-        n = min(v.nbytes - offset, data.nbytes - pos)
-        v[offset : offset + n] = data[pos : pos + n]
-        pos += n
-        offset = 0
-        if pos >= data.nbytes:
-            return
