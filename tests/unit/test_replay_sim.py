@@ -104,3 +104,41 @@ def test_issue_lru_figure_on_the_shared_trace() -> None:
     """The issue: at 2,000 blocks plain LRU gets about 15%."""
     r = simulate(Trace.load(SHARED), 2000, "lru")
     assert r.hit_ratio == pytest.approx(0.144, abs=0.005)
+
+
+def test_replay_loop_runs_on_virtual_time() -> None:
+    """A timer wakes only once nothing else is ready, however long the ready work takes in
+    real time: the manager's 1 ms back-off cannot make a two-tier replay depend on load."""
+    import asyncio
+    import time
+
+    from kvstore.traces.simulator import run_replay
+
+    order: list[str] = []
+
+    async def sleeper() -> None:
+        await asyncio.sleep(0.001)
+        order.append("timer")
+
+    async def worker() -> None:
+        for i in range(50):
+            time.sleep(0.0002)  # 10 ms of real time in all: a real clock would fire the timer midway
+            order.append(str(i))
+            await asyncio.sleep(0)
+
+    async def both() -> float:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await asyncio.gather(sleeper(), worker())
+        return loop.time() - start
+
+    elapsed = run_replay(both())
+    assert order == [str(i) for i in range(50)] + ["timer"]
+    assert elapsed == pytest.approx(0.001)  # virtual seconds: only the timer's
+
+
+def test_two_tier_replays_repeat_exactly() -> None:
+    trace = Trace(generate(GenParams(requests=250, seed=202)))
+    a = simulate(trace, 28, "prefix-reuse", nvme_blocks=282)
+    b = simulate(trace, 28, "prefix-reuse", nvme_blocks=282)
+    assert a.per_request_hits == b.per_request_hits and a.tier_hits == b.tier_hits
