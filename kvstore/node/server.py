@@ -418,11 +418,13 @@ class Node:
         return asyncio.run_coroutine_threadsafe(snap(), self._loop).result(timeout=5.0)
 
     async def _reap_forever(self) -> None:
+        manager, transfers = self.manager, self.transfers
+        assert manager is not None
         while True:
             await asyncio.sleep(0.5)
             try:
-                self.manager.reap()
-                self.transfers.expire()
+                manager.reap()
+                transfers.expire()
             except Exception:  # never let the reaper die silently
                 log.exception("reaper round failed")
 
@@ -440,6 +442,8 @@ class Node:
             await self._release()
 
     async def _drain_and_flush(self) -> None:
+        server, data, manager = self.server, self.data, self.manager
+        assert server is not None and data is not None and manager is not None, "stop() of a node that never started"
         if self.cluster is not None:  # deregister first, so clients route elsewhere while we drain
             cluster, self.cluster = self.cluster, None
             await cluster.stop()
@@ -449,19 +453,17 @@ class Node:
             self.metrics_server = None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.drain_timeout_s
-        await self.server.stop(
-            grace=self.cfg.drain_timeout_s
-        )  # refuses new calls; cancels what still runs at the deadline
-        while (self.transfers.pending or self.data.busy) and loop.time() < deadline:
+        await server.stop(grace=self.cfg.drain_timeout_s)  # refuses new calls; cancels what still runs at the deadline
+        while (self.transfers.pending or data.busy) and loop.time() < deadline:
             await asyncio.sleep(0.05)  # data-channel transfers negotiated before the stop: same deadline
-        self.data.close()
+        data.close()
         self._reaper.cancel()
-        left = self.manager.reap(now=math.inf)  # what the drain left: unfinished writes aborted, leases dropped
+        left = manager.reap(now=math.inf)  # what the drain left: unfinished writes aborted, leases dropped
         if left["reservations"] or left["leases"]:
             log.info(
                 "drain over: aborted %d unfinished writes, dropped %d read leases", left["reservations"], left["leases"]
             )
-        flushed = await self.manager.flush(self.cfg.flush_on_shutdown_s)
+        flushed = await manager.flush(self.cfg.flush_on_shutdown_s)
         if flushed:
             log.info("demoted %d dirty blocks to NVMe before exit", flushed)
 
