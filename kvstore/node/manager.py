@@ -627,6 +627,29 @@ class TierManager:
         self.abort(ids)
         self.counters["data_channel_aborted_puts"] += len(ids)
 
+    def reported(
+        self,
+        op: str,
+        *,
+        tier: str = "",
+        miss_reason: str = "",
+        blocks: int = 0,
+        tokens: int = 0,
+        namespace: bytes | None = None,
+        short_copies: int = 0,
+        namespace_name: str = "",
+    ) -> None:
+        """What a client saw beyond this node's own lookups (``ReportHits``, checked by the
+        service): hits in ``tier`` (HBM, a remote node), or misses for ``miss_reason``; block
+        copies it could not write; a readable name for ``namespace``."""
+        if miss_reason:
+            self.ledger.report_misses(op, miss_reason, blocks, namespace)
+        elif blocks:
+            self.ledger.report(op, tier, blocks, tokens, namespace)
+        self.ledger.short_copies += short_copies
+        if namespace_name and namespace is not None:
+            self.ledger.name(namespace, namespace_name)
+
     def _checksum_extents(self, extents: Sequence[Extent], nbytes: int) -> int:
         views = self.dram.arena.views(extents, nbytes)
         if len(views) == 1:

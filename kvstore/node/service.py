@@ -674,14 +674,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             # write would), that another tenant owns the namespace
             self._denied("skipped", caller=caller)
             return pb.Empty()
-        ns = bytes(request.namespace) or None
-        if request.miss_reason:
-            self.manager.ledger.report_misses(request.op, request.miss_reason, request.blocks, ns)
-        elif request.blocks:
-            self.manager.ledger.report(request.op, tier, request.blocks, request.tokens, ns)
-        self.manager.ledger.short_copies += request.short_copies
-        if request.namespace_name:
-            self.manager.ledger.name(bytes(request.namespace), request.namespace_name)
+        self.manager.reported(
+            request.op,
+            tier=tier,
+            miss_reason=request.miss_reason,
+            blocks=request.blocks,
+            tokens=request.tokens,
+            namespace=bytes(request.namespace) or None,
+            short_copies=request.short_copies,
+            namespace_name=request.namespace_name,
+        )
         return pb.Empty()
 
     @_rpc
