@@ -53,17 +53,19 @@ from typing import Any
 import xxhash
 
 from kvstore.block import BlockMeta
-from tiers.base import TierKind
+from kvstore.vocabulary import (  # the reason labels are shared with the SDK; re-exported for the node
+    CLIENT_MISS_REASONS as CLIENT_MISS_REASONS,
+)
+from kvstore.vocabulary import CORRUPT as CORRUPT
+from kvstore.vocabulary import DEADLINE as DEADLINE
+from kvstore.vocabulary import EVICTED as EVICTED
+from kvstore.vocabulary import INVALIDATED as INVALIDATED
+from kvstore.vocabulary import NEVER_STORED as NEVER_STORED
+from kvstore.vocabulary import NODE_DOWN as NODE_DOWN
+from kvstore.vocabulary import REASONS as REASONS
+from kvstore.vocabulary import TierKind
 
 # -- label values (part of the metrics contract: never rename) ---------------------------
-NEVER_STORED = "never_stored"
-EVICTED = "evicted"
-INVALIDATED = "invalidated"
-CORRUPT = "corrupt"
-NODE_DOWN = "node_down"
-DEADLINE = "deadline"
-REASONS = (NEVER_STORED, EVICTED, INVALIDATED, CORRUPT, NODE_DOWN, DEADLINE)
-CLIENT_MISS_REASONS = (NODE_DOWN, DEADLINE)  # what cluster clients report (``ReportHits``)
 
 OPS = ("get", "match_prefix", "exists")
 TIERS = ("hbm", "dram", "nvme", "remote")
