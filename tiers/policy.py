@@ -164,7 +164,7 @@ class _PrefixHeapPolicy:
         inserts every stored block: one O(n) heapify instead of n pushes).  The policy ends
         in the state one ``insert`` each would leave (the heap without stale entries)."""
         prio, parents, children = self._prio, self._parent, self._children
-        for key, parent, size in items:
+        for key, parent, _size in items:
             if key in prio:
                 self._touch(key, False)
                 continue
@@ -292,6 +292,11 @@ class PrefixReusePolicy(_PrefixHeapPolicy):
     MEMORY = 10  # the sketch forgets uses older than about MEMORY × N events
     PRESSURE = (0.05, 0.30)  # the bonus ramps from none to full as the re-insert share goes from lo to hi
 
+    # Once session hints name dead blocks (kvstore/node/sessions.py: those go first), stale
+    # blocks no longer pile up behind a bigger bonus: the hinted tier takes these
+    # (REUSE_CAP, SHARE, PRESSURE) instead, prefix-freq's.  None: hints change nothing here.
+    HINTED: tuple[int, float, tuple[float, float]] | None = (4, 0.0, (0.0, 0.0))
+
     def __init__(self) -> None:
         super().__init__()
         self._inserts = 0.0  # decayed counts of inserts, and of inserts of keys seen lately
@@ -300,6 +305,11 @@ class PrefixReusePolicy(_PrefixHeapPolicy):
         self._peak = 0
         self._fanout: dict[ChunkKey, int] = {}  # resident key -> distinct children seen while resident
         self._level: dict[ChunkKey, int] = {}  # resident key -> floor(log2(fan-out)) at or below it
+
+    def hints_seen(self) -> None:
+        """Session hints named dead blocks for this tier (told once by :class:`~kvstore.node.sessions.SessionHinted`)."""
+        if self.HINTED is not None:
+            self.REUSE_CAP, self.SHARE, self.PRESSURE = self.HINTED
 
     def _grow(self, n: int) -> None:
         self._peak = n

@@ -245,10 +245,16 @@ class SessionHinted:
         )  # dead residents, oldest death first
         self._aside: dict[ChunkKey, None] = {}  # dead residents skipped by a victims() round still running
         self._lock = threading.Lock()
+        self._hints_seen = False
         sessions.watch(self)
 
     # -- told by Sessions (the loop) -----------------------------------------------------
     def died(self, keys: list[ChunkKey]) -> None:
+        if keys and not self._hints_seen:  # the first death: the policy may weigh reuse differently now
+            self._hints_seen = True
+            seen = getattr(self.inner, "hints_seen", None)
+            if seen is not None:
+                seen()
         with self._lock:
             for k in keys:
                 if k in self.inner and k not in self._aside:

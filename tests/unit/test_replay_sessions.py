@@ -133,3 +133,41 @@ def test_cost_model_reads_the_engine_bench(tmp_path: Path) -> None:
     # 512 tokens recomputed take 0.512 s; loading one 51,200-byte block from NVMe 34 µs
     assert m.saved_s(512, 0, 1, 512) == pytest.approx(0.512 - 51200 / 1.5e9)
     assert from_args(None, 100, 1.0, 1.0, None) is None  # an input missing: no figure
+
+
+def test_the_default_takes_a_bigger_reuse_bonus_once_hints_name_dead_blocks() -> None:
+    from kvstore.keys import NO_PARENT
+    from kvstore.node.sessions import SessionHinted, Sessions
+    from tiers.policy import PrefixFrequencyPolicy, PrefixReusePolicy
+
+    inner = PrefixReusePolicy()
+    hinted = SessionHinted(inner, Sessions(clock=lambda: 0.0))
+    plain = (inner.REUSE_CAP, inner.SHARE, inner.PRESSURE)
+    hinted.died([])  # a close that killed nothing tells nothing
+    assert (inner.REUSE_CAP, inner.SHARE, inner.PRESSURE) == plain
+    hinted.insert(b"k" * 16, NO_PARENT, 1)
+    hinted.died([b"k" * 16])
+    assert (inner.REUSE_CAP, inner.SHARE, inner.PRESSURE) == PrefixReusePolicy.HINTED
+    assert (PrefixFrequencyPolicy.REUSE_CAP, PrefixFrequencyPolicy.SHARE, PrefixFrequencyPolicy.PRESSURE) == (
+        PrefixReusePolicy.HINTED
+    )
+    assert (PrefixReusePolicy.REUSE_CAP, PrefixReusePolicy.PRESSURE) == plain[::2]  # the class keeps its own
+
+    class Unmoved(PrefixReusePolicy):
+        HINTED = None
+
+    other = Unmoved()
+    SessionHinted(other, Sessions()).died([b"x" * 16])
+    assert (other.REUSE_CAP, other.SHARE, other.PRESSURE) == plain
+
+
+def test_hints_close_more_of_the_gap_with_the_default_than_with_lru() -> None:
+    reqs, closes = generate_events(GenParams(requests=1500, seed=101, close_after_s=60))
+    t = Trace(reqs, closes=closes)
+    for f in (0.05, 0.2):
+        cap = round(f * t.unique_blocks)
+        assert (
+            simulate(t, cap, "prefix-reuse", sessions=True).hit_ratio
+            > simulate(t, cap, "lru", sessions=True).hit_ratio
+            >= simulate(t.without_sessions(), cap, "lru").hit_ratio
+        )
