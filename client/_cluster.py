@@ -797,6 +797,7 @@ class ClusterCore:
             "membership": plan.snapshot.to_dict(),
             "suspects": self.suspects.snapshot(),
             "under_replicated": self.under_replicated(),
+            "hot": {"keys": len(plan.hot), "reads_to_extras": self.hot_reads, "extra_fills": self.hot_fills},
             "nodes": nodes,
         }
 

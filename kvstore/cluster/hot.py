@@ -242,15 +242,22 @@ class ExtraCopies:
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
         self.held: set[bytes] = set()
+        self._memo: dict[bytes, tuple[tuple[int, int], Placement, bool]] = {}  # key -> ((k, r), table, mine)
 
     def update(self, table: Placement | None, hot: Mapping[bytes, int], r: int) -> list[bytes]:
         """The keys to delete here now (they left the hot set, or this node is no longer among
         their extras, and it does not own them)."""
         mine: set[bytes] = set()
+        memo: dict[bytes, tuple[tuple[int, int], Placement, bool]] = {}
         if table is not None and len(table):
             for key, k in hot.items():
-                if self.node_id in extras(table, key, r, k):
+                got = self._memo.get(key)
+                if got is None or got[0] != (k, r) or got[1] is not table:  # one walk per change
+                    got = ((k, r), table, self.node_id in extras(table, key, r, k))
+                memo[key] = got
+                if got[2]:
                     mine.add(key)
+        self._memo = memo
         gone = self.held - mine
         self.held = mine
         if not gone or table is None or not len(table):
