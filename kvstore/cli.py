@@ -184,20 +184,20 @@ def _cmd_serve(a: argparse.Namespace) -> int:
 
 
 def _cmd_stats(a: argparse.Namespace) -> int:
-    from client import KVClient
+    from client import connect
     from kvstore.tls import client_kwargs
 
-    with KVClient(a.target, **client_kwargs(a)) as kv:
+    with connect(a.target, **client_kwargs(a)) as kv:
         print(json.dumps(kv.stats(), indent=2, sort_keys=True))
     return 0
 
 
 def _cmd_close_session(a: argparse.Namespace) -> int:
     """Exit 0: closed (on some node); 1: no such session open for this caller."""
-    from client import KVClient
+    from client import connect
     from kvstore.tls import client_kwargs
 
-    with KVClient(a.target, token_file=a.token_file, **client_kwargs(a)) as kv:
+    with connect(a.target, token_file=a.token_file, **client_kwargs(a)) as kv:
         closed = kv.close_session(a.session_id)
     print(
         f"session {a.session_id!r} {'closed' if closed else 'was not open (never used, closed already, or idle past the TTL)'}"

@@ -180,9 +180,9 @@ def tls_files(a: argparse.Namespace) -> TLSFiles | None:
 
 
 def client_snippet(target: str, tls: TLSFiles | None) -> str:
-    """``KVClient(...)`` for ``target``, ready to copy."""
+    """``connect(...)`` for ``target``, ready to copy."""
     kw = "".join(f", {k}={v!r}" for k, v in (tls.client_kwargs() if tls else {}).items())
-    return f"KVClient({target!r}{kw})"
+    return f"connect({target!r}{kw})"
 
 
 class NodeChild(ServeProcess):
@@ -392,7 +392,7 @@ def main(a: argparse.Namespace) -> int:
                 )
             else:
                 print("  metrics       HTTPS with the same certificate (the dashboard trusts the CA above)")
-        print(f"  SDK           from client import KVClient; kv = {client_snippet(info['target'], tls)}")
+        print(f"  SDK           from client import connect; kv = {client_snippet(info['target'], tls)}")
         if tls is not None:
             cli = f" --tls-ca-file {tls.ca_file}" if tls.ca_file else " --tls"
             cli += " --tls-cert-file CLIENT.crt --tls-key-file CLIENT.key" if tls.client_ca_file else ""

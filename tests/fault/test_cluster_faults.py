@@ -120,7 +120,7 @@ def test_hung_node_calls_end_at_their_deadline_as_misses(cluster: Cluster) -> No
     cluster.set("replication", 2)
     # a long membership lease: the hung node stays registered (as if cut off from clients
     # but not from etcd), so only the deadline and the suspect list protect the client
-    cluster.start("g1", "g2", "g3", extra=("--lease-ttl", "60"))
+    cluster.start("g1", "g2", "g3", extra=("--membership-ttl", "60"))
     kv = cluster.client(suspect_s=30.0)
     r1 = cluster.client(replication=1, suspect_s=30.0)  # this client keeps one copy per key
     keys, data = blocks(40, seed=4)
@@ -210,7 +210,7 @@ def test_regression_node_restarted_under_its_id_skipped_until_backoff_ends(clust
     the membership but is rewritten under a new lease, with a new address.  The client that
     had suspected the dead process routes to the new one at once, reads and writes."""
     cluster.set("replication", 2)
-    cluster.start("n1", "n2", "n3", extra=("--lease-ttl", "60"))
+    cluster.start("n1", "n2", "n3", extra=("--membership-ttl", "60"))
     kv = cluster.client(suspect_s=30.0)
     keys, data = blocks(60, seed=9)
     assert all(kv.put_many(keys, data))
@@ -224,7 +224,7 @@ def test_regression_node_restarted_under_its_id_skipped_until_backoff_ends(clust
     assert kv.put_many(during, during_data) == [True] * len(during)
     assert kv.under_replicated() == {"suspect": sum(victim in kv.owners(k) for k in during), "failed": 0}
     short = kv.under_replicated()
-    (node,) = cluster.start(victim, extra=("--lease-ttl", "60"))  # same id, same data directory, a new port
+    (node,) = cluster.start(victim, extra=("--membership-ttl", "60"))  # same id, same data directory, a new port
     t = time.monotonic()
     wait_until(lambda: kv.snapshot().nodes[victim].pid == node.proc.pid, 10, f"{victim} to register again")
     rejoined = time.monotonic() - t

@@ -27,7 +27,7 @@ from conftest import NodeProcess
 from netns import Network, probe
 from netns_cluster import NetCluster, cluster, etcd, net  # noqa: F401 - fixtures
 
-from client import AsyncKVClient, KVClient, Timeouts
+from client import KVClient, Timeouts, connect_async
 from kvstore.errors import KVStoreError
 
 T = TypeVar("T")
@@ -220,7 +220,7 @@ def test_client_side_partition_reads_end_at_deadline_and_fall_back(cluster: NetC
     assert got == data and fresh_first < BOUND, fresh_first
 
     async def async_read() -> tuple[list[bytes | None], list[bytes | None]]:
-        async with AsyncKVClient(cluster.target, timeouts=Timeouts(**FAST), prefer_local=False) as akv:
+        async with connect_async(cluster.target, timeouts=Timeouts(**FAST), prefer_local=False) as akv:
             return await akv.get_many(keys), await akv.get_many([only[i] for i in on_victim])
 
     (agot, amiss), async_first = timed(lambda: asyncio.run(async_read()))

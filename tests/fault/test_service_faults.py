@@ -47,8 +47,8 @@ MIB = 1 << 20
 DRAM = 64 * MIB
 # Deadlines go through the typed config's environment, not flags: ``--lease-ttl`` is the
 # etcd membership TTL, the read-lease one is ``--read-lease-ttl``.
-SHORT_TTL = {"KVSTORE_RESERVATION_TTL_S": "2", "KVSTORE_LEASE_TTL_S": "2"}
-LONG_TTL = {"KVSTORE_RESERVATION_TTL_S": "60", "KVSTORE_LEASE_TTL_S": "60"}  # so only a disconnect can free things
+SHORT_TTL = {"KVSTORE_RESERVATION_TTL_S": "2", "KVSTORE_READ_LEASE_TTL_S": "2"}
+LONG_TTL = {"KVSTORE_RESERVATION_TTL_S": "60", "KVSTORE_READ_LEASE_TTL_S": "60"}  # so only a disconnect can free things
 FAST = Timeouts(rpc=2, data=5)
 
 
@@ -177,7 +177,7 @@ def _start(node_factory: Any, *args: str, ttl: dict[str, str], **kw: Any) -> Any
     finally:
         ch.close()
     assert hello.reservation_ttl_s == float(ttl["KVSTORE_RESERVATION_TTL_S"])
-    assert hello.lease_ttl_s == float(ttl["KVSTORE_LEASE_TTL_S"])
+    assert hello.lease_ttl_s == float(ttl["KVSTORE_READ_LEASE_TTL_S"])
     return node
 
 
@@ -498,7 +498,7 @@ def test_get_stream_stalled_past_its_deadline_sends_no_foreign_bytes(node_factor
 # -- slow peers: a transfer holds its leases or reservations only until its bound (issue 13, item 3)
 # A 3 s TTL, 26 x 1 MiB moved at ~30 KB/s: the node cuts the transfer at max(TTL, 26 MiB / 8 MiB/s) + 2 s
 # (DEFAULT_MIN_RATE, TRANSFER_GRACE_S) however slowly the peer keeps going, and every lease or reservation ends.
-SLOW_TTL = {"KVSTORE_RESERVATION_TTL_S": "3", "KVSTORE_LEASE_TTL_S": "3"}
+SLOW_TTL = {"KVSTORE_RESERVATION_TTL_S": "3", "KVSTORE_READ_LEASE_TTL_S": "3"}
 SLOW_BOUND_S = max(3.0, 26 * MIB / DEFAULT_MIN_RATE) + TRANSFER_GRACE_S
 
 

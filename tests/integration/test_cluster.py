@@ -17,7 +17,7 @@ import pytest
 from cluster_fixtures import LEASE_TTL, Cluster, cluster, etcd, wait_until  # noqa: F401 - fixtures
 from conftest import ROOT
 
-from client import AsyncKVClient, KVClient, Namespace
+from client import KVClient, Namespace, connect, connect_async
 from kvstore.cluster.membership import Membership
 from kvstore.cluster.placement import BoundedTable
 from kvstore.cluster.state import effective_fingerprint
@@ -152,7 +152,7 @@ def test_async_cluster_client(cluster: Cluster) -> None:
     async def main() -> None:
         from client import Timeouts
 
-        async with AsyncKVClient(cluster.target, timeouts=Timeouts(rpc=2, data=5, connect=1)) as kv:
+        async with connect_async(cluster.target, timeouts=Timeouts(rpc=2, data=5, connect=1)) as kv:
             assert type(kv).__name__ == "AsyncClusterClient"
             ns = Namespace("m-async")
             keys = kv.chunk_keys(np.arange(256 * 8), ns)
@@ -277,7 +277,7 @@ def test_kvstore_up_end_to_end(tmp_path, stop_signal: int) -> None:  # noqa: ANN
         text = "".join(out)
         assert info["target"] in text and info["target"].endswith("/uptest") and info["replication"] == 2
         assert len(info["nodes"]) == 3 and all(n["grpc"] in text for n in info["nodes"])
-        with KVClient(info["target"]) as kv:
+        with connect(info["target"]) as kv:
             assert kv.wait_for_nodes(3, 10) and kv.snapshot().config.replication == 2
             keys = [os.urandom(16) for _ in range(20)]
             assert all(kv.put_many(keys, payloads(20, size=512)))

@@ -15,7 +15,7 @@ import asyncio
 import numpy as np
 from cluster_fixtures import Cluster, cluster, etcd  # noqa: F401 - fixtures
 
-from client import AsyncKVClient, KVClient, Namespace, Timeouts
+from client import KVClient, Namespace, Timeouts, connect_async
 from kvstore.cluster.placement import BoundedTable
 
 LIMIT = 4
@@ -51,7 +51,7 @@ def test_cluster_batches_fit_each_nodes_max_batch(cluster: Cluster) -> None:
     assert kv.match_prefix(keys) == 0 and kv.get_many(keys) == [None] * N
 
     async def the_async_client() -> None:
-        async with AsyncKVClient(cluster.target, timeouts=Timeouts(rpc=2, data=5, connect=1)) as akv:
+        async with connect_async(cluster.target, timeouts=Timeouts(rpc=2, data=5, connect=1)) as akv:
             assert await akv.put_many(keys, data, namespace=ns) == [True] * N
             assert await akv.get_many(keys) == data
             assert await akv.match_prefix(keys) == N

@@ -169,7 +169,7 @@ def test_node_list_from_etcd_membership(etcd: LocalEtcd, tmp_path: Path, dashboa
         etcd.endpoint,
         "--cluster",
         "dash",
-        "--lease-ttl",
+        "--membership-ttl",
         "2",
         node_id="dash-n1",
     ).start()

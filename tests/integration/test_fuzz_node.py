@@ -57,7 +57,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     cfg = d / "node.toml"
     # short TTLs: transfers refused before they started give their reservations and leases back soon
     cfg.write_text(
-        f'[node]\ntoken = "{ADMIN}"\nmax_batch = 64\nmax_block_bytes = "4MiB"\nreservation_ttl_s = 2\nlease_ttl_s = 2\n\n'
+        f'[node]\ntoken = "{ADMIN}"\nmax_batch = 64\nmax_block_bytes = "4MiB"\nreservation_ttl_s = 2\nread_lease_ttl_s = 2\n\n'
         f'[tenants.bob]\ntoken = "{BOB}"\nmax_reserved_bytes = "8MiB"\nmax_dram_bytes = "16MiB"\n'
     )
     n = NodeProcess(d / "node", "--config", str(cfg), "--dram", "64MiB", "--nvme", "32MiB")

@@ -151,7 +151,7 @@ def test_dashboard_scrapes_tls_nodes_found_in_etcd(etcd: LocalEtcd, tmp_path: Pa
         etcd.endpoint,
         "--cluster",
         "mtls",
-        "--lease-ttl",
+        "--membership-ttl",
         "2",
         node_id="mtls-n1",
     )

@@ -117,7 +117,7 @@ def test_config_file_then_env_then_flags(tmp_path: Path) -> None:
         'dram = "32MiB"\n'
         "nvme = 0\n"
         "max_batch = 100\n"
-        "lease_ttl_s = 11.0\n"
+        "read_lease_ttl_s = 11.0\n"
         "reservation_ttl_s = 12.0\n"
     )
     env = clean_env(KVSTORE_NODE_ID="from-env", KVSTORE_MAX_BATCH="50", KVSTORE_RESERVATION_TTL_S="13")
@@ -157,7 +157,7 @@ def test_config_file_then_env_then_flags(tmp_path: Path) -> None:
         ("", {"KVSTORE_FOO": "1"}, [], "KVSTORE_FOO"),
         ("", {}, ["--dram", "lots"], "not a size"),
         ("", {}, ["--listen", "nowhere"], "HOST:PORT"),
-        ("", {"KVSTORE_LEASE_TTL_S": "-1"}, [], "lease_ttl_s"),
+        ("", {"KVSTORE_READ_LEASE_TTL_S": "-1"}, [], "read_lease_ttl_s"),
         ("", {}, ["--dram", "512KiB"], "too small"),
         ("", {}, ["--token-file", "/nonexistent/token"], "token_file"),
     ],

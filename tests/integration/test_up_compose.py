@@ -48,7 +48,7 @@ def compose_topology() -> dict[str, Any]:
         "cluster": env["KVSTORE_CLUSTER"],
         "dram": env["KVSTORE_DRAM"],
         "nvme": env["KVSTORE_NVME"],
-        "lease_ttl": env["KVSTORE_ETCD_LEASE_TTL_S"],
+        "lease_ttl": env["KVSTORE_MEMBERSHIP_TTL_S"],
         "dashboard": dash,
     }
 
@@ -122,7 +122,7 @@ def get_json(url: str) -> Any:
 
 
 def test_up_runs_the_compose_topology_end_to_end(tmp_path: Path) -> None:
-    from client import KVClient, Namespace, Timeouts
+    from client import Namespace, Timeouts, connect
     from kvstore.cluster.membership import Membership
 
     topo = compose_topology()
@@ -137,7 +137,7 @@ def test_up_runs_the_compose_topology_end_to_end(tmp_path: Path) -> None:
         topo["dram"],
         "--nvme",
         topo["nvme"],
-        "--lease-ttl",
+        "--membership-ttl",
         topo["lease_ttl"],
         "--data-dir",
         str(tmp_path / "up"),
@@ -163,7 +163,7 @@ def test_up_runs_the_compose_topology_end_to_end(tmp_path: Path) -> None:
             assert health(n["grpc"]) == 0 and health(n["unix"]) == 0
 
         # put/get through the SDK target that `up` printed
-        with KVClient(info["target"], timeouts=Timeouts(rpc=5.0, data=10.0, connect=5.0)) as kv:
+        with connect(info["target"], timeouts=Timeouts(rpc=5.0, data=10.0, connect=5.0)) as kv:
             assert kv.wait_for_nodes(topo["nodes"], 15)
             ns = Namespace("deploy-compose")
             keys = kv.chunk_keys(np.arange(256 * 12), ns)

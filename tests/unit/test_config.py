@@ -71,13 +71,13 @@ def test_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_file_env_flags_precedence(tmp_path: Path) -> None:
-    f = write(tmp_path, '[node]\nnode_id = "file"\ndram = "32MiB"\nmax_batch = 100\nlease_ttl_s = 11\nnvme = 0\n')
+    f = write(tmp_path, '[node]\nnode_id = "file"\ndram = "32MiB"\nmax_batch = 100\nread_lease_ttl_s = 11\nnvme = 0\n')
     env = {"KVSTORE_NODE_ID": "env", "KVSTORE_MAX_BATCH": "50", "KVSTORE_NVME": "1GiB"}
-    cfg = load_config(f, environ=env, overrides={"node_id": "flag", "nvme": None, "lease_ttl_s": None})
+    cfg = load_config(f, environ=env, overrides={"node_id": "flag", "nvme": None, "read_lease_ttl_s": None})
     assert cfg.node_id == "flag"  # flag > env > file
     assert cfg.max_batch == 50  # env > file
     assert cfg.nvme == GiB  # env > file; a flag left unset (None) does not override
-    assert cfg.dram == 32 * MiB and cfg.lease_ttl_s == 11.0  # file only
+    assert cfg.dram == 32 * MiB and cfg.read_lease_ttl_s == 11.0  # file only
     assert load_config(f, environ={}).node_id == "file"
 
 
@@ -91,13 +91,13 @@ def test_env_values_are_parsed(tmp_path: Path) -> None:
         "KVSTORE_DRAM": "64MiB",
         "KVSTORE_WRITE_THROUGH": "true",
         "KVSTORE_DIRECT_IO": "0",
-        "KVSTORE_LEASE_TTL_S": "2.5",
+        "KVSTORE_READ_LEASE_TTL_S": "2.5",
         "KVSTORE_DRAIN_TIMEOUT_S": "0.5",
         "KVSTORE_DATA_DIR": str(tmp_path),
         "KVSTORE_TARGET": "ignored: it is the SDK's",
     }
     cfg = load_config(environ=env)
-    assert cfg.dram == 64 * MiB and cfg.write_through is True and cfg.direct_io is False and cfg.lease_ttl_s == 2.5
+    assert cfg.dram == 64 * MiB and cfg.write_through is True and cfg.direct_io is False and cfg.read_lease_ttl_s == 2.5
     assert cfg.drain_timeout_s == 0.5
     assert Path(cfg.data_dir) == tmp_path
 
@@ -152,7 +152,7 @@ def test_unknown_override_is_named() -> None:
         ({"dram": "lots"}, "dram: not a size: 'lots'"),
         ({"nvme": -1}, "nvme: size must be non-negative"),
         ({"max_block_bytes": "0"}, "max_block_bytes: Input should be greater than 0"),
-        ({"lease_ttl_s": 0}, "lease_ttl_s: Input should be greater than 0 (got 0)"),
+        ({"read_lease_ttl_s": 0}, "read_lease_ttl_s: Input should be greater than 0 (got 0)"),
         ({"reservation_ttl_s": -1}, "reservation_ttl_s"),
         ({"drain_timeout_s": 0}, "drain_timeout_s: Input should be greater than 0 (got 0)"),
         ({"drain_timeout_s": "soon"}, "drain_timeout_s: Input should be a valid number"),
@@ -174,8 +174,8 @@ def test_validation_messages_name_the_field(overrides: dict[str, object], messag
 
 def test_every_problem_is_reported_at_once() -> None:
     with pytest.raises(InvalidArgument) as ei:
-        load_config(environ={"KVSTORE_MAX_BATCH": "0"}, overrides={"lease_ttl_s": -1})
-    assert "max_batch" in str(ei.value) and "lease_ttl_s" in str(ei.value)
+        load_config(environ={"KVSTORE_MAX_BATCH": "0"}, overrides={"read_lease_ttl_s": -1})
+    assert "max_batch" in str(ei.value) and "read_lease_ttl_s" in str(ei.value)
 
 
 def test_config_is_frozen_and_strict() -> None:

@@ -179,7 +179,7 @@ def test_up_passes_own_certificates_and_prints_what_clients_need(
     from kvstore.local.up import client_snippet, tls_files
 
     assert tls_files(up_args()) is None  # type: ignore[arg-type]
-    assert client_snippet("etcd://h:1/c", None) == "KVClient('etcd://h:1/c')"
+    assert client_snippet("etcd://h:1/c", None) == "connect('etcd://h:1/c')"
     c = make(tmp_path / "pki", ["127.0.0.1"])
     monkeypatch.chdir(tmp_path)  # relative paths become absolute: the nodes run elsewhere
     own = tls_files(
@@ -187,7 +187,7 @@ def test_up_passes_own_certificates_and_prints_what_clients_need(
     )  # type: ignore[arg-type]
     assert own is not None and not own.generated
     assert own.node_args() == ["--tls-cert-file", c.cert, "--tls-key-file", c.key]
-    assert client_snippet("etcd://h:1/c", own) == f"KVClient('etcd://h:1/c', tls_ca_file={c.ca!r})"
+    assert client_snippet("etcd://h:1/c", own) == f"connect('etcd://h:1/c', tls_ca_file={c.ca!r})"
     mutual = tls_files(up_args("--tls-cert-file", c.cert, "--tls-key-file", c.key, "--tls-client-ca-file", c.ca))  # type: ignore[arg-type]
     assert mutual is not None and mutual.node_args()[-3:] == [
         "--tls-client-ca-file",
