@@ -283,6 +283,12 @@ class PrefixReusePolicy(_PrefixHeapPolicy):
     enough for LRU to catch most reuse; with these weights it never fell below LRU over
     a 1–50 % capacity sweep of the traces it was tuned and checked on (``kvstore plan``).
     Bonuses are fixed at each use, so ordering stays a heap: O(log n) per operation.
+
+    * **session hints**: once the tier's session wrapper (:mod:`kvstore.node.sessions`) sees a
+      close kill blocks, it calls :meth:`hints_seen` and the policy takes ``HINTED``'s cap,
+      fan-out weight and pressure ramp (``prefix-freq``'s): dead blocks now go first, so the
+      bigger bonus no longer keeps stale ones (on generated conversations with closes 60 s
+      after the last turn: 14-21% of the LRU → optimum gap at 5% instead of 13-19%).
     """
 
     name = "prefix-reuse"

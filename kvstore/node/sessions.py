@@ -22,7 +22,9 @@ Two parts:
   eviction policy; its ``victims()`` yields the tier's dead blocks first, then the policy's
   own order, except that blocks two or more open sessions hold (a system prompt, a shared
   document) are deferred behind the others (at most ``MAX_DEFERRED`` per round, so a tier
-  full of shared blocks costs a bounded scan).  The NVMe tier calls its policy from executor threads under the
+  full of shared blocks costs a bounded scan).  The first time a close kills blocks, it
+  calls the wrapped policy's ``hints_seen()`` if it has one (``prefix-reuse`` then weighs
+  reuse as ``prefix-freq`` does: stale blocks no longer pile up behind the bonus).  The NVMe tier calls its policy from executor threads under the
   tier's lock, while :class:`Sessions` tells it of deaths on the loop, so its own table of
   dead residents has a lock (taken inside the tier's, never the other way round).
 

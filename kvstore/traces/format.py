@@ -12,7 +12,7 @@ sends no more requests from time ``T`` on.  A close of a session no request has 
 (or one closed already, with no request since), or a session id that is not a string,
 is a bad line: fatal by default, or skipped and reported by line (``bad_lines="skip"``).
 
-Keys: a block's 16-byte key is chained like a real chunk key (DESIGN §1)::
+Keys: a block's 16-byte key is chained like a real chunk key (architecture §1)::
 
     key_{-1} = namespace fingerprint (8 bytes; the namespace is salted per replay)
     key_i    = xxh3_128(key_{i-1} || hash_id_i as little-endian u64)

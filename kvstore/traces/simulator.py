@@ -24,7 +24,7 @@ a DRAM tier of exactly ``capacity`` blocks):
 
 Every hash id is a block, the partial last one of a prompt included, as in the trace's own
 figures (its 64 % unlimited-capacity hit ratio counts them).  A real engine stores only
-full chunks (DESIGN §1); on Mooncake traces that differs by well under 1 % of blocks.
+full chunks (architecture §1); on Mooncake traces that differs by well under 1 % of blocks.
 
 Admission: the node consults ``policy.admit`` only when demoting to NVMe, never for
 DRAM, so neither does a DRAM-only replay; policies filter one-hit wonders through
