@@ -266,7 +266,7 @@ class Node:
             nvme,
             write_through=cfg.write_through,
             reservation_ttl=cfg.reservation_ttl_s,
-            lease_ttl=cfg.lease_ttl_s,
+            lease_ttl=cfg.read_lease_ttl_s,
             max_pin_ttl=cfg.max_pin_ttl_s,
             tenant_limits={
                 name: TenantLimits(t.max_reserved_bytes, t.max_pinned_bytes, t.max_dram_bytes, t.max_nvme_bytes)

@@ -196,7 +196,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             data_port=data_port,
             max_block_bytes=config.max_block_bytes,
             max_batch=config.max_batch,
-            lease_ttl_s=config.lease_ttl_s,
+            lease_ttl_s=config.read_lease_ttl_s,
             reservation_ttl_s=config.reservation_ttl_s,
         )
 
