@@ -102,3 +102,21 @@ def test_hot_key_survives_a_dead_extra_and_its_copies_go_when_it_cools(cluster: 
     wait_until(lambda: key not in kv.snapshot().hot, 15, "the hot record to go")
     wait_until(lambda: holders(cluster, key, skip={dead}) == set(owner), 15, "the extras to drop their copies")
     assert kv.get(key) == want
+
+
+def test_invalidation_reaches_the_extra_copies(cluster: Cluster) -> None:
+    kv = start(cluster)
+    ns = Namespace("hot-3")
+    key = kv.chunk_keys(np.arange(256), ns)[0]
+    data = np.random.default_rng(3).integers(0, 255, 4096, dtype=np.uint8)
+    assert kv.put_many([key], [data], namespace=ns) == [True]
+    want = data.tobytes()
+    table = BoundedTable(list(NODES))
+    read_until(kv, key, want, lambda: kv.snapshot().hot.get(key) == 3)
+    read_until(kv, key, want, lambda: len(holders(cluster, key)) == 4)
+    kv.invalidate(ns)  # counts what the RPC dropped: nodes that saw the epoch bump first reclaimed theirs already
+    wait_until(lambda: holders(cluster, key) == set(), 10, "every copy of the old epoch to go")
+    assert kv.get(key) is None
+    fresh = kv.chunk_keys(np.arange(256), ns)[0]
+    assert fresh != key and kv.get(fresh) is None
+    assert table.owners(key, 1)  # the placement itself is unchanged

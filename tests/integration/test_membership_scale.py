@@ -17,14 +17,15 @@ from kvstore.cluster.state import NodeInfo
 
 def test_a_thousand_nodes_views_converge_within_a_second(etcd: LocalEtcd) -> None:  # noqa: F811
     got = asyncio.run(
-        membench.run_async(etcd.endpoint, "scale", nodes=1000, views=10, ttl_s=10.0, keepalive_window_s=4.0)
+        membench.run_async(etcd.endpoint, "scale", nodes=1000, views=10, ttl_s=10.0, keepalive_window_s=10.0)
     )
     assert got["client_start_ms"]["snapshot_max"] <= 1000, got
     assert got["join_leave_max_ms"] <= 1000, got
     assert got["batch_leave_50_ms"] <= 1000, got
     assert got["full_reads"]["per_view"] == 1  # each view read membership once, at its start
-    # keep-alives: a refresh and a record check per node every ttl/3 s at most
-    assert 0 < got["keepalive"]["rpcs_per_node_s"] <= 2 * 3 / 10 + 0.05, got
+    # keep-alives: a refresh and a record check per node every ttl/3 s (0.6/s at ttl 10; the
+    # harness's nodes registered together, so a 10 s window holds 3 or 4 of their cycles)
+    assert 0 < got["keepalive"]["rpcs_per_node_s"] <= 0.85, got
 
 
 def test_watch_events_are_applied_incrementally_one_snapshot_per_batch(etcd: LocalEtcd) -> None:  # noqa: F811
