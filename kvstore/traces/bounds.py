@@ -16,6 +16,10 @@ It answers "how much better could a policy be?" with numbers instead of guesses:
 * ``oracle-next-use@R2=x,dead-unknown``: the same predictor, but a block that will never
   be used again gets a prediction drawn like everyone else's: what happens when a
   policy holds on to the blocks it believes in and cannot tell the dead ones.
+* With session ids in the trace: ``POLICY+sessions``, the policy with the trace's own hints
+  (its closes, the node's idle TTL), and ``oracle-close-at-last-turn``, the same with every
+  session closed the moment its last request is stored: the most any close hint can tell
+  (which sessions come back, not when).
 
 :func:`predictability` measures what the block stream itself tells: the reuse
 probability by the turn of the chain (how many requests have used its first block), the
@@ -39,9 +43,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvstore.keys import ChunkKey
-from kvstore.traces.format import Trace
+from kvstore.traces.format import Close, Trace
 from kvstore.traces.optimal import optimal
-from kvstore.traces.simulator import DEFAULT_PUT_BATCH, simulate
+from kvstore.traces.simulator import DEFAULT_PUT_BATCH, DEFAULT_SESSION_TTL, simulate
 from tiers.policy import DEFAULT_POLICY, _PrefixHeapPolicy
 
 if TYPE_CHECKING:
@@ -177,6 +181,7 @@ def bounds(
     *,
     batch: int = DEFAULT_PUT_BATCH,
     progress: Progress | None = None,
+    session_ttl: float = DEFAULT_SESSION_TTL,
 ) -> BoundsReport:
     """LRU, ``policy``, the oracles and the optimum at one capacity, and :func:`predictability`.
     ``progress`` counts each replay as it ends."""
@@ -186,8 +191,10 @@ def bounds(
             progress.update(note=f"{name}: {100 * h:.2f}%")
         return h
 
+    hints = trace.has_sessions
     if progress is not None:
-        progress.total = 3 + (policy != "lru") + 3 + len(R2_LEVELS)  # lru, optimum, policy, oracles, predictability
+        # lru, optimum, policy, oracles, predictability, and the two hinted replays
+        progress.total = 3 + (policy != "lru") + 3 + len(R2_LEVELS) + 2 * hints
     future = FutureUses(trace)
     lru = done("lru", simulate(trace, capacity_blocks, "lru", batch=batch).hit_ratio)
     opt = done("optimal", optimal(trace, capacity_blocks).hit_ratio)
@@ -214,11 +221,36 @@ def bounds(
     for pol, what in oracles:
         h = done(pol.name, simulate(trace, capacity_blocks, pol, batch=batch, before_request=pol.advance).hit_ratio)
         rows.append(Bound(pol.name, h, closed(h), what))
+    if hints:
+        for t, name, what in (
+            (trace, f"{policy}+sessions", "the policy with the trace's session hints"),
+            (
+                closes_at_last_turn(trace),
+                "oracle-close-at-last-turn",
+                "the policy, every session closed as its last turn ends (which sessions come back)",
+            ),
+        ):
+            h = done(
+                name,
+                simulate(t, capacity_blocks, policy, batch=batch, sessions=True, session_ttl=session_ttl).hit_ratio,
+            )
+            rows.append(Bound(name, h, closed(h), what))
     rows.append(Bound("optimal", opt, closed(opt), "Belady's MIN with bypass"))
     pred = predictability(trace, future)
     if progress is not None:
         progress.update(note="predictability")
     return BoundsReport(capacity_blocks, tuple(rows), pred)
+
+
+def closes_at_last_turn(trace: Trace) -> Trace:
+    """``trace`` with its close events replaced by one per session, right after the session's
+    last request (at that request's timestamp): a perfect, immediate close hint."""
+    last: dict[str, int] = {}
+    for i, r in enumerate(trace.requests):
+        if r.session_id is not None:
+            last[r.session_id] = i
+    closes = [Close(trace.requests[i].timestamp, sid, i + 1) for sid, i in last.items()]
+    return Trace(trace.requests, block_tokens=trace.block_tokens, name=trace.name, salt=trace.salt, closes=closes)
 
 
 def _auc(score: np.ndarray, label: np.ndarray) -> float:

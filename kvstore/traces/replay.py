@@ -448,7 +448,9 @@ def main(a: argparse.Namespace) -> int:
         from kvstore.traces.bounds import bounds
 
         with Progress("kvstore replay --bounds", unit="replays") as prog:
-            out["oracle_bounds"] = bounds(trace, capacity, a.policy, batch=a.put_batch, progress=prog).to_json()
+            out["oracle_bounds"] = bounds(
+                trace, capacity, a.policy, batch=a.put_batch, progress=prog, session_ttl=a.session_ttl
+            ).to_json()
     if a.json:
         print(json.dumps(out))
     else:

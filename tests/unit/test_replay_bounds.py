@@ -120,3 +120,24 @@ def test_cli_bounds(capsys: Any, tmp_path: Path, gen_trace: Trace) -> None:
     assert "oracle bounds" in out and "oracle-next-use" in out and "AUC" in out
     assert main(["replay", str(f), "--capacity", "5%", "--bounds", "--target", "127.0.0.1:1"]) == 2
     assert "--bounds is a simulator report" in capsys.readouterr().err
+
+
+def test_closes_at_last_turn_bound_what_a_close_hint_can_tell() -> None:
+    from kvstore.traces.bounds import closes_at_last_turn
+    from kvstore.traces.generate import generate_events
+
+    reqs, closes = generate_events(GenParams(requests=800, seed=101, close_after_s=60))
+    trace = Trace(reqs, closes=closes)
+    oracle = closes_at_last_turn(trace)
+    # one close per session, right after its last request, at that request's time
+    last = {r.session_id: i for i, r in enumerate(trace.requests)}
+    assert sorted((c.session_id, c.before) for c in oracle.closes) == sorted((s, i + 1) for s, i in last.items())
+    assert all(c.timestamp == trace.requests[c.before - 1].timestamp for c in oracle.closes)
+    assert oracle.keys == trace.keys and len(oracle.closes) > len(trace.closes)
+    cap = round(0.05 * trace.unique_blocks)
+    rows = {b.name: b for b in bounds(trace, cap).bounds}
+    assert rows["prefix-reuse+sessions"].hit_ratio > rows["prefix-reuse"].hit_ratio
+    assert rows["oracle-close-at-last-turn"].hit_ratio > rows["prefix-reuse+sessions"].hit_ratio
+    assert rows["oracle-close-at-last-turn"].hit_ratio < rows["optimal"].hit_ratio
+    # without session ids there is nothing to hint
+    assert "oracle-close-at-last-turn" not in {b.name for b in bounds(trace.without_sessions(), cap).bounds}
