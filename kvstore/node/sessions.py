@@ -49,23 +49,11 @@ from typing import Any
 
 from kvstore.errors import InvalidArgument, PermissionDenied
 from kvstore.keys import ChunkKey
+from kvstore.vocabulary import MAX_SESSION_ID as MAX_SESSION_ID  # shared with the SDK; re-exported
+from kvstore.vocabulary import check_session_id as check_session_id
 from tiers.policy import EvictionPolicy
 
-MAX_SESSION_ID = 256
-"""Longest session id accepted, in UTF-8 bytes."""
-
 SessionName = tuple["str | None", str]  # (tenant, session id)
-
-
-def check_session_id(session: object) -> str | None:
-    """A session id as callers pass it: None or "" (no session), else a printable string."""
-    if session is None or session == "":
-        return None
-    if not isinstance(session, str):
-        raise InvalidArgument(f"a session id is a string, got {type(session).__name__}")
-    if len(session.encode()) > MAX_SESSION_ID or not session.isprintable():
-        raise InvalidArgument(f"a session id is printable and at most {MAX_SESSION_ID} bytes, got {session!r:.80}")
-    return session
 
 
 @dataclasses.dataclass(slots=True)

@@ -80,7 +80,7 @@ def _ts(t: float) -> float | int:
 
 
 def _session_field(v: object, where: str, field: str) -> str:
-    from kvstore.node.sessions import check_session_id
+    from kvstore.vocabulary import check_session_id
 
     if not isinstance(v, str) or not v:
         raise InvalidArgument(f"{where}: {field!r} must be a non-empty string, got {v!r:.60}")
