@@ -91,10 +91,10 @@ from kvstore.errors import (
     Unavailable,
 )
 from kvstore.keys import ChunkKey, Namespace, check_key, chunk_keys
-from kvstore.node.ledger import DEADLINE, NODE_DOWN
+from kvstore.shm import as_bytes_view
+from kvstore.vocabulary import DEADLINE, NODE_DOWN
 from kvstore.wire import meta_from_pb, meta_to_pb
 from protos.kvstore.v1 import kvstore_pb2 as pb
-from tiers.arena import as_bytes_view
 
 log = logging.getLogger("kvstore.client.cluster")
 T = TypeVar("T")

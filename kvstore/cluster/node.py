@@ -227,14 +227,12 @@ class NodeAgent:
                 if gone:
                     n = await self.manager.delete([ChunkKey(k) for k in gone])
                     self.extras_dropped += n
-                    self.manager.counters["hot_extra_dropped_blocks"] += n
                     # a reader may still be filling a copy it routed by an older view: drop once more later
                     await asyncio.sleep(snap.config.hot_window_s)
                     again = [k for k in gone if k not in self.extra_copies.held]
                     if again:
                         n = await self.manager.delete([ChunkKey(k) for k in again])
                         self.extras_dropped += n
-                        self.manager.counters["hot_extra_dropped_blocks"] += n
             if not self._extras_again:
                 return
 
