@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from typing import Protocol
 
 from kvstore.errors import InvalidArgument
@@ -38,7 +38,7 @@ class EvictionPolicy(Protocol):
 
     def remove(self, key: ChunkKey) -> None: ...
 
-    def victims(self) -> Iterator[ChunkKey]: ...
+    def victims(self) -> Generator[ChunkKey, None, None]: ...
 
     def admit(self, key: ChunkKey, size: int) -> bool:
         """Admission filter for the tier (True: store it).  Baselines admit everything."""
@@ -82,7 +82,7 @@ class LRUPolicy:
     def admit(self, key: ChunkKey, size: int) -> bool:
         return True
 
-    def victims(self) -> Iterator[ChunkKey]:
+    def victims(self) -> Generator[ChunkKey, None, None]:
         skipped: list[ChunkKey] = []
         try:
             while self._order:
@@ -211,7 +211,7 @@ class _PrefixHeapPolicy:
     def _valid(self, prio: int, tick: int, key: ChunkKey) -> bool:
         return self._prio.get(key) == (prio, tick) and self._children.get(key, 0) == 0
 
-    def victims(self) -> Iterator[ChunkKey]:
+    def victims(self) -> Generator[ChunkKey, None, None]:
         offered: dict[ChunkKey, tuple[int, int]] = {}  # this round's proposals
         try:
             while self._heap:

@@ -126,8 +126,8 @@ def generate_events(p: GenParams) -> tuple[list[Request], list[Close]]:
     bt = p.block_tokens
     prompts = []  # (full-block ids, tokens) per shared system prompt
     for _ in range(p.system_prompts):
-        t = _lognormal(rng, p.system_tokens, 0.6)
-        prompts.append((ids.fresh(t // bt), t))
+        n = _lognormal(rng, p.system_tokens, 0.6)
+        prompts.append((ids.fresh(n // bt), n))
     weights = [1.0 / (i + 1) ** p.zipf for i in range(len(prompts))]
     # rate of conversation starts such that requests arrive at p.rate overall
     conv_rate = p.rate * (1 - p.one_shot) / p.turns

@@ -138,7 +138,7 @@ def replay_live(
     def warn(msg: str) -> None:
         warnings.append(msg)
         if log:
-            print(f"kvstore replay: warning: {msg}", file=log)  # type: ignore[arg-type]
+            print(f"kvstore replay: warning: {msg}", file=log)
 
     ns = trace.namespace.fingerprint
     payload = np.full(block_bytes, 0x5A, dtype=np.uint8)
@@ -181,10 +181,11 @@ def replay_live(
                     sleep(delay)
             if i < 0:  # a close_session event
                 if hints:
+                    assert req.session_id is not None  # the trace reader gives every close event its id
                     kv.close_session(req.session_id)
                 continue
             keys = trace.keys[i]
-            hint = {"session_id": req.session_id} if hints else {}  # type: ignore[union-attr]  # cluster clients take none
+            hint = {"session_id": req.session_id} if hints else {}  # cluster clients take none
             n = kv.match_prefix(keys, **hint) if keys else 0
             if n:
                 outs = [scratch[j * block_bytes : (j + 1) * block_bytes] for j in range(n)]

@@ -367,8 +367,8 @@ def main(a: argparse.Namespace) -> int:
             a.plot,
             title=f"{a.trace}: {summary['requests']} requests, {summary['unique_blocks']:,} unique blocks of {a.block_tokens} tokens",
             unique_blocks=trace.unique_blocks,
-            unlimited=summary["unlimited_hit_ratio"],
-            block_bytes=block_bytes,  # type: ignore[arg-type]
+            unlimited=float(summary["unlimited_hit_ratio"]),  # type: ignore[arg-type]
+            block_bytes=block_bytes,
             target=target,
             marks=marks,
         )

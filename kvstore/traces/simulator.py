@@ -51,7 +51,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kvstore.block import BlockMeta
@@ -60,7 +60,7 @@ from kvstore.keys import ChunkKey
 from kvstore.node.manager import Status, TierManager
 from kvstore.node.sessions import Sessions, hinted
 from kvstore.traces.format import HitRatios, Request, Trace
-from tiers.base import MissReason, ReadResult, TierKind
+from tiers.base import MissReason, ReadResult, TierKind, count_prefix
 from tiers.dram import DRAMTier
 from tiers.nvme_format import record_bytes
 from tiers.policy import DEFAULT_POLICY, POLICIES, EvictionPolicy, make_policy
@@ -123,6 +123,7 @@ class ByteslessNVMe:
     policy protocol, room for ``capacity_blocks`` one-page records, no bytes."""
 
     kind = TierKind.NVME
+    corrupt_blocks = 0  # no bytes, nothing to corrupt
 
     def __init__(self, capacity_blocks: int, policy: EvictionPolicy) -> None:
         self._record = record_bytes(1)
@@ -152,7 +153,16 @@ class ByteslessNVMe:
     def fits(self, nbytes: int) -> bool:
         return self.capacity_bytes - self.used_bytes >= record_bytes(nbytes)
 
-    def write_many(self, items: list[tuple[BlockMeta, object]], *args: Any, **kw: Any) -> None:
+    def count_prefix(self, keys: Sequence[ChunkKey]) -> int:
+        return count_prefix(self, keys)
+
+    def recovery(self) -> dict[str, int]:
+        return {}
+
+    def write(self, meta: BlockMeta, payload: object) -> None:
+        self.write_many([(meta, payload)])
+
+    def write_many(self, items: Sequence[tuple[BlockMeta, object]], *args: Any, **kw: Any) -> None:
         for meta, _ in items:
             if meta.key in self._meta:
                 self.policy.remove(meta.key)
@@ -235,8 +245,8 @@ def build_manager(
     return TierManager(
         dram,
         nvme,
-        executor=InlineExecutor(),
-        verify_demotions=False,  # type: ignore[arg-type]
+        executor=InlineExecutor(),  # type: ignore[arg-type]  # the manager only submits to it
+        verify_demotions=False,
         sessions=sessions,
         clock=sessions.clock if sessions is not None else time.monotonic,
     )
@@ -306,7 +316,8 @@ async def replay_requests(
         if i < 0:  # a close_session event
             if sessions is not None:
                 sessions.expire()
-                m.close_session(req.session_id)  # type: ignore[union-attr]
+                assert req.session_id is not None  # the trace reader gives every close event its id
+                m.close_session(req.session_id)
             continue
         assert isinstance(req, Request)
         keys = trace.keys[i]
