@@ -31,10 +31,19 @@ from typing import Any, ClassVar
 from client._datachannel import DataChannelPool
 from client._instructions import RETRY, GetStream, Io, Op, PutStream, Rpc, RpcNoWait, best_effort, dest_view
 from kvstore.block import BlockMeta, verify_payload
-from kvstore.errors import BlockFormatError, Unavailable
+from kvstore.errors import BlockFormatError, InvalidArgument, Unavailable
 from kvstore.keys import ChunkKey
 from kvstore.shm import ArenaMapping
-from kvstore.wire import extents_from_pb, meta_from_pb, meta_to_pb
+from kvstore.vocabulary import Extent
+from kvstore.wire import (
+    PACKED_VERSION,
+    extents_from_pb,
+    from_u32s,
+    from_u64s,
+    meta_from_pb,
+    meta_to_pb,
+    metas_to_packed,
+)
 from protos.kvstore.v1 import kvstore_pb2 as pb
 
 STREAM_CHUNK = 1 << 20
@@ -79,10 +88,12 @@ class SharedMemory(Transport):
 
     def __init__(self) -> None:
         self.arena: ArenaMapping | None = None
+        self.packed = False  # the node takes and answers packed batches (Hello's packed_version)
 
     def connect(self, *, host: str, hello: pb.HelloResponse, timeouts: Any, tls: Any) -> None:
         # not closing an earlier mapping: another thread's copy may still be using it
         self.arena = ArenaMapping.attach(hello.arena_path, hello.arena_size)
+        self.packed = hello.packed_version >= PACKED_VERSION
 
     def stale(self) -> bool:
         """The node restarted (or stopped) since we mapped its arena: it replaced the file, so
@@ -105,18 +116,28 @@ class SharedMemory(Transport):
 
     def put(self, metas: list[BlockMeta], views: list[memoryview], sid: str) -> Op[list[bool]]:
         t0 = time.monotonic()
-        resp = yield Rpc("Reserve", pb.ReserveRequest(blocks=[meta_to_pb(m) for m in metas], session_id=sid))
+        packed = metas_to_packed(metas) if self.packed else None
+        if packed is not None:
+            resp = yield Rpc("Reserve", pb.ReserveRequest(packed=packed, session_id=sid))
+        else:
+            resp = yield Rpc("Reserve", pb.ReserveRequest(blocks=[meta_to_pb(m) for m in metas], session_id=sid))
         # The node started the reservations' deadline after t0.  Past it, their space may
         # already be another block's: a block whose copy would start that late is not copied.
         stop_at = t0 + resp.ttl_s - min(1.0, 0.1 * resp.ttl_s)
-        ids, todo = [], []
+        ids: list[int] = []
+        todo: list[tuple[int, list[Extent]]] = []
         out = [False] * len(metas)
-        for i, r in enumerate(resp.reservations):
-            if r.status == pb.KEY_STATUS_EXISTS:
-                out[i] = True
-            elif r.status == pb.KEY_STATUS_OK:
-                ids.append(r.reservation_id)
-                todo.append((i, extents_from_pb(r.extents)))
+        if packed is not None:
+            _unpack_grants(resp.packed, len(metas), ids, todo)
+            for i, st in enumerate(resp.packed.statuses):
+                out[i] = st == pb.KEY_STATUS_EXISTS
+        else:
+            for i, r in enumerate(resp.reservations):
+                if r.status == pb.KEY_STATUS_EXISTS:
+                    out[i] = True
+                elif r.status == pb.KEY_STATUS_OK:
+                    ids.append(r.reservation_id)
+                    todo.append((i, extents_from_pb(r.extents)))
         if not ids:
             return out
         arena = yield from self.live_arena(ids, "Abort", pb.AbortRequest(reservation_ids=ids))
@@ -148,28 +169,35 @@ class SharedMemory(Transport):
 
     def get(self, keys: list[ChunkKey], outs: list[memoryview] | None, sid: str, *, verify: bool) -> Op[list[Any]]:
         t0 = time.monotonic()
-        resp = yield Rpc("Acquire", pb.KeysRequest(keys=keys, session_id=sid))
-        ids = [x.lease_id for x in resp.leases if x.status == pb.KEY_STATUS_OK]
+        if self.packed:
+            resp = yield Rpc("Acquire", pb.KeysRequest(packed_keys=b"".join(keys), session_id=sid))
+            grants = _unpack_leases(resp.packed, len(keys))
+        else:
+            resp = yield Rpc("Acquire", pb.KeysRequest(keys=keys, session_id=sid))
+            grants = [
+                (x.status, x.lease_id, extents_from_pb(x.extents), x.block.payload_len, x.block.key)
+                for x in resp.leases
+            ]
+        ids = [g[1] for g in grants if g[0] == pb.KEY_STATUS_OK]
         result: list[Any] = [None] * len(keys)
         arena = yield from self.live_arena(ids, "Release", pb.ReleaseRequest(lease_ids=ids))
         try:
             plan = []
-            for i, x in enumerate(resp.leases):
-                if x.status == pb.KEY_STATUS_NO_SPACE:
+            for i, (status, _, extents, length, key) in enumerate(grants):
+                if status == pb.KEY_STATUS_NO_SPACE:
                     result[i] = RETRY
-                elif x.status == pb.KEY_STATUS_OK:
-                    meta = meta_from_pb(x.block)
-                    dest = dest_view(meta, outs[i]) if outs is not None else None
-                    plan.append((i, extents_from_pb(x.extents), meta, dest))
+                elif status == pb.KEY_STATUS_OK:
+                    dest = _dest(outs[i], length, key or keys[i]) if outs is not None else None
+                    plan.append((i, extents, length, dest))
             copied: list[Any] = []
 
             def copy_out() -> None:
-                for _, extents, meta, dest in plan:
+                for _, extents, length, dest in plan:
                     if dest is not None:
-                        arena.read_into(extents, dest, meta.payload_len)
-                        copied.append(meta.payload_len)
+                        arena.read_into(extents, dest, length)
+                        copied.append(length)
                     else:  # get(): one copy, arena -> a new bytes object
-                        views = arena.views(extents, meta.payload_len)
+                        views = arena.views(extents, length)
                         copied.append(bytes(views[0]) if len(views) == 1 else b"".join(views))
 
             yield Io(copy_out)
@@ -311,6 +339,58 @@ class GrpcStream(Transport):
                 pos += n
         done()
         return result
+
+
+def _dest(out: memoryview, length: int, key: bytes) -> memoryview:
+    """The caller's buffer cut to a block's payload (``dest_view`` without a meta)."""
+    if out.nbytes < length:
+        raise InvalidArgument(f"output buffer holds {out.nbytes} bytes; block {key.hex()} has {length}")
+    return out[:length] if out.nbytes != length else out
+
+
+def _extents(counts: list[int], flat: list[int]) -> list[list[Extent]]:
+    """Per block, its extents from ``extent_counts`` and the flat (offset, length) column."""
+    if len(flat) != 2 * sum(counts):
+        raise Unavailable("the node answered a malformed packed batch (extents do not match their counts)")
+    out: list[list[Extent]] = []
+    pos = 0
+    for c in counts:
+        if c == 1:  # the usual case
+            out.append([Extent(flat[pos], flat[pos + 1])])
+        else:
+            out.append([Extent(flat[j], flat[j + 1]) for j in range(pos, pos + 2 * c, 2)])
+        pos += 2 * c
+    return out
+
+
+def _unpack_grants(p: pb.PackedReservations, n: int, ids: list[int], todo: list[tuple[int, list[Extent]]]) -> None:
+    """Append the granted reservations of a packed ``Reserve`` answer to ``ids`` / ``todo``."""
+    statuses = p.statuses
+    if len(statuses) != n:
+        raise Unavailable(f"the node answered {len(statuses)} reservations for {n} blocks")
+    all_ids = from_u64s(p.ids)
+    counts = from_u32s(p.extent_counts)
+    if len(all_ids) != n or len(counts) != n:
+        raise Unavailable("the node answered a malformed packed batch (columns disagree in length)")
+    ok = [i for i in range(n) if statuses[i] == pb.KEY_STATUS_OK]
+    extents = _extents([counts[i] for i in ok], from_u64s(p.extents))
+    for i, e in zip(ok, extents):
+        ids.append(all_ids[i])
+        todo.append((i, e))
+
+
+def _unpack_leases(p: pb.PackedLeases, n: int) -> list[tuple[int, int, list[Extent], int, bytes]]:
+    """A packed ``Acquire`` answer as ``(status, lease id, extents, payload length, b"")`` per key."""
+    statuses = p.statuses
+    ids, counts, lens = from_u64s(p.ids), from_u32s(p.extent_counts), from_u64s(p.payload_lens)
+    if len(statuses) != n or len(ids) != n or len(counts) != n or len(lens) != n:
+        raise Unavailable(f"the node answered a malformed packed batch for {n} keys (columns disagree in length)")
+    ok = [i for i in range(n) if statuses[i] == pb.KEY_STATUS_OK]
+    extents = iter(_extents([counts[i] for i in ok], from_u64s(p.extents)))
+    none: list[Extent] = []
+    return [
+        (st, ids[i], next(extents) if st == pb.KEY_STATUS_OK else none, lens[i], b"") for i, st in enumerate(statuses)
+    ]
 
 
 BY_NAME: dict[str, type[Transport]] = {t.name: t for t in (SharedMemory, DataChannel, GrpcStream)}

@@ -88,6 +88,42 @@ class ExtentAllocator:
             need -= take
         return out
 
+    def allocate_many(self, sizes: Sequence[int]) -> list[list[Extent]] | None:
+        """Extents for each of ``sizes`` (rounded up to units), from one allocation of their
+        total carved in order: one sorted-container update per batch instead of one per
+        block.  A block may get several extents where the space the batch got is in pieces.
+        ``None`` (nothing allocated) if the free total is short."""
+        units = [self.units_for(n) for n in sizes]
+        total = sum(units)
+        if not units:
+            return []
+        if total > self._free_units:
+            return None
+        got = self.allocate(total * self.unit)
+        assert got is not None  # the free total suffices: allocate serves it in pieces if it must
+        out: list[list[Extent]] = []
+        pieces = iter(got)
+        cur = next(pieces)
+        pos, end = cur.offset, cur.end
+        unit = self.unit
+        for need in units:
+            want = need * unit
+            if end - pos >= want:  # the usual case: the block fits in the current piece
+                out.append([Extent(pos, want)])
+                pos += want
+                continue
+            mine: list[Extent] = []
+            while want:
+                if pos == end:
+                    cur = next(pieces)
+                    pos, end = cur.offset, cur.end
+                take = min(want, end - pos)
+                mine.append(Extent(pos, take))
+                pos += take
+                want -= take
+            out.append(mine)
+        return out
+
     def reserve_exact(self, extent: Extent) -> None:
         """Mark a specific range used (rebuilding state from a persisted index)."""
         s, n = extent.offset // self.unit, extent.length // self.unit

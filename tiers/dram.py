@@ -71,6 +71,10 @@ class DRAMTier:
         b = self._blocks.get(key)
         return b[0] if b else None
 
+    def entry(self, key: ChunkKey) -> tuple[BlockMeta, list[Extent]] | None:
+        """``(meta, extents)`` of a stored block in one lookup; None if absent."""
+        return self._blocks.get(key)
+
     def extents(self, key: ChunkKey) -> list[Extent] | None:
         b = self._blocks.get(key)
         return b[1] if b else None
@@ -97,6 +101,15 @@ class DRAMTier:
                 f"a {nbytes}-byte block cannot fit a DRAM tier of {self.capacity_bytes} bytes; raise --dram"
             )
         return self.allocator.allocate(nbytes)
+
+    def reserve_many(self, sizes: Sequence[int]) -> list[list[Extent]] | None:
+        """``reserve`` of each size at once (one allocator update per batch), or ``None``
+        (nothing reserved) when the manager must evict first."""
+        cap = self.capacity_bytes
+        for n in sizes:
+            if self.allocator.rounded(n) > cap:
+                raise CapacityExceeded(f"a {n}-byte block cannot fit a DRAM tier of {cap} bytes; raise --dram")
+        return self.allocator.allocate_many(sizes)
 
     def commit(self, meta: BlockMeta, extents: list[Extent]) -> None:
         """Make a reserved, filled block visible (replacing an older block under its key)."""

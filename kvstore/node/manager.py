@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -81,6 +80,7 @@ from kvstore.node.movers import TierMovers
 from kvstore.node.outcomes import Leased, Reserved, Status
 from kvstore.node.quotas import Occupancy, OwnerOf, QuotaNVMe, TenantQuotas, caps_of
 from kvstore.node.sessions import Sessions
+from kvstore.wire import with_checksum
 from tiers.allocator import Extent
 from tiers.base import LowerTier, TierKind
 from tiers.dram import DRAMTier
@@ -326,9 +326,16 @@ class TierManager:
         deadline = self.clock() + self.reservation_ttl
         over_limit: tuple[str, BlockMeta] | None = None  # the first block refused by a limit, and which
         undurable: list[ChunkKey] = []  # stored in DRAM alone: with write-through, EXISTS waits until they are on disk
+        stored = [self._find(m.key, visible)[1] is not None for m in metas]
+        # one allocator update for the batch where no tenant limit or quota decides block by
+        # block (else, or when DRAM must be freed first: per block, evicting as needed)
+        ready: list[list[Extent]] | None = None
+        if self.quotas is None and self.holds.reserve_room(tenant) is None:
+            ready = self.dram.reserve_many([m.payload_len for m, s in zip(metas, stored) if not s])
+        taken = 0
         try:
-            for meta in metas:
-                if self._find(meta.key, visible)[1] is not None:
+            for meta, is_stored in zip(metas, stored):
+                if is_stored:
                     self.counters["puts_deduplicated"] += 1
                     if self.write_through and self.nvme is not None and not self.nvme.contains(meta.key):
                         undurable.append(meta.key)
@@ -351,7 +358,11 @@ class TierManager:
                     out.append(Reserved(Status.NO_SPACE))
                     continue
                 try:
-                    extents = await self.movers.allocate(meta.payload_len)
+                    if ready is not None:
+                        extents = ready[taken]
+                        taken += 1
+                    else:
+                        extents = await self.movers.allocate(meta.payload_len)
                 except CapacityExceeded:
                     if self.dram.allocator.rounded(meta.payload_len) > self.dram.capacity_bytes:
                         raise
@@ -364,6 +375,9 @@ class TierManager:
                 await self.movers.write_through(undurable)
         except BaseException:
             self.abort([r.reservation_id for r in out if r.status == Status.OK])  # nobody will learn their ids
+            if ready is not None:
+                for extents in ready[taken:]:
+                    self.dram.abort(extents)
             raise
         if over_limit is not None and refuse_over_limit and not any(r.status == Status.OK for r in out):
             assert tenant is not None
@@ -416,12 +430,13 @@ class TierManager:
             raise InvalidArgument(f"{len(ids)} reservation ids but {len(checksums)} checksums")
         out: list[Status] = []
         durable: list[ChunkKey] = []
+        puts = put_bytes = 0
         for i, rid in enumerate(ids):
             r = self.holds.take_reservation(rid)
             if r is None:
                 out.append(Status.EXPIRED)
                 continue
-            meta = r.meta if checksums is None else dataclasses.replace(r.meta, payload_checksum=checksums[i])
+            meta = r.meta if checksums is None else with_checksum(r.meta, checksums[i])
             if verify:
                 try:
                     actual = await self.movers.io(self._checksum_extents, r.extents, meta.payload_len)
@@ -430,6 +445,8 @@ class TierManager:
                     # rest of the batch may be held (a data-channel transfer): they go too
                     self.dram.abort(r.extents)
                     self.abort(ids[i + 1 :])
+                    self.counters["puts"] += puts
+                    self.counters["put_bytes"] += put_bytes
                     raise
                 if actual != meta.payload_checksum:
                     self.dram.abort(r.extents)
@@ -451,11 +468,13 @@ class TierManager:
             if old is not None and self.holds.leased(old):
                 self.holds.detach(old, self.dram.detach(meta.key) or [])
             self.dram.commit(meta, r.extents)
-            self.counters["puts"] += 1
-            self.counters["put_bytes"] += meta.payload_len
+            puts += 1
+            put_bytes += meta.payload_len
             out.append(Status.OK)
             if self.write_through and self.nvme is not None:
                 durable.append(meta.key)
+        self.counters["puts"] += puts
+        self.counters["put_bytes"] += put_bytes
         if durable:  # write-through answers once payload and index entry are on disk (group commit)
             await self.movers.write_through(durable)
         return out
@@ -515,10 +534,24 @@ class TierManager:
                 if meta is not None and not visible(meta.namespace):
                     hidden.add(i)
         # before promotions land in DRAM: a block this session reads is alive there
-        self._used(tenant, session, [k for i, k in enumerate(keys) if i not in hidden and self.where(k) is not None])
+        if self.sessions is not None and (session is not None or self.sessions.has_dead()):
+            self._used(
+                tenant, session, [k for i, k in enumerate(keys) if i not in hidden and self.where(k) is not None]
+            )
+        # DRAM hits, leased in one pass (the counters once per call)
+        entry, lease, touch, in_dram, nbytes = self.dram.entry, self.holds.lease, self.dram.touch, 0, 0
         for i, k in enumerate(keys):
-            if self.dram.contains(k) and i not in hidden:
-                out[i] = self._lease(k, TierKind.DRAM, deadline, tenant)
+            b = entry(k)
+            if b is not None and i not in hidden:
+                meta, ext = b
+                ext_t = tuple(ext)
+                lid = lease(k, ext_t[0].offset, deadline, tenant, ext_t, meta.payload_len)
+                touch(k)
+                out[i] = Leased(k, Status.OK, lid, ext_t, meta, TierKind.DRAM)
+                in_dram += 1
+                nbytes += meta.payload_len
+        self.counters["get_hits_dram"] += in_dram
+        self.counters["get_bytes"] += nbytes
         todo = [i for i, x in enumerate(out) if x is None and i not in hidden and self.movers.on_nvme(keys[i])]
         if todo:
             gate = asyncio.Semaphore(4)

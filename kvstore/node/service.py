@@ -30,8 +30,8 @@ import contextvars
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, cast
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -41,7 +41,7 @@ from kvstore.block import BlockMeta
 from kvstore.keys import ChunkKey, check_key
 from kvstore.node import failpoints
 from kvstore.node.config import NodeConfig
-from kvstore.node.manager import Status, TierManager
+from kvstore.node.manager import Leased, Reserved, Status, TierManager
 from kvstore.node.metrics import NodeMetrics
 from kvstore.node.sessions import check_session_id
 from kvstore.node.tenants import ADMIN, Caller, Callers, Ownership, authorization
@@ -49,11 +49,16 @@ from kvstore.node.transfers import Transfers
 from kvstore.wire import (
     BLOCKS_METADATA_KEY,
     ERROR_METADATA_KEY,
+    PACKED_VERSION,
     extents_to_pb,
+    keys_from_packed,
     meta_from_pb,
     meta_to_pb,
+    metas_from_packed,
     status_for,
     tier_to_pb,
+    u32s,
+    u64s,
 )
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -163,7 +168,7 @@ async def _deny_unary(request: Any, context: grpc.aio.ServicerContext) -> None:
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
 
-_deny = grpc.unary_unary_rpc_method_handler(_deny_unary)
+_deny: grpc.RpcMethodHandler = grpc.unary_unary_rpc_method_handler(_deny_unary)
 
 
 class KVStoreService(pb_grpc.KVStoreServicer):
@@ -198,6 +203,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             max_batch=config.max_batch,
             lease_ttl_s=config.read_lease_ttl_s,
             reservation_ttl_s=config.reservation_ttl_s,
+            packed_version=PACKED_VERSION,
         )
 
     # -- tenants --------------------------------------------------------------------
@@ -280,17 +286,39 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise errors.InvalidArgument(f"{len(raw)} keys in one request; the limit is max_batch={self.cfg.max_batch}")
         return [check_key(k) for k in raw]
 
+    def _request_keys(self, request: pb.KeysRequest) -> list[ChunkKey]:
+        """A request's keys: ``packed_keys`` (16 bytes each) if set, else ``keys``."""
+        if request.packed_keys:
+            if len(request.packed_keys) > 16 * self.cfg.max_batch:
+                raise errors.InvalidArgument(
+                    f"{len(request.packed_keys) // 16} keys in one request; the limit is max_batch={self.cfg.max_batch}"
+                )
+            return keys_from_packed(request.packed_keys)
+        return self._keys(request.keys)
+
     def _ids(self, raw: Sequence[int]) -> list[int]:
         if len(raw) > self.cfg.max_batch:
             raise errors.InvalidArgument(f"{len(raw)} ids in one request; the limit is max_batch={self.cfg.max_batch}")
         return list(raw)
+
+    def _request_metas(self, request: pb.ReserveRequest) -> list[BlockMeta]:
+        """A put's blocks: the ``packed`` columns if set, else the ``blocks`` messages."""
+        if request.HasField("packed"):
+            if len(request.packed.keys) > 16 * self.cfg.max_batch:
+                raise errors.InvalidArgument(
+                    f"{len(request.packed.keys) // 16} blocks in one request; the limit is max_batch={self.cfg.max_batch}"
+                )
+            return self._sized(metas_from_packed(request.packed))
+        return self._metas(request.blocks)
 
     def _metas(self, blocks: Sequence[pb.BlockInfo]) -> list[BlockMeta]:
         if len(blocks) > self.cfg.max_batch:
             raise errors.InvalidArgument(
                 f"{len(blocks)} blocks in one request; the limit is max_batch={self.cfg.max_batch}"
             )
-        metas = [meta_from_pb(b) for b in blocks]
+        return self._sized([meta_from_pb(b) for b in blocks])
+
+    def _sized(self, metas: list[BlockMeta]) -> list[BlockMeta]:
         for m in metas:
             if m.payload_len > self.cfg.max_block_bytes:
                 why = (
@@ -304,13 +332,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 )
         return metas
 
-    def _lease_pb(self, leased: Any) -> pb.Lease:
+    def _lease_pb(self, leased: Leased) -> pb.Lease:
         return pb.Lease(
-            status=int(leased.status),
+            status=_key_status(leased.status),
             lease_id=leased.lease_id,
             extents=extents_to_pb(leased.extents),
             block=meta_to_pb(leased.meta) if leased.meta is not None else pb.BlockInfo(key=leased.key),
-            tier=tier_to_pb(leased.tier),
+            tier=_tier(tier_to_pb(leased.tier)),
         )
 
     # -- RPCs -----------------------------------------------------------------------
@@ -322,23 +350,23 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Lookup(self, request: pb.KeysRequest, context: Any) -> pb.LookupResponse:
         caller = self._caller()
         found = self.manager.exists(
-            self._keys(request.keys),
+            self._request_keys(request),
             visible=self._visible(caller),
             tenant=caller.tenant,
             session=check_session_id(request.session_id),
         )
-        return pb.LookupResponse(tiers=[tier_to_pb(t) for t in found])
+        return pb.LookupResponse(tiers=[_tier(tier_to_pb(t)) for t in found])
 
     @_rpc
     async def MatchPrefix(self, request: pb.KeysRequest, context: Any) -> pb.MatchPrefixResponse:
         caller = self._caller()
         n, tiers = self.manager.match_prefix(
-            self._keys(request.keys),
+            self._request_keys(request),
             visible=self._visible(caller),
             tenant=caller.tenant,
             session=check_session_id(request.session_id),
         )
-        return pb.MatchPrefixResponse(matched=n, tiers=[int(t) for t in tiers])
+        return pb.MatchPrefixResponse(matched=n, tiers=[_tier(int(t)) for t in tiers])
 
     @_rpc
     async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> pb.CloseSessionResponse:
@@ -350,14 +378,18 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:
-        metas, caller = self._metas(request.blocks), self._caller()
+        metas, caller = self._request_metas(request), self._caller()
         await self._claim(caller, metas)
         res = await self.manager.reserve(
             metas, tenant=caller.tenant, visible=self._visible(caller), session=check_session_id(request.session_id)
         )
+        if request.HasField("packed"):
+            return pb.ReserveResponse(packed=_packed_reservations(res), ttl_s=self.manager.reservation_ttl)
         return pb.ReserveResponse(
             reservations=[
-                pb.Reservation(status=int(r.status), reservation_id=r.reservation_id, extents=extents_to_pb(r.extents))
+                pb.Reservation(
+                    status=_key_status(r.status), reservation_id=r.reservation_id, extents=extents_to_pb(r.extents)
+                )
                 for r in res
             ],
             ttl_s=self.manager.reservation_ttl,
@@ -380,7 +412,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         sizes = [r[0].payload_len if (r := self.manager.reservation(rid)) else 0 for rid in ids]
         statuses = await self.manager.commit(ids, sums)
         self.manager.moved("local", "in", sum(n for n, st in zip(sizes, statuses) if st == Status.OK))
-        return pb.StatusesResponse(statuses=[int(s) for s in statuses])
+        return pb.StatusesResponse(statuses=_statuses(statuses))
 
     @_rpc
     async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.Empty:
@@ -393,15 +425,19 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Acquire(self, request: pb.KeysRequest, context: Any) -> pb.AcquireResponse:
         caller = self._caller()
         leased = await self.manager.acquire(
-            self._keys(request.keys),
+            self._request_keys(request),
             tenant=caller.tenant,
             visible=self._visible(caller),
             session=check_session_id(request.session_id),
         )
+        failpoints.hit("node.acquire")
+        if request.packed_keys:
+            packed, nbytes = _packed_leases(leased)
+            self.manager.moved("local", "out", nbytes)
+            return pb.AcquireResponse(packed=packed, ttl_s=self.manager.lease_ttl)
         self.manager.moved(
             "local", "out", sum(x.meta.payload_len for x in leased if x.status == Status.OK and x.meta is not None)
         )
-        failpoints.hit("node.acquire")
         return pb.AcquireResponse(leases=[self._lease_pb(x) for x in leased], ttl_s=self.manager.lease_ttl)
 
     @_rpc
@@ -419,7 +455,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def StartGet(self, request: pb.KeysRequest, context: Any) -> pb.StartGetResponse:
         caller = self._caller()
         leased = await self.manager.acquire(
-            self._keys(request.keys),
+            self._request_keys(request),
             tenant=caller.tenant,
             visible=self._visible(caller),
             session=check_session_id(request.session_id),
@@ -438,7 +474,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         )
         tid = self.transfers.start_put(metas, res)
         return pb.StartPutResponse(
-            transfer_id=tid, statuses=[int(r.status) for r in res], ttl_s=self.manager.reservation_ttl
+            transfer_id=tid, statuses=_statuses(r.status for r in res), ttl_s=self.manager.reservation_ttl
         )
 
     # -- streaming fallback ------------------------------------------------------------
@@ -534,7 +570,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             self.manager.abort(
                 [rid for _, rid, _ in whole] + ([current[1]] if current is not None and current[1] else [])
             )
-        return pb.StatusesResponse(statuses=statuses)
+        return pb.StatusesResponse(statuses=_statuses(statuses))
 
     async def GetStream(self, request: pb.KeysRequest, context: Any) -> Any:
         start = time.perf_counter()
@@ -554,7 +590,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         try:
             if isinstance(request, Malformed):
                 raise request.invalid()
-            keys = self._keys(request.keys)
+            keys = self._request_keys(request)
             session = check_session_id(request.session_id)
             caller = self._identify(context)
         except errors.KVStoreError as e:
@@ -568,24 +604,25 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 [key], request=i == 0, tenant=caller.tenant, visible=visible, session=session
             )
             if x.status != Status.OK:
-                yield pb.BlockChunk(block=pb.BlockInfo(key=key), status=int(x.status))
+                yield pb.BlockChunk(block=pb.BlockInfo(key=key), status=_key_status(x.status))
                 continue
             try:
                 self.manager.hold(lease_ids=[x.lease_id])  # a slow reader must not outlive the lease mid-block
                 views = self.manager.leased_views(x.lease_id)
-                assert views is not None  # leased just now, and nothing awaited since
+                meta = x.meta
+                assert views is not None and meta is not None  # leased just now, and nothing awaited since
                 first = True
                 for v in views:
                     for off in range(0, max(v.nbytes, 1), STREAM_CHUNK):
                         part = bytes(v[off : off + STREAM_CHUNK])
                         if first:
-                            yield pb.BlockChunk(block=meta_to_pb(x.meta), data=part, status=pb.KEY_STATUS_OK)
+                            yield pb.BlockChunk(block=meta_to_pb(meta), data=part, status=pb.KEY_STATUS_OK)
                             first = False
                         else:
                             yield pb.BlockChunk(data=part)
                 if first:  # an empty payload has no views, but the client still needs its header chunk
-                    yield pb.BlockChunk(block=meta_to_pb(x.meta), status=pb.KEY_STATUS_OK)
-                self.manager.moved("grpc_stream", "out", x.meta.payload_len)
+                    yield pb.BlockChunk(block=meta_to_pb(meta), status=pb.KEY_STATUS_OK)
+                self.manager.moved("grpc_stream", "out", meta.payload_len)
             finally:
                 self.manager.release([x.lease_id])
 
@@ -593,7 +630,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_rpc
     async def Delete(self, request: pb.KeysRequest, context: Any) -> pb.DeleteResponse:
         return pb.DeleteResponse(
-            count=await self.manager.delete(self._keys(request.keys), may=self._may(self._caller()))
+            count=await self.manager.delete(self._request_keys(request), may=self._may(self._caller()))
         )
 
     @_rpc
@@ -623,7 +660,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Unpin(self, request: pb.KeysRequest, context: Any) -> pb.DeleteResponse:
-        return pb.DeleteResponse(count=self.manager.unpin(self._changeable(self._keys(request.keys))))
+        return pb.DeleteResponse(count=self.manager.unpin(self._changeable(self._request_keys(request))))
 
     @_rpc
     async def ReportHits(self, request: pb.ReportHitsRequest, context: Any) -> pb.Empty:
@@ -691,7 +728,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         s = self.manager.stats()
         tiers = [
             pb.TierStats(
-                tier=int(TierKind[name.upper()]),
+                tier=_tier(int(TierKind[name.upper()])),
                 capacity_bytes=t["capacity_bytes"],
                 used_bytes=t["used_bytes"],
                 blocks=t["blocks"],
@@ -725,3 +762,61 @@ def _declared_blocks(context: Any) -> int | None:
                 raise errors.InvalidArgument(f"{BLOCKS_METADATA_KEY} must be a block count, got {v!r:.40}")
             return n
     return None
+
+
+def _key_status(status: int) -> pb.KeyStatus:
+    """A ``Status`` as the protobuf enum (the same numbers)."""
+    return cast(pb.KeyStatus, int(status))
+
+
+def _tier(tier: int) -> pb.Tier:
+    return cast(pb.Tier, tier)
+
+
+def _statuses(statuses: Iterable[int]) -> list[pb.KeyStatus]:
+    return [cast(pb.KeyStatus, int(s)) for s in statuses]
+
+
+def _packed_reservations(res: Sequence[Reserved]) -> pb.PackedReservations:
+    """``Reserve``'s answers as columns (``PackedReservations``)."""
+    n = len(res)
+    statuses, ids, counts = bytearray(n), [0] * n, [0] * n
+    extents: list[int] = []
+    for i, r in enumerate(res):
+        statuses[i] = r.status
+        if r.status == Status.OK:
+            ids[i] = r.reservation_id
+            counts[i] = len(r.extents)
+            for e in r.extents:
+                extents += (e.offset, e.length)
+    return pb.PackedReservations(
+        statuses=bytes(statuses), ids=u64s(ids), extent_counts=u32s(counts), extents=u64s(extents)
+    )
+
+
+def _packed_leases(leased: Sequence[Leased]) -> tuple[pb.PackedLeases, int]:
+    """``Acquire``'s answers as columns (``PackedLeases``), and the payload bytes leased."""
+    n = len(leased)
+    statuses, tiers = bytearray(n), bytearray(n)
+    ids, counts, lens, sums = [0] * n, [0] * n, [0] * n, [0] * n
+    extents: list[int] = []
+    for i, x in enumerate(leased):
+        statuses[i] = x.status
+        if x.status == Status.OK and x.meta is not None:
+            ids[i] = x.lease_id
+            counts[i] = len(x.extents)
+            for e in x.extents:
+                extents += (e.offset, e.length)
+            lens[i] = x.meta.payload_len
+            sums[i] = x.meta.payload_checksum
+            tiers[i] = tier_to_pb(x.tier)
+    packed = pb.PackedLeases(
+        statuses=bytes(statuses),
+        ids=u64s(ids),
+        extent_counts=u32s(counts),
+        extents=u64s(extents),
+        payload_lens=u64s(lens),
+        payload_checksums=u64s(sums),
+        tiers=bytes(tiers),
+    )
+    return packed, sum(lens)

@@ -68,7 +68,7 @@ class HelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("node_id", "version", "arena_path", "arena_size", "data_port", "max_block_bytes", "max_batch", "lease_ttl_s", "reservation_ttl_s")
+    __slots__ = ("node_id", "version", "arena_path", "arena_size", "data_port", "max_block_bytes", "max_batch", "lease_ttl_s", "reservation_ttl_s", "packed_version")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class HelloResponse(_message.Message):
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    PACKED_VERSION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     arena_path: str
@@ -87,15 +88,70 @@ class HelloResponse(_message.Message):
     max_batch: int
     lease_ttl_s: float
     reservation_ttl_s: float
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_size: _Optional[int] = ..., data_port: _Optional[int] = ..., max_block_bytes: _Optional[int] = ..., max_batch: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., reservation_ttl_s: _Optional[float] = ...) -> None: ...
+    packed_version: int
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_size: _Optional[int] = ..., data_port: _Optional[int] = ..., max_block_bytes: _Optional[int] = ..., max_batch: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., reservation_ttl_s: _Optional[float] = ..., packed_version: _Optional[int] = ...) -> None: ...
+
+class PackedBlocks(_message.Message):
+    __slots__ = ("keys", "parents", "namespace", "token_counts", "dtypes", "ndims", "shape", "payload_lens", "payload_checksums")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    DTYPES_FIELD_NUMBER: _ClassVar[int]
+    NDIMS_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_LENS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    parents: bytes
+    namespace: bytes
+    token_counts: bytes
+    dtypes: bytes
+    ndims: bytes
+    shape: bytes
+    payload_lens: bytes
+    payload_checksums: bytes
+    def __init__(self, keys: _Optional[bytes] = ..., parents: _Optional[bytes] = ..., namespace: _Optional[bytes] = ..., token_counts: _Optional[bytes] = ..., dtypes: _Optional[bytes] = ..., ndims: _Optional[bytes] = ..., shape: _Optional[bytes] = ..., payload_lens: _Optional[bytes] = ..., payload_checksums: _Optional[bytes] = ...) -> None: ...
+
+class PackedReservations(_message.Message):
+    __slots__ = ("statuses", "ids", "extent_counts", "extents")
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    EXTENT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    EXTENTS_FIELD_NUMBER: _ClassVar[int]
+    statuses: bytes
+    ids: bytes
+    extent_counts: bytes
+    extents: bytes
+    def __init__(self, statuses: _Optional[bytes] = ..., ids: _Optional[bytes] = ..., extent_counts: _Optional[bytes] = ..., extents: _Optional[bytes] = ...) -> None: ...
+
+class PackedLeases(_message.Message):
+    __slots__ = ("statuses", "ids", "extent_counts", "extents", "payload_lens", "payload_checksums", "tiers")
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    EXTENT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    EXTENTS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_LENS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    statuses: bytes
+    ids: bytes
+    extent_counts: bytes
+    extents: bytes
+    payload_lens: bytes
+    payload_checksums: bytes
+    tiers: bytes
+    def __init__(self, statuses: _Optional[bytes] = ..., ids: _Optional[bytes] = ..., extent_counts: _Optional[bytes] = ..., extents: _Optional[bytes] = ..., payload_lens: _Optional[bytes] = ..., payload_checksums: _Optional[bytes] = ..., tiers: _Optional[bytes] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
-    __slots__ = ("keys", "session_id")
+    __slots__ = ("keys", "session_id", "packed_keys")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     session_id: str
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    packed_keys: bytes
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[str] = ..., packed_keys: _Optional[bytes] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("tiers",)
@@ -112,12 +168,14 @@ class MatchPrefixResponse(_message.Message):
     def __init__(self, matched: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("blocks", "session_id")
+    __slots__ = ("blocks", "session_id", "packed")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     blocks: _containers.RepeatedCompositeFieldContainer[BlockInfo]
     session_id: str
-    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    packed: PackedBlocks
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ..., session_id: _Optional[str] = ..., packed: _Optional[_Union[PackedBlocks, _Mapping]] = ...) -> None: ...
 
 class Reservation(_message.Message):
     __slots__ = ("status", "reservation_id", "extents")
@@ -130,12 +188,14 @@ class Reservation(_message.Message):
     def __init__(self, status: _Optional[_Union[KeyStatus, str]] = ..., reservation_id: _Optional[int] = ..., extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservations", "ttl_s")
+    __slots__ = ("reservations", "ttl_s", "packed")
     RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     reservations: _containers.RepeatedCompositeFieldContainer[Reservation]
     ttl_s: float
-    def __init__(self, reservations: _Optional[_Iterable[_Union[Reservation, _Mapping]]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    packed: PackedReservations
+    def __init__(self, reservations: _Optional[_Iterable[_Union[Reservation, _Mapping]]] = ..., ttl_s: _Optional[float] = ..., packed: _Optional[_Union[PackedReservations, _Mapping]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("reservation_ids", "payload_checksums")
@@ -176,12 +236,14 @@ class Lease(_message.Message):
     def __init__(self, status: _Optional[_Union[KeyStatus, str]] = ..., lease_id: _Optional[int] = ..., extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ..., block: _Optional[_Union[BlockInfo, _Mapping]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("leases", "ttl_s")
+    __slots__ = ("leases", "ttl_s", "packed")
     LEASES_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     leases: _containers.RepeatedCompositeFieldContainer[Lease]
     ttl_s: float
-    def __init__(self, leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    packed: PackedLeases
+    def __init__(self, leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., ttl_s: _Optional[float] = ..., packed: _Optional[_Union[PackedLeases, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_ids",)
