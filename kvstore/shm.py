@@ -102,9 +102,14 @@ class ArenaMapping:
         cache: about 1.15x the time of a plain copy, against about 1.4x for hashing the
         source in a second pass over main memory.
         """
+        views = self.views(extents, data.nbytes)
+        if len(views) == 1 and data.nbytes <= _HASH_CHUNK:  # the usual small block: one copy, one hash
+            v = views[0]
+            v[:] = data
+            return xxhash.xxh3_64_intdigest(v)
         h = xxhash.xxh3_64()
         pos = 0
-        for v in self.views(extents, data.nbytes):
+        for v in views:
             for off in range(0, v.nbytes, _HASH_CHUNK):
                 chunk = v[off : off + _HASH_CHUNK]
                 chunk[:] = data[pos + off : pos + off + chunk.nbytes]
