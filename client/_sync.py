@@ -111,9 +111,9 @@ class KVClient(BlockCalls):
 
     def _start(self, method: str, request: Any) -> None:
         """Fire a call without waiting; failures are harmless (leases expire on their own)."""
-        self._inflight.add(
-            getattr(self._stub, method).future(request, timeout=self._core.timeouts.rpc, metadata=self._metadata)
-        )
+        call = getattr(self._stub, method)
+        timeout, metadata = self._core.timeouts.rpc, self._metadata
+        self._inflight.add(lambda: call(request, timeout=timeout, metadata=metadata))
 
     def _drain(self) -> None:
         self._inflight.drain(self._core.timeouts.rpc)
