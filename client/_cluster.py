@@ -12,10 +12,13 @@ this machine, over TCP otherwise.
 Like the single-node SDK, every operation is written once, as a generator over
 instructions (a sans-I/O core), and driven by a sync or an async driver:
 
-* ``("fanout", [(node_id, op_factory), ...])`` → run ``op_factory(node_core)`` on each
-  node's client in parallel; the results (or the ``KVStoreError`` each raised) come
+* :class:`Fanout` ``(plan, [(node_id, op_factory), ...])`` → run ``op_factory(node_core)`` on
+  each node's client in parallel; the results (or the ``KVStoreError`` each raised) come
   back in order;
-* ``("etcd", fn)`` → run ``fn(ClusterStore)`` on the membership thread's loop.
+* :class:`Etcd` ``(fn)`` → run ``fn(ClusterStore)`` on the membership thread's loop.
+
+The drivers (``client/_cluster_clients.py``) ``match`` on these; the per-node operations
+they run yield the single-node core's instructions (``client/_instructions.py``).
 
 Routing rules:
 
@@ -75,6 +78,7 @@ from client._core import (
     as_key_list,
     fingerprint,
 )
+from client._instructions import GetStream, PutStream
 from kvstore.block import BlockMeta, verify_payload
 from kvstore.cluster import hot as _hot
 from kvstore.cluster.membership import Membership
@@ -99,7 +103,26 @@ from protos.kvstore.v1 import kvstore_pb2 as pb
 log = logging.getLogger("kvstore.client.cluster")
 T = TypeVar("T")
 NodeOp = Callable[[ClientCore], Op[Any]]
-ClusterOp = Generator[tuple[Any, ...], Any, T]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fanout:
+    """Run each ``(node id, NodeOp)`` of ``calls`` on its node, routed by ``plan``, in parallel;
+    the list of results (a value or the ``KVStoreError`` raised) comes back, in ``calls``' order."""
+
+    plan: Any
+    calls: Sequence[tuple[str, NodeOp]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Etcd:
+    """Run ``fn(store)`` against the cluster's etcd store; its result comes back."""
+
+    fn: Callable[[Any], Any]
+
+
+ClusterInstruction = Fanout | Etcd
+ClusterOp = Generator[ClusterInstruction, Any, T]
 
 CLUSTER_TIMEOUTS = Timeouts(rpc=2.0, data=30.0, connect=1.0)
 FATAL = (InvalidArgument, Unauthenticated, PermissionDenied)  # the caller's mistake: raise, whichever node said it
@@ -145,7 +168,7 @@ class Plan:
     def owners_many(self, keys: Sequence[bytes]) -> list[list[str]]:
         many = getattr(self.ring, "owners_many", None)
         if many is not None:
-            return many(keys, self.r)  # type: ignore[no-any-return]
+            return many(keys, self.r)
         return [self.ring.owners(k, self.r) for k in keys]
 
     def handoff(self, key: bytes, owners: Sequence[str]) -> list[str]:
@@ -202,7 +225,7 @@ def _fetch_with_meta(keys: list[ChunkKey], verify: bool) -> NodeOp:
         out: list[tuple[BlockMeta, bytes] | None] = []
         for span in core._spans(len(keys), limit):
             part = keys[span]
-            chunks = yield ("get_stream", pb.KeysRequest(keys=part))
+            chunks = yield GetStream(pb.KeysRequest(keys=part))
             out += _read_stream(chunks, len(part), verify)
         return out
 
@@ -260,7 +283,7 @@ def _put_blocks(metas: list[BlockMeta], payloads: list[bytes]) -> NodeOp:
                             else pb.BlockChunk(data=part)
                         )
 
-            resp = yield ("put_stream", chunks, len(batch))
+            resp = yield PutStream(chunks, len(batch))
             stored += [s in (pb.KEY_STATUS_OK, pb.KEY_STATUS_EXISTS) for s in resp.statuses]
         return stored
 
@@ -482,7 +505,7 @@ class ClusterCore:
                 )
 
             calls.append((n, op))
-        results = yield ("fanout", plan, calls)
+        results = yield Fanout(plan, calls)
         lost = 0
         for (n, _), res in zip(calls, results):
             if not self.failed(n, res, plan):
@@ -542,7 +565,7 @@ class ClusterCore:
             if not groups:
                 break
             calls = [(node, call(idx)) for node, idx in groups.items()]
-            results = yield ("fanout", plan, calls)
+            results = yield Fanout(plan, calls)
             for (node, _), res in zip(calls, results):
                 failed = self.failed(node, res, plan)
                 down = (
@@ -599,7 +622,7 @@ class ClusterCore:
         if not todo:
             return
         calls = [(src, _fetch_with_meta([keys[i] for i, _ in items], self.verify)) for src, items in todo.items()]
-        results = yield ("fanout", plan, calls)
+        results = yield Fanout(plan, calls)
         copies: dict[str, list[tuple[BlockMeta, bytes]]] = {}
         for (src, _), res in zip(calls, results):
             if self.failed(src, res, plan):
@@ -610,7 +633,7 @@ class ClusterCore:
         if not copies:
             return
         puts = [(n, _put_blocks([m for m, _ in items], [p for _, p in items])) for n, items in copies.items()]
-        results = yield ("fanout", plan, puts)
+        results = yield Fanout(plan, puts)
         for (n, _), res in zip(puts, results):
             if not self.failed(n, res, plan):
                 with self._misses_lock:
@@ -706,7 +729,7 @@ class ClusterCore:
                     copies.setdefault(n, []).append((meta, payload))
         if copies:  # the hand-off proper: the current owners get the block now
             calls = [(n, _put_blocks([m for m, _ in items], [p for _, p in items])) for n, items in copies.items()]
-            results = yield ("fanout", plan, calls)
+            results = yield Fanout(plan, calls)
             for (n, _), res in zip(calls, results):
                 if not self.failed(n, res, plan):
                     self.handoffs += sum(bool(x) for x in res)
@@ -751,14 +774,14 @@ class ClusterCore:
                 if n not in self.suspects:
                     groups.setdefault(n, []).append(k)
         calls = [(n, lambda core, sub=sub: core.simple(method, make(sub))) for n, sub in groups.items()]
-        results = yield ("fanout", plan, calls)
+        results = yield Fanout(plan, calls)
         return sum(r for (n, _), r in zip(calls, results) if not self.failed(n, r, plan))
 
     def to_all(self, method: str, request: Any, field: str = "count") -> ClusterOp[dict[str, Any]]:
         """The same call on every live node (delete, invalidate, stats): node -> result or error."""
         plan = self.plan()
         calls = [(n, lambda core: core.simple(method, request, field)) for n in plan.nodes if n not in self.suspects]
-        results = yield ("fanout", plan, calls)
+        results = yield Fanout(plan, calls)
         out: dict[str, Any] = {}
         for (n, _), r in zip(calls, results):
             self.failed(n, r, plan)  # raises contract errors, marks failed nodes
@@ -773,7 +796,7 @@ class ClusterCore:
     def invalidate(self, namespace: object) -> ClusterOp[int]:
         fp = fingerprint(namespace)
         fields = namespace.to_dict() if isinstance(namespace, Namespace) else None
-        rec = yield ("etcd", lambda store: store.bump_epoch(fp, fields))
+        rec = yield Etcd(lambda store: store.bump_epoch(fp, fields))
         self._epoch_floor[fp] = max(self._epoch_floor.get(fp, 0), rec.epoch)
         retired = effective_fingerprint(fp, rec.epoch - 1)
         # nodes drop the old epoch's blocks when their watch sees the bump; asking them now
@@ -784,7 +807,7 @@ class ClusterCore:
     def stats(self) -> ClusterOp[dict[str, Any]]:
         plan = self.plan()
         calls = [(n, lambda core: core.stats()) for n in plan.nodes]
-        results = yield ("fanout", plan, calls)
+        results = yield Fanout(plan, calls)
         nodes = {}
         for (n, _), r in zip(calls, results):
             nodes[n] = {"error": f"{type(r).__name__}: {r}"} if isinstance(r, BaseException) else r
@@ -808,12 +831,3 @@ class ClusterCore:
     def close(self) -> None:
         self.closed = True
         self.membership.close()
-
-
-def __getattr__(name: str) -> Any:
-    # the drivers live in client/_cluster_clients.py (imported on first use)
-    if name in ("ClusterClient", "AsyncClusterClient"):
-        from client import _cluster_clients
-
-        return getattr(_cluster_clients, name)
-    raise AttributeError(name)

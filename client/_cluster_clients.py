@@ -1,7 +1,7 @@
 """The cluster SDK's two drivers: :class:`ClusterClient` (blocking) and
 :class:`AsyncClusterClient` (asyncio), over the one routing core in :mod:`client._cluster`.
 
-``KVClient("etcd://...")`` / ``AsyncKVClient("etcd://...")`` return these.
+``client.connect("etcd://...")`` / ``client.connect_async("etcd://...")`` return these.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from client._api import AsyncBlockCalls, BlockCalls
-from client._cluster import ClusterCore, ClusterOp, NodeOp, T
+from client._cluster import ClusterCore, ClusterOp, Etcd, Fanout, NodeOp, T
 from client._core import Timeouts, fingerprint
 from kvstore.block import BlockMeta
 from kvstore.cluster.membership import Membership
@@ -75,7 +75,7 @@ class _ClusterBase:
         tls_server_name: str | None,
     ) -> None:
         """The routing core, and the keyword arguments of every per-node client (``_node_kw``)."""
-        from client._sync import resolve_token
+        from client._channel import resolve_token
 
         # TLS files are read now, so a bad one fails here rather than as every node being "down"
         ClientTLS.from_options(
@@ -188,7 +188,7 @@ def report_to_a_node(core: Any, client_for: Any, send: str) -> None:
 
 
 class ClusterClient(_ClusterBase, BlockCalls):
-    """A blocking client of a whole cluster; ``KVClient("etcd://...")`` returns one.
+    """A blocking client of a whole cluster; ``client.connect("etcd://...")`` returns one.
 
     Same methods as :class:`client.KVClient` (plus :meth:`chunk_keys`,
     :meth:`match_prefix_locations`, :meth:`owners`, ...).  Thread-safe.  Batch calls fan
@@ -265,21 +265,22 @@ class ClusterClient(_ClusterBase, BlockCalls):
         try:
             instr = next(op)
             while True:
-                if instr[0] == "fanout":
-                    plan, calls = instr[1], instr[2]
-                    infos = [self._core.node_info(plan, n) for n, _ in calls]
-                    if len(calls) == 1:
-                        result: Any = [self._call(infos[0], calls[0][1])]
-                    else:
-                        futs = [self._pool.submit(self._call, info, make) for info, (_, make) in zip(infos, calls)]
-                        result = [f.result() for f in futs]
-                elif instr[0] == "etcd":
-                    result = self._core.membership.call(instr[1])
-                else:
-                    raise AssertionError(f"unknown instruction {instr[0]}")
+                result: Any
+                match instr:
+                    case Fanout(plan, calls):
+                        infos = [self._core.node_info(plan, n) for n, _ in calls]
+                        if len(calls) == 1:
+                            result = [self._call(infos[0], calls[0][1])]
+                        else:
+                            futs = [self._pool.submit(self._call, info, make) for info, (_, make) in zip(infos, calls)]
+                            result = [f.result() for f in futs]
+                    case Etcd(fn):
+                        result = self._core.membership.call(fn)
+                    case _:
+                        raise AssertionError(f"unknown instruction {instr!r}")
                 instr = op.send(result)
         except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
+            return stop.value
         finally:
             report_to_a_node(self._core, self._client, "_start")
 
@@ -352,7 +353,7 @@ class ClusterClient(_ClusterBase, BlockCalls):
 
 
 class AsyncClusterClient(_ClusterBase, AsyncBlockCalls):
-    """The asyncio twin of :class:`ClusterClient`; ``AsyncKVClient("etcd://...")`` returns one.
+    """The asyncio twin of :class:`ClusterClient`; ``client.connect_async("etcd://...")`` returns one.
 
     Use it from one event loop.  The membership view runs on its own thread either way.
     """
@@ -425,20 +426,21 @@ class AsyncClusterClient(_ClusterBase, AsyncBlockCalls):
         try:
             instr = next(op)
             while True:
-                if instr[0] == "fanout":
-                    plan, calls = instr[1], instr[2]
-                    result: Any = await asyncio.gather(
-                        *(self._call(self._core.node_info(plan, n), make) for n, make in calls)
-                    )
-                elif instr[0] == "etcd":
-                    result = await asyncio.wait_for(
-                        self._core.membership.run_async(instr[1]), self._core.membership.timeout * 3 + 1
-                    )
-                else:
-                    raise AssertionError(f"unknown instruction {instr[0]}")
+                result: Any
+                match instr:
+                    case Fanout(plan, calls):
+                        result = await asyncio.gather(
+                            *(self._call(self._core.node_info(plan, n), make) for n, make in calls)
+                        )
+                    case Etcd(fn):
+                        result = await asyncio.wait_for(
+                            self._core.membership.run_async(fn), self._core.membership.timeout * 3 + 1
+                        )
+                    case _:
+                        raise AssertionError(f"unknown instruction {instr!r}")
                 instr = op.send(result)
         except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
+            return stop.value
         except TimeoutError:
             raise Unavailable(f"etcd at {self._core.membership.endpoints} did not answer in time") from None
         finally:

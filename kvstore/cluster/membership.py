@@ -18,8 +18,8 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from typing import Any, TypeVar
 
 from kvstore.cluster.etcd import ClusterStore, ClusterWatcher
 from kvstore.cluster.state import ClusterSnapshot, NodeInfo, check_cluster_name, parse_endpoints
@@ -133,7 +133,8 @@ class Membership:
         loop, store = self._loop, self._store
         if loop is None or store is None or self._thread is None:
             raise Unavailable("membership view is closed")
-        fut = asyncio.run_coroutine_threadsafe(fn(store), loop)  # type: ignore[arg-type]
+        coro: Coroutine[Any, Any, T] = fn(store)  # type: ignore[assignment]  # an async def's Awaitable
+        fut = asyncio.run_coroutine_threadsafe(coro, loop)
         try:
             return fut.result(timeout if timeout is not None else self.timeout * 3 + 1)
         except TimeoutError:

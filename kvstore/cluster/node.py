@@ -68,7 +68,7 @@ class NodeAgent:
             metrics=str(endpoints.get("metrics") or ""),
             weight=cfg.placement_weight,
         )
-        self.registration = Registration(cfg.etcd, cfg.cluster, self.info, ttl_s=cfg.etcd_lease_ttl_s)
+        self.registration = Registration(cfg.etcd, cfg.cluster, self.info, ttl_s=cfg.membership_ttl_s)
         # with tenants: the ownership table caches etcd's owners/ records (claims go to the registry)
         self.owners: OwnersFollower | None = None
         if owners is not None and isinstance(owners.authority, OwnerRegistry):

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from client._cluster import ClusterCore
+from client._cluster import ClusterCore, Fanout
+from client._instructions import GetStream, PutStream
 from kvstore.cluster.state import ClusterConfig, ClusterSnapshot, NodeInfo
 from kvstore.errors import DeadlineExceeded, OwnershipUnavailable, Unavailable
 
@@ -61,9 +62,9 @@ def drive(op: Any, answer: Any) -> Any:
     instr = next(op)
     try:
         while True:
-            assert instr[0] == "fanout"
+            assert isinstance(instr, Fanout), instr
             results = []
-            for node, make in instr[2]:
+            for node, make in instr.calls:
                 results.append(answer(node, make))
             instr = op.send(results)
     except StopIteration as stop:
@@ -196,7 +197,7 @@ def test_a_call_routed_by_an_older_plan_dials_the_nodes_current_address(monkeypa
 
         def call(plan: Any) -> Any:
             def op() -> Any:
-                (res,) = yield ("fanout", plan, [("a", lambda core: None)])
+                (res,) = yield Fanout(plan, [("a", lambda core: None)])
                 return res
 
             return kv._run(op())
@@ -238,24 +239,24 @@ def test_regression_handoff_calls_fit_the_nodes_max_batch() -> None:
         instr = next(op)
         try:
             while True:
-                if instr[0] == "get_stream":
-                    ks = list(instr[1].keys)
+                if isinstance(instr, GetStream):
+                    ks = list(instr.request.keys)
                     sizes.append(len(ks))
                     assert len(ks) <= limit, f"GetStream of {len(ks)} keys"
                     result = [
                         pb.BlockChunk(block=meta_to_pb(metas[k]), data=payloads[k], status=pb.KEY_STATUS_OK) for k in ks
                     ]
                 else:
-                    assert instr[0] == "put_stream"
+                    assert isinstance(instr, PutStream), instr
                     blocks, meta = [], None
-                    for c in instr[1]():
+                    for c in instr.chunks():
                         if c.HasField("block"):
                             meta = meta_from_pb(c.block)
                             blocks.append([meta.key, b""])
                         blocks[-1][1] += c.data
                     sizes.append(len(blocks))
-                    assert len(blocks) <= limit and instr[2] == len(blocks), (
-                        f"PutStream of {len(blocks)} blocks, {instr[2]} declared"
+                    assert len(blocks) <= limit and instr.blocks == len(blocks), (
+                        f"PutStream of {len(blocks)} blocks, {instr.blocks} declared"
                     )
                     stored.update((k, v) for k, v in blocks)
                     result = pb.StatusesResponse(statuses=[pb.KEY_STATUS_OK] * len(blocks))
