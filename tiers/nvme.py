@@ -1,6 +1,6 @@
 """The NVMe tier: block records in preallocated segment files, the index in lmdb.
 
-Role: the node's persistent, largest and slowest tier (DESIGN §3).  Demotions from
+Role: the node's persistent, largest and slowest tier (architecture §3).  Demotions from
 DRAM land here; a hit here is promoted back by the tier manager.
 
 On disk, in one directory::

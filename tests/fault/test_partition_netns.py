@@ -5,7 +5,7 @@ connections) or a stopped one (accepted, never answered) does not reproduce.
 etcd, the test and its clients stay in the root namespace; the fixtures that place each
 node in its own namespace are in tests/netns_cluster.py.
 
-The invariants (DESIGN §4): a partitioned node's lease expires and clients route around
+The invariants (architecture §9): a partitioned node's lease expires and clients route around
 it; blocks with a surviving replica stay readable; a node cut off from etcd keeps serving
 and re-registers when etcd is back; a peer that does not answer is a miss at its
 deadline, never a hang or an exception.  Timings are printed, and asserted only against

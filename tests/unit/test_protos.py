@@ -45,6 +45,6 @@ def test_stubs_import_from_the_package_root() -> None:
     assert kvstore_pb2.DESCRIPTOR.package == "kvstore.v1"
     assert "KVStore" in kvstore_pb2.DESCRIPTOR.services_by_name
     assert hasattr(kvstore_pb2_grpc, "KVStoreStub")
-    # enums start at *_UNSPECIFIED = 0 (DESIGN §6)
+    # enums start at *_UNSPECIFIED = 0 (architecture §8)
     for enum in kvstore_pb2.DESCRIPTOR.enum_types_by_name.values():
         assert enum.values[0].number == 0 and enum.values[0].name.endswith("_UNSPECIFIED")
