@@ -15,6 +15,10 @@ deleted while a reader still holds a lease.
 with the bytes it occupies, and may move some keys to the front of eviction (the
 per-tenant capacity quotas of ``kvstore/node/quotas.py``).
 
+Reads reach the policy late (``touch_soon``): a batch read's recency updates run on the
+loop's next turn, after its reply went out, and ``victims`` applies any still pending
+first, so eviction never sees a stale order.
+
 Invariants: ``used_bytes <= capacity_bytes`` always (the allocator cannot hand out
 more); a key is in ``_blocks`` iff it is in the policy (and, with a ``watch``, iff the
 watch was told it was stored and not yet that it was dropped).
@@ -22,6 +26,7 @@ watch was told it was stored and not yet that it was dropped).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator, Sequence
 
 from kvstore.block import BlockMeta
@@ -44,6 +49,7 @@ class DRAMTier:
         self.policy = policy if policy is not None else make_policy(DEFAULT_POLICY)
         self._blocks: dict[ChunkKey, tuple[BlockMeta, list[Extent]]] = {}
         self.watch: TierWatch | None = None
+        self._touched: list[ChunkKey] = []  # reads not yet told to the policy (touch_soon)
 
     # -- accounting -----------------------------------------------------------------
     @property
@@ -92,6 +98,30 @@ class DRAMTier:
 
     def touch(self, key: ChunkKey) -> None:
         self.policy.access(key)
+
+    def touch_soon(self, keys: Sequence[ChunkKey]) -> None:
+        """``touch`` each of ``keys``, on the loop's next turn (after the reply that leased
+        them went out: a batch read's policy updates then overlap the reader's copies), or
+        before anything asks the policy for victims, whichever comes first.  Without a
+        running loop, now."""
+        if not keys:
+            return
+        if not self._touched:
+            try:
+                asyncio.get_running_loop().call_soon(self.apply_touches)
+            except RuntimeError:  # no loop (a tool, a test): at once
+                for k in keys:
+                    self.policy.access(k)
+                return
+        self._touched.extend(keys)
+
+    def apply_touches(self) -> None:
+        """Tell the policy of the reads ``touch_soon`` deferred (a key gone since is skipped)."""
+        keys, self._touched = self._touched, []
+        access, blocks = self.policy.access, self._blocks
+        for k in keys:
+            if k in blocks:
+                access(k)
 
     # -- two-phase writes ---------------------------------------------------------
     def reserve(self, nbytes: int) -> list[Extent] | None:
@@ -175,6 +205,8 @@ class DRAMTier:
     ) -> Iterator[ChunkKey]:
         """Keys to evict, in the policy's order; with a ``watch``, those it puts first
         before the others (``by_policy``: the policy's order alone)."""
+        if self._touched:
+            self.apply_touches()
         if not by_policy and self.watch is not None and self.watch.any_first():
             yield from victims_first(self._victims, can_evict, self.watch.first)
         else:
@@ -186,5 +218,6 @@ class DRAMTier:
                 yield key
 
     def close(self) -> None:
+        self._touched.clear()
         self._blocks.clear()
         self.arena.close()

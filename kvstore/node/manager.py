@@ -538,19 +538,21 @@ class TierManager:
             self._used(
                 tenant, session, [k for i, k in enumerate(keys) if i not in hidden and self.where(k) is not None]
             )
-        # DRAM hits, leased in one pass (the counters once per call)
-        entry, lease, touch, in_dram, nbytes = self.dram.entry, self.holds.lease, self.dram.touch, 0, 0
+        # DRAM hits, leased in one pass (the counters once per call); the policy hears of the
+        # reads after the reply goes out, or before it next picks victims (DRAMTier.touch_soon)
+        entry, lease, nbytes = self.dram.entry, self.holds.lease, 0
+        touched: list[ChunkKey] = []
         for i, k in enumerate(keys):
             b = entry(k)
             if b is not None and i not in hidden:
                 meta, ext = b
                 ext_t = tuple(ext)
                 lid = lease(k, ext_t[0].offset, deadline, tenant, ext_t, meta.payload_len)
-                touch(k)
+                touched.append(k)
                 out[i] = Leased(k, Status.OK, lid, ext_t, meta, TierKind.DRAM)
-                in_dram += 1
                 nbytes += meta.payload_len
-        self.counters["get_hits_dram"] += in_dram
+        self.dram.touch_soon(touched)
+        self.counters["get_hits_dram"] += len(touched)
         self.counters["get_bytes"] += nbytes
         todo = [i for i, x in enumerate(out) if x is None and i not in hidden and self.movers.on_nvme(keys[i])]
         if todo:
