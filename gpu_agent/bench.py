@@ -135,11 +135,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from client import KVClient
-    from gpu_agent._node import PrivateNode
     from gpu_agent.agent import AgentConfig, GPUAgent
     from gpu_agent.copy_engine import host_tensor, normalize_device
     from gpu_agent.layout import KVCacheLayout
     from kvstore.block import BlockMeta
+    from kvstore.children import private_node
     from kvstore.keys import NO_PARENT, ChunkKey
 
     if torch.device(a.device).type == "cuda" and not torch.cuda.is_available():
@@ -178,7 +178,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     else:
         tmp = tempfile.TemporaryDirectory(prefix="kvstore-gpubench-")
         dram_mib = (3 * total) // (1 << 20) + 256
-        node = PrivateNode(Path(tmp.name) / "node", dram=f"{dram_mib}MiB", nvme="0").start()
+        node = private_node(Path(tmp.name) / "node", dram=f"{dram_mib}MiB", nvme="0")
         target = node.target
     try:
         client = KVClient(target)

@@ -155,8 +155,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
 def _run(a: argparse.Namespace, prog: Any, repeat: int) -> dict[str, Any]:
     from client import KVClient
-    from gpu_agent._node import PrivateNode
     from gpu_agent.hf import ModelSpec
+    from kvstore.children import private_node
     from kvstore.keys import chunk_keys
 
     prog.step("building the prefill and decode engines")
@@ -192,7 +192,7 @@ def _run(a: argparse.Namespace, prog: Any, repeat: int) -> dict[str, Any]:
             target = a.target
         else:
             tmp = tempfile.TemporaryDirectory(prefix="kvstore-demo-")
-            node = PrivateNode(Path(tmp.name) / "node", dram=a.dram, nvme=a.nvme).start()
+            node = private_node(Path(tmp.name) / "node", dram=a.dram, nvme=a.nvme)
             target = node.target
         pinfo, dinfo = prefill.recv(), decode.recv()
         prog.update(note="full recompute (the reference)")

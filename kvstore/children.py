@@ -7,37 +7,50 @@ worker, a benchmark peer) is started by :func:`spawn`:
   its children in order (a node deregisters, drains and flushes before etcd goes);
 * with ``PR_SET_PDEATHSIG``: the kernel sends it SIGTERM when the parent dies, however it
   dies (SIGKILL included).  The child sets it itself, in a small trampoline that then execs
-  the command: none of the parent's Python runs between fork and exec.  A ``kvstore serve`` answers SIGTERM with its graceful stop, which
-  unlinks its arena.  The signal follows the *thread* that forked: spawn from the main
-  thread, or from one that lives as long as the child.
+  the command: none of the parent's Python runs between fork and exec.  A ``kvstore serve``
+  answers SIGTERM with its graceful stop, which unlinks its arena.
+
+The kernel ties that signal to the *thread* that forked, not to the process: a child forked
+by a worker thread would get SIGTERM when that thread ends.  So :func:`spawn` forks in the
+calling thread only when that is the main thread; any other thread hands the fork to one
+long-lived forker thread (a daemon started on first use, per process), which ends only with
+the process.  Either way a child lives as long as the process that started it, whichever
+of its threads asked.
 
 :func:`stop` ends a child (SIGTERM, then SIGKILL after a timeout).  :func:`exit_on_sigterm`
 turns the parent's own SIGTERM into ``SystemExit``, so its ``finally`` blocks (children
 stopped, temporary directories removed) run instead of the process vanishing where it stands.
-:class:`ServeProcess` is the one private ``kvstore serve`` child: spawned, read up to its
-READY line, stopped, restarted; once it has exited, however, its arena file is reclaimed.
 
-Owner: the process (and, for PDEATHSIG, the thread) that spawned a child owns it.  A
-ServeProcess's ``output`` is appended by its one reader thread and only read elsewhere.
+:class:`ServeProcess` is the one private ``kvstore serve`` child: spawned, read up to its
+READY line, stopped, restarted; once it has exited, however, its arena file is reclaimed
+(unless another running node holds it).  :func:`private_node` is the one way to start one
+(free ports, small tiers, quiet log): the demos, the benchmarks, ``kvstore up`` and the
+tests' ``NodeProcess`` all go through ``ServeProcess``.  A node that does not start raises
+:class:`NodeStartError` with what it printed.
+
+Owner: the process that spawned a child owns it.  A ServeProcess's ``output`` is appended
+by its one reader thread and only read elsewhere.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import IO, Any
-
-from tiers.arena import Arena
 
 PR_SET_PDEATHSIG = 1
 
@@ -53,12 +66,40 @@ if os.getppid() != int(sys.argv[1]):  # the parent died before prctl took effect
 os.execv(sys.argv[2], sys.argv[3:])
 """
 
+_Job = tuple[Callable[[], "subprocess.Popen[Any]"], "Future[subprocess.Popen[Any]]"]
+_forker_lock = threading.Lock()
+_forker: tuple[int, queue.SimpleQueue[_Job]] | None = None  # (pid that started it, its jobs)
+
+
+def _fork_loop(jobs: queue.SimpleQueue[_Job]) -> None:
+    while True:
+        fn, done = jobs.get()
+        if done.set_running_or_notify_cancel():
+            try:
+                done.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the thread that asked
+                done.set_exception(e)
+
+
+def _in_forker(fn: Callable[[], subprocess.Popen[Any]]) -> subprocess.Popen[Any]:
+    """Run ``fn`` (a Popen) in this process's forker thread and return what it returns."""
+    global _forker
+    with _forker_lock:
+        if _forker is None or _forker[0] != os.getpid():  # none yet, or inherited over a fork: it is not running
+            jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+            threading.Thread(target=_fork_loop, args=(jobs,), name="kvstore-children-forker", daemon=True).start()
+            _forker = (os.getpid(), jobs)
+        jobs = _forker[1]
+    done: Future[subprocess.Popen[Any]] = Future()
+    jobs.put((fn, done))
+    return done.result()
+
 
 def spawn(cmd: Sequence[str], **popen: Any) -> subprocess.Popen[Any]:
     """``subprocess.Popen(cmd, **popen)`` in a new session, dying with this process (stdin: /dev/null
     unless given).  The child asks for ``PR_SET_PDEATHSIG`` (SIGTERM) itself and then execs
     ``cmd``, keeping its PID; a program that is not found raises ``FileNotFoundError`` here, as
-    with Popen."""
+    with Popen.  Safe from any thread: see the module docstring."""
     cmd = list(cmd)
     exe = cmd[0] if os.sep in cmd[0] else shutil.which(cmd[0], path=(popen.get("env") or os.environ).get("PATH"))
     if exe is None:
@@ -66,9 +107,12 @@ def spawn(cmd: Sequence[str], **popen: Any) -> subprocess.Popen[Any]:
     popen.setdefault("stdin", subprocess.DEVNULL)
     if sys.platform != "linux":
         return subprocess.Popen(cmd, start_new_session=True, **popen)
-    return subprocess.Popen(
-        [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), exe, *cmd], start_new_session=True, **popen
-    )
+    argv = [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), exe, *cmd]
+
+    def fork() -> subprocess.Popen[Any]:
+        return subprocess.Popen(argv, start_new_session=True, **popen)
+
+    return fork() if threading.current_thread() is threading.main_thread() else _in_forker(fork)
 
 
 def stop(proc: subprocess.Popen[Any] | None, *, timeout: float = 30.0, sig: int = signal.SIGTERM) -> int | None:
@@ -96,14 +140,50 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, _exit)
 
 
+def reclaim_arena(path: str | os.PathLike[str]) -> bool:
+    """Unlink a node's arena file unless a running node holds it (the node's ``flock`` on it,
+    architecture §9): True if it was unlinked.  For a parent whose node child has exited; a
+    node killed before its own stop could not unlink it.  (The node's own check before it
+    creates an arena, ``tiers.arena``, is the same test; a shared root module does not import
+    the node's tiers, hence these few lines here.)"""
+    p = Path(path)
+    try:
+        fd = os.open(p, os.O_RDWR)
+    except OSError:  # no such file (the node unlinked it), or not ours to open
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False  # a running node holds it
+    finally:
+        os.close(fd)
+    p.unlink(missing_ok=True)
+    return True
+
+
+class NodeStartError(RuntimeError):
+    """A private ``kvstore serve`` exited, or was not ready in time, before its READY line
+    (it has been stopped).  ``output`` is everything it printed; the message ends with the
+    last of it."""
+
+    def __init__(self, node: str, returncode: int | None, output: Sequence[str]) -> None:
+        self.node = node
+        self.returncode = returncode
+        self.output = list(output)
+        super().__init__(f"kvstore node {node} did not become ready (rc={returncode}):\n" + "".join(self.output[-30:]))
+
+
 class ServeProcess:
     """A private ``kvstore serve`` child.  ``endpoints`` is its READY line, ``output`` what it printed
     (also appended to ``log_path`` if given).
 
-    ``spawn`` forks (call it from a thread that outlives the child: see the module docstring);
-    ``wait_ready`` reads up to READY, then a thread keeps reading so the child never blocks on
-    a full pipe; ``start`` is both.  ``stop`` (SIGTERM: drain, demote, flush) waits, kills if
-    it must, and reclaims the arena file the child may have left."""
+    ``spawn`` forks (from any thread: see the module docstring); ``wait_ready`` reads up to
+    READY, then a thread keeps reading so the child never blocks on a full pipe; ``start`` is
+    both.  ``stop`` (SIGTERM: drain, demote, flush; or ``sig``) waits, kills if it must, and
+    reclaims the arena file the child may have left.  As a context manager it starts (unless
+    already spawned) and closes.  The command line is built at each spawn from the fields:
+    ``listen`` (``--listen``), then ``args`` (later flags win); a subclass may wrap it
+    (``command``)."""
 
     def __init__(
         self,
@@ -113,27 +193,40 @@ class ServeProcess:
         arena_path: str | None = None,
         env: Mapping[str, str] | None = None,
         log_path: Path | None = None,
+        listen: str | None = None,
+        cwd: Path | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.node_id = node_id
         self.arena_path = arena_path
-        self.cmd = [
+        self.listen = listen
+        self.args = list(args)
+        self.env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
+        self.cwd = cwd
+        self.log_path = log_path
+        self.proc: subprocess.Popen[str] | None = None
+        self.endpoints: dict[str, Any] = {}
+        self.output: list[str] = []
+        self._log: IO[str] | None = None
+
+    def command(self) -> list[str]:
+        """The command line the next ``spawn`` runs."""
+        return [
             sys.executable,
             "-m",
             "kvstore",
             "serve",
             "--data-dir",
             str(self.data_dir),
-            *(["--node-id", node_id] if node_id else []),
-            *(["--arena-path", arena_path] if arena_path else []),
-            *args,
+            *(["--node-id", self.node_id] if self.node_id else []),
+            *(["--arena-path", self.arena_path] if self.arena_path else []),
+            *(["--listen", self.listen] if self.listen else []),
+            *self.args,
         ]
-        self.env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
-        self.log_path = log_path
-        self.proc: subprocess.Popen[str] | None = None
-        self.endpoints: dict[str, Any] = {}
-        self.output: list[str] = []
-        self._log: IO[str] | None = None
+
+    @property
+    def cmd(self) -> list[str]:
+        return self.command()
 
     @property
     def target(self) -> str:
@@ -145,12 +238,14 @@ class ServeProcess:
         if self.log_path is not None and self._log is None:
             self._log = open(self.log_path, "a")
         self.endpoints = {}
-        self.proc = spawn(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env)
+        self.proc = spawn(
+            self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env, cwd=self.cwd
+        )
         return self
 
     def wait_ready(self, timeout: float = 60.0) -> ServeProcess:
-        """Read output up to the READY line; raise ``RuntimeError`` (with the output) if the node
-        exits first or is not ready within ``timeout`` s (then it is stopped)."""
+        """Read output up to the READY line; raise :class:`NodeStartError` (with the output) if the
+        node exits first or is not ready within ``timeout`` s (then it is stopped)."""
         assert self.proc is not None and self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         timer = threading.Timer(timeout, self._kill_if_not_ready)  # a silent, stuck child would block readline
@@ -168,10 +263,7 @@ class ServeProcess:
         finally:
             timer.cancel()
         rc = self.stop(timeout=10)
-        raise RuntimeError(
-            f"kvstore node {self.node_id or self.data_dir} did not become ready (rc={rc}):\n"
-            + "".join(self.output[-30:])
-        )
+        raise NodeStartError(self.node_id or str(self.data_dir), rc, self.output)
 
     def start(self, timeout: float = 60.0) -> ServeProcess:
         return self.spawn().wait_ready(timeout)
@@ -202,12 +294,13 @@ class ServeProcess:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
 
-    def stop(self, timeout: float = 60.0) -> int:
-        """Stop the node (SIGTERM; SIGKILL after ``timeout`` s) and reclaim its arena file.  Its exit status."""
-        rc = stop(self.proc, timeout=timeout)
+    def stop(self, timeout: float = 60.0, *, sig: int = signal.SIGTERM) -> int:
+        """Stop the node (``sig``; SIGKILL after ``timeout`` s) and reclaim its arena file.  Its exit
+        status (0 if it was never started)."""
+        rc = stop(self.proc, timeout=timeout, sig=sig)
         arena = self.endpoints.get("arena") or self.arena_path
         if arena and self.proc is not None:
-            Arena.reclaim_stale([Path(arena)], min_age_s=0)  # a node killed before its own stop left it
+            reclaim_arena(arena)  # a node killed before its own stop left it
         return rc if rc is not None else 0
 
     def restart(self, timeout: float = 60.0) -> ServeProcess:
@@ -225,7 +318,56 @@ class ServeProcess:
             self._log = None
 
     def __enter__(self) -> ServeProcess:
-        return self.start()
+        return self.start() if self.proc is None else self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def private_node(
+    data_dir: str | os.PathLike[str],
+    *args: str,
+    node_id: str | None = None,
+    dram: str | int = "256MiB",
+    nvme: str | int = "512MiB",
+    listen: str = "127.0.0.1:0",
+    log_level: str = "WARNING",
+    arena_path: str | None = None,
+    env: Mapping[str, str] | None = None,
+    log_path: Path | None = None,
+    timeout: float = 60.0,
+    start: bool = True,
+) -> ServeProcess:
+    """A private ``kvstore serve``, started: READY, on free ports (``listen``), its data under
+    ``data_dir``, ``dram`` / ``nvme`` tiers (sizes as the flags take them; ``nvme=0``: none),
+    then ``args`` (which win over the above).  ``node_id`` defaults to ``private-<random>``,
+    the arena file to the node's own default (unique per data directory).
+
+    The caller owns it: ``close()`` it, or use it as a context manager
+    (``with private_node(d) as node:``; entering does not start it again).  Started from any
+    thread, it lives until it is stopped or this process ends.  If it does not start within
+    ``timeout`` s it is stopped and :class:`NodeStartError` (a ``RuntimeError``) says why, with
+    its output.  ``start=False``: not started yet (``spawn`` then ``wait_ready`` each of several
+    to start them together)."""
+    node = ServeProcess(
+        Path(data_dir),
+        "--dram",
+        str(dram),
+        "--nvme",
+        str(nvme),
+        "--log-level",
+        log_level,
+        *args,
+        node_id=node_id or f"private-{uuid.uuid4().hex[:8]}",
+        arena_path=arena_path,
+        env=env,
+        log_path=log_path,
+        listen=listen,
+    )
+    if not start:
+        return node
+    try:
+        return node.start(timeout)
+    except BaseException:
+        node.close()
+        raise

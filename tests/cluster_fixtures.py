@@ -87,7 +87,9 @@ class Cluster:
         )
 
     def start(self, *node_ids: str, extra: tuple[str, ...] = ()) -> list[NodeProcess]:
-        """Start nodes in parallel (each with its own data dir; a node id reuses its dir)."""
+        """Start nodes in parallel (each with its own data dir; a node id reuses its dir).  Each is
+        started from a thread of its own that ends here; the node outlives it (``kvstore.children``
+        forks it from a thread that lasts as long as this process)."""
         procs = [self.process(nid, extra) for nid in node_ids]
         errors: list[BaseException] = []
 

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -14,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from kvstore.children import ServeProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,11 +65,18 @@ class FakeClock:
         self.t += dt
 
 
-class NodeProcess:
-    """A ``kvstore serve`` child process.  ``endpoints`` is its READY line.
+class NodeProcess(ServeProcess):
+    """A ``kvstore serve`` child process for tests (:class:`kvstore.children.ServeProcess`: its
+    own session, dies with the test process, safe to start from any thread).  ``endpoints``
+    is its READY line, ``output`` what it printed.
 
-    ``prefix`` goes before the command line (``ip netns exec NS``: it execs, so the PID
-    stays the node's); ``listen`` is the gRPC listener."""
+    ``node_id`` defaults to a random ``t...``, the arena file to a name of the test's own
+    (later ``--arena-path`` in ``args`` wins); ``env`` is added to this process's environment
+    (assign ``env`` whole before ``start`` to replace it, as :func:`start_clean` does); the
+    node runs in the repository root.  ``prefix`` goes before the command line (``ip netns
+    exec NS``, ``bash -c 'ulimit ...; exec "$@"'``: it execs, so the PID stays the node's);
+    ``listen`` is the gRPC listener.  ``stop(sig=...)`` sends another signal than SIGTERM;
+    ``kill9`` kills it and leaves its arena file, as a crash does."""
 
     def __init__(
         self,
@@ -82,77 +87,38 @@ class NodeProcess:
         prefix: Sequence[str] = (),
         listen: str = "127.0.0.1:0",
     ) -> None:
-        self.data_dir = data_dir
+        node_id = node_id or f"t{uuid.uuid4().hex[:8]}"
+        arena = f"/dev/shm/kvstore-test-{node_id}-{uuid.uuid4().hex[:6]}.arena"
+        super().__init__(
+            data_dir,
+            *args,
+            node_id=node_id,
+            arena_path=arena,
+            env={**os.environ, **(env or {})},
+            listen=listen,
+            cwd=ROOT,
+        )
+        self.node_id: str = node_id
+        self.arena_path: str = arena
         self.prefix = list(prefix)
-        self.listen = listen
-        self.node_id = node_id or f"t{uuid.uuid4().hex[:8]}"
-        self.arena_path = f"/dev/shm/kvstore-test-{self.node_id}-{uuid.uuid4().hex[:6]}.arena"
-        self.args = list(args)
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc: subprocess.Popen[str] | None = None
-        self.endpoints: dict[str, Any] = {}
-        self.output: list[str] = []
+
+    def command(self) -> list[str]:
+        return [*self.prefix, *super().command()]
 
     def start(self, timeout: float = 60.0) -> NodeProcess:
-        cmd = [
-            *self.prefix,
-            sys.executable,
-            "-m",
-            "kvstore",
-            "serve",
-            "--data-dir",
-            str(self.data_dir),
-            "--listen",
-            self.listen,
-            "--node-id",
-            self.node_id,
-            "--arena-path",
-            self.arena_path,
-            *self.args,
-        ]
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env, cwd=ROOT
-        )
-        deadline = time.monotonic() + timeout
-        assert self.proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"node exited before READY (rc={self.proc.wait()}):\n{''.join(self.output)}")
-            self.output.append(line)
-            if line.startswith("READY "):
-                self.endpoints = json.loads(line[len("READY ") :])
-                # keep draining output so the child never blocks on a full pipe
-                import threading
-
-                threading.Thread(target=self._drain, daemon=True).start()
-                return self
-        raise RuntimeError(f"node did not become ready in {timeout} s:\n{''.join(self.output)}")
-
-    def _drain(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.output.append(line)
+        super().start(timeout)
+        return self
 
     @property
     def unix(self) -> str:
-        return self.endpoints["unix"]
+        return str(self.endpoints["unix"])
 
     @property
     def tcp(self) -> str:
-        return self.endpoints["grpc"]
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        return str(self.endpoints["grpc"])
 
     def kill9(self) -> None:
+        """SIGKILL it and wait: its arena file stays behind (``stop`` would reclaim it)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()

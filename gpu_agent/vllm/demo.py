@@ -43,8 +43,8 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     from client import KVClient
-    from gpu_agent._node import PrivateNode
     from gpu_agent.vllm.engine import EngineProcess, make_model
+    from kvstore.children import private_node
     from kvstore.keys import Namespace, chunk_keys
 
     n = a.prompt_tokens
@@ -60,10 +60,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             target = a.target
         else:
             cluster = _cluster(stack, d)
-            node = stack.enter_context(PrivateNode(d / "node", dram=a.dram, nvme=a.nvme, extra=cluster[1]))  # started
+            node = stack.enter_context(private_node(d / "node", *cluster[1], dram=a.dram, nvme=a.nvme))
             target = node.target
             if cluster[0]:
-                other = stack.enter_context(PrivateNode(d / "other", dram=a.dram, nvme=a.nvme, extra=cluster[1]))
+                other = stack.enter_context(private_node(d / "other", *cluster[1], dram=a.dram, nvme=a.nvme))
                 remote_extra = {"target": other.target, "lookup_target": cluster[0]}
         heads = max(2, hidden // 64)
         kv_per_token = layers * 2 * max(1, heads // 2) * 64 * 4
@@ -229,10 +229,11 @@ def connector_overhead(client: Any, *, layers: int, hidden: int, tokens: int, re
             agent.client.delete(agent.keys(toks, ns))
     finally:
         agent.close()
-    out = {k: v * 1e3 for k, v in best.items()}
+    ms = {k: v * 1e3 for k, v in best.items()}
+    out: dict[str, float | None] = dict(ms)
     out["bytes"] = nbytes
-    out["load_x_memcpy"] = out["memcpy_ms"] / out["load_ms"] if out["load_ms"] else None
-    out["save_x_memcpy"] = out["memcpy_ms"] / out["save_ms"] if out["save_ms"] else None
+    out["load_x_memcpy"] = ms["memcpy_ms"] / ms["load_ms"] if ms["load_ms"] else None
+    out["save_x_memcpy"] = ms["memcpy_ms"] / ms["save_ms"] if ms["save_ms"] else None
     return out
 
 

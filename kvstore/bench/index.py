@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.bench.kit import MiB, label, log
-from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import ChunkKey
 
 CHAIN = 1000
@@ -154,31 +154,13 @@ def _in_process(directory: Path, capacity: int, n: int, repeat: int) -> dict[str
 def _node(work: Path, capacity: int, n: int, repeat: int) -> dict[str, Any]:
     """Start a node on the filled directory, then restart it: stop → READY timed."""
     from client import KVClient
-    from kvstore.children import ServeProcess
+    from kvstore.bench.nodes import bench_node
 
-    arena = Path("/dev/shm") / f"kvstore-bench-index-{os.getpid()}-node.arena"
     sock = Path(tempfile.mkdtemp(prefix="kvb-"))  # a deep --dir would make too long a socket path
-    node = ServeProcess(
-        work / "node",
-        "--listen",
-        "127.0.0.1:0",
-        "--dram",
-        "64MiB",
-        "--nvme",
-        str(capacity),
-        "--socket",
-        str(sock / "node.sock"),
-        "--log-level",
-        "WARNING",
-        node_id=f"bench-index-{os.getpid()}",
-        arena_path=str(arena),
-    )
+    node = None
     try:
         t0 = time.perf_counter()
-        try:
-            node.start(timeout=600)
-        except RuntimeError as e:
-            raise Unavailable(f"the benchmark's node did not start: {e}") from None
+        node = bench_node("64MiB", work, nvme=capacity, extra=("--socket", str(sock / "node.sock")), timeout=600)
         start_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         if node.stop(timeout=300) != 0:
@@ -194,7 +176,8 @@ def _node(work: Path, capacity: int, n: int, repeat: int) -> dict[str, Any]:
             mp = _best_us(lambda: kv.match_prefix(keys), repeat)
             ex = _best_us(lambda: kv.lookup(keys), repeat)
     finally:
-        node.stop(timeout=300)
+        if node is not None:
+            node.stop(timeout=300)
         shutil.rmtree(sock, ignore_errors=True)
     return {
         "start_s": round(start_s, 3),

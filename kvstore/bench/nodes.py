@@ -1,6 +1,7 @@
-"""The benchmark's own node: a private ``kvstore serve`` child (used by the SDK paths of
-``kvstore bench`` and by its TLS path).  Owns nothing beyond the child it returns; the
-caller stops it.
+"""The benchmark's own node: :func:`kvstore.children.private_node` with the benchmark's names
+(node id ``bench-<pid>``, an arena file of this run), used by the SDK paths of
+``kvstore bench``, by its TLS path and by the index benchmark.  Owns nothing beyond the
+child it returns; the caller stops it.
 """
 
 from __future__ import annotations
@@ -9,29 +10,37 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvstore.children import ServeProcess
+from kvstore import children
+from kvstore.children import NodeStartError, ServeProcess
 from kvstore.errors import Unavailable
 
 
-def private_node(dram: int, workdir: Path, *, extra: Sequence[str] = (), tag: str = "") -> ServeProcess:
-    """A ``kvstore serve`` child on free ports with its data dir under ``workdir``; ``stop`` ends it."""
-    suffix = f"-{tag}" if tag else ""  # a second node of the same run (the tls path's)
+def bench_node(
+    dram: int | str,
+    workdir: Path,
+    *,
+    nvme: int | str = 0,
+    extra: Sequence[str] = (),
+    tag: str = "",
+    timeout: float = 120.0,
+) -> ServeProcess:
+    """A started ``kvstore serve`` child on free ports with its data dir under ``workdir``
+    (``node``, or ``node-<tag>`` for a second node of the same run); ``stop`` ends it.  One
+    that does not start raises ``Unavailable`` with its output."""
+    suffix = f"-{tag}" if tag else ""
     arena = Path("/dev/shm") / f"kvstore-bench-{os.getpid()}-{workdir.name[-8:]}{suffix}.arena"
-    node = ServeProcess(
-        workdir / f"node{suffix}",
-        "--listen",
-        "127.0.0.1:0",
-        "--dram",
-        str(dram),
-        "--nvme",
-        "0",
-        "--log-level",
-        "WARNING",
-        *extra,
-        node_id=f"bench-{os.getpid()}{suffix}",
-        arena_path=str(arena),
-    )
     try:
-        return node.start(timeout=120)
-    except RuntimeError as e:
+        return children.private_node(
+            workdir / f"node{suffix}",
+            *extra,
+            node_id=f"bench-{os.getpid()}{suffix}",
+            dram=dram,
+            nvme=nvme,
+            arena_path=str(arena),
+            timeout=timeout,
+        )
+    except NodeStartError as e:
         raise Unavailable(f"the benchmark's node did not start: {e}") from None
+
+
+private_node = bench_node  # its earlier name, which kvstore/bench/run.py and tls.py import

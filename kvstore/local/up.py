@@ -38,7 +38,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from kvstore.children import ServeProcess
+from kvstore.children import NodeStartError, ServeProcess, private_node
 from kvstore.cli import DeprecatedSpelling
 from kvstore.cluster.local_etcd import ETCD_HINT, LocalEtcd, find_etcd
 from kvstore.errors import KVStoreError
@@ -185,47 +185,22 @@ def client_snippet(target: str, tls: TLSFiles | None) -> str:
     return f"connect({target!r}{kw})"
 
 
-class NodeChild(ServeProcess):
-    """One node of the cluster, its output in ``<data dir>/node.log``; ``error`` says why it did not start."""
-
-    def __init__(
-        self, index: int, cluster: str, etcd: str, data_dir: Path, a: argparse.Namespace, tls: TLSFiles | None = None
-    ) -> None:
-        super().__init__(
-            data_dir,
-            "--etcd",
-            etcd,
-            "--cluster",
-            cluster,
-            "--listen",
-            f"{a.host}:0",
-            "--data-listen",
-            f"{a.host}:0",
-            "--dram",
-            a.dram,
-            "--nvme",
-            a.nvme,
-            "--membership-ttl",
-            str(a.membership_ttl),
-            "--log-level",
-            a.log_level,
-            "--metrics-port",
-            "0",
-            *(tls.node_args() if tls else []),
-            *a.node_arg,
-            node_id=f"{cluster}-n{index}",
-            log_path=data_dir / "node.log",
-        )
-        self.error = ""
-
-    def wait_ready(self, timeout: float = 60.0) -> NodeChild:
-        """Read output up to the READY line (a thread per node); a node that fails sets ``error``."""
-        try:
-            super().wait_ready(timeout)
-        except RuntimeError:
-            rc = self.proc.returncode if self.proc is not None else None
-            self.error = f"node {self.node_id} did not start (rc={rc}); see {self.data_dir / 'node.log'}"
-        return self
+def node_args(a: argparse.Namespace, cluster: str, etcd: str, tls: TLSFiles | None = None) -> list[str]:
+    """The ``kvstore serve`` flags of every node of the cluster (beyond its data dir, id, listener and tiers)."""
+    return [
+        "--etcd",
+        etcd,
+        "--cluster",
+        cluster,
+        "--data-listen",
+        f"{a.host}:0",
+        "--membership-ttl",
+        str(a.membership_ttl),
+        "--metrics-port",
+        "0",
+        *(tls.node_args() if tls else []),
+        *a.node_arg,
+    ]
 
 
 class LocalCluster:
@@ -237,7 +212,7 @@ class LocalCluster:
         self.own_dir = a.data_dir is None
         self.dir = Path(a.data_dir) if a.data_dir else Path(tempfile.mkdtemp(prefix="kvstore-up-"))
         self.etcd: LocalEtcd | None = None
-        self.nodes: list[NodeChild] = []
+        self.nodes: list[ServeProcess] = []
         self.dashboard: Any = None
 
     def start(self) -> dict[str, Any]:
@@ -260,20 +235,7 @@ class LocalCluster:
         prog.update(note="setting the replication factor")
         asyncio.run(self._configure())
         prog.update(note=f"starting {a.nodes} node{'s' if a.nodes != 1 else ''}")
-        self.nodes = [
-            NodeChild(i, a.cluster, self.etcd.endpoint, self.dir / f"n{i}", a, self.tls) for i in range(a.nodes)
-        ]
-        for n in self.nodes:
-            n.spawn()
-        threads = [threading.Thread(target=n.wait_ready, args=(120.0,), daemon=True) for n in self.nodes]
-        for t in threads:
-            t.start()
-        for t, n in zip(threads, self.nodes):
-            t.join()
-            prog.update(note=f"node {n.node_id} {'failed' if n.error else 'ready'}")
-        failed = [n.error for n in self.nodes if n.error]
-        if failed:
-            raise KVStoreError("; ".join(failed))
+        self._start_nodes(prog)
         if self.tls is not None and not self.tls.client_ca_file:
             self._check_tls(self.tls)
         if a.dashboard_port >= 0:
@@ -287,6 +249,47 @@ class LocalCluster:
             ).start()
         prog.update(note="ready")
         return self.describe()
+
+    def _start_nodes(self, prog: Any) -> None:
+        """Start every node at once: each is spawned here (this thread lives as long as ``up``:
+        ``kvstore.children``), then a thread per node reads it up to READY.  All join ``nodes``
+        (which ``stop`` stops); those that did not start are named."""
+        a = self.a
+        assert self.etcd is not None
+        args = node_args(a, a.cluster, self.etcd.endpoint, self.tls)
+        self.nodes = [
+            private_node(
+                self.dir / f"n{i}",
+                *args,
+                node_id=f"{a.cluster}-n{i}",
+                listen=f"{a.host}:0",
+                dram=a.dram,
+                nvme=a.nvme,
+                log_level=a.log_level,
+                log_path=self.dir / f"n{i}" / "node.log",
+                start=False,
+            )
+            for i in range(a.nodes)
+        ]
+        for n in self.nodes:
+            n.spawn()
+        failed: list[str | None] = [None] * a.nodes
+
+        def ready(i: int) -> None:
+            n = self.nodes[i]
+            try:
+                n.wait_ready(120.0)
+            except NodeStartError as e:
+                failed[i] = f"node {e.node} did not start (rc={e.returncode}); see {n.data_dir / 'node.log'}"
+
+        threads = [threading.Thread(target=ready, args=(i,), daemon=True) for i in range(a.nodes)]
+        for t in threads:
+            t.start()
+        for i, (t, n) in enumerate(zip(threads, self.nodes)):
+            t.join()
+            prog.update(note=f"node {n.node_id} {'failed' if failed[i] else 'ready'}")
+        if any(failed):
+            raise KVStoreError("; ".join(f for f in failed if f))
 
     def _check_tls(self, files: TLSFiles) -> None:
         """Every node answers a health check over TLS from a client that trusts what ``up``
@@ -338,7 +341,7 @@ class LocalCluster:
         }
 
     def dead_nodes(self) -> list[str]:
-        return [str(n.node_id) for n in self.nodes if n.proc is not None and n.proc.poll() is not None]
+        return [str(n.node_id) for n in self.nodes if not n.running()]
 
     def stop(self) -> None:
         if self.dashboard is not None:

@@ -53,7 +53,7 @@ def kill_and_check(parent: subprocess.Popen[str], sig: int, children: list[psuti
     parent.send_signal(sig)
     parent.wait(timeout=60)
     for pid, line in names:
-        wait_for(lambda: gone(pid), 30, f"{line} (pid {pid}) to die with its parent")
+        wait_for(lambda pid=pid: gone(pid), 30, f"{line} (pid {pid}) to die with its parent")
     for a in arenas:
         assert not a.exists(), f"{a} was left in /dev/shm"
 
@@ -181,8 +181,8 @@ def test_up_removes_the_arena_of_a_node_that_was_killed(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_demo_private_node_dies_with_its_parent(tmp_path: Path) -> None:
     code = (
-        "import sys, time\nfrom gpu_agent._node import PrivateNode\n"
-        "n = PrivateNode(sys.argv[1], dram='16MiB', nvme='0').start()\nprint(n.endpoints['pid'], flush=True)\ntime.sleep(600)\n"
+        "import sys, time\nfrom kvstore.children import private_node\n"
+        "n = private_node(sys.argv[1], dram='16MiB', nvme='0')\nprint(n.endpoints['pid'], flush=True)\ntime.sleep(600)\n"
     )
     parent = subprocess.Popen(
         [sys.executable, "-c", code, str(tmp_path / "node")],

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from client import KVClient
-from gpu_agent._node import PrivateNode
 from gpu_agent.vllm.engine import EngineProcess, make_lora, make_model
 from gpu_agent.vllm.settings import RETRY_S
+from kvstore.children import private_node
 from kvstore.keys import Namespace, chunk_keys
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -37,8 +37,8 @@ def prompt(seed: int, n: int = N) -> list[int]:
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Any:
     d = tmp_path_factory.mktemp("vllm")
     model = make_model(d / "model", layers=2, hidden=256, max_tokens=MAX)
-    node = PrivateNode(d / "node", dram="256MiB", nvme="256MiB").start()
-    other = PrivateNode(d / "other", dram="256MiB", nvme="256MiB").start()  # the remote decode engine's own node
+    node = private_node(d / "node", dram="256MiB", nvme="256MiB")
+    other = private_node(d / "other", dram="256MiB", nvme="256MiB")  # the remote decode engine's own node
     extra = {"target": node.target, "deadline_s": 2.0}
     remote_extra = {"target": other.target, "lookup_target": node.endpoints["grpc"], "deadline_s": 2.0}
     prefill = EngineProcess(
