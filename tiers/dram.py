@@ -15,12 +15,13 @@ deleted while a reader still holds a lease.
 with the bytes it occupies, and may move some keys to the front of eviction (the
 per-tenant capacity quotas of ``kvstore/node/quotas.py``).
 
-Reads reach the policy late (``touch_soon``): a batch read's recency updates run on the
-loop's next turn, after its reply went out, and ``victims`` applies any still pending
-first, so eviction never sees a stale order.
+The manager's batch reads and commits reach the policy late (``touch_soon``,
+``commit(policy_soon=True)``): on the loop's next turn, after the reply went out, so a batch's
+policy updates overlap the client's copies; ``victims`` applies any still pending first, so
+eviction never sees a stale order.
 
 Invariants: ``used_bytes <= capacity_bytes`` always (the allocator cannot hand out
-more); a key is in ``_blocks`` iff it is in the policy (and, with a ``watch``, iff the
+more); a key is in ``_blocks`` iff it is in the policy once pending updates are applied (and, with a ``watch``, iff the
 watch was told it was stored and not yet that it was dropped).
 """
 
@@ -49,7 +50,8 @@ class DRAMTier:
         self.policy = policy if policy is not None else make_policy(DEFAULT_POLICY)
         self._blocks: dict[ChunkKey, tuple[BlockMeta, list[Extent]]] = {}
         self.watch: TierWatch | None = None
-        self._touched: list[ChunkKey] = []  # reads not yet told to the policy (touch_soon)
+        # policy updates not applied yet (touch_soon, commit(policy_soon=True)): see apply_policy
+        self._pending: list[tuple[ChunkKey, BlockMeta | None]] = []
 
     # -- accounting -----------------------------------------------------------------
     @property
@@ -102,26 +104,35 @@ class DRAMTier:
     def touch_soon(self, keys: Sequence[ChunkKey]) -> None:
         """``touch`` each of ``keys``, on the loop's next turn (after the reply that leased
         them went out: a batch read's policy updates then overlap the reader's copies), or
-        before anything asks the policy for victims, whichever comes first.  Without a
-        running loop, now."""
-        if not keys:
-            return
-        if not self._touched:
-            try:
-                asyncio.get_running_loop().call_soon(self.apply_touches)
-            except RuntimeError:  # no loop (a tool, a test): at once
-                for k in keys:
-                    self.policy.access(k)
-                return
-        self._touched.extend(keys)
+        before anything asks the policy for victims, whichever comes first."""
+        self._later([(k, None) for k in keys])
 
-    def apply_touches(self) -> None:
-        """Tell the policy of the reads ``touch_soon`` deferred (a key gone since is skipped)."""
-        keys, self._touched = self._touched, []
-        access, blocks = self.policy.access, self._blocks
-        for k in keys:
-            if k in blocks:
-                access(k)
+    def _later(self, items: list[tuple[ChunkKey, BlockMeta | None]]) -> None:
+        """Queue policy updates: ``(key, None)`` a read, ``(key, meta)`` the insert of the block
+        ``commit(..., policy_soon=True)`` stored.  Without a running loop, applied now."""
+        if not items:
+            return
+        first = not self._pending
+        self._pending.extend(items)
+        if first:
+            try:
+                asyncio.get_running_loop().call_soon(self.apply_policy)
+            except RuntimeError:  # no loop (a tool, a test): at once
+                self.apply_policy()
+
+    def apply_policy(self) -> None:
+        """Apply the policy updates queued by ``touch_soon`` and ``commit(policy_soon=True)``, in
+        order; those of a block gone (or replaced) since are skipped."""
+        items, self._pending = self._pending, []
+        policy, blocks = self.policy, self._blocks
+        for key, meta in items:
+            b = blocks.get(key)
+            if b is None:
+                continue
+            if meta is None:
+                policy.access(key)
+            elif b[0] is meta:
+                policy.insert(key, meta.parent, meta.payload_len)
 
     # -- two-phase writes ---------------------------------------------------------
     def reserve(self, nbytes: int) -> list[Extent] | None:
@@ -141,8 +152,10 @@ class DRAMTier:
                 raise CapacityExceeded(f"a {n}-byte block cannot fit a DRAM tier of {cap} bytes; raise --dram")
         return self.allocator.allocate_many(sizes)
 
-    def commit(self, meta: BlockMeta, extents: list[Extent]) -> None:
-        """Make a reserved, filled block visible (replacing an older block under its key)."""
+    def commit(self, meta: BlockMeta, extents: list[Extent], *, policy_soon: bool = False) -> None:
+        """Make a reserved, filled block visible (replacing an older block under its key).
+        ``policy_soon``: the policy hears of it on the loop's next turn (after the reply to a
+        batch of commits), or before it is next asked for victims (``apply_policy``)."""
         old = self._blocks.pop(meta.key, None)
         if old is not None:
             self.policy.remove(meta.key)
@@ -150,7 +163,10 @@ class DRAMTier:
             if self.watch is not None:
                 self.watch.dropped(meta.key)
         self._blocks[meta.key] = (meta, extents)
-        self.policy.insert(meta.key, meta.parent, meta.payload_len)
+        if policy_soon:
+            self._later([(meta.key, meta)])
+        else:
+            self.policy.insert(meta.key, meta.parent, meta.payload_len)
         if self.watch is not None:
             self.watch.stored(meta, sum(e.length for e in extents))
 
@@ -205,8 +221,8 @@ class DRAMTier:
     ) -> Iterator[ChunkKey]:
         """Keys to evict, in the policy's order; with a ``watch``, those it puts first
         before the others (``by_policy``: the policy's order alone)."""
-        if self._touched:
-            self.apply_touches()
+        if self._pending:
+            self.apply_policy()
         if not by_policy and self.watch is not None and self.watch.any_first():
             yield from victims_first(self._victims, can_evict, self.watch.first)
         else:
@@ -218,6 +234,6 @@ class DRAMTier:
                 yield key
 
     def close(self) -> None:
-        self._touched.clear()
+        self._pending.clear()
         self._blocks.clear()
         self.arena.close()

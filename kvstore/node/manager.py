@@ -467,7 +467,7 @@ class TierManager:
             old = allocation(self.dram.extents(meta.key))
             if old is not None and self.holds.leased(old):
                 self.holds.detach(old, self.dram.detach(meta.key) or [])
-            self.dram.commit(meta, r.extents)
+            self.dram.commit(meta, r.extents, policy_soon=True)  # the policy hears of it after the reply
             puts += 1
             put_bytes += meta.payload_len
             out.append(Status.OK)
