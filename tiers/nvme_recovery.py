@@ -25,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import shutil
@@ -198,6 +199,11 @@ def scan_segment(read: Reader, size: int, stage: memoryview, report: Rebuild) ->
         pos += length
 
 
+def _read_at(fd: int, off: int, buf: memoryview) -> None:
+    """Fill ``buf`` from ``fd`` at ``off`` (a :data:`Reader` once ``fd`` is bound)."""
+    io_all(os.preadv, fd, [buf], off)
+
+
 def scan_segments(
     segments: Sequence[tuple[int, int, int]], stage: memoryview, report: Rebuild
 ) -> list[tuple[int, Found]]:
@@ -205,7 +211,7 @@ def scan_segments(
     whole copy of a key (rewritten after a delete) is counted in ``report.duplicates``."""
     found: dict[bytes, tuple[int, Found]] = {}
     for seg, fd, size in segments:
-        for rec in scan_segment(lambda off, buf: io_all(os.preadv, fd, [buf], off), size, stage, report):
+        for rec in scan_segment(functools.partial(_read_at, fd), size, stage, report):
             if rec.meta.key in found:
                 report.duplicates += 1
             else:

@@ -41,7 +41,7 @@ def make_model(path: Path, *, layers: int, hidden: int, max_tokens: int, vocab: 
         num_key_value_heads=max(1, heads // 2),
         head_dim=HEAD_DIM,
         max_position_embeddings=max_tokens,
-        torch_dtype="float32",
+        torch_dtype="float32",  # type: ignore[call-arg]  # a PretrainedConfig keyword, not in LlamaConfig's signature
     )
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -57,7 +57,8 @@ def make_lora(path: Path, model: Path, *, rank: int = 8, seed: int = 1) -> Path:
 
     cfg = LlamaConfig.from_pretrained(model)
     g = torch.Generator().manual_seed(seed)
-    hidden, q_out, kv_out = cfg.hidden_size, cfg.num_attention_heads * HEAD_DIM, cfg.num_key_value_heads * HEAD_DIM
+    kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads  # None means one per query head
+    hidden, q_out, kv_out = cfg.hidden_size, cfg.num_attention_heads * HEAD_DIM, kv_heads * HEAD_DIM
     tensors = {}
     for i in range(cfg.num_hidden_layers):
         for proj, out in (("q_proj", q_out), ("v_proj", kv_out)):
@@ -269,7 +270,7 @@ class EngineProcess:
             except Exception:
                 pass
         stop(self.proc, timeout=10)
-        if self._log is not subprocess.DEVNULL:
+        if not isinstance(self._log, int):  # a file we opened, not subprocess.DEVNULL
             self._log.close()
 
     def __enter__(self) -> EngineProcess:

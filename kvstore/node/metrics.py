@@ -185,14 +185,14 @@ def families(snap: dict[str, Any], *, node_id: str, version: str, started: float
         for reason in REASONS:
             f.add_metric([op, reason], led["misses"].get((op, reason), 0))
     yield f
-    f = GaugeMetricFamily(
+    info = GaugeMetricFamily(
         "kvstore_namespace_info",
         "A readable name of a namespace fingerprint, as the SDK that wrote it sent it (1 per named namespace).",
         labels=["namespace", "name"],
     )
     for ns, name in sorted(led.get("names", {}).items()):
-        f.add_metric([ns, name], 1)
-    yield f
+        info.add_metric([ns, name], 1)
+    yield info
     f = _counter(
         "kvstore_under_replicated_copies",
         "Block copies cluster clients' puts could not write (an owner "

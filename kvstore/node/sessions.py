@@ -335,4 +335,6 @@ class SessionHinted:
 
 def hinted(policy: EvictionPolicy, sessions: Sessions | None) -> EvictionPolicy:
     """``policy`` as a tier should hold it: wrapped when the node keeps session hints."""
-    return SessionHinted(policy, sessions) if sessions is not None else policy
+    if sessions is None:
+        return policy
+    return SessionHinted(policy, sessions)  # type: ignore[return-value]  # an EvictionPolicy by delegation

@@ -108,7 +108,7 @@ def test_partitioned_node_is_routed_around_dropped_and_rejoins_after_heal(cluste
         assert got == data, f"wrong data {time.monotonic() - t_cut:.2f} s after the cut"
         assert dt < BOUND, (dt, reads)
         more = blocks(5, seed=100 + len(writes))
-        stored, dt = timed(lambda: writer.put_many(*more))
+        stored, dt = timed(lambda more=more: writer.put_many(*more))
         writes.append(dt)
         assert stored == [True] * 5 and dt < BOUND, (stored, dt)
         written.append(more)

@@ -119,11 +119,11 @@ def test_streams_and_raw_calls_need_the_token(node: NodeProcess) -> None:
     bad = (("authorization", "Bearer nope"),)
     for md in ((), bad):
         for call in (
-            lambda: stub.PutStream(iter([pb.BlockChunk(block=info, data=payload)]), timeout=10, metadata=md),
-            lambda: list(stub.GetStream(pb.KeysRequest(keys=[k]), timeout=10, metadata=md)),
-            lambda: stub.Reserve(pb.ReserveRequest(blocks=[info]), timeout=10, metadata=md),
-            lambda: stub.StartPut(pb.ReserveRequest(blocks=[info]), timeout=10, metadata=md),
-            lambda: stub.Hello(pb.HelloRequest(), timeout=10, metadata=md),
+            lambda md=md: stub.PutStream(iter([pb.BlockChunk(block=info, data=payload)]), timeout=10, metadata=md),
+            lambda md=md: list(stub.GetStream(pb.KeysRequest(keys=[k]), timeout=10, metadata=md)),
+            lambda md=md: stub.Reserve(pb.ReserveRequest(blocks=[info]), timeout=10, metadata=md),
+            lambda md=md: stub.StartPut(pb.ReserveRequest(blocks=[info]), timeout=10, metadata=md),
+            lambda md=md: stub.Hello(pb.HelloRequest(), timeout=10, metadata=md),
         ):
             with pytest.raises(grpc.RpcError) as ei:
                 call()

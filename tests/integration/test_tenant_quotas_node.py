@@ -116,6 +116,6 @@ def test_a_one_byte_flood_within_its_quota_leaves_another_tenants_working_set(no
 def test_the_admins_one_byte_stream_takes_quota_holders_blocks_last(node: NodeProcess) -> None:
     _, keys, datas = working_set(node)
     with client(node, "admin") as admin:
-        for i in range(0, 5000, 500):
+        for _ in range(0, 5000, 500):
             assert admin.put_many([os.urandom(16) for _ in range(500)], [b"z"] * 500) == [True] * 500
     still_there(node, keys, datas)

@@ -10,7 +10,7 @@ MiB = 1 << 20
 K = [bytes([i]) * 16 for i in range(10)]
 
 
-def plan(tiers, in_hbm=None, *, free=10, entries=(), byte_budget=1 << 40, time_budget=1e9, bw=Bandwidths(), block=MiB):
+def plan(tiers, in_hbm=None, *, free=10, entries=(), byte_budget=1 << 40, time_budget=1e9, bw=Bandwidths(), block=MiB):  # noqa: B008  # frozen
     in_hbm = in_hbm or [False] * len(tiers)
     return plan_prefetch(
         tiers,

@@ -70,7 +70,7 @@ def test_a_leave_moves_only_the_leavers_keys() -> None:
 # -- bounded-v1: the default scheme (O(1) per key, weighted, bounded loads) ---------------------
 import numpy as np  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st
+from hypothesis import strategies as st  # noqa: E402
 
 from kvstore.cluster.placement import (  # noqa: E402
     BOUNDED_V1,
