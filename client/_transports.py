@@ -230,8 +230,10 @@ class DataChannel(Transport):
 
     def __init__(self) -> None:
         self.pool: DataChannelPool | None = None
+        self.packed = False  # the node takes and answers packed batches (Hello's packed_version)
 
     def connect(self, *, host: str, hello: pb.HelloResponse, timeouts: Any, tls: Any) -> None:
+        self.packed = hello.packed_version >= PACKED_VERSION
         if self.pool is not None:  # a restarted node: the old port is gone
             self.pool.close()
         self.pool = DataChannelPool(
@@ -240,7 +242,11 @@ class DataChannel(Transport):
 
     def put(self, metas: list[BlockMeta], views: list[memoryview], sid: str) -> Op[list[bool]]:
         assert self.pool is not None, "put before connect"
-        resp = yield Rpc("StartPut", pb.ReserveRequest(blocks=[meta_to_pb(m) for m in metas], session_id=sid))
+        packed = metas_to_packed(metas) if self.packed else None
+        if packed is not None:
+            resp = yield Rpc("StartPut", pb.ReserveRequest(packed=packed, session_id=sid))
+        else:
+            resp = yield Rpc("StartPut", pb.ReserveRequest(blocks=[meta_to_pb(m) for m in metas], session_id=sid))
         out = [s == pb.KEY_STATUS_EXISTS for s in resp.statuses]
         send = [i for i, s in enumerate(resp.statuses) if s == pb.KEY_STATUS_OK]
         if not send:
@@ -253,31 +259,48 @@ class DataChannel(Transport):
 
     def get(self, keys: list[ChunkKey], outs: list[memoryview] | None, sid: str, *, verify: bool) -> Op[list[Any]]:
         assert self.pool is not None, "get before connect"
-        resp = yield Rpc("StartGet", pb.KeysRequest(keys=keys, session_id=sid))
+        # per key: (status, lease id, payload length, payload checksum)
+        grants: list[tuple[int, int, int, int]]
+        if self.packed:
+            resp = yield Rpc("StartGet", pb.KeysRequest(packed_keys=b"".join(keys), session_id=sid))
+            p = resp.packed
+            ids, lens, sums = from_u64s(p.ids), from_u64s(p.payload_lens), from_u64s(p.payload_checksums)
+            if not len(p.statuses) == len(ids) == len(lens) == len(sums) == len(keys):
+                raise Unavailable(f"the node answered a malformed packed batch for {len(keys)} keys")
+            grants = list(zip(p.statuses, ids, lens, sums))
+        else:
+            resp = yield Rpc("StartGet", pb.KeysRequest(keys=keys, session_id=sid))
+            grants = []
+            for x in resp.leases:
+                if x.status == pb.KEY_STATUS_OK:
+                    meta = meta_from_pb(x.block)
+                    grants.append((x.status, x.lease_id, meta.payload_len, meta.payload_checksum))
+                else:
+                    grants.append((x.status, x.lease_id, 0, 0))
         plan = []
         result: list[Any] = [None] * len(keys)
         try:
-            for i, x in enumerate(resp.leases):
-                if x.status == pb.KEY_STATUS_NO_SPACE:
+            for i, (status, _, length, checksum) in enumerate(grants):
+                if status == pb.KEY_STATUS_NO_SPACE:
                     result[i] = RETRY
-                elif x.status == pb.KEY_STATUS_OK:
-                    meta = meta_from_pb(x.block)
-                    plan.append((i, meta, dest_view(meta, outs[i] if outs else None)))
+                elif status == pb.KEY_STATUS_OK:
+                    dest = _dest(outs[i], length, keys[i]) if outs else memoryview(bytearray(length))
+                    plan.append((i, length, checksum, dest))
         except BaseException:
             # no bytes will be fetched (e.g. an output buffer is too small): give the leases back
             # now rather than leaving them pinned until the transfer expires
-            ids = [x.lease_id for x in resp.leases if x.status == pb.KEY_STATUS_OK]
+            ids = [g[1] for g in grants if g[0] == pb.KEY_STATUS_OK]
             if ids:
                 yield from best_effort("Release", pb.ReleaseRequest(lease_ids=ids))
             raise
         if not plan:
             return result
         pool, tid = self.pool, resp.transfer_id
-        sums = yield Io(lambda: pool.get(tid, [d for _, _, d in plan], hashed=verify))
-        for n, (i, meta, dest) in enumerate(plan):
-            if verify and sums[n] != meta.payload_checksum:
+        got = yield Io(lambda: pool.get(tid, [d for _, _, _, d in plan], hashed=verify))
+        for n, (i, length, checksum, dest) in enumerate(plan):
+            if verify and got[n] != checksum:
                 continue  # corrupted in flight: a miss, never wrong bytes
-            result[i] = meta.payload_len if outs is not None else bytes(dest)
+            result[i] = length if outs is not None else bytes(dest)
         return result
 
     def close(self) -> None:

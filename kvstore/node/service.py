@@ -461,13 +461,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             session=check_session_id(request.session_id),
         )
         tid = self.transfers.start_get(leased)
+        if request.packed_keys:
+            packed, _ = _packed_leases(leased, extents=False)
+            return pb.StartGetResponse(transfer_id=tid, packed=packed, ttl_s=self.manager.lease_ttl)
         return pb.StartGetResponse(
             transfer_id=tid, leases=[self._lease_pb(x) for x in leased], ttl_s=self.manager.lease_ttl
         )
 
     @_rpc
     async def StartPut(self, request: pb.ReserveRequest, context: Any) -> pb.StartPutResponse:
-        metas, caller = self._metas(request.blocks), self._caller()
+        metas, caller = self._request_metas(request), self._caller()
         await self._claim(caller, metas)
         res = await self.manager.reserve(
             metas, tenant=caller.tenant, visible=self._visible(caller), session=check_session_id(request.session_id)
@@ -794,19 +797,21 @@ def _packed_reservations(res: Sequence[Reserved]) -> pb.PackedReservations:
     )
 
 
-def _packed_leases(leased: Sequence[Leased]) -> tuple[pb.PackedLeases, int]:
-    """``Acquire``'s answers as columns (``PackedLeases``), and the payload bytes leased."""
+def _packed_leases(leased: Sequence[Leased], *, extents: bool = True) -> tuple[pb.PackedLeases, int]:
+    """``Acquire``'s answers as columns (``PackedLeases``), and the payload bytes leased.
+    ``extents=False``: without extents (``StartGet``: they mean nothing to a remote client)."""
     n = len(leased)
     statuses, tiers = bytearray(n), bytearray(n)
     ids, counts, lens, sums = [0] * n, [0] * n, [0] * n, [0] * n
-    extents: list[int] = []
+    flat: list[int] = []
     for i, x in enumerate(leased):
         statuses[i] = x.status
         if x.status == Status.OK and x.meta is not None:
             ids[i] = x.lease_id
-            counts[i] = len(x.extents)
-            for e in x.extents:
-                extents += (e.offset, e.length)
+            if extents:
+                counts[i] = len(x.extents)
+                for e in x.extents:
+                    flat += (e.offset, e.length)
             lens[i] = x.meta.payload_len
             sums[i] = x.meta.payload_checksum
             tiers[i] = tier_to_pb(x.tier)
@@ -814,7 +819,7 @@ def _packed_leases(leased: Sequence[Leased]) -> tuple[pb.PackedLeases, int]:
         statuses=bytes(statuses),
         ids=u64s(ids),
         extent_counts=u32s(counts),
-        extents=u64s(extents),
+        extents=u64s(flat),
         payload_lens=u64s(lens),
         payload_checksums=u64s(sums),
         tiers=bytes(tiers),

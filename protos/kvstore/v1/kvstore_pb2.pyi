@@ -258,14 +258,16 @@ class ReleaseResponse(_message.Message):
     def __init__(self, valid: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class StartGetResponse(_message.Message):
-    __slots__ = ("transfer_id", "leases", "ttl_s")
+    __slots__ = ("transfer_id", "leases", "ttl_s", "packed")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     transfer_id: bytes
     leases: _containers.RepeatedCompositeFieldContainer[Lease]
     ttl_s: float
-    def __init__(self, transfer_id: _Optional[bytes] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    packed: PackedLeases
+    def __init__(self, transfer_id: _Optional[bytes] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., ttl_s: _Optional[float] = ..., packed: _Optional[_Union[PackedLeases, _Mapping]] = ...) -> None: ...
 
 class StartPutResponse(_message.Message):
     __slots__ = ("transfer_id", "statuses", "ttl_s")
