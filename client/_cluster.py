@@ -4,7 +4,7 @@ The client watches the cluster's membership in etcd (a
 :class:`~kvstore.cluster.membership.Membership` thread) and computes each key's owners
 itself (:mod:`kvstore.cluster.placement`, the scheme the cluster's ``placement`` setting
 names): no metadata hop.  The placement table of a membership is built once, on the view's
-thread when the membership changes, and shared by every call (``Plan``).
+thread when the membership changes, and shared by every call (``Routing``).
 Per node it uses an ordinary single-node client (``KVClient`` / ``AsyncKVClient``,
 unchanged), through the node's Unix socket and shared memory when the node runs on
 this machine, over TCP otherwise.
@@ -12,7 +12,7 @@ this machine, over TCP otherwise.
 Like the single-node SDK, every operation is written once, as a generator over
 instructions (a sans-I/O core), and driven by a sync or an async driver:
 
-* :class:`Fanout` ``(plan, [(node_id, op_factory), ...])`` → run ``op_factory(node_core)`` on
+* :class:`Fanout` ``(routing, [(node_id, op_factory), ...])`` → run ``op_factory(node_core)`` on
   each node's client in parallel; the results (or the ``KVStoreError`` each raised) come
   back in order;
 * :class:`Etcd` ``(fn)`` → run ``fn(ClusterStore)`` on the membership thread's loop.
@@ -107,10 +107,10 @@ NodeOp = Callable[[ClientCore], Op[Any]]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Fanout:
-    """Run each ``(node id, NodeOp)`` of ``calls`` on its node, routed by ``plan``, in parallel;
+    """Run each ``(node id, NodeOp)`` of ``calls`` on its node, routed by ``routing``, in parallel;
     the list of results (a value or the ``KVStoreError`` raised) comes back, in ``calls``' order."""
 
-    plan: Any
+    routing: Any
     calls: Sequence[tuple[str, NodeOp]]
 
 
@@ -140,7 +140,7 @@ class _Seeded:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Routing:
     """Routing for one membership snapshot.  Immutable; shared by threads."""
 
     snapshot: ClusterSnapshot
@@ -323,7 +323,7 @@ class ClusterCore:
         self._epoch_floor: dict[bytes, int] = {}  # epochs this client bumped, before its view shows them
         self._registered: set[bytes] = set()
         self._registrations: Mapping[str, tuple[int, int]] = {}  # the latest view's, for ``_seen`` and ``failed``
-        self._plan: tuple[int, float, Plan] | None = None
+        self._routing: tuple[int, float, Routing] | None = None
         # (when, placement spec before a change): membership (node -> weight) or scheme
         self._history: list[tuple[float, tuple[str, tuple[tuple[str, int], ...]]]] = []
         self._last_spec: tuple[str, tuple[tuple[str, int], ...]] | None = None
@@ -371,10 +371,10 @@ class ClusterCore:
         except (InvalidArgument, ValueError) as e:  # cannot happen for records that parsed; never kill the view
             log.error("cannot build the placement of cluster %s: %s", self.cluster, e)
 
-    def plan(self) -> Plan:
+    def routing(self) -> Routing:
         snap = self.membership.snapshot()
         now = time.monotonic()
-        cached = self._plan
+        cached = self._routing
         if cached is not None and cached[0] == id(snap) and now - cached[1] < 1.0:
             return cached[2]
         nodes = self.membership.routing_nodes()
@@ -385,7 +385,7 @@ class ClusterCore:
         previous = tuple(
             placement(scheme, dict(members)) for scheme, members in history if any(n in nodes for n, _ in members)
         )
-        plan = Plan(
+        routing = Routing(
             snap,
             nodes,
             placement(snap.config.placement, {n: i.weight for n, i in nodes.items()}),
@@ -393,14 +393,14 @@ class ClusterCore:
             previous,
             snap.hot if snap.nodes else {},
         )
-        self._plan = (id(snap), now, plan)
-        return plan
+        self._routing = (id(snap), now, routing)
+        return routing
 
-    def node_info(self, plan: Plan, node: str) -> NodeInfo:
+    def node_info(self, routing: Routing, node: str) -> NodeInfo:
         """The record to dial ``node`` by: the newest view's, so that a call routed by an older
-        plan (a later round of the same read) reaches a node that registered again at its new
+        routing (a later round of the same read) reaches a node that registered again at its new
         address, and the drivers never swap a node's connection back to an older registration."""
-        return self.membership.routing_nodes().get(node) or plan.nodes[node]
+        return self.membership.routing_nodes().get(node) or routing.nodes[node]
 
     def node_target(self, info: NodeInfo) -> str:
         if (
@@ -440,10 +440,10 @@ class ClusterCore:
         return keys if group == 1 else [ChunkKey(k) for k in group_keys(keys, group)]
 
     # -- outcome of one node call ------------------------------------------------------------
-    def failed(self, node: str, result: object, plan: Plan) -> bool:
+    def failed(self, node: str, result: object, routing: Routing) -> bool:
         """True if ``result`` is an error (the node is then suspect); raises contract errors.
 
-        ``plan`` is the one the call was routed by: if the node has registered again since,
+        ``routing`` is the one the call was routed by: if the node has registered again since,
         the failure was its earlier registration's and does not make the new one suspect.
         """
         if not isinstance(result, BaseException):
@@ -451,7 +451,7 @@ class ClusterCore:
             return False
         if isinstance(result, FATAL):
             raise result
-        if self._superseded(plan, node):
+        if self._superseded(routing, node):
             log.info(
                 "node %s failed (%s) but has registered again since; not routing around it", node, type(result).__name__
             )
@@ -460,9 +460,9 @@ class ClusterCore:
             self.suspects.mark(node)
         return True
 
-    def _superseded(self, plan: Plan, node: str) -> bool:
-        """Whether ``node`` has registered again since ``plan``'s view (and is registered now)."""
-        then, now = plan.snapshot.registrations.get(node), self._registrations.get(node)
+    def _superseded(self, routing: Routing, node: str) -> bool:
+        """Whether ``node`` has registered again since ``routing``'s view (and is registered now)."""
+        then, now = routing.snapshot.registrations.get(node), self._registrations.get(node)
         return then is not None and now is not None and then != now
 
     # -- operations ----------------------------------------------------------------------------
@@ -482,10 +482,10 @@ class ClusterCore:
         if parents is not None and len(parents) != len(ks):
             raise InvalidArgument(f"{len(ks)} keys but {len(parents)} parents")
         eff = self.effective(namespace) if namespace is not None else None
-        plan = self.plan()
+        routing = self.routing()
         groups: dict[str, list[int]] = {}
         skipped = 0
-        for i, own in enumerate(plan.owners_many(ks)):
+        for i, own in enumerate(routing.owners_many(ks)):
             for n in own:
                 if n not in self.suspects:
                     groups.setdefault(n, []).append(i)
@@ -505,10 +505,10 @@ class ClusterCore:
                 )
 
             calls.append((n, op))
-        results = yield Fanout(plan, calls)
+        results = yield Fanout(routing, calls)
         lost = 0
         for (n, _), res in zip(calls, results):
-            if not self.failed(n, res, plan):
+            if not self.failed(n, res, routing):
                 for i, ok in zip(groups[n], res):
                     stored[i] = stored[i] or ok
             else:
@@ -522,7 +522,7 @@ class ClusterCore:
 
     def _rounds(
         self,
-        plan: Plan,
+        routing: Routing,
         keys: list[ChunkKey],
         cands: list[list[str]],
         call: Callable[[list[int]], NodeOp],
@@ -565,9 +565,9 @@ class ClusterCore:
             if not groups:
                 break
             calls = [(node, call(idx)) for node, idx in groups.items()]
-            results = yield Fanout(plan, calls)
+            results = yield Fanout(routing, calls)
             for (node, _), res in zip(calls, results):
-                failed = self.failed(node, res, plan)
+                failed = self.failed(node, res, routing)
                 down = (
                     DEADLINE
                     if isinstance(res, DeadlineExceeded)
@@ -586,15 +586,15 @@ class ClusterCore:
         return result, where
 
     def _spread(
-        self, plan: Plan, keys: Sequence[bytes], owners: list[list[str]]
+        self, routing: Routing, keys: Sequence[bytes], owners: list[list[str]]
     ) -> tuple[list[list[str]], dict[int, str]]:
         """Candidates per key with hot keys' reads spread over their copies (see the module doc),
         and the keys whose first candidate is an extra (index -> that node)."""
-        if not plan.hot:
+        if not routing.hot:
             return owners, {}
         cands, first_extra = list(owners), {}
         for i, key in enumerate(keys):
-            ext = plan.extras(key)
+            ext = routing.extras(key)
             if not ext:
                 continue
             own = owners[i]
@@ -611,7 +611,7 @@ class ClusterCore:
         return cands, first_extra
 
     def _fill_extras(
-        self, plan: Plan, keys: list[ChunkKey], first_extra: dict[int, str], where: list[str | None]
+        self, routing: Routing, keys: list[ChunkKey], first_extra: dict[int, str], where: list[str | None]
     ) -> ClusterOp[None]:
         """Write to each extra chosen first the hot keys it missed (an owner answered instead)."""
         todo: dict[str, list[tuple[int, str]]] = {}  # answering node -> (key index, extra to fill)
@@ -622,10 +622,10 @@ class ClusterCore:
         if not todo:
             return
         calls = [(src, _fetch_with_meta([keys[i] for i, _ in items], self.verify)) for src, items in todo.items()]
-        results = yield Fanout(plan, calls)
+        results = yield Fanout(routing, calls)
         copies: dict[str, list[tuple[BlockMeta, bytes]]] = {}
         for (src, _), res in zip(calls, results):
-            if self.failed(src, res, plan):
+            if self.failed(src, res, routing):
                 continue
             for (_, extra), got in zip(todo[src], res):
                 if got is not None:
@@ -633,9 +633,9 @@ class ClusterCore:
         if not copies:
             return
         puts = [(n, _put_blocks([m for m, _ in items], [p for _, p in items])) for n, items in copies.items()]
-        results = yield Fanout(plan, puts)
+        results = yield Fanout(routing, puts)
         for (n, _), res in zip(puts, results):
-            if not self.failed(n, res, plan):
+            if not self.failed(n, res, routing):
                 with self._misses_lock:
                     self.hot_fills += sum(bool(x) for x in res)
 
@@ -654,8 +654,8 @@ class ClusterCore:
         to send them to; what is taken is not reported again (nothing is taken while no node is known)."""
         if not self._unreported and not self._unreported_short:
             return [], None
-        plan = self.plan()
-        live = sorted(n for n in plan.nodes if n not in self.suspects)
+        routing = self.routing()
+        live = sorted(n for n in routing.nodes if n not in self.suspects)
         if not live:
             return [], None
         with self._misses_lock:
@@ -670,19 +670,19 @@ class ClusterCore:
                     reqs.append(pb.ReportHitsRequest(op="get", short_copies=self._unreported_short))
             self._unreported.clear()
             self._unreported_short = 0
-        return reqs, self.node_info(plan, live[0])
+        return reqs, self.node_info(routing, live[0])
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object] | None) -> ClusterOp[list[Any]]:
         ks = [check_key(k) for k in keys]
         if outs is not None and len(outs) != len(ks):
             raise InvalidArgument(f"{len(ks)} keys but {len(outs)} output buffers")
-        plan = self.plan()
-        owners = plan.owners_many(ks)
-        cands, first_extra = self._spread(plan, ks, owners)
+        routing = self.routing()
+        owners = routing.owners_many(ks)
+        cands, first_extra = self._spread(routing, ks, owners)
         # 1) the owners, in rank order (a hot key: one of its copies first)
         why: list[str | None] = [None] * len(ks)
         result, where = yield from self._rounds(
-            plan,
+            routing,
             ks,
             cands,
             lambda idx: (
@@ -694,16 +694,16 @@ class ClusterCore:
             why=why,
         )
         if first_extra:
-            yield from self._fill_extras(plan, ks, first_extra, where)
+            yield from self._fill_extras(routing, ks, first_extra, where)
         # 2) hand-off: the previous owners of keys every owner missed
-        missing = [i for i, v in enumerate(result) if v is None] if plan.previous else []
-        cands = [plan.handoff(ks[i], owners[i]) for i in missing]
+        missing = [i for i, v in enumerate(result) if v is None] if routing.previous else []
+        cands = [routing.handoff(ks[i], owners[i]) for i in missing]
         if not any(cands):
             self._count_misses(result, why, "get")
             return result
         sub = [ks[i] for i in missing]
         found, _ = yield from self._rounds(
-            plan,
+            routing,
             sub,
             cands,
             lambda idx: _fetch_with_meta([sub[j] for j in idx], self.verify),
@@ -729,9 +729,9 @@ class ClusterCore:
                     copies.setdefault(n, []).append((meta, payload))
         if copies:  # the hand-off proper: the current owners get the block now
             calls = [(n, _put_blocks([m for m, _ in items], [p for _, p in items])) for n, items in copies.items()]
-            results = yield Fanout(plan, calls)
+            results = yield Fanout(routing, calls)
             for (n, _), res in zip(calls, results):
-                if not self.failed(n, res, plan):
+                if not self.failed(n, res, routing):
                     self.handoffs += sum(bool(x) for x in res)
         self._count_misses(result, why, "get")
         return result
@@ -741,14 +741,14 @@ class ClusterCore:
     ) -> ClusterOp[tuple[list[str | None], list[str | None]]]:
         """Tier and node of each key: owners first, then previous owners (a later get hands it off)."""
         ks = [check_key(k) for k in as_key_list(keys)]
-        plan = self.plan()
-        owners = plan.owners_many(ks)
-        cands, _ = self._spread(plan, ks, owners)
-        if plan.previous:
-            cands = [c + plan.handoff(k, o) for k, o, c in zip(ks, owners, cands)]
+        routing = self.routing()
+        owners = routing.owners_many(ks)
+        cands, _ = self._spread(routing, ks, owners)
+        if routing.previous:
+            cands = [c + routing.handoff(k, o) for k, o, c in zip(ks, owners, cands)]
         why: list[str | None] = [None] * len(ks)
         tiers, where = yield from self._rounds(
-            plan,
+            routing,
             ks,
             cands,
             lambda idx: lambda core: core.lookup([ks[i] for i in idx]),
@@ -767,24 +767,24 @@ class ClusterCore:
     def to_owners(self, keys: Sequence[bytes], method: str, make: Callable[[list[ChunkKey]], Any]) -> ClusterOp[int]:
         """One call per node with the keys it owns (pin, unpin); returns the summed counts."""
         ks = [check_key(k) for k in as_key_list(keys)]
-        plan = self.plan()
+        routing = self.routing()
         groups: dict[str, list[ChunkKey]] = {}
-        for k, own in zip(ks, plan.owners_many(ks)):
+        for k, own in zip(ks, routing.owners_many(ks)):
             for n in own:
                 if n not in self.suspects:
                     groups.setdefault(n, []).append(k)
         calls = [(n, lambda core, sub=sub: core.simple(method, make(sub))) for n, sub in groups.items()]
-        results = yield Fanout(plan, calls)
-        return sum(r for (n, _), r in zip(calls, results) if not self.failed(n, r, plan))
+        results = yield Fanout(routing, calls)
+        return sum(r for (n, _), r in zip(calls, results) if not self.failed(n, r, routing))
 
     def to_all(self, method: str, request: Any, field: str = "count") -> ClusterOp[dict[str, Any]]:
         """The same call on every live node (delete, invalidate, stats): node -> result or error."""
-        plan = self.plan()
-        calls = [(n, lambda core: core.simple(method, request, field)) for n in plan.nodes if n not in self.suspects]
-        results = yield Fanout(plan, calls)
+        routing = self.routing()
+        calls = [(n, lambda core: core.simple(method, request, field)) for n in routing.nodes if n not in self.suspects]
+        results = yield Fanout(routing, calls)
         out: dict[str, Any] = {}
         for (n, _), r in zip(calls, results):
-            self.failed(n, r, plan)  # raises contract errors, marks failed nodes
+            self.failed(n, r, routing)  # raises contract errors, marks failed nodes
             out[n] = r
         return out
 
@@ -805,22 +805,22 @@ class ClusterCore:
         return sum(v for v in res.values() if not isinstance(v, BaseException))
 
     def stats(self) -> ClusterOp[dict[str, Any]]:
-        plan = self.plan()
-        calls = [(n, lambda core: core.stats()) for n in plan.nodes]
-        results = yield Fanout(plan, calls)
+        routing = self.routing()
+        calls = [(n, lambda core: core.stats()) for n in routing.nodes]
+        results = yield Fanout(routing, calls)
         nodes = {}
         for (n, _), r in zip(calls, results):
             nodes[n] = {"error": f"{type(r).__name__}: {r}"} if isinstance(r, BaseException) else r
-            if isinstance(r, BaseException) and not isinstance(r, FATAL) and not self._superseded(plan, n):
+            if isinstance(r, BaseException) and not isinstance(r, FATAL) and not self._superseded(routing, n):
                 self.suspects.mark(n)
         return {
             "target": self.target,
             "cluster": self.cluster,
-            "replication": plan.r,
-            "membership": plan.snapshot.to_dict(),
+            "replication": routing.r,
+            "membership": routing.snapshot.to_dict(),
             "suspects": self.suspects.snapshot(),
             "under_replicated": self.under_replicated(),
-            "hot": {"keys": len(plan.hot), "reads_to_extras": self.hot_reads, "extra_fills": self.hot_fills},
+            "hot": {"keys": len(routing.hot), "reads_to_extras": self.hot_reads, "extra_fills": self.hot_fills},
             "nodes": nodes,
         }
 

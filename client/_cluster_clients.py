@@ -118,11 +118,11 @@ class _ClusterBase:
         return self._core.membership.snapshot()
 
     def nodes(self) -> list[str]:
-        return sorted(self._core.plan().nodes)
+        return sorted(self._core.routing().nodes)
 
     def owners(self, key: bytes) -> list[str]:
         """The nodes that own ``key`` now, best first."""
-        return self._core.plan().owners(check_key(key))
+        return self._core.routing().owners(check_key(key))
 
     def wait_for_nodes(self, n: int, timeout: float = 30.0) -> bool:
         """Wait until the view shows at least ``n`` live nodes."""
@@ -267,8 +267,8 @@ class ClusterClient(_ClusterBase, BlockCalls):
             while True:
                 result: Any
                 match instr:
-                    case Fanout(plan, calls):
-                        infos = [self._core.node_info(plan, n) for n, _ in calls]
+                    case Fanout(routing, calls):
+                        infos = [self._core.node_info(routing, n) for n, _ in calls]
                         if len(calls) == 1:
                             result = [self._call(infos[0], calls[0][1])]
                         else:
@@ -428,9 +428,9 @@ class AsyncClusterClient(_ClusterBase, AsyncBlockCalls):
             while True:
                 result: Any
                 match instr:
-                    case Fanout(plan, calls):
+                    case Fanout(routing, calls):
                         result = await asyncio.gather(
-                            *(self._call(self._core.node_info(plan, n), make) for n, make in calls)
+                            *(self._call(self._core.node_info(routing, n), make) for n, make in calls)
                         )
                     case Etcd(fn):
                         result = await asyncio.wait_for(

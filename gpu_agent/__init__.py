@@ -15,7 +15,7 @@ node must run without torch); the names below load on first use.
     h = agent.load(tokens, kv_buffers, block_ids)          # per layer: h.wait_layer(i)
     agent.save(tokens, kv_buffers, block_ids)              # asynchronous offload
 
-Modules: ``layout`` (engine layout, paged adapter), ``planner`` (pure prefetch and
+Modules: ``layout`` (engine layout, paged adapter), ``prefetch`` (pure prefetch and
 eviction planning), ``pool`` (HBM block pool), ``copy_engine`` (streams, events,
 pinned arena), ``agent`` (the wiring), ``hf`` (Hugging Face glue for the demo),
 ``demo`` (``kvstore demo pd``), ``bench`` (``python -m gpu_agent.bench``, CUDA only).
@@ -34,9 +34,9 @@ _EXPORTS = {
     "PrefetchResult": "gpu_agent.agent",
     "KVCacheLayout": "gpu_agent.layout",
     "PagedAdapter": "gpu_agent.layout",
-    "Bandwidths": "gpu_agent.planner",
-    "plan_prefetch": "gpu_agent.planner",
-    "plan_evictions": "gpu_agent.planner",
+    "Bandwidths": "gpu_agent.prefetch",
+    "plan_prefetch": "gpu_agent.prefetch",
+    "plan_evictions": "gpu_agent.prefetch",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -15,7 +15,7 @@ Calls (shaped after vLLM's KV connector):
 
 * ``lookup(tokens) -> int``: tokens cached (full chunks, leading, any tier or HBM);
 * ``prefetch(tokens)``: non-blocking; NVMe/remote → DRAM → HBM within the byte and
-  time budgets of :class:`AgentConfig` (the plan is :func:`gpu_agent.planner.plan_prefetch`);
+  time budgets of :class:`AgentConfig` (the plan is :func:`gpu_agent.prefetch.plan_prefetch`);
 * ``load(tokens, kv_buffers, block_ids) -> LoadHandle``: the cached prefix into the
   engine's pages, layer by layer (``wait_layer(i)``); HBM-resident blocks are copied
   device to device, the others straight from the arena (DMA);
@@ -64,8 +64,8 @@ from gpu_agent.copy_engine import (
 )
 from gpu_agent.layout import KVCacheLayout, PagedAdapter
 from gpu_agent.pinned import CudaRuntime
-from gpu_agent.planner import Bandwidths, plan_prefetch, usable_prefix
 from gpu_agent.pool import HBMPool
+from gpu_agent.prefetch import Bandwidths, plan_prefetch, usable_prefix
 from gpu_agent.transfer import BatchedLoad, BatchedSave
 from kvstore.block import BlockMeta, checksum
 from kvstore.errors import InvalidArgument, KVStoreError

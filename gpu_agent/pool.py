@@ -14,7 +14,7 @@ the map at once but is reused only after the last hold is released, so a slot's 
 is ordered after every read of it, whatever stream read it.
 
 Eviction here only drops the HBM copy: the block stays in the node's DRAM (or NVMe)
-tier.  Which entries to drop is :func:`gpu_agent.planner.plan_evictions`'s choice.
+tier.  Which entries to drop is :func:`gpu_agent.prefetch.plan_evictions`'s choice.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from gpu_agent.planner import PoolEntry, plan_evictions
+from gpu_agent.prefetch import PoolEntry, plan_evictions
 
 
 @dataclasses.dataclass(slots=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from client._cluster import ClusterCore
+from client._cluster import ClusterCore, Fanout
 from kvstore.cluster.etcd import _Builder
 from kvstore.cluster.placement import BoundedTable, Ring, placement
 from kvstore.cluster.state import ClusterConfig, ClusterSnapshot, NodeInfo, node_key, parse_setting
@@ -117,9 +117,9 @@ def drive(op: Any, answer: Any) -> Any:
     try:
         instr = next(op)
         while True:
-            assert instr[0] == "fanout"
-            calls.extend(node for node, _ in instr[2])
-            instr = op.send([answer(node) for node, _ in instr[2]])
+            assert isinstance(instr, Fanout), instr
+            calls.extend(node for node, _ in instr.calls)
+            instr = op.send([answer(node) for node, _ in instr.calls])
     except StopIteration as stop:
         return stop.value, calls
 
@@ -143,8 +143,8 @@ def test_a_client_with_no_nodes_answers_misses_and_refuses_nothing_silently(core
 
 def test_one_node_with_replication_3_holds_the_one_copy(core: ClusterCore) -> None:
     core.membership._publish(snapshot(["solo"], 3))
-    plan = core.plan()
-    assert plan.r == 3 and all(plan.owners(k) == ["solo"] for k in KEYS)
+    routing = core.routing()
+    assert routing.r == 3 and all(routing.owners(k) == ["solo"] for k in KEYS)
     stored, calls = drive(
         core.put_many(KEYS[:4], [b"x"] * 4, namespace=None, parents=None, token_counts=None), lambda n: [True] * 4
     )

@@ -53,8 +53,8 @@ def publish(core: ClusterCore, snap: ClusterSnapshot) -> None:
 
 
 def fail(core: ClusterCore, node: str, err: BaseException | None = None) -> None:
-    """A call to ``node``, routed by the current plan, fails."""
-    core.failed(node, err or DeadlineExceeded("no answer"), core.plan())
+    """A call to ``node``, routed by the current routing, fails."""
+    core.failed(node, err or DeadlineExceeded("no answer"), core.routing())
 
 
 def drive(op: Any, answer: Any) -> Any:
@@ -85,7 +85,7 @@ def test_regression_reregistered_node_stays_suspect_for_the_whole_backoff(core: 
     publish(core, view(13, {"a": (3, 101), "c": (12, 104)}))
     publish(core, view(14, {"a": (3, 101), "b": (14, 105), "c": (12, 104)}))
     assert "b" not in core.suspects
-    assert "b" in core.plan().nodes
+    assert "b" in core.routing().nodes
 
 
 def test_regression_node_reregistered_under_a_new_lease_is_cleared_without_leaving(core: ClusterCore) -> None:
@@ -96,16 +96,16 @@ def test_regression_node_reregistered_under_a_new_lease_is_cleared_without_leavi
     assert "a" in core.suspects
     publish(core, view(11, {"a": (11, 106), "b": (4, 102)}, port=7001))
     assert "a" not in core.suspects
-    assert core.plan().nodes["a"].grpc == "10.0.0.1:7001"
+    assert core.routing().nodes["a"].grpc == "10.0.0.1:7001"
 
 
 def test_failure_of_an_earlier_registration_does_not_suspect_the_new_one(core: ClusterCore) -> None:
     publish(core, view(10, {"a": (3, 101), "b": (4, 102)}))
-    old = core.plan()  # a call is routed to a's first registration ...
+    old = core.routing()  # a call is routed to a's first registration ...
     publish(core, view(12, {"a": (12, 107), "b": (4, 102)}))  # ... a registers again meanwhile ...
     assert core.failed("a", DeadlineExceeded("no answer"), old)  # ... and the old call fails
     assert "a" not in core.suspects
-    assert core.failed("a", DeadlineExceeded("no answer"), core.plan())  # the new registration failing does count
+    assert core.failed("a", DeadlineExceeded("no answer"), core.routing())  # the new registration failing does count
     assert "a" in core.suspects
 
 
@@ -113,7 +113,7 @@ def test_a_node_refusing_a_claim_while_etcd_is_down_is_not_suspected(core: Clust
     """``OwnershipUnavailable``: the node is up, etcd is not; routing around it would only
     take replicas away from namespaces it can still serve."""
     publish(core, view(5, {"a": (3, 11), "b": (4, 12)}))
-    assert core.failed("a", OwnershipUnavailable("cannot claim namespace: etcd is unreachable"), core.plan())
+    assert core.failed("a", OwnershipUnavailable("cannot claim namespace: etcd is unreachable"), core.routing())
     assert "a" not in core.suspects
     fail(core, "b", Unavailable("connection refused"))
     assert "b" in core.suspects
@@ -123,8 +123,8 @@ def test_writes_to_a_suspect_owner_are_counted_as_under_replicated(core: Cluster
     """While an owner is suspect, a put skips it (no other node stands in): the block has
     fewer than R copies, and the client counts each missing copy."""
     publish(core, view(10, {"a": (3, 101), "b": (4, 102), "c": (5, 103)}))
-    plan = core.plan()
-    owners = [set(plan.owners(k)) for k in KEYS]
+    routing = core.routing()
+    owners = [set(routing.owners(k)) for k in KEYS]
     on = {n: sum(n in o for o in owners) for n in "abc"}
     assert all(0 < v < len(KEYS) for v in on.values())
     fail(core, "b")
@@ -185,7 +185,7 @@ class _FakeNodeClient:
 
 def test_a_call_routed_by_an_older_plan_dials_the_nodes_current_address(monkeypatch: pytest.MonkeyPatch) -> None:
     """A node restarted at a new address while an operation runs: a later round of that
-    operation (routed by the plan it started with) must reach the new address, and must not
+    operation (routed by the routing it started with) must reach the new address, and must not
     swap the node's connection back to the old one (closing the client other threads use)."""
     import client._sync
     from client._cluster_clients import ClusterClient
@@ -195,18 +195,18 @@ def test_a_call_routed_by_an_older_plan_dials_the_nodes_current_address(monkeypa
     kv = ClusterClient(f"etcd://127.0.0.1:1/{CLUSTER}", transport="tcp", prefer_local=False, wait_s=0)
     try:
 
-        def call(plan: Any) -> Any:
+        def call(routing: Any) -> Any:
             def op() -> Any:
-                (res,) = yield Fanout(plan, [("a", lambda core: None)])
+                (res,) = yield Fanout(routing, [("a", lambda core: None)])
                 return res
 
             return kv._run(op())
 
         publish(kv._core, view(10, {"a": (3, 101), "b": (4, 102)}))
-        old = kv._core.plan()
+        old = kv._core.routing()
         assert call(old) == "10.0.0.1:7000"
         publish(kv._core, view(11, {"a": (11, 109), "b": (4, 102)}, port=7001))
-        new = kv._core.plan()
+        new = kv._core.routing()
         assert [call(p) for p in (old, new, old)] == ["10.0.0.1:7001"] * 3
         assert [(c.target, c.closed) for c in _FakeNodeClient.made] == [
             ("10.0.0.1:7000", True),
@@ -279,18 +279,18 @@ def test_handoff_covers_leaves_and_placement_scheme_changes(core: ClusterCore) -
 
     regs = {n: (i + 1, 100 + i) for i, n in enumerate("abcd")}
     publish(core, view(10, regs, replication=1))
-    assert isinstance(core.plan().ring, BoundedTable)
-    before = core.plan()
+    assert isinstance(core.routing().ring, BoundedTable)
+    before = core.routing()
     publish(core, view(11, {n: r for n, r in regs.items() if n != "d"}, replication=1))  # d leaves
-    plan = core.plan()
-    assert len(plan.previous) == 1 and set(plan.previous[0].nodes) == set("abcd")  # the full previous membership
+    routing = core.routing()
+    assert len(routing.previous) == 1 and set(routing.previous[0].nodes) == set("abcd")  # the full previous membership
     for k in KEYS:
-        old, new = before.owners(k), plan.owners(k)
-        assert plan.handoff(k, new) == [n for n in old if n not in new and n != "d"]
+        old, new = before.owners(k), routing.owners(k)
+        assert routing.handoff(k, new) == [n for n in old if n not in new and n != "d"]
     snap = view(12, {n: r for n, r in regs.items() if n != "d"}, replication=1)
     publish(core, dataclasses.replace(snap, config=ClusterConfig(replication=1, placement="rendezvous-v1")))
-    plan = core.plan()
-    assert isinstance(plan.ring, Ring) and isinstance(plan.previous[0], BoundedTable)
+    routing = core.routing()
+    assert isinstance(routing.ring, Ring) and isinstance(routing.previous[0], BoundedTable)
 
 
 def test_chunk_keys_follow_the_cluster_chunk_group(core: ClusterCore) -> None:
@@ -307,6 +307,6 @@ def test_chunk_keys_follow_the_cluster_chunk_group(core: ClusterCore) -> None:
     publish(core, dataclasses.replace(snap, config=ClusterConfig(replication=2, chunk_group=8)))
     grouped = core.chunk_keys(tokens, ns)
     assert [k[4:] for k in grouped] == [k[4:] for k in plain] and len(set(grouped)) == len(grouped)
-    plan = core.plan()
-    assert len({tuple(plan.owners(k)) for k in grouped[:8]}) == 1  # one group, one set of owners
-    assert len({tuple(o) for o in plan.owners_many(grouped)}) <= 5  # 40 chunks, 5 groups
+    routing = core.routing()
+    assert len({tuple(routing.owners(k)) for k in grouped[:8]}) == 1  # one group, one set of owners
+    assert len({tuple(o) for o in routing.owners_many(grouped)}) <= 5  # 40 chunks, 5 groups

@@ -146,7 +146,7 @@ def test_cpu_streams_run_in_order_and_events_complete() -> None:
 
 def test_gpu_agent_imports_without_torch_and_is_the_only_cuda_user() -> None:
     # the CLI registers gpu_agent.demo at start-up and the node must run without torch
-    code = "import sys, gpu_agent, gpu_agent.demo, gpu_agent.layout, gpu_agent.planner; print('torch' in sys.modules)"
+    code = "import sys, gpu_agent, gpu_agent.demo, gpu_agent.layout, gpu_agent.prefetch; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "False"
     offenders = [

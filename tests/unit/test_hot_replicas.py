@@ -173,20 +173,20 @@ def test_readers_spread_a_hot_key_over_its_copies_and_skip_a_dead_extra(core: Cl
     key, cold = b"\x07" * 16, b"\x08" * 16
     snap = ClusterSnapshot(CLUSTER, 9, nodes, ClusterConfig(replication=2), {}, regs, True, True, hot={key: 4})
     core.membership._publish(snap)
-    plan = core.plan()
-    owners, extras = plan.owners(key), plan.extras(key)
-    assert len(extras) == 4 and plan.extras(cold) == []
+    routing = core.routing()
+    owners, extras = routing.owners(key), routing.extras(key)
+    assert len(extras) == 4 and routing.extras(cold) == []
     first = collections.Counter()
     for _ in range(3000):
-        cands, _ = core._spread(plan, [key, cold], plan.owners_many([key, cold]))
+        cands, _ = core._spread(routing, [key, cold], routing.owners_many([key, cold]))
         first[cands[0][0]] += 1
         assert cands[0][1:] == [n for n in owners if n != cands[0][0]]  # then the owners, in rank order
-        assert cands[1] == plan.owners(cold)  # a key that is not hot: its owners only
+        assert cands[1] == routing.owners(cold)  # a key that is not hot: its owners only
     assert set(first) == {*owners, *extras}
     assert max(first.values()) < 2 * 3000 / 6  # about uniform over the 6 copies
-    core.failed(extras[0], TimeoutError("dead"), plan)  # a dead extra: skipped
+    core.failed(extras[0], TimeoutError("dead"), routing)  # a dead extra: skipped
     core.suspects.mark(extras[0])
-    picked = {core._spread(plan, [key], [owners])[0][0][0] for _ in range(500)}
+    picked = {core._spread(routing, [key], [owners])[0][0][0] for _ in range(500)}
     assert extras[0] not in picked and picked == {*owners, *extras[1:]}
     # a view without nodes keeps no hot keys (nothing to spread over)
     core.membership._publish(dataclasses.replace(snap, nodes={}, revision=10))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_agent.planner import Bandwidths, PoolEntry, plan_evictions, plan_prefetch, usable_prefix
+from gpu_agent.prefetch import Bandwidths, PoolEntry, plan_evictions, plan_prefetch, usable_prefix
 
 MiB = 1 << 20
 K = [bytes([i]) * 16 for i in range(10)]

@@ -3,7 +3,7 @@
 The agent gathers the facts (which tier holds each chunk of a prompt, which chunks
 are already in the HBM pool, the pool's entries) and asks these functions for a
 decision; executing it is :mod:`gpu_agent.agent`'s job.  Tested on CPU with plain
-values (``tests/unit/test_gpu_agent_planner.py``).
+values (``tests/unit/test_gpu_agent_prefetch.py``).
 
 Rules:
 * A chunk is useless without its ancestors, so prefetch walks a prompt's chunks in
