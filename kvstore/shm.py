@@ -118,6 +118,12 @@ class ArenaMapping:
         return h.intdigest()
 
     def read_into(self, extents: Sequence[Extent], out: memoryview, nbytes: int) -> None:
+        if len(extents) == 1 and out.nbytes == nbytes:  # the usual block: one extent, one copy
+            e = extents[0]
+            if e.offset < 0 or e.offset + nbytes > self.size or nbytes > e.length:
+                raise InvalidArgument(f"extent {e} lies outside the arena or holds fewer than {nbytes} bytes")
+            out[:] = self.buf[e.offset : e.offset + nbytes]
+            return
         pos = 0
         for v in self.views(extents, nbytes):
             out[pos : pos + v.nbytes] = v

@@ -344,7 +344,9 @@ class TierManager:
                 if tenant is not None:
                     self._writers.setdefault(meta.namespace, tenant)
                 limit = (
-                    "max_reserved_bytes"
+                    None
+                    if ready is not None  # no limit or quota applies (checked for the batch above)
+                    else "max_reserved_bytes"
                     if not self._reserve_room(tenant, meta.payload_len)
                     else "max_dram_bytes"
                     if self.quotas is not None and not await self.quotas.make_room(tenant, meta.payload_len)
@@ -383,7 +385,8 @@ class TierManager:
             assert tenant is not None
             raise CapacityExceeded(self._over_limit(tenant, *over_limit))
         # before the commits: a block its session holds is never dead when it lands
-        self._used(tenant, session, [m.key for m, r in zip(metas, out) if r.status in (Status.OK, Status.EXISTS)])
+        if self.sessions is not None and (session is not None or self.sessions.has_dead()):
+            self._used(tenant, session, [m.key for m, r in zip(metas, out) if r.status in (Status.OK, Status.EXISTS)])
         return out
 
     def _over_limit(self, tenant: str, name: str, meta: BlockMeta) -> str:
