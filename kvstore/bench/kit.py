@@ -1,7 +1,7 @@
 """Measurement method shared by ``kvstore bench``, its references and its TLS path.
 
 Every buffer is allocated page-aligned and pre-faulted before timing (first touch runs
-at ~1 GB/s here, DESIGN §9); a case's figure is its best (shortest) repetition; GB/s
+at ~1 GB/s here, architecture §14); a case's figure is its best (shortest) repetition; GB/s
 are 10^9 bytes per second.  Stateless: nothing here outlives a call.
 """
 
