@@ -10,7 +10,7 @@ from __future__ import annotations
 import mmap
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -70,6 +70,12 @@ class Best:
 
     def gbps(self, nbytes: int) -> float | None:
         return gbps(nbytes, self.seconds) if self.seconds != float("inf") else None
+
+
+def each(fn: Callable[..., Any], *columns: Iterable[Any]) -> None:
+    """``fn(*row)`` for each row of ``columns`` (zipped), results dropped: a timed loop."""
+    for row in zip(*columns):
+        fn(*row)
 
 
 def timed(fn: Callable[[], Any]) -> float:

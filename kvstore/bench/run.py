@@ -48,13 +48,14 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
-import xxhash
 
 from kvstore.bench import tls as benchtls
-from kvstore.bench.kit import PAGE, Best, KiB, MiB, batched, blocks, buffer, label, log, ratio, timed
+from kvstore.bench.kit import PAGE, Best, KiB, MiB, batched, blocks, buffer, each, label, log, ratio, timed
 from kvstore.bench.nodes import private_node
 from kvstore.bench.refs import DirectIOFile, Redis, SocketPeer, drop_caches, memcpy
+from kvstore.block import checksum
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+from kvstore.keys import ChunkKey
 from kvstore.node.config import default_data_dir, parse_size
 from kvstore.progress import Progress
 
@@ -112,7 +113,7 @@ def run_engine(a: argparse.Namespace) -> dict[str, Any]:
         raise InvalidArgument(f"{base} has less than {need >> 20} MiB free for the NVMe benchmark; pass --dir")
     src_all, dst_all = buffer(ws, pattern=True), buffer(ws)
     src, dst = blocks(src_all, bsize), blocks(dst_all, bsize)
-    keys = [struct.pack("<QQ", 0xBE7C, i) for i in range(n)]
+    keys = [ChunkKey(struct.pack("<QQ", 0xBE7C, i)) for i in range(n)]
     metas = [BlockMeta.for_payload(k, s) for k, s in zip(keys, src)]
     sums = [m.payload_checksum for m in metas]
     reps = a.repeat
@@ -131,11 +132,11 @@ def run_engine(a: argparse.Namespace) -> dict[str, Any]:
         cm, cp, cg = Best(), Best(), Best()
         for rep in range(3 * reps):  # ~30 ms each: more reps cost nothing and steady the best
             cm.add(timed(lambda: memcpy(src, dst)))
-            cp.add(timed(lambda: [dram.write(m, s) for m, s in zip(metas, src)]))
+            cp.add(timed(lambda: each(dram.write, metas, src)))
             if rep == 0:
                 dst_all.fill(0)
-            cg.add(timed(lambda: [dram.read_into(k, d) for k, d in zip(keys, dst)]))
-            if rep == 0 and [xxhash.xxh3_64_intdigest(d) for d in dst] != sums:
+            cg.add(timed(lambda: each(dram.read_into, keys, dst)))
+            if rep == 0 and [checksum(d) for d in dst] != sums:
                 raise KVStoreError("DRAM tier returned wrong bytes")
             for k in keys:
                 dram.delete(k)
@@ -166,10 +167,10 @@ def run_engine(a: argparse.Namespace) -> dict[str, Any]:
                     tier.flush()
                 tw.add(
                     timed(
-                        lambda: [
-                            tier.write_many(list(zip(metas[g.start : g.stop], src[g.start : g.stop])))
-                            for g in batched(range(n), batch)
-                        ]
+                        lambda: each(
+                            lambda g: tier.write_many(list(zip(metas[g : g + batch], src[g : g + batch]))),
+                            range(0, n, batch),
+                        )
                     )
                 )
             for rep in range(reps):
@@ -178,9 +179,9 @@ def run_engine(a: argparse.Namespace) -> dict[str, Any]:
                 cold &= drop_caches()
                 if rep == 0:
                     dst_all.fill(0)
-                res = []
+                res: list[Any] = []
                 tr.add(timed(lambda: res.extend(tier.read_into(k, d) for k, d in zip(keys, dst))))  # noqa: B023 - timed() calls it at once
-                if not all(r.hit for r in res) or (rep == 0 and [xxhash.xxh3_64_intdigest(d) for d in dst] != sums):
+                if not all(r.hit for r in res) or (rep == 0 and [checksum(d) for d in dst] != sums):
                     raise KVStoreError("NVMe tier returned wrong bytes or missed")
         finally:
             ref.close()
@@ -299,12 +300,12 @@ class SDKPath:
         keys = [struct.pack("<QII", self.run, tag, i) for i in range(len(src))]  # new keys: puts really write
         kb, sb, db = list(batched(keys, batch)), list(batched(src, batch)), list(batched(dst, batch))
         try:
-            t_put = timed(lambda: [self._ok(self.kv.put_many(k, s), "put") for k, s in zip(kb, sb)])
+            t_put = timed(lambda: each(lambda k, s: self._ok(self.kv.put_many(k, s), "put"), kb, sb))
             if check is not None:
                 for d in dst:
                     d.fill(0)
-            t_get = timed(lambda: [self._ok(self.kv.get_many_into(k, d), "get") for k, d in zip(kb, db)])
-            if check is not None and [xxhash.xxh3_64_intdigest(d) for d in dst] != check:
+            t_get = timed(lambda: each(lambda k, d: self._ok(self.kv.get_many_into(k, d), "get"), kb, db))
+            if check is not None and [checksum(d) for d in dst] != check:
                 raise KVStoreError(f"{self.name}: get returned bytes that differ from the put")
         finally:
             for k in batched(keys, 1024):
@@ -337,7 +338,7 @@ def run_sdk(a: argparse.Namespace) -> dict[str, Any]:
     ref_size = REF_SIZE if REF_SIZE in sizes else sizes[len(sizes) // 2]
     ws_max = max(max(1, ws_goal // s) * s for s in sizes)
     work = Path(tempfile.mkdtemp(prefix="kvstore-bench-"))
-    cleanup: list[Callable[[], None]] = [lambda: shutil.rmtree(work, ignore_errors=True)]
+    cleanup: list[Callable[[], object]] = [lambda: shutil.rmtree(work, ignore_errors=True)]
     out: dict[str, Any] = {
         "bench": "sdk",
         "working_set_bytes": ws_goal,
@@ -373,7 +374,7 @@ def run_sdk(a: argparse.Namespace) -> dict[str, Any]:
             unix, tcp = node.endpoints["unix"], node.endpoints["grpc"]
             out["node"] = f"private (pid {node.endpoints['pid']}, {dram >> 20} MiB DRAM)"
         paths: list[tuple[SDKPath, set[int]]] = []
-        for name, target, transport, at in (
+        for name, target, transport, measured_at in (
             ("local", unix, "shm", set(sizes)),
             ("tcp", tcp, "data-channel", set(sizes)),
             ("grpc-stream", tcp or unix, "grpc-stream", set(a.stream_sizes)),
@@ -381,7 +382,7 @@ def run_sdk(a: argparse.Namespace) -> dict[str, Any]:
             if target and name in a.paths:
                 p = SDKPath(name, target, transport)
                 cleanup.append(p.close)
-                paths.append((p, at))
+                paths.append((p, measured_at))
         tls = None
         if "tls" in a.paths:
             log(
@@ -398,7 +399,7 @@ def run_sdk(a: argparse.Namespace) -> dict[str, Any]:
             n = max(1, ws_goal // size)
             ws, batch = n * size, max(1, a.batch_bytes // size)
             src, dst = blocks(src_all, size)[:n], blocks(dst_all, size)[:n]
-            check = [xxhash.xxh3_64_intdigest(s) for s in src]
+            check = [checksum(s) for s in src]
             prog.step(f"{n} x {label(size)} in batches of {batch}")
             here = [p for p, at in paths if size in at]
             best = {
@@ -425,15 +426,12 @@ def run_sdk(a: argparse.Namespace) -> dict[str, Any]:
                     rkeys = [b"bench:%d:%d" % (rep, i) for i in range(n)]
                     best["redis_put"].add(
                         timed(
-                            lambda: [redis.set_many(k, s) for k, s in zip(batched(rkeys, batch), batched(src, batch))]  # noqa: B023 - timed() calls it at once
+                            lambda: each(redis.set_many, batched(rkeys, batch), batched(src, batch))  # noqa: B023 - timed() calls it at once
                         )
                     )
                     best["redis_get"].add(
                         timed(
-                            lambda: [
-                                redis.get_many_into(k, d)
-                                for k, d in zip(batched(rkeys, batch), batched(dst, batch))  # noqa: B023 - timed() calls it at once
-                            ]
+                            lambda: each(redis.get_many_into, batched(rkeys, batch), batched(dst, batch))  # noqa: B023 - timed() calls it at once
                         )
                     )
                     redis.command(b"FLUSHALL")
@@ -470,7 +468,10 @@ def run_sdk(a: argparse.Namespace) -> dict[str, Any]:
     out["references"] = refs
     r = refs[label(ref_size)]
     out.update({k: r[k] for k in ("memcpy_gbps", "socket_gbps", "socket_put_gbps", "redis_put_gbps", "redis_get_gbps")})
-    at = lambda path, key: results.get(path, {}).get(label(ref_size), {}).get(key)  # noqa: E731
+
+    def at(path: str, key: str) -> Any:
+        return results.get(path, {}).get(label(ref_size), {}).get(key)
+
     out["ratios"] = {
         "local_get_vs_memcpy": ratio(at("local", "get_gbps"), r["memcpy_gbps"]),
         "local_put_vs_memcpy": ratio(at("local", "put_gbps"), r["memcpy_gbps"]),
@@ -689,7 +690,7 @@ def main(a: argparse.Namespace) -> int:
     if a.engine and a.index_blocks is not None:
         from kvstore.bench import index as benchindex
 
-        result = {
+        result: dict[str, Any] = {
             "bench": "engine",
             "index": benchindex.run_index(
                 a.index_blocks, a.index_block_bytes, Path(a.dir) if a.dir else engine_base_dir()
