@@ -297,7 +297,27 @@ class NodeAgent:
             return n
 
 
-async def stop_quietly(agent: NodeAgent | None) -> None:
-    if agent is not None:
-        with contextlib.suppress(Exception):
-            await agent.stop()
+STOP_TIMEOUT_S = 10.0
+
+
+async def stop_quietly(agent: NodeAgent | None, timeout: float = STOP_TIMEOUT_S) -> bool:
+    """Leave the cluster (:meth:`NodeAgent.stop`) within ``timeout`` s; never raise, never hang.
+
+    A node that stops while etcd is unreachable must still exit: past the bound the stop is
+    abandoned (cancelled, not awaited: a call stuck in the etcd client may not honour the
+    cancellation) and the node's record expires with its lease.  True if the stop finished."""
+    if agent is None:
+        return True
+    task = asyncio.ensure_future(agent.stop())
+    done, _ = await asyncio.wait({task}, timeout=timeout)
+    if not done:
+        task.cancel()
+        log.warning(
+            "leaving the cluster did not finish in %.0f s (is etcd reachable?); going on: "
+            "this node's record expires with its lease",
+            timeout,
+        )
+        return False
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("leaving the cluster failed: %s", task.exception())
+    return True
