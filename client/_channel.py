@@ -44,15 +44,19 @@ RETRIES = 2
 FINALIZE_WAIT_S = 2.0
 
 
+_IDLE_S = 2.0  # how long an Inflight worker waits for another call before it ends
+
+
 class Inflight:
-    """Calls a client starts without waiting (``Release``), made one after another by one
-    long-lived worker thread, so they are finished before the client, or the interpreter, goes.
+    """Calls a client starts without waiting (``Release``), made one after another by a worker
+    thread, so they are finished before the client, or the interpreter, goes.
 
     Not gRPC futures: each ``future()`` of a blocking channel starts the channel's polling
     thread anew when none runs (about 1.5 ms of a loaded machine's time per batch, as much as
     copying 16 MiB), and a future still running at interpreter exit hangs it (its ``__del__``
     takes the call's lock, which gRPC's polling thread may hold when daemon threads are
-    frozen).  The worker is a daemon thread started at the first call; the client's finalizer
+    frozen).  The worker is a daemon thread started at a call when none runs, ending once idle
+    for ``_IDLE_S``; the client's finalizer
     (``weakref.finalize``: on GC and at exit, while threads still run) waits for the calls
     briefly, drops those not started and closes the channel, which cancels one in progress.
     It must not refer to the client.  Thread-safe.
@@ -83,9 +87,12 @@ class Inflight:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._stopped:
-                    self._cond.wait()
-                if self._stopped and not self._queue:
+                if not self._queue and not self._stopped:
+                    # idle: the thread ends after a while (a cluster client has one of these per
+                    # node it talks to); the next add() starts another
+                    self._cond.wait(_IDLE_S)
+                if not self._queue:
+                    self._worker = None
                     return
                 call = self._queue.popleft()
             try:
