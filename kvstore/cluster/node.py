@@ -95,7 +95,7 @@ class NodeAgent:
         self.extras_dropped = 0
         self._extras_task: asyncio.Task[Any] | None = None
         self._extras_again = False
-        manager.ledger.on_hits = self._on_hits
+        manager.watch_hits(self._on_hits)
 
     async def start(self, first_timeout: float = 5.0) -> dict[str, Any]:
         """Register (waiting up to ``first_timeout`` s; an unreachable etcd is retried in the
@@ -279,19 +279,7 @@ class NodeAgent:
     async def _reclaim(self, stale: set[bytes]) -> int:
         """Delete every block recorded under one of the ``stale`` effective fingerprints."""
         async with self._reclaim_lock:
-            m = self.manager
-            keys = [k for k in m.dram.keys() if (meta := m.dram.meta(k)) is not None and meta.namespace in stale]
-            if m.nvme is not None:
-                nvme = m.nvme
-
-                def scan() -> list[Any]:
-                    return [k for k in nvme.keys() if (meta := nvme.meta(k)) is not None and meta.namespace in stale]
-
-                seen = set(keys)
-                keys.extend(k for k in await asyncio.get_running_loop().run_in_executor(None, scan) if k not in seen)
-            n = await m.delete(keys) if keys else 0
-            m.counters["invalidated_blocks"] += n
-            m.counters["epoch_reclaimed_blocks"] += n
+            n = await self.manager.drop_namespaces(stale, why="epoch")
             if n:
                 log.info("namespace epoch bump: reclaimed %d stale blocks", n)
             return n

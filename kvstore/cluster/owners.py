@@ -100,11 +100,8 @@ class OwnersFollower:
         self._spawn(self._drop(namespaces))
 
     async def _drop(self, namespaces: set[bytes]) -> None:
-        n = 0
-        for ns in sorted(namespaces):
-            n += await self.manager.invalidate(ns)
+        n = await self.manager.drop_namespaces(namespaces, why="owner_change")
         self.dropped += len(namespaces)
-        self.manager.counters["owner_change_dropped_blocks"] += n
         if n:
             log.info("dropped %d blocks of %d namespaces that changed owner", n, len(namespaces))
 

@@ -67,7 +67,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -93,6 +93,11 @@ Visible = Callable[[bytes], bool]
 BytePath = Literal["local", "tcp", "grpc_stream"]
 """How payload bytes move: the shared-memory arena, the TCP data channel, a gRPC stream."""
 Direction = Literal["in", "out"]
+DropReason = Literal["epoch", "owner_change"]
+_DROP_COUNTER: dict[DropReason, str] = {
+    "epoch": "epoch_reclaimed_blocks",
+    "owner_change": "owner_change_dropped_blocks",
+}
 
 
 class TierManager:
@@ -656,6 +661,12 @@ class TierManager:
         lease = self.holds.leases.get(lid)
         return self.dram.arena.views(lease.extents, lease.nbytes) if lease is not None else None
 
+    def watch_hits(self, fn: Callable[[list[tuple[str, BlockMeta]]], None] | None) -> None:
+        """Have ``fn`` see every batch of hits the ledger records (``(tier, meta)`` pairs, on
+        the event loop; it must be cheap): the cluster agent's read-heat counting.  One watcher;
+        None removes it."""
+        self.ledger.on_hits = fn
+
     def moved(self, path: BytePath, direction: Direction, nbytes: int) -> None:
         """Count payload bytes that left (``out``) or entered (``in``) the node by ``path``."""
         self.counters[f"{path}_bytes_{direction}"] += nbytes
@@ -731,17 +742,32 @@ class TierManager:
         return n
 
     async def invalidate(self, namespace: bytes) -> int:
-        keys = [k for k in self.dram.keys() if (m := self.dram.meta(k)) is not None and m.namespace == namespace]
+        """Delete every block of ``namespace`` (counted in ``invalidated_blocks``); how many."""
+        return await self.drop_namespaces({namespace})
+
+    async def drop_namespaces(self, namespaces: Collection[bytes], *, why: DropReason | None = None) -> int:
+        """Delete every block stored under one of ``namespaces`` (effective fingerprints); how many.
+
+        Counted in ``invalidated_blocks``, and also by ``why``: ``epoch`` (a namespace's epoch
+        was bumped: ``epoch_reclaimed_blocks``) or ``owner_change`` (the namespace changed tenant:
+        ``owner_change_dropped_blocks``).  The cluster agent calls this; nothing outside the
+        manager edits its counters."""
+        wanted = frozenset(namespaces)
+        if not wanted:
+            return 0
+        keys = [k for k in self.dram.keys() if (m := self.dram.meta(k)) is not None and m.namespace in wanted]
         if (nvme := self.nvme) is not None:
             nv = await self.movers.io(
-                lambda: [k for k in nvme.keys() if (m := nvme.meta(k)) is not None and m.namespace == namespace]
+                lambda: [k for k in nvme.keys() if (m := nvme.meta(k)) is not None and m.namespace in wanted]
             )
             seen = set(keys)  # once: a set per key made this quadratic (minutes for a big namespace)
             keys.extend(k for k in nv if k not in seen)
         # checked again at each key's turn: while the NVMe scan ran (or between slices of the
         # delete) a key may have come to hold another namespace's block, which must stay
-        n = await self.delete(keys, may=lambda ns: ns == namespace)
+        n = await self.delete(keys, may=lambda ns: ns in wanted) if keys else 0
         self.counters["invalidated_blocks"] += n
+        if why is not None:
+            self.counters[_DROP_COUNTER[why]] += n
         return n
 
     def pin(self, keys: Sequence[ChunkKey], ttl: float, *, tenant: str | None = None) -> int:

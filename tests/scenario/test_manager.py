@@ -236,6 +236,28 @@ def test_invalidate_drops_a_namespace_in_every_tier(mgr: TierManager) -> None:
     run(go())
 
 
+def test_dropping_namespaces_counts_why(mgr: TierManager) -> None:
+    """The cluster agent drops namespaces through the manager (epoch bumps, owner changes):
+    only the named namespaces go, from every tier, and the reason is counted."""
+
+    async def go() -> None:
+        ns = [bytes([65 + i]) * 8 for i in range(3)]
+        for i in range(9):
+            data = payload(i)
+            meta = BlockMeta.for_payload(key(i), data, namespace=ns[i % 3])
+            (r,) = await mgr.reserve([meta])
+            mgr.dram.arena.write(list(r.extents), memoryview(data))
+            await mgr.commit([r.reservation_id])
+        assert await mgr.drop_namespaces({ns[0]}, why="epoch") == 3
+        assert await mgr.drop_namespaces([ns[1]], why="owner_change") == 3
+        assert await mgr.drop_namespaces(set()) == 0
+        assert [i for i in range(9) if mgr.where(key(i)) is not None] == [2, 5, 8]
+        c = mgr.counters
+        assert (c["invalidated_blocks"], c["epoch_reclaimed_blocks"], c["owner_change_dropped_blocks"]) == (6, 3, 3)
+
+    run(go())
+
+
 def test_corrupt_local_write_is_not_demoted(mgr: TierManager) -> None:
     async def go() -> None:
         data = payload(1)

@@ -231,9 +231,12 @@ class FakeManager:
         self.invalidated: list[bytes] = []
         self.counters: Counter[str] = Counter()
 
-    async def invalidate(self, ns: bytes) -> int:
-        self.invalidated.append(ns)
-        return 3
+    async def drop_namespaces(self, namespaces: set[bytes], *, why: str | None = None) -> int:
+        """TierManager.drop_namespaces as the follower sees it: 3 blocks per namespace."""
+        self.invalidated.extend(sorted(namespaces))
+        if why == "owner_change":
+            self.counters["owner_change_dropped_blocks"] += 3 * len(namespaces)
+        return 3 * len(namespaces)
 
 
 def test_follower_confirms_cache_only_owners_and_drops_lost_namespaces(tmp_path: Path) -> None:
