@@ -1,7 +1,7 @@
 """Live mode of ``kvstore replay``: drive a running node through the SDK with a trace.
 
 Each request makes the calls :mod:`kvstore.traces.simulator` makes on its in-process tier
-manager, over :class:`client.KVClient`: ``match_prefix`` → ``get_many_into`` of the hit
+manager, over the SDK (:func:`client.connect`: a node or a cluster): ``match_prefix`` → ``get_many_into`` of the hit
 prefix (the node's ``acquire`` tells the policy they were used) → ``put_many`` of the
 rest with their parents, ``put_batch`` blocks per call.  Payloads are synthetic: one
 buffer of ``block_bytes`` reused for every block, so the trace need not fit anywhere;
@@ -125,7 +125,7 @@ def replay_live(
 
     ``log``: where warnings go as they happen (True: stderr; None/False: only in the result).
     """
-    from client import KVClient  # the SDK pulls in gRPC: only live mode needs it
+    from client import connect  # the SDK pulls in gRPC: only live mode needs it
 
     if block_bytes <= 0:
         raise InvalidArgument(f"--block-bytes must be positive, got {block_bytes}")
@@ -144,7 +144,7 @@ def replay_live(
     payload = np.full(block_bytes, 0x5A, dtype=np.uint8)
     longest = max((len(k) for k in trace.keys), default=0)
     scratch = np.empty(max(1, longest) * block_bytes, dtype=np.uint8)  # get_many_into destinations
-    with KVClient(target, token_file=token_file, **(client_options or {})) as kv:
+    with connect(target, token_file=token_file, **(client_options or {})) as kv:
         before = kv.stats()
         nodes, replication = per_node(before)
         cap = sum(node_capacity_blocks(n, block_bytes) for n in nodes.values()) // replication
