@@ -50,6 +50,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.keys import KVLayout
 from kvstore.progress import Progress
 from kvstore.traces.format import DEFAULT_BLOCK_TOKENS, Trace
+from kvstore.traces.plan_plot import amount
 from kvstore.traces.replay import gap_closed, positive_int
 from kvstore.traces.simulator import DEFAULT_PUT_BATCH, check_policy
 from kvstore.traces.sweep import (
@@ -424,8 +425,8 @@ def _split_json(p: GridPoint, trace: Trace, a: argparse.Namespace, block_bytes: 
 
 def _describe(r: dict[str, Any]) -> str:
     return (
-        f"DRAM {r['dram_bytes'] / GiB:.3g} GiB ({r['dram_blocks']:,} blocks) + NVMe {r['nvme_bytes'] / GiB:.3g} GiB "
-        f"({r['nvme_blocks']:,} blocks), cost {r['cost']:.4g}: hit ratio {100 * r['hit_ratio']:.2f}%"
+        f"DRAM {amount(r['dram_bytes'] / GiB)} GiB ({r['dram_blocks']:,} blocks) + NVMe {amount(r['nvme_bytes'] / GiB)} GiB "
+        f"({r['nvme_blocks']:,} blocks), cost {amount(r['cost'])}: hit ratio {100 * r['hit_ratio']:.2f}%"
     )
 
 
@@ -525,9 +526,7 @@ def _print_grid(o: dict[str, Any]) -> None:
         cells = [by[(d, n)] for n in g["nvme_blocks"]]
         print(
             f"{100 * d / u:7.3g}% "
-            + " ".join(
-                f"{format(100 * r['hit_ratio'], '.2f') + '% (' + format(r['cost'], '.3g') + ')':>20}" for r in cells
-            )
+            + " ".join(f"{format(100 * r['hit_ratio'], '.2f') + '% (' + amount(r['cost']) + ')':>20}" for r in cells)
         )
     for k in ("cheapest_for_target", "best_for_budget"):
         if k in o:

@@ -17,6 +17,12 @@ from kvstore.traces.sweep import OPTIMAL, SweepPoint
 GiB = 1 << 30
 
 
+def amount(x: float) -> str:
+    """A size or a price as people write it: thousands grouped, never in scientific notation
+    (2,750 rather than 2.75e+03), three significant digits below 100."""
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
 def pct_label(fraction: float) -> str:
     """A tick's percentage to two significant digits: capacities are whole blocks, so 1% of a
     trace's blocks is 0.9995% or 1.0065% of them, and a tick says "1%" (not "0.999%")."""
@@ -125,7 +131,7 @@ def plot_grid(
             ax.text(
                 j,
                 i,
-                f"{100 * r['hit_ratio']:.1f}%\n{r['cost']:.3g}",
+                f"{100 * r['hit_ratio']:.1f}%\n{amount(r['cost'])}",
                 ha="center",
                 va="center",
                 fontsize=8,
@@ -142,14 +148,14 @@ def plot_grid(
     ax.set_xticks(
         range(len(nvmes)),
         [
-            f"{r['nvme_bytes'] / GiB:.3g} GiB\n{pct_label(r['nvme_fraction'])}"
+            f"{amount(r['nvme_bytes'] / GiB)} GiB\n{pct_label(r['nvme_fraction'])}"
             for r in (by[(drams[0], n)] for n in nvmes)
         ],
     )
     ax.set_yticks(
         range(len(drams)),
         [
-            f"{r['dram_bytes'] / GiB:.3g} GiB ({pct_label(r['dram_fraction'])})"
+            f"{amount(r['dram_bytes'] / GiB)} GiB ({pct_label(r['dram_fraction'])})"
             for r in (by[(d, nvmes[0])] for d in drams)
         ],
     )
