@@ -9,8 +9,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from cluster_core import drive, publish, router, view
 
-from client._cluster import ClusterCore, Fanout
+from client._cluster import ClusterCore
 from kvstore.cluster.etcd import _Builder
 from kvstore.cluster.placement import BoundedTable, Ring, placement
 from kvstore.cluster.state import ClusterConfig, ClusterSnapshot, NodeInfo, node_key, parse_setting
@@ -96,42 +97,16 @@ def test_placement_of_zero_and_one_node_with_replication_3() -> None:
 
 @pytest.fixture
 def core() -> Iterator[ClusterCore]:
-    c = ClusterCore(
-        f"etcd://127.0.0.1:1/{CLUSTER}",
-        timeouts=None,
-        transport="tcp",
-        verify=True,
-        replication=None,
-        suspect_s=30.0,
-        prefer_local=False,
-        wait_s=0,
-    )
-    try:
+    with router(CLUSTER) as c:
         yield c
-    finally:
-        c.close()
-
-
-def drive(op: Any, answer: Any) -> Any:
-    calls: list[str] = []
-    try:
-        instr = next(op)
-        while True:
-            assert isinstance(instr, Fanout), instr
-            calls.extend(node for node, _ in instr.calls)
-            instr = op.send([answer(node) for node, _ in instr.calls])
-    except StopIteration as stop:
-        return stop.value, calls
 
 
 def snapshot(nodes: list[str], r: int) -> ClusterSnapshot:
-    infos = {n: NodeInfo(n, f"10.0.0.{i + 1}:7000") for i, n in enumerate(nodes)}
-    regs = {n: (i + 1, 100 + i) for i, n in enumerate(nodes)}
-    return ClusterSnapshot(CLUSTER, 7, infos, ClusterConfig(replication=r), {}, regs, True, True)
+    return view(CLUSTER, 7, {n: (i + 1, 100 + i) for i, n in enumerate(nodes)}, replication=r)
 
 
 def test_a_client_with_no_nodes_answers_misses_and_refuses_nothing_silently(core: ClusterCore) -> None:
-    core.membership._publish(snapshot([], 3))
+    publish(core, snapshot([], 3))
     ks = KEYS[:4]
     stored, calls = drive(core.put_many(ks, [b"x"] * 4, namespace=None, parents=None, token_counts=None), None)
     assert stored == [False] * 4 and calls == []  # no node to store on: every put says so
@@ -142,10 +117,10 @@ def test_a_client_with_no_nodes_answers_misses_and_refuses_nothing_silently(core
 
 
 def test_one_node_with_replication_3_holds_the_one_copy(core: ClusterCore) -> None:
-    core.membership._publish(snapshot(["solo"], 3))
+    publish(core, snapshot(["solo"], 3))
     routing = core.routing()
     assert routing.r == 3 and all(routing.owners(k) == ["solo"] for k in KEYS)
     stored, calls = drive(
-        core.put_many(KEYS[:4], [b"x"] * 4, namespace=None, parents=None, token_counts=None), lambda n: [True] * 4
+        core.put_many(KEYS[:4], [b"x"] * 4, namespace=None, parents=None, token_counts=None), lambda n, make: [True] * 4
     )
     assert stored == [True] * 4 and calls == ["solo"]

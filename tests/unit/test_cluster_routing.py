@@ -11,11 +11,13 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+import cluster_core
 import pytest
+from cluster_core import publish, router
 
 from client._cluster import ClusterCore, Fanout
 from client._instructions import GetStream, PutStream
-from kvstore.cluster.state import ClusterConfig, ClusterSnapshot, NodeInfo
+from kvstore.cluster.state import ClusterConfig, ClusterSnapshot
 from kvstore.errors import DeadlineExceeded, OwnershipUnavailable, Unavailable
 
 CLUSTER = "routing"
@@ -23,33 +25,14 @@ KEYS = [bytes([i]) * 16 for i in range(1, 65)]
 
 
 def view(revision: int, regs: dict[str, tuple[int, int]], replication: int = 2, port: int = 7000) -> ClusterSnapshot:
-    """A loaded view with nodes ``regs`` (node -> (record revision, lease))."""
-    nodes = {n: NodeInfo(n, f"10.0.0.{i + 1}:{port}") for i, n in enumerate(sorted(regs))}
-    return ClusterSnapshot(
-        CLUSTER, revision, nodes, ClusterConfig(replication=replication), {}, dict(regs), connected=True, loaded=True
-    )
+    """A loaded view of this module's cluster with nodes ``regs`` (node -> (record revision, lease))."""
+    return cluster_core.view(CLUSTER, revision, regs, replication, port)
 
 
 @pytest.fixture
 def core() -> Iterator[ClusterCore]:
-    c = ClusterCore(
-        f"etcd://127.0.0.1:1/{CLUSTER}",
-        timeouts=None,
-        transport="tcp",
-        verify=True,
-        replication=None,
-        suspect_s=30.0,
-        prefer_local=False,
-        wait_s=0,
-    )
-    try:
+    with router(CLUSTER) as c:
         yield c
-    finally:
-        c.close()
-
-
-def publish(core: ClusterCore, snap: ClusterSnapshot) -> None:
-    core.membership._publish(snap)
 
 
 def fail(core: ClusterCore, node: str, err: BaseException | None = None) -> None:
@@ -58,17 +41,8 @@ def fail(core: ClusterCore, node: str, err: BaseException | None = None) -> None
 
 
 def drive(op: Any, answer: Any) -> Any:
-    """Run a sans-I/O operation, answering each fan-out call with ``answer(node, n_keys)``."""
-    instr = next(op)
-    try:
-        while True:
-            assert isinstance(instr, Fanout), instr
-            results = []
-            for node, make in instr.calls:
-                results.append(answer(node, make))
-            instr = op.send(results)
-    except StopIteration as stop:
-        return stop.value
+    """Run a sans-I/O operation, answering each fan-out call with ``answer(node, node_op)``."""
+    return cluster_core.drive(op, answer)[0]
 
 
 def test_regression_reregistered_node_stays_suspect_for_the_whole_backoff(core: ClusterCore) -> None:

@@ -10,6 +10,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from cluster_core import publish, router
 
 from client._cluster import ClusterCore
 from kvstore.cluster import hot
@@ -150,20 +151,8 @@ def test_extra_copies_are_dropped_when_the_key_leaves_the_hot_set() -> None:
 # -- the readers' spread ----------------------------------------------------------------------------
 @pytest.fixture
 def core() -> Iterator[ClusterCore]:
-    c = ClusterCore(
-        f"etcd://127.0.0.1:1/{CLUSTER}",
-        timeouts=None,
-        transport="tcp",
-        verify=True,
-        replication=None,
-        suspect_s=30.0,
-        prefer_local=False,
-        wait_s=0,
-    )
-    try:
+    with router(CLUSTER) as c:
         yield c
-    finally:
-        c.close()
 
 
 def test_readers_spread_a_hot_key_over_its_copies_and_skip_a_dead_extra(core: ClusterCore) -> None:
@@ -172,7 +161,7 @@ def test_readers_spread_a_hot_key_over_its_copies_and_skip_a_dead_extra(core: Cl
     regs = {n: (i + 1, 100 + i) for i, n in enumerate(ids)}
     key, cold = b"\x07" * 16, b"\x08" * 16
     snap = ClusterSnapshot(CLUSTER, 9, nodes, ClusterConfig(replication=2), {}, regs, True, True, hot={key: 4})
-    core.membership._publish(snap)
+    publish(core, snap)
     routing = core.routing()
     owners, extras = routing.owners(key), routing.extras(key)
     assert len(extras) == 4 and routing.extras(cold) == []
@@ -189,7 +178,7 @@ def test_readers_spread_a_hot_key_over_its_copies_and_skip_a_dead_extra(core: Cl
     picked = {core._spread(routing, [key], [owners])[0][0][0] for _ in range(500)}
     assert extras[0] not in picked and picked == {*owners, *extras[1:]}
     # a view without nodes keeps no hot keys (nothing to spread over)
-    core.membership._publish(dataclasses.replace(snap, nodes={}, revision=10))
+    publish(core, dataclasses.replace(snap, nodes={}, revision=10))
 
 
 # -- the figure: busiest node <= 2x the mean under a Zipf workload ---------------------------------------
