@@ -442,11 +442,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
-        return pb.ReleaseResponse(
-            valid=self.manager.release(
-                self._own_ids(self._caller(), self._ids(request.lease_ids), self.manager.lease_tenant)
-            )
-        )
+        ids = self._own_ids(self._caller(), self._ids(request.lease_ids), self.manager.lease_tenant)
+        valid = self.manager.release(ids)
+        self.transfers.released(ids)  # a TCP get given up before its bytes: its transfer goes too
+        return pb.ReleaseResponse(valid=valid)
 
     # The data channel needs no tenant checks of its own: a transfer id is a 16-byte secret
     # that only StartGet/StartPut hand out, after the checks below, to the caller they

@@ -61,23 +61,44 @@ class TransferTable:
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._pending: dict[bytes, Transfer] = {}
+        self._by_lease: dict[int, bytes] = {}  # lease id -> the pending GET that would send it
 
     def add(self, transfer: Transfer) -> bytes:
         tid = secrets.token_bytes(16)
         self._pending[tid] = transfer
+        if transfer.op == OP_GET:
+            for lid, _, _ in transfer.items:
+                self._by_lease[lid] = tid
         return tid
+
+    def _pop(self, tid: bytes) -> Transfer:
+        t = self._pending.pop(tid)
+        if t.op == OP_GET:
+            for lid, _, _ in t.items:
+                self._by_lease.pop(lid, None)
+        return t
 
     def take(self, tid: bytes, op: int) -> Transfer | None:
         t = self._pending.get(tid)
         if t is None or t.op != op:
             return None
-        del self._pending[tid]
-        return t
+        return self._pop(tid)
 
     def expire(self) -> list[Transfer]:
         now = self._clock()
         gone = [tid for tid, t in self._pending.items() if t.deadline <= now]
-        return [self._pending.pop(tid) for tid in gone]
+        return [self._pop(tid) for tid in gone]
+
+    def released(self, lease_ids: Sequence[int]) -> list[Transfer]:
+        """Forget the pending GETs whose every lease is among ``lease_ids`` (their caller gave
+        the leases back instead of fetching: nothing is left for them to send); those dropped."""
+        tids = {tid for lid in lease_ids if (tid := self._by_lease.pop(lid, None)) is not None}
+        dropped = []
+        for tid in tids:
+            t = self._pending.get(tid)
+            if t is not None and not any(lid in self._by_lease for lid, _, _ in t.items):
+                dropped.append(self._pop(tid))
+        return dropped
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -168,6 +189,11 @@ class Transfers:
         statuses = await self.manager.commit(ids, verify=True)
         self.manager.moved("tcp", "in", t.nbytes)
         return [int(s) for s in statuses]
+
+    def released(self, lease_ids: Sequence[int]) -> int:
+        """The caller released ``lease_ids`` (``Release``): a pending GET left with none of its
+        leases is dropped now rather than at its deadline; how many were."""
+        return len(self._table.released(lease_ids))
 
     # -- deadlines (the node's reaper) -------------------------------------------------------
     def expire(self) -> None:

@@ -131,6 +131,33 @@ def test_get_transfer_reads_leased_bytes_and_releases_its_leases(mgr: TierManage
     run(go())
 
 
+def test_a_get_whose_leases_were_all_released_is_dropped_at_once(mgr: TierManager) -> None:
+    """A client that gives up a TCP get before its bytes (an output buffer too small) releases
+    the leases: the pending transfer goes with the last of them, not at its deadline."""
+
+    async def go() -> None:
+        t = Transfers(mgr)
+        metas = [meta(i, 4 * KiB) for i in (7, 8)]
+        rs = await mgr.reserve(metas)
+        assert await mgr.commit([r.reservation_id for r in rs]) == [Status.OK] * 2
+        leased = await mgr.acquire([m.key for m in metas])
+        tid = t.start_get(leased)
+        ids = [x.lease_id for x in leased]
+        mgr.release(ids[:1])
+        assert t.released(ids[:1]) == 0 and t.pending == 1, "one lease left: still the caller's"
+        mgr.release(ids[1:])
+        assert t.released(ids[1:]) == 1 and t.pending == 0
+        assert await t.take(tid, OP_GET) is None
+        other = t.start_get(await mgr.acquire([metas[0].key]))
+        assert t.released([12345]) == 0 and t.pending == 1, "unknown ids drop nothing"
+        x = await t.take(other, OP_GET)
+        assert x is not None
+        await t.finish_get(x, True)
+        assert not mgr.holds.leases
+
+    run(go())
+
+
 def test_expired_transfers_end_and_a_late_take_is_refused(mgr: TierManager, clock: FakeClock) -> None:
     async def go() -> None:
         t = Transfers(mgr)
