@@ -6,8 +6,8 @@ cluster) and in how they run its operations (``_run``); both cores answer ``put_
 ``get_many_into`` alike, so the calls built on them are written once here.  Owns no state.
 
 ``session_id=`` (session hints, ``kvstore/node/sessions.py``) names the caller's session on a put
-or read; a core that cannot carry it (the cluster core, for now) refuses it rather than
-drop it.
+or read; both cores carry it (the cluster core to every node an operation calls).  A core
+that could not would refuse it rather than drop it (``SESSION_HINTS``).
 """
 
 from __future__ import annotations

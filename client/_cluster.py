@@ -96,7 +96,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import ChunkKey, Namespace, check_key, chunk_keys
 from kvstore.shm import as_bytes_view
-from kvstore.vocabulary import DEADLINE, NODE_DOWN
+from kvstore.vocabulary import DEADLINE, NODE_DOWN, check_session_id
 from kvstore.wire import meta_from_pb, meta_to_pb
 from protos.kvstore.v1 import kvstore_pb2 as pb
 
@@ -294,8 +294,11 @@ class ClusterCore:
     """Routing state shared by :class:`ClusterClient` and :class:`AsyncClusterClient`.
 
     Owns the membership view and the suspect list; both are thread-safe, so one core
-    serves every thread of a sync client.
+    serves every thread of a sync client.  Session hints (``session=``) go with every
+    node call an operation makes: each node keeps the blocks the session used valuable.
     """
+
+    SESSION_HINTS = True  # put_many / get_many_into / lookup / match_prefix take session=
 
     def __init__(
         self,
@@ -474,7 +477,9 @@ class ClusterCore:
         namespace: object,
         parents: Sequence[bytes | None] | None,
         token_counts: Sequence[int] | None,
+        session: str | None = None,
     ) -> ClusterOp[list[bool]]:
+        session = check_session_id(session)
         ks = [check_key(k) for k in keys]
         datas = list(datas)
         if len(ks) != len(datas):
@@ -502,6 +507,7 @@ class ClusterCore:
                     namespace=eff,
                     parents=[parents[i] for i in idx] if parents is not None else None,
                     token_counts=[token_counts[i] for i in idx] if token_counts is not None else None,
+                    session=session,
                 )
 
             calls.append((n, op))
@@ -672,7 +678,10 @@ class ClusterCore:
             self._unreported_short = 0
         return reqs, self.node_info(routing, live[0])
 
-    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[object] | None) -> ClusterOp[list[Any]]:
+    def get_many_into(
+        self, keys: Sequence[bytes], outs: Sequence[object] | None, *, session: str | None = None
+    ) -> ClusterOp[list[Any]]:
+        session = check_session_id(session)
         ks = [check_key(k) for k in keys]
         if outs is not None and len(outs) != len(ks):
             raise InvalidArgument(f"{len(ks)} keys but {len(outs)} output buffers")
@@ -687,7 +696,7 @@ class ClusterCore:
             cands,
             lambda idx: (
                 lambda core: core.get_many_into(
-                    [ks[i] for i in idx], [outs[i] for i in idx] if outs is not None else None
+                    [ks[i] for i in idx], [outs[i] for i in idx] if outs is not None else None, session=session
                 )
             ),
             hit=lambda v: v is not None,
@@ -737,9 +746,10 @@ class ClusterCore:
         return result
 
     def lookup(
-        self, keys: Sequence[bytes], *, prefix: bool = False
+        self, keys: Sequence[bytes], *, prefix: bool = False, session: str | None = None
     ) -> ClusterOp[tuple[list[str | None], list[str | None]]]:
         """Tier and node of each key: owners first, then previous owners (a later get hands it off)."""
+        session = check_session_id(session)
         ks = [check_key(k) for k in as_key_list(keys)]
         routing = self.routing()
         owners = routing.owners_many(ks)
@@ -751,7 +761,7 @@ class ClusterCore:
             routing,
             ks,
             cands,
-            lambda idx: lambda core: core.lookup([ks[i] for i in idx]),
+            lambda idx: lambda core: core.lookup([ks[i] for i in idx], session=session),
             hit=lambda t: t is not None,
             prefix=prefix,
             why=why,
@@ -759,8 +769,10 @@ class ClusterCore:
         self._count_misses(tiers, why, "match_prefix" if prefix else "exists")
         return tiers, where
 
-    def match_prefix(self, keys: Sequence[bytes]) -> ClusterOp[tuple[int, list[str], list[str]]]:
-        tiers, where = yield from self.lookup(keys, prefix=True)
+    def match_prefix(
+        self, keys: Sequence[bytes], *, session: str | None = None
+    ) -> ClusterOp[tuple[int, list[str], list[str]]]:
+        tiers, where = yield from self.lookup(keys, prefix=True, session=session)
         n = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
         return n, [t for t in tiers[:n] if t is not None], [w for w in where[:n] if w is not None]
 

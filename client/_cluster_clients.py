@@ -286,19 +286,19 @@ class ClusterClient(_ClusterBase, BlockCalls):
 
     # -- API (as KVClient) --------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes]) -> list[str | None]:
-        return self._run(self._core.lookup(keys))[0]
+    def lookup(self, keys: Sequence[bytes], *, session_id: str | None = None) -> list[str | None]:
+        return self._run(self._core.lookup(keys, session=session_id))[0]
 
     def lookup_locations(self, keys: Sequence[bytes]) -> list[tuple[str, str] | None]:
         """``(node_id, tier)`` holding each key, or None."""
         tiers, where = self._run(self._core.lookup(keys))
         return [(w, t) if t is not None and w is not None else None for t, w in zip(tiers, where)]
 
-    def match_prefix(self, keys: Sequence[bytes]) -> int:
-        return self._run(self._core.match_prefix(keys))[0]
+    def match_prefix(self, keys: Sequence[bytes], *, session_id: str | None = None) -> int:
+        return self._run(self._core.match_prefix(keys, session=session_id))[0]
 
-    def match_prefix_tiers(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
-        n, tiers, _ = self._run(self._core.match_prefix(keys))
+    def match_prefix_tiers(self, keys: Sequence[bytes], *, session_id: str | None = None) -> tuple[int, list[str]]:
+        n, tiers, _ = self._run(self._core.match_prefix(keys, session=session_id))
         return n, tiers
 
     def match_prefix_locations(self, keys: Sequence[bytes]) -> tuple[int, list[tuple[str, str]]]:
@@ -446,18 +446,20 @@ class AsyncClusterClient(_ClusterBase, AsyncBlockCalls):
         finally:
             report_to_a_node(self._core, self._client, "_fire")
 
-    async def lookup(self, keys: Sequence[bytes]) -> list[str | None]:
-        return (await self._run(self._core.lookup(keys)))[0]
+    async def lookup(self, keys: Sequence[bytes], *, session_id: str | None = None) -> list[str | None]:
+        return (await self._run(self._core.lookup(keys, session=session_id)))[0]
 
     async def lookup_locations(self, keys: Sequence[bytes]) -> list[tuple[str, str] | None]:
         tiers, where = await self._run(self._core.lookup(keys))
         return [(w, t) if t is not None and w is not None else None for t, w in zip(tiers, where)]
 
-    async def match_prefix(self, keys: Sequence[bytes]) -> int:
-        return (await self._run(self._core.match_prefix(keys)))[0]
+    async def match_prefix(self, keys: Sequence[bytes], *, session_id: str | None = None) -> int:
+        return (await self._run(self._core.match_prefix(keys, session=session_id)))[0]
 
-    async def match_prefix_tiers(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
-        n, tiers, _ = await self._run(self._core.match_prefix(keys))
+    async def match_prefix_tiers(
+        self, keys: Sequence[bytes], *, session_id: str | None = None
+    ) -> tuple[int, list[str]]:
+        n, tiers, _ = await self._run(self._core.match_prefix(keys, session=session_id))
         return n, tiers
 
     async def match_prefix_locations(self, keys: Sequence[bytes]) -> tuple[int, list[tuple[str, str]]]:

@@ -289,14 +289,20 @@ class _SchedulerSide:
             return 0, False  # the store failed a moment ago: no request waits on it for RETRY_S
         t0 = time.perf_counter()
         try:
-            # cluster clients carry no sessions: hints go to the node itself
-            sid = None if (self.settings.lookup_target or "").startswith("etcd://") else request_session(request)
-            n, tiers = self.client().match_prefix_tiers(keys, session_id=sid)
-        except KVStoreError as e:
+            n, tiers = self.client().match_prefix_tiers(keys, session_id=request_session(request))
+        except Exception as e:  # noqa: BLE001 - the engine must outlive any store failure: it recomputes
             self.counters["lookup_errors"] += 1
-            log.warning(
-                "kvstore lookup failed (%s): request %s recomputes; next try in %.0f s", e, request.request_id, RETRY_S
-            )
+            if isinstance(e, KVStoreError):
+                log.warning(
+                    "kvstore lookup failed (%s): request %s recomputes; next try in %.0f s",
+                    e,
+                    request.request_id,
+                    RETRY_S,
+                )
+            else:  # not the store's answer: a bug here or in the SDK; the engine goes on without the store
+                log.exception(
+                    "kvstore lookup raised: request %s recomputes; next try in %.0f s", request.request_id, RETRY_S
+                )
             self._down_until = time.monotonic() + RETRY_S
             self._drop_client()  # a fresh channel then, not one parked in reconnect back-off
             return 0, False
@@ -353,8 +359,8 @@ class _SchedulerSide:
             return
         try:
             self.client().report_hits(max(1, tokens // self.chunk), tokens, tier="hbm", op="match_prefix", namespace=ns)
-        except KVStoreError:
-            pass  # metrics only
+        except Exception:  # noqa: BLE001 - metrics only: never worth an engine
+            log.debug("kvstore: reporting prefix-cache hits failed", exc_info=True)
 
     def build_meta(self, out: SchedulerOutput) -> KVStoreMeta:
         meta = KVStoreMeta()
@@ -564,12 +570,13 @@ class _WorkerSide:
                     token_counts=[self.chunk] * len(have),
                 )
                 self.counters["pulled_blocks"] += sum(ok)
-        except KVStoreError as e:
+        except Exception as e:  # noqa: BLE001 - the load goes on with what this node has (the rest recomputes)
             log.warning(
                 "kvstore: fetching %s's chunks from %s failed (%s); loading what this node has",
                 spec.req_id,
                 self.settings.lookup_target,
                 e,
+                exc_info=not isinstance(e, KVStoreError),
             )
         finally:
             self.counters["pull_us"] += int((time.perf_counter() - t0) * 1e6)

@@ -196,6 +196,7 @@ class EngineProcess:
             "connector": connector,
             "lora": lora,
         }
+        self.log_path = log_path
         self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
         self.proc = spawn(
             [sys.executable, "-m", "gpu_agent.vllm.engine", json.dumps(spec)],
@@ -211,7 +212,7 @@ class EngineProcess:
         t0 = time.perf_counter()
         line = self._readline(timeout)
         if not json.loads(line).get("ready"):
-            raise RuntimeError(f"engine did not start: {line}")
+            raise RuntimeError(f"engine did not start: {line}{self.log_tail()}")
         self.started_s = time.perf_counter() - t0
         return self
 
@@ -225,8 +226,18 @@ class EngineProcess:
             raise TimeoutError(f"no answer from the engine process in {timeout} s")
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the engine process exited (code {self.proc.poll()})")
+            raise RuntimeError(f"the engine process exited (code {self.proc.poll()}){self.log_tail()}")
         return line
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The end of the engine's log (vLLM's own stack traces land there), for an error message."""
+        if self.log_path is None:
+            return ""
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return f"\n--- last {len(text)} lines of {self.log_path.name} ---\n" + "\n".join(text)
 
     def generate(
         self,
@@ -257,7 +268,7 @@ class EngineProcess:
         self.proc.stdin.flush()
         r: dict[str, Any] = json.loads(self._readline(timeout))
         if "error" in r:
-            raise RuntimeError(f"engine: {r['error']}")
+            raise RuntimeError(f"engine: {r['error']}{self.log_tail()}")
         return r
 
     def close(self) -> None:
