@@ -59,7 +59,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         if a.target:
             target = a.target
         else:
-            cluster = _cluster(stack, d)
+            cluster = local_cluster(stack, d)
             node = stack.enter_context(private_node(d / "node", *cluster[1], dram=a.dram, nvme=a.nvme))
             target = node.target
             if cluster[0]:
@@ -156,7 +156,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         }
 
 
-def _cluster(stack: contextlib.ExitStack, d: Path) -> tuple[str, tuple[str, ...]]:
+def local_cluster(stack: contextlib.ExitStack, d: Path) -> tuple[str, tuple[str, ...]]:
     """A local etcd and the flags that make a node a member of a two-node cluster at
     replication 2 (every node owns every chunk); ("", ()) where etcd is not installed."""
     import asyncio

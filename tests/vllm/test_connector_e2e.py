@@ -9,6 +9,7 @@ different ``cache_salt``), or lost its node (recompute within the deadline, no h
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 from client import KVClient
+from gpu_agent.vllm.demo import local_cluster
 from gpu_agent.vllm.engine import EngineProcess, make_lora, make_model
 from gpu_agent.vllm.settings import RETRY_S
 from kvstore.children import private_node
@@ -37,10 +39,15 @@ def prompt(seed: int, n: int = N) -> list[int]:
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Any:
     d = tmp_path_factory.mktemp("vllm")
     model = make_model(d / "model", layers=2, hidden=256, max_tokens=MAX)
-    node = private_node(d / "node", dram="256MiB", nvme="256MiB")
-    other = private_node(d / "other", dram="256MiB", nvme="256MiB")  # the remote decode engine's own node
+    # both nodes are members of one cluster (a real etcd): the remote decode engine looks chunks
+    # up and pulls them through a cluster client, as `kvstore demo vllm` does
+    stack = contextlib.ExitStack()
+    cluster_target, member = local_cluster(stack, d)
+    assert cluster_target, "etcd is not installed: scripts/setup.sh installs it"
+    node = private_node(d / "node", *member, dram="256MiB", nvme="256MiB")
+    other = private_node(d / "other", *member, dram="256MiB", nvme="256MiB")  # the remote engine's own node
     extra = {"target": node.target, "deadline_s": 2.0}
-    remote_extra = {"target": other.target, "lookup_target": node.endpoints["grpc"], "deadline_s": 2.0}
+    remote_extra = {"target": other.target, "lookup_target": cluster_target, "deadline_s": 2.0}
     prefill = EngineProcess(
         model,
         max_tokens=MAX,
@@ -85,6 +92,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Any:
         e.close()
     node.close()
     other.close()
+    stack.close()
 
 
 def hits(client: KVClient) -> int:
