@@ -6,13 +6,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
 from client._api import AsyncBlockCalls, BlockCalls
 from client._cluster import ClusterCore, ClusterOp, Etcd, Fanout, NodeOp, T
-from client._core import Timeouts, fingerprint
+from client._core import fingerprint
+from client._options import ClientKwargs, ClientOptions
 from kvstore.block import BlockMeta
 from kvstore.cluster.membership import Membership
 from kvstore.cluster.state import ClusterSnapshot, NodeInfo
@@ -22,18 +24,6 @@ from kvstore.tls import ClientTLS
 from protos.kvstore.v1 import kvstore_pb2 as pb
 
 # -- drivers ---------------------------------------------------------------------------------------
-_CLIENT_OPTIONS = (
-    "token",
-    "token_file",
-    "timeouts",
-    "transport",
-    "verify",
-    "tls",
-    "tls_ca_file",
-    "tls_cert_file",
-    "tls_key_file",
-    "tls_server_name",
-)
 
 
 def _close_request(session_id: str) -> pb.CloseSessionRequest:
@@ -58,50 +48,43 @@ class _ClusterBase:
     def _init_core(
         self,
         target: str,
+        opts: ClientOptions,
         *,
-        timeouts: Timeouts | None,
-        transport: str,
-        verify: bool,
         replication: int | None,
         suspect_s: float,
         prefer_local: bool,
         wait_s: float,
-        token: str | None,
-        token_file: str | None,
-        tls: bool,
-        tls_ca_file: str | None,
-        tls_cert_file: str | None,
-        tls_key_file: str | None,
-        tls_server_name: str | None,
     ) -> None:
-        """The routing core, and the keyword arguments of every per-node client (``_node_kw``)."""
+        """The routing core, and the options of every per-node client (``_node_options``)."""
         from client._channel import resolve_token
 
+        if not isinstance(opts.transport, str):
+            raise InvalidArgument("a cluster client's transport is a name: each node gets a transport of its own")
         # TLS files are read now, so a bad one fails here rather than as every node being "down"
         ClientTLS.from_options(
-            tls=tls, ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file, server_name=tls_server_name
+            tls=opts.tls,
+            ca_file=opts.tls_ca_file,
+            cert_file=opts.tls_cert_file,
+            key_file=opts.tls_key_file,
+            server_name=opts.tls_server_name,
         )
         self._core = ClusterCore(
             target,
-            timeouts=timeouts,
-            transport=transport,
-            verify=verify,
+            timeouts=opts.timeouts,
+            transport=opts.transport,
+            verify=opts.verify,
             replication=replication,
             suspect_s=suspect_s,
             prefer_local=prefer_local,
             wait_s=wait_s,
         )
-        self._node_kw = {
-            "token": resolve_token(token, token_file) or None,
-            "timeouts": self._core.timeouts,
-            "transport": transport,
-            "verify": verify,
-            "tls": tls,
-            "tls_ca_file": tls_ca_file,
-            "tls_cert_file": tls_cert_file,
-            "tls_key_file": tls_key_file,
-            "tls_server_name": tls_server_name,
-        }
+        # the token is resolved once (a token file is read here), and every node shares the timeouts
+        self._node_options = dataclasses.replace(
+            opts,
+            token=resolve_token(opts.token, opts.token_file) or None,
+            token_file=None,
+            timeouts=self._core.timeouts,
+        )
         self._clients: dict[str, tuple[tuple[Any, ...], Any]] = {}
 
     @staticmethod
@@ -199,41 +182,24 @@ class ClusterClient(_ClusterBase, BlockCalls):
     def __init__(
         self,
         target: str,
+        options: ClientOptions | None = None,
         *,
-        token: str | None = None,
-        token_file: str | None = None,
-        timeouts: Timeouts | None = None,
-        transport: str = "auto",
-        verify: bool = True,
         replication: int | None = None,
         suspect_s: float = 2.0,
         prefer_local: bool = True,
         wait_s: float = 10.0,
         max_workers: int = 16,
-        tls: bool = False,
-        tls_ca_file: str | None = None,
-        tls_cert_file: str | None = None,
-        tls_key_file: str | None = None,
-        tls_server_name: str | None = None,
+        **kwargs: Unpack[ClientKwargs],
     ) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self._init_core(
             target,
-            timeouts=timeouts,
-            transport=transport,
-            verify=verify,
+            ClientOptions.of(options, dict(kwargs)),
             replication=replication,
             suspect_s=suspect_s,
             prefer_local=prefer_local,
             wait_s=wait_s,
-            token=token,
-            token_file=token_file,
-            tls=tls,
-            tls_ca_file=tls_ca_file,
-            tls_cert_file=tls_cert_file,
-            tls_key_file=tls_key_file,
-            tls_server_name=tls_server_name,
         )
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvstore-cluster")
@@ -246,7 +212,7 @@ class ClusterClient(_ClusterBase, BlockCalls):
             entry = self._clients.get(info.node_id)
             if entry is not None and entry[0] == ident:
                 return entry[1]
-            client = KVClient(self._core.node_target(info), **self._node_kw)  # type: ignore[arg-type]
+            client = KVClient(self._core.node_target(info), self._node_options)
             self._clients[info.node_id] = (ident, client)
         if entry is not None:  # the node restarted: its old address is gone
             entry[1].close()
@@ -361,38 +327,21 @@ class AsyncClusterClient(_ClusterBase, AsyncBlockCalls):
     def __init__(
         self,
         target: str,
+        options: ClientOptions | None = None,
         *,
-        token: str | None = None,
-        token_file: str | None = None,
-        timeouts: Timeouts | None = None,
-        transport: str = "auto",
-        verify: bool = True,
         replication: int | None = None,
         suspect_s: float = 2.0,
         prefer_local: bool = True,
         wait_s: float = 10.0,
-        tls: bool = False,
-        tls_ca_file: str | None = None,
-        tls_cert_file: str | None = None,
-        tls_key_file: str | None = None,
-        tls_server_name: str | None = None,
+        **kwargs: Unpack[ClientKwargs],
     ) -> None:
         self._init_core(
             target,
-            timeouts=timeouts,
-            transport=transport,
-            verify=verify,
+            ClientOptions.of(options, dict(kwargs)),
             replication=replication,
             suspect_s=suspect_s,
             prefer_local=prefer_local,
             wait_s=wait_s,
-            token=token,
-            token_file=token_file,
-            tls=tls,
-            tls_ca_file=tls_ca_file,
-            tls_cert_file=tls_cert_file,
-            tls_key_file=tls_key_file,
-            tls_server_name=tls_server_name,
         )
         self._stale: list[Any] = []
 
@@ -405,7 +354,7 @@ class AsyncClusterClient(_ClusterBase, AsyncBlockCalls):
             return entry[1]
         if entry is not None:
             self._stale.append(entry[1])
-        client = AsyncKVClient(self._core.node_target(info), **self._node_kw)  # type: ignore[arg-type]
+        client = AsyncKVClient(self._core.node_target(info), self._node_options)
         self._clients[info.node_id] = (ident, client)
         return client
 

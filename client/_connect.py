@@ -25,28 +25,21 @@ from client._sync import KVClient
 if TYPE_CHECKING:
     from client._cluster_clients import AsyncClusterClient, ClusterClient
 
-CLUSTER_ONLY = ("replication", "suspect_s", "prefer_local", "wait_s")  # and, blocking clients only, max_workers
-
 
 def _is_cluster(target: object) -> bool:
     return isinstance(target, str) and target.startswith("etcd://")
 
 
-def _cluster_kwargs(options: ClientOptions | None, kwargs: dict[str, Any], extra: tuple[str, ...]) -> dict[str, Any]:
-    opts = ClientOptions.of(options, kwargs, extra=extra)
-    return {**opts.as_kwargs(), **{k: v for k, v in kwargs.items() if k in extra}}
-
-
 def cluster_client(target: str, options: ClientOptions | None = None, **kwargs: Any) -> ClusterClient:
     from client._cluster_clients import ClusterClient
 
-    return ClusterClient(target, **_cluster_kwargs(options, kwargs, (*CLUSTER_ONLY, "max_workers")))
+    return ClusterClient(target, options, **kwargs)
 
 
 def async_cluster_client(target: str, options: ClientOptions | None = None, **kwargs: Any) -> AsyncClusterClient:
     from client._cluster_clients import AsyncClusterClient
 
-    return AsyncClusterClient(target, **_cluster_kwargs(options, kwargs, CLUSTER_ONLY))
+    return AsyncClusterClient(target, options, **kwargs)
 
 
 def connect(target: str, options: ClientOptions | None = None, **kwargs: Any) -> KVClient | ClusterClient:

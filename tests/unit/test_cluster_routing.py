@@ -145,7 +145,7 @@ class _FakeNodeClient:
 
     made: list[_FakeNodeClient] = []
 
-    def __init__(self, target: str, **kw: object) -> None:
+    def __init__(self, target: str, options: object = None, **kw: object) -> None:
         self.target, self.closed, self._core = target, False, None
         _FakeNodeClient.made.append(self)
 
