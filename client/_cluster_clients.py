@@ -20,7 +20,6 @@ from kvstore.cluster.membership import Membership
 from kvstore.cluster.state import ClusterSnapshot, NodeInfo
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.keys import ChunkKey, Namespace, check_key
-from kvstore.tls import ClientTLS
 from protos.kvstore.v1 import kvstore_pb2 as pb
 
 # -- drivers ---------------------------------------------------------------------------------------
@@ -61,13 +60,7 @@ class _ClusterBase:
         if not isinstance(opts.transport, str):
             raise InvalidArgument("a cluster client's transport is a name: each node gets a transport of its own")
         # TLS files are read now, so a bad one fails here rather than as every node being "down"
-        ClientTLS.from_options(
-            tls=opts.tls,
-            ca_file=opts.tls_ca_file,
-            cert_file=opts.tls_cert_file,
-            key_file=opts.tls_key_file,
-            server_name=opts.tls_server_name,
-        )
+        opts.client_tls()
         self._core = ClusterCore(
             target,
             timeouts=opts.timeouts,

@@ -13,6 +13,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from kvstore.errors import InvalidArgument
+from kvstore.tls import ClientTLS
 
 if TYPE_CHECKING:
     from client._transports import Transport
@@ -71,9 +72,15 @@ class ClientOptions:
             raise InvalidArgument(f"{', '.join(both)} given both in options and as keyword arguments")
         return dataclasses.replace(options, **given) if given else options
 
-    def as_kwargs(self) -> dict[str, Any]:
-        """The fields as keyword arguments (for constructors that still take them one by one)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    def client_tls(self) -> ClientTLS | None:
+        """The TLS settings these options name, None for plaintext (files are read now: a bad one fails here)."""
+        return ClientTLS.from_options(
+            tls=self.tls,
+            ca_file=self.tls_ca_file,
+            cert_file=self.tls_cert_file,
+            key_file=self.tls_key_file,
+            server_name=self.tls_server_name,
+        )
 
 
 class ClientKwargs(TypedDict, total=False):

@@ -31,7 +31,7 @@ from client._instructions import GetStream, Io, PutStream, Rpc, RpcNoWait, instr
 from client._options import ClientKwargs, ClientOptions
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.keys import Namespace, check_key
-from kvstore.tls import ClientTLS, secure_channel
+from kvstore.tls import secure_channel
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -73,13 +73,7 @@ class KVClient(BlockCalls):
     def __init__(self, target: str, options: ClientOptions | None = None, **kwargs: Unpack[ClientKwargs]) -> None:
         opts = ClientOptions.of(options, dict(kwargs))
         self.options = opts
-        self._tls = ClientTLS.from_options(
-            tls=opts.tls,
-            ca_file=opts.tls_ca_file,
-            cert_file=opts.tls_cert_file,
-            key_file=opts.tls_key_file,
-            server_name=opts.tls_server_name,
-        )
+        self._tls = opts.client_tls()
         self._core = ClientCore(
             target, transport=opts.transport, timeouts=opts.timeouts, verify=opts.verify, tls=self._tls
         )
