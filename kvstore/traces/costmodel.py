@@ -13,6 +13,7 @@ functions; the replay and the planner call them.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -36,6 +37,27 @@ class CostModel:
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    """The cost model's flags (``kvstore replay`` and ``kvstore plan`` take the same ones)."""
+    group.add_argument(
+        "--recompute-tps",
+        type=float,
+        metavar="TOK/S",
+        help="prefill tokens per second the engine recomputes (e.g. from kvstore demo)",
+    )
+    group.add_argument(
+        "--dram-gbps", type=float, metavar="GB/S", help="KV load rate from DRAM (default: --bench's dram_get_gbps)"
+    )
+    group.add_argument(
+        "--nvme-gbps", type=float, metavar="GB/S", help="KV load rate from NVMe (default: --bench's nvme_read_gbps)"
+    )
+    group.add_argument(
+        "--bench",
+        metavar="FILE",
+        help="output of `kvstore bench --engine --json`: the measured DRAM and NVMe load rates",
+    )
 
 
 def from_args(

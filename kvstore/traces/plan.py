@@ -49,6 +49,7 @@ from kvstore.block import DTYPES
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KVLayout
 from kvstore.progress import Progress
+from kvstore.traces import costmodel
 from kvstore.traces.format import DEFAULT_BLOCK_TOKENS, Trace
 from kvstore.traces.plan_plot import amount
 from kvstore.traces.replay import gap_closed, positive_int
@@ -181,10 +182,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="B",
         help="what DRAM + NVMe may cost (same unit as the prices): report the best split within it",
     )
-    two.add_argument("--recompute-tps", type=float, metavar="TOK/S", help="prefill tokens/s (cost model)")
-    two.add_argument("--dram-gbps", type=float, metavar="GB/S", help="KV load rate from DRAM (cost model)")
-    two.add_argument("--nvme-gbps", type=float, metavar="GB/S", help="KV load rate from NVMe (cost model)")
-    two.add_argument("--bench", metavar="FILE", help="`kvstore bench --engine --json` output: measured load rates")
+    costmodel.add_arguments(two)
     two.add_argument("--heatmap", metavar="PNG", help="write the grid's hit ratios as a heat map, answers marked")
 
 
@@ -271,8 +269,6 @@ def main(a: argparse.Namespace) -> int:
     two_tier = _two_tier(a)
     model = None
     if two_tier:
-        from kvstore.traces import costmodel
-
         model = costmodel.from_args(a.recompute_tps, bpt, a.dram_gbps, a.nvme_gbps, a.bench)
     trace = Trace.load(a.trace, block_tokens=a.block_tokens, limit=a.requests)
     summary = trace.summary()

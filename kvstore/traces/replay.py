@@ -33,6 +33,7 @@ from typing import Any
 
 from kvstore.errors import InvalidArgument
 from kvstore.node.config import parse_size
+from kvstore.traces import costmodel
 from kvstore.traces.format import DEFAULT_BLOCK_TOKENS, Trace
 from kvstore.traces.generate import GenParams, generate_events
 from kvstore.traces.optimal import optimal
@@ -169,23 +170,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N|N%%|SIZE",
         help="simulator: add an NVMe tier of this size (as --capacity) behind the DRAM one; hits are reported per tier",
     )
-    tiers.add_argument(
-        "--recompute-tps",
-        type=float,
-        metavar="TOK/S",
-        help="prefill tokens per second the engine recomputes (e.g. from kvstore demo)",
-    )
-    tiers.add_argument(
-        "--dram-gbps", type=float, metavar="GB/S", help="KV load rate from DRAM (default: --bench's dram_get_gbps)"
-    )
-    tiers.add_argument(
-        "--nvme-gbps", type=float, metavar="GB/S", help="KV load rate from NVMe (default: --bench's nvme_read_gbps)"
-    )
-    tiers.add_argument(
-        "--bench",
-        metavar="FILE",
-        help="output of `kvstore bench --engine --json`: the measured DRAM and NVMe load rates",
-    )
+    costmodel.add_arguments(tiers)
     live = p.add_argument_group("live mode")
     live.add_argument(
         "--target",
@@ -434,8 +419,6 @@ def main(a: argparse.Namespace) -> int:
     if trace.has_sessions and not live:
         out["hinted"] = _hinted(trace, capacity, a, nvme, lru.hit_ratio, opt.hit_ratio)
     if nvme:
-        from kvstore.traces import costmodel
-
         model = costmodel.from_args(a.recompute_tps, a.bytes_per_token, a.dram_gbps, a.nvme_gbps, a.bench)
         out.update(
             nvme_capacity_blocks=nvme,
