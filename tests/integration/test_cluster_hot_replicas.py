@@ -5,6 +5,7 @@ extras, a dead extra costs nothing but a retry, and the copies go when the heat 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 from cluster_fixtures import Cluster, cluster, etcd, wait_until  # noqa: F401 - fixtures
@@ -48,13 +49,20 @@ def holders(cluster: Cluster, key: bytes, skip: set[str] = frozenset()) -> set[s
     return out
 
 
+def stored_hot_candidate(
+    kv: Any, ns: Namespace, tokens: int, index: int, seed: int, nbytes: int
+) -> tuple[bytes, bytes]:
+    """One chunk of ``ns`` stored with random bytes: its key and the bytes every copy must hold."""
+    key = kv.chunk_keys(np.arange(tokens), ns)[index]
+    data = np.random.default_rng(seed).integers(0, 255, nbytes, dtype=np.uint8)
+    assert kv.put_many([key], [data], namespace=ns) == [True]
+    return key, data.tobytes()
+
+
 def test_hot_key_spreads_fills_extras_and_deletes_reach_them(cluster: Cluster) -> None:
     kv = start(cluster)
     ns = Namespace("hot-1")
-    key = kv.chunk_keys(np.arange(256), ns)[0]
-    data = np.random.default_rng(1).integers(0, 255, 8192, dtype=np.uint8)
-    assert kv.put_many([key], [data], namespace=ns) == [True]
-    want = data.tobytes()
+    key, want = stored_hot_candidate(kv, ns, 256, 0, seed=1, nbytes=8192)
     table = BoundedTable(list(NODES))
     owner = table.owners(key, 1)
     ext = extras(table, key, 1, 3)
@@ -81,10 +89,7 @@ def test_hot_key_spreads_fills_extras_and_deletes_reach_them(cluster: Cluster) -
 def test_hot_key_survives_a_dead_extra_and_its_copies_go_when_it_cools(cluster: Cluster) -> None:
     kv = start(cluster)
     ns = Namespace("hot-2")
-    key = kv.chunk_keys(np.arange(512), ns)[1]
-    data = np.random.default_rng(2).integers(0, 255, 4096, dtype=np.uint8)
-    assert kv.put_many([key], [data], namespace=ns) == [True]
-    want = data.tobytes()
+    key, want = stored_hot_candidate(kv, ns, 512, 1, seed=2, nbytes=4096)
     table = BoundedTable(list(NODES))
     owner = table.owners(key, 1)
     ext = extras(table, key, 1, 3)
@@ -107,10 +112,7 @@ def test_hot_key_survives_a_dead_extra_and_its_copies_go_when_it_cools(cluster: 
 def test_invalidation_reaches_the_extra_copies(cluster: Cluster) -> None:
     kv = start(cluster)
     ns = Namespace("hot-3")
-    key = kv.chunk_keys(np.arange(256), ns)[0]
-    data = np.random.default_rng(3).integers(0, 255, 4096, dtype=np.uint8)
-    assert kv.put_many([key], [data], namespace=ns) == [True]
-    want = data.tobytes()
+    key, want = stored_hot_candidate(kv, ns, 256, 0, seed=3, nbytes=4096)
     table = BoundedTable(list(NODES))
     read_until(kv, key, want, lambda: kv.snapshot().hot.get(key) == 3)
     read_until(kv, key, want, lambda: len(holders(cluster, key)) == 4)
