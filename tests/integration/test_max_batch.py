@@ -12,13 +12,13 @@ import asyncio
 import os
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 from conftest import NodeProcess
+from small_batch_node import LIMIT, node, nothing_left_behind, stub  # noqa: F401 - fixtures
 
 from client import AsyncKVClient, KVClient
 from kvstore.block import BlockMeta, checksum
@@ -26,35 +26,11 @@ from kvstore.wire import BLOCKS_METADATA_KEY
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
-LIMIT = 4
 OVER = LIMIT + 1
 
 
 def rkey() -> bytes:
     return os.urandom(16)
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
-    n = NodeProcess(
-        tmp_path_factory.mktemp("maxbatch") / "node", "--dram", "64MiB", "--nvme", "0", "--max-batch", str(LIMIT)
-    ).start()
-    yield n
-    assert n.stop(timeout=30) == 0
-    Path(n.arena_path).unlink(missing_ok=True)
-
-
-@pytest.fixture(scope="module")
-def stub(node: NodeProcess) -> Iterator[pb_grpc.KVStoreStub]:
-    with grpc.insecure_channel(node.tcp) as ch:
-        yield pb_grpc.KVStoreStub(ch)
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_behind(stub: pb_grpc.KVStoreStub) -> Iterator[None]:
-    yield
-    s = stub.Stats(pb.Empty(), timeout=10)
-    assert (s.reservations, s.leases, s.counters["pending_transfers"]) == (0, 0, 0)
 
 
 def info(key: bytes, payload: bytes) -> pb.BlockInfo:

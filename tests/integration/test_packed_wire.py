@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 from conftest import NodeProcess
+from small_batch_node import LIMIT, node, nothing_left_behind, stub  # noqa: F401 - fixtures
 
 from client import KVClient
 from client._transports import DataChannel, SharedMemory, Transport
@@ -26,8 +25,6 @@ from kvstore.errors import InvalidArgument
 from kvstore.wire import PACKED_VERSION, from_u64s, metas_to_packed
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-
-LIMIT = 4
 
 
 class PerBlockShm(SharedMemory):
@@ -42,30 +39,6 @@ class PerBlockDataChannel(DataChannel):
     def connect(self, **kw: Any) -> None:
         super().connect(**kw)
         self.packed = False
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
-    n = NodeProcess(
-        tmp_path_factory.mktemp("packed") / "node", "--dram", "64MiB", "--nvme", "0", "--max-batch", str(LIMIT)
-    ).start()
-    yield n
-    assert n.stop(timeout=30) == 0
-    Path(n.arena_path).unlink(missing_ok=True)
-
-
-@pytest.fixture(scope="module")
-def stub(node: NodeProcess) -> Iterator[pb_grpc.KVStoreStub]:
-    with grpc.insecure_channel(node.tcp) as ch:
-        yield pb_grpc.KVStoreStub(ch)
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_behind(stub: pb_grpc.KVStoreStub) -> Iterator[None]:
-    yield
-    s = stub.Stats(pb.Empty(), timeout=10)
-    # a TCP get refused for a small buffer gives its leases back, and its transfer goes with them
-    assert (s.reservations, s.leases, s.counters["pending_transfers"]) == (0, 0, 0)
 
 
 def client(node: NodeProcess, kind: str) -> KVClient:
