@@ -6,8 +6,7 @@ cluster) and in how they run its operations (``_run``); both cores answer ``put_
 ``get_many_into`` alike, so the calls built on them are written once here.  Owns no state.
 
 ``session_id=`` (session hints, ``kvstore/node/sessions.py``) names the caller's session on a put
-or read; both cores carry it (the cluster core to every node an operation calls).  A core
-that could not would refuse it rather than drop it (``SESSION_HINTS``).
+or read; both cores carry it (``session=``; the cluster core to every node an operation calls).
 """
 
 from __future__ import annotations
@@ -15,20 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvstore.errors import InvalidArgument
 from kvstore.keys import Namespace
-
-
-def with_session(core: Any, session: str | None) -> dict[str, Any]:
-    """The ``session`` keyword for ``core``'s calls ({} without one)."""
-    if session is None:
-        return {}
-    if not getattr(core, "SESSION_HINTS", False):
-        raise InvalidArgument(
-            "this client's puts and reads cannot carry a session id yet (cluster clients: use close_session, "
-            "or a node's own KVClient)"
-        )
-    return {"session": session}
 
 
 class BlockCalls:
@@ -59,7 +45,7 @@ class BlockCalls:
                 namespace=namespace,
                 parents=[parent],
                 token_counts=[token_count],
-                **with_session(self._core, session_id),
+                session=session_id,
             )
         )[0]
 
@@ -80,24 +66,24 @@ class BlockCalls:
                 namespace=namespace,
                 parents=parents,
                 token_counts=token_counts,
-                **with_session(self._core, session_id),
+                session=session_id,
             )
         )
 
     def get(self, key: bytes, *, session_id: str | None = None) -> bytes | None:
-        return self._run(self._core.get_many_into([key], None, **with_session(self._core, session_id)))[0]
+        return self._run(self._core.get_many_into([key], None, session=session_id))[0]
 
     def get_into(self, key: bytes, out: object, *, session_id: str | None = None) -> int | None:
         """Copy a block into ``out`` (bytes-like, numpy array or CPU tensor); bytes written, or None on a miss."""
-        return self._run(self._core.get_many_into([key], [out], **with_session(self._core, session_id)))[0]
+        return self._run(self._core.get_many_into([key], [out], session=session_id))[0]
 
     def get_many(self, keys: Sequence[bytes], *, session_id: str | None = None) -> list[bytes | None]:
-        return self._run(self._core.get_many_into(list(keys), None, **with_session(self._core, session_id)))
+        return self._run(self._core.get_many_into(list(keys), None, session=session_id))
 
     def get_many_into(
         self, keys: Sequence[bytes], outs: Sequence[object], *, session_id: str | None = None
     ) -> list[int | None]:
-        return self._run(self._core.get_many_into(list(keys), list(outs), **with_session(self._core, session_id)))
+        return self._run(self._core.get_many_into(list(keys), list(outs), session=session_id))
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return [t is not None for t in self.lookup(keys)]
@@ -131,7 +117,7 @@ class AsyncBlockCalls:
                     namespace=namespace,
                     parents=[parent],
                     token_counts=[token_count],
-                    **with_session(self._core, session_id),
+                    session=session_id,
                 )
             )
         )[0]
@@ -153,23 +139,23 @@ class AsyncBlockCalls:
                 namespace=namespace,
                 parents=parents,
                 token_counts=token_counts,
-                **with_session(self._core, session_id),
+                session=session_id,
             )
         )
 
     async def get(self, key: bytes, *, session_id: str | None = None) -> bytes | None:
-        return (await self._run(self._core.get_many_into([key], None, **with_session(self._core, session_id))))[0]
+        return (await self._run(self._core.get_many_into([key], None, session=session_id)))[0]
 
     async def get_into(self, key: bytes, out: object, *, session_id: str | None = None) -> int | None:
-        return (await self._run(self._core.get_many_into([key], [out], **with_session(self._core, session_id))))[0]
+        return (await self._run(self._core.get_many_into([key], [out], session=session_id)))[0]
 
     async def get_many(self, keys: Sequence[bytes], *, session_id: str | None = None) -> list[bytes | None]:
-        return await self._run(self._core.get_many_into(list(keys), None, **with_session(self._core, session_id)))
+        return await self._run(self._core.get_many_into(list(keys), None, session=session_id))
 
     async def get_many_into(
         self, keys: Sequence[bytes], outs: Sequence[object], *, session_id: str | None = None
     ) -> list[int | None]:
-        return await self._run(self._core.get_many_into(list(keys), list(outs), **with_session(self._core, session_id)))
+        return await self._run(self._core.get_many_into(list(keys), list(outs), session=session_id))
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return [t is not None for t in await self.lookup(keys)]

@@ -298,8 +298,6 @@ class ClusterCore:
     node call an operation makes: each node keeps the blocks the session used valuable.
     """
 
-    SESSION_HINTS = True  # put_many / get_many_into / lookup / match_prefix take session=
-
     def __init__(
         self,
         target: str,

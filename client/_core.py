@@ -219,8 +219,6 @@ class ClientCore:
     as is); it is thread-safe for the disjoint copies the operations make.
     """
 
-    SESSION_HINTS = True  # its calls take session= (client/_api.py: with_session)
-
     def __init__(
         self,
         target: str,
