@@ -404,15 +404,22 @@ class GPUAgent:
         *,
         namespace: Namespace | None = None,
         session_id: str | None = None,
+        first_chunk: int = 0,
     ) -> LoadHandle:
-        """Load the cached leading chunks of ``tokens`` into the pages ``block_ids`` (as far as
-        ``block_ids`` reach; a negative id leaves that page alone, for tokens the engine
-        already holds).  Returns at once with the copies queued, layer by layer."""
+        """Load the cached chunks of ``tokens`` from chunk ``first_chunk`` on into the pages
+        ``block_ids`` (as far as ``block_ids`` reach; a negative id leaves that page alone,
+        for tokens the engine already holds).  Chunks below ``first_chunk`` (the engine's
+        own prefix cache holds them) are neither acquired nor required to be stored.
+        Returns at once with the copies queued, layer by layer; ``num_tokens`` of the
+        handle counts from token 0 (``first_chunk`` chunks are taken as held)."""
         dst = self._check_buffers(kv_buffers)
         ns = self._ns(namespace)
-        keys = self.keys(tokens, ns)[: len(block_ids) // self.adapter.pages_per_chunk]
+        if first_chunk < 0:
+            raise InvalidArgument(f"first_chunk must be >= 0, got {first_chunk}")
+        keys = self.keys(tokens, ns)[: len(block_ids) // self.adapter.pages_per_chunk][first_chunk:]
+        skipped = first_chunk * self.chunk_tokens
         if not keys:
-            return LoadHandle(0, 0, [DoneEvent()] * self.layout.num_layers, None)
+            return LoadHandle(skipped, 0, [DoneEvent()] * self.layout.num_layers, None)
         with self.pool.lock:
             in_hbm = [self.pool.contains(k) for k in keys]
         need = [k for k, h in zip(keys, in_hbm) if not h]
@@ -447,7 +454,9 @@ class GPUAgent:
                         break  # a gap (evicted since lookup): load the prefix before it
             if sources:
                 layer = self._layer_copier(
-                    dst, sources, [self.adapter.chunk_pages(block_ids, c) for c in range(len(sources))]
+                    dst,
+                    sources,
+                    [self.adapter.chunk_pages(block_ids, first_chunk + c) for c in range(len(sources))],
                 )
                 first = self.engine.submit(
                     "h2d", lambda: layer(0), after=self._saves_in_flight(), after_compute=True, uses=dst.sources[0:1]
@@ -474,7 +483,7 @@ class GPUAgent:
         self._count("load_host_blocks", len(sources) - hbm)
         if hbm:  # the node cannot see pool hits: report them so its metrics show the HBM tier
             self._save_completer.submit(self._report_hbm_hits, hbm)
-        return LoadHandle(n, hbm, events, done)
+        return LoadHandle(skipped + n, hbm, events, done)
 
     def _issue_layers(self, layer: Any, dst: EngineBuffers, futures: list[concurrent.futures.Future[Event]]) -> None:
         """Queue layers 1.. of a load (layer 0 is queued by ``load`` itself), in order, on the

@@ -44,8 +44,9 @@ class ConnectorSettings:
     """Tokens per kvstore chunk: a multiple of vLLM's block size (0: the smallest multiple >= 256)."""
     deadline_s: float = 2.0
     """Most seconds one store call may take; past it the request recomputes."""
-    load_timeout_s: float = 30.0
-    """Most seconds a load's lease release may take before its blocks count as failed."""
+    load_timeout_s: float = 0.0
+    """Most seconds a step waits for a load to end (its copies, its leases back) before its
+    blocks count as failed and are recomputed (0: ``deadline_s``)."""
     verify_loads: bool = True
     """Check every loaded block's payload checksum (a mismatch is recomputed, never loaded)."""
     hbm_bytes: int = 0
@@ -54,6 +55,9 @@ class ConnectorSettings:
     """Name KV under this model id instead of vLLM's ``model`` (e.g. a path that differs between machines)."""
     salt: str = ""
     """Extra isolation folded into every key (e.g. a deployment's secret)."""
+    save_decode: bool = True
+    """Also save the full chunks decoding fills, so a conversation's next turn (prompt,
+    answer and a new message) loads the answer's KV too."""
     defer_free: bool = True
     """Keep a finished request's blocks until its save is committed (``request_finished`` → True)."""
 
@@ -78,11 +82,16 @@ class ConnectorSettings:
                 raise InvalidArgument(f"kv_connector_extra_config.{f.name} must be a string, got {v!r}")
             kw[f.name] = want(v) if v is not None and want in (int, float) else v
         s = cls(**kw)
-        if s.chunk_tokens < 0 or s.deadline_s <= 0 or s.load_timeout_s <= 0 or s.hbm_bytes < 0:
+        if s.chunk_tokens < 0 or s.deadline_s <= 0 or s.load_timeout_s < 0 or s.hbm_bytes < 0:
             raise InvalidArgument(
-                "kv_connector_extra_config: chunk_tokens, hbm_bytes >= 0 and deadline_s, load_timeout_s > 0"
+                "kv_connector_extra_config: chunk_tokens, hbm_bytes, load_timeout_s >= 0 and deadline_s > 0"
             )
         return s
+
+    @property
+    def wait_s(self) -> float:
+        """Most seconds one engine step waits on a load or a save's end."""
+        return self.load_timeout_s or self.deadline_s
 
     def chunk_for(self, block_size: int) -> int:
         """The chunk size for vLLM's ``block_size``; a chunk covers whole vLLM blocks."""
@@ -104,9 +113,7 @@ class ConnectorSettings:
         t = target or self.target
         if t.startswith("unix://~"):
             t = "unix://" + os.path.expanduser(t[len("unix://") :])
-        kw: dict[str, Any] = {
-            "timeouts": Timeouts(rpc=self.deadline_s, data=max(self.deadline_s, 10.0), connect=self.deadline_s)
-        }
+        kw: dict[str, Any] = {"timeouts": Timeouts(rpc=self.deadline_s, data=self.deadline_s, connect=self.deadline_s)}
         for name in ("token", "token_file", "tls_ca_file", "tls_cert_file", "tls_key_file"):
             if getattr(self, name):
                 kw[name] = getattr(self, name)

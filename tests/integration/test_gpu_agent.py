@@ -136,6 +136,26 @@ def test_load_stops_at_a_gap_and_at_the_end_of_the_block_table(agent_factory: An
     assert miss.num_tokens == 0 and miss.wait()
 
 
+def test_a_load_from_a_later_chunk_needs_neither_the_leading_chunks_nor_their_pages(agent_factory: Any) -> None:
+    """The engine's own prefix cache holds the first chunks: the load starts at
+    ``first_chunk``, so those chunks are not acquired (they may be gone from the store)
+    and their pages are not written; the later chunks land in their own pages."""
+    agent = agent_factory()
+    toks = tokens(4 * C)
+    src = buffers(agent.layout, 16, fill=True)
+    agent.save(toks, src, list(range(16))).wait(timeout=30)
+    agent.client.delete(agent.keys(toks)[:2])  # the leading chunks are gone from the store
+    before = int(agent.client.stats()["counters"].get("get_hits_dram", 0))
+    dst = buffers(agent.layout, 16, fill=False)
+    h = agent.load(toks, dst, list(range(16)), first_chunk=2)
+    assert h.num_tokens == 4 * C and h.wait(timeout=30)
+    assert int(agent.client.stats()["counters"].get("get_hits_dram", 0)) - before == 2  # chunks 2 and 3 only
+    assert same_pages(src, list(range(8, 16)), dst, list(range(8, 16)), 8)
+    assert all(not d[:, :8].any() for d in dst)  # chunks 0-1's pages untouched
+    with pytest.raises(InvalidArgument):
+        agent.load(toks, dst, list(range(16)), first_chunk=-1)
+
+
 def test_prefetch_then_load_reads_the_hbm_pool(agent_factory: Any) -> None:
     agent = agent_factory()
     toks = tokens(4 * C)

@@ -1,0 +1,354 @@
+"""The connector's worker half: moves KV bytes through one GPU agent (worker process only).
+
+Each worker learns the engine's page geometry from the registered tensors
+(``gpu_agent.buffers``) and keys its own tensor/pipeline shard (its rank is in every key's
+namespace).  Loads are queued in ``start_load_kv`` and waited on per layer; saves run in
+``wait_for_save`` (when it returns, the pages may be reused: the agent's save fence).
+A block that is gone, fails its checksum or whose lease lapsed is reported through
+``get_block_ids_with_load_errors``, so vLLM recomputes it: wrong KV is never kept.
+
+State it owns: the agent (dropped after a store failure and attached afresh after
+``RETRY_S``), the loads of the current step, and per request the saves in flight.
+Invariant: every save the scheduler sent is recorded, started or not (a node that is down
+is a save that did nothing), so a request the scheduler holds for its saves is reported
+by ``get_finished`` exactly once, after its last save ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_events import KVCacheEvent
+
+from gpu_agent.vllm.events import KVStoreEvents, stored_event
+from gpu_agent.vllm.metadata import KVStoreMeta, LoadSpec, SaveSpec
+from gpu_agent.vllm.settings import RETRY_S, ConnectorSettings, EngineSpec
+from gpu_agent.vllm.spec import engine_spec, rank_namespace, worker_ranks
+from gpu_agent.vllm.stats import WORKER_KEYS, KVStoreStats, delta
+from kvstore.errors import Incompatible, InvalidArgument, KVStoreError
+from kvstore.keys import Namespace, chunk_keys
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    """Loads and saves through one GPU agent (see the module docstring)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: ConnectorSettings, chunk: int
+    ) -> None:
+        self.vllm_config, self.kv_cache_config = vllm_config, kv_cache_config
+        self.settings, self.chunk = settings, chunk
+        self.spec: EngineSpec | None = None
+        self.agent: Any = None
+        self.buffers: Any = None
+        self.layer_index: dict[str, int] = {}
+        self._loads: list[tuple[LoadSpec, Any]] = []
+        self._errors: set[int] = set()
+        self._saving: dict[str, list[tuple[Any, SaveSpec]]] = {}  # req → its saves in flight (handle None: not started)
+        self._saved: set[str] = set()  # had saves, all ended; not yet reported
+        self._told: set[str] = set()  # requests vLLM finished that have (or had) a save here
+        self._events: list[KVCacheEvent] = []
+        self.counters: dict[str, int] = {k: 0 for k in WORKER_KEYS}
+        self._remote: Any = None  # a client of lookup_target, for chunks only other nodes hold
+        self._make_agent: Any = None
+        self._next_try = 0.0
+        self._store_errors = 0  # the agent's store_errors counter when last checked
+        self._reported: dict[str, int] = {}
+
+    @property
+    def _bs(self) -> int:
+        assert self.spec is not None, "register_kv_caches comes first"
+        return self.spec.block_size
+
+    def _ns(self, ns: Namespace) -> Namespace:
+        """The scheduler's namespace (rank 0) for this worker's own shard."""
+        assert self.spec is not None
+        return rank_namespace(ns, self.spec.tp_rank, self.spec.pp_rank)
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from gpu_agent.agent import AgentConfig, GPUAgent
+        from gpu_agent.buffers import EngineBuffers
+        from gpu_agent.layout import PagedAdapter
+
+        tp_rank, pp_rank = worker_ranks()
+        self.spec = engine_spec(
+            self.vllm_config, self.kv_cache_config, tp_rank=tp_rank, pp_rank=pp_rank, model_id=self.settings.model_id
+        )
+        names = [n for n in self.kv_cache_config.kv_cache_groups[0].layer_names if n in kv_caches]
+        if len(names) != len(kv_caches):
+            names = list(kv_caches)
+        self.layer_index = {n: i for i, n in enumerate(names)}
+        tensors = [kv_caches[n] for n in names]
+        self.buffers = EngineBuffers.from_tensors(tensors, self.kv_cache_config.num_blocks)
+        layout = self.spec.layout()
+        ns = self.spec.namespace(self.chunk, salt=self.settings.salt)
+        PagedAdapter(layout, self.chunk).check_geometry(self.buffers.geometry)
+        cfg = AgentConfig(hbm_bytes=self.settings.hbm_bytes, verify_loads=self.settings.verify_loads)
+        self._make_agent = lambda client: GPUAgent(client, layout, ns, device=tensors[0].device, config=cfg)
+        self._connect()
+        log.info(
+            "KVStoreConnector: rank tp=%d pp=%d, %d layers, page geometry %s, chunks of %d tokens, namespace %s",
+            tp_rank,
+            pp_rank,
+            len(names),
+            self.buffers.geometry,
+            self.chunk,
+            ns.fingerprint.hex(),
+        )
+
+    def _connect(self) -> bool:
+        """Attach to the node; a node that is not up (yet) is not an engine failure: the
+        engine serves without the cache and this is retried every ``RETRY_S``.  A target
+        that can never work here (not a local ``unix://`` node) is a configuration error."""
+        if self.agent is not None:
+            return True
+        now = time.monotonic()
+        if now < self._next_try:
+            return False
+        self._next_try = now + RETRY_S
+        client = None
+        try:
+            client = self.settings.client()
+            self.agent = self._make_agent(client)
+            log.info("KVStoreConnector: attached to %s", self.settings.target)
+            return True
+        except InvalidArgument as e:
+            raise Incompatible(
+                f"KVStoreConnector loads and saves through the kvstore node on this machine "
+                f"(kv_connector_extra_config.target={self.settings.target!r} must be its unix:// socket): {e}"
+            ) from e
+        except (KVStoreError, OSError) as e:
+            if client is not None:
+                client.close()
+            log.warning(
+                "KVStoreConnector: kvstore node at %s unreachable (%s); serving without the cache, retrying every %.0f s",
+                self.settings.target,
+                e,
+                RETRY_S,
+            )
+            return False
+
+    # -- loads ----------------------------------------------------------------------------
+    def _pull_remote(self, spec: LoadSpec, ns: Namespace) -> None:
+        """Chunks the scheduler found through ``lookup_target`` that this machine's node lacks
+        (``gpu_agent.pull``); a failure leaves them missing and the load stops before them."""
+        from gpu_agent.pull import pull_missing
+
+        t0 = time.perf_counter()
+        try:
+            if self._remote is None:
+                self._remote = self.settings.client(self.settings.lookup_target)
+            chain = chunk_keys(spec.tokens, ns)
+            self.counters["pulled_blocks"] += pull_missing(
+                self.agent.client, self._remote, chain, spec.first_token // self.chunk, ns, self.chunk
+            )
+        except Exception as e:  # noqa: BLE001 - the load goes on with what this node has (the rest recomputes)
+            log.warning(
+                "kvstore: fetching %s's chunks from %s failed (%s); loading what this node has",
+                spec.req_id,
+                self.settings.lookup_target,
+                e,
+                exc_info=not isinstance(e, KVStoreError),
+            )
+        finally:
+            self.counters["pull_us"] += int((time.perf_counter() - t0) * 1e6)
+
+    def start_load(self, meta: KVStoreMeta) -> None:
+        if not self._connect():
+            for spec in meta.loads:  # no node: every promised block is recomputed
+                self._fail(spec, spec.first_token)
+            return
+        bs = self._bs
+        for spec in meta.loads:
+            ns = self._ns(spec.namespace)
+            if self.settings.lookup_target:
+                self._pull_remote(spec, ns)
+            first_page = spec.first_token // bs
+            pages = spec.block_ids[: len(spec.tokens) // bs]
+            ids = [-1 if j < first_page else b for j, b in enumerate(pages)]
+            t0 = time.perf_counter()
+            try:
+                h = self.agent.load(
+                    spec.tokens,
+                    self.buffers,
+                    ids,
+                    namespace=ns,
+                    session_id=spec.session_id,
+                    first_chunk=spec.first_token // self.chunk,
+                )
+            except Exception as e:  # never a failed step: the engine recomputes what did not load
+                log.warning("kvstore load for %s failed (%s); recomputing", spec.req_id, e)
+                h = None
+            self.counters["load_us"] += int((time.perf_counter() - t0) * 1e6)
+            got = h.num_tokens if h is not None else 0
+            if got < spec.num_tokens:
+                self._fail(spec, got)
+            self._loads.append((spec, h))
+            self.counters["loads"] += 1
+            self.counters["load_tokens"] += max(0, min(got, spec.num_tokens) - spec.first_token)
+        self._check_agent()
+
+    def _fail(self, spec: LoadSpec, from_token: int) -> None:
+        """The pages of tokens ``[from_token, num_tokens)`` (never below ``first_token``) did not load."""
+        bs = self._bs
+        first = max(spec.first_token, from_token) // bs
+        bad = spec.block_ids[first : -(-spec.num_tokens // bs)]
+        self._errors.update(bad)
+        self.counters["load_errors"] += len(bad)
+
+    def wait_layer(self, layer_name: str) -> None:
+        i = self.layer_index.get(layer_name)
+        if i is None:
+            return
+        for _, h in self._loads:
+            if h is not None:
+                h.wait_layer(i)
+
+    def _finish_loads(self) -> None:
+        loads, self._loads = self._loads, []
+        for spec, h in loads:
+            if h is None:
+                continue
+            try:
+                ok = h.wait(timeout=self.settings.wait_s)
+            except Exception as e:
+                log.warning("kvstore load for %s did not finish (%s)", spec.req_id, e)
+                ok = False
+            if not ok:
+                self._fail(spec, spec.first_token)
+
+    # -- saves ----------------------------------------------------------------------------
+    def wait_for_save(self, meta: KVStoreMeta) -> None:
+        self._finish_loads()
+        if not meta.saves:
+            return
+        connected = self._connect()
+        for s in meta.saves:
+            handle = None
+            if connected:
+                t0 = time.perf_counter()
+                try:
+                    handle = self.agent.save(
+                        s.tokens,
+                        self.buffers,
+                        s.block_ids,
+                        namespace=self._ns(s.namespace),
+                        skip_chunks=s.skip_chunks,
+                        session_id=s.session_id,
+                    )
+                except Exception as e:  # a save that cannot run is a future miss, never a failed step
+                    log.warning("kvstore save for %s failed (%s)", s.req_id, e)
+                self.counters["save_us"] += int((time.perf_counter() - t0) * 1e6)
+                self.counters["saves"] += 1
+            self._saving.setdefault(s.req_id, []).append((handle, s))  # recorded whatever happened to it
+        if connected:
+            self._check_agent()
+
+    def finished(self, finished_req_ids: set[str]) -> set[str] | None:
+        """Requests vLLM has finished whose saves all ended (each reported once)."""
+        self._told |= finished_req_ids & (set(self._saving) | self._saved)
+        for rid in list(self._saving):
+            saves = self._saving[rid]
+            if any(h is not None and not h.done() for h, _ in saves):
+                continue
+            del self._saving[rid]
+            self._saved.add(rid)
+            for h, s in saves:
+                self._emit_stored(rid, h, s)
+        out = (self._saved & self._told) - set(self._saving)
+        self._saved -= out
+        self._told -= out
+        if not self.settings.defer_free:
+            self._saved.clear()  # the scheduler freed these blocks at once: nothing to report
+            self._told.clear()
+            return None
+        return out or None
+
+    def _emit_stored(self, rid: str, handle: Any, s: SaveSpec) -> None:
+        if handle is None:
+            return
+        try:
+            res = handle.wait(0)
+        except Exception as e:
+            log.warning("kvstore save for %s failed (%s)", rid, e)
+            return
+        if res.failed:
+            return  # which chunks failed is not known: claim none
+        keys = chunk_keys(s.tokens, s.namespace)  # rank 0's keys: the same event from every rank
+        ev = stored_event(keys, s.skip_chunks, s.tokens, self.chunk, s.namespace.lora_id)
+        if ev is not None:
+            self._events.append(ev)
+
+    # -- the agent's lifecycle --------------------------------------------------------------
+    def _check_agent(self) -> None:
+        """An agent whose store calls failed is dropped (after its transfers end) and
+        attached afresh in RETRY_S: a restarted node has a new arena and socket."""
+        if self.agent is None:
+            return
+        errors = int(self.agent.stats()["counters"].get("store_errors", 0))
+        if errors > self._store_errors:
+            log.warning(
+                "KVStoreConnector: the node at %s failed; re-attaching in %.0f s", self.settings.target, RETRY_S
+            )
+            self._retire_agent()
+            self._next_try = time.monotonic() + RETRY_S
+        self._store_errors = errors if self.agent is not None else 0
+
+    def _retire_agent(self) -> None:
+        agent, self.agent = self.agent, None
+        if agent is None:
+            return
+        for _, h in self._loads:
+            if h is not None:
+                try:
+                    h.wait(timeout=self.settings.wait_s)
+                except Exception:  # the load is already counted as failed
+                    pass
+        for saves in list(self._saving.values()):
+            for handle, _ in saves:
+                if handle is not None:
+                    try:
+                        handle.wait(self.settings.wait_s)
+                    except Exception:  # a failed save is a future miss
+                        pass
+        client = agent.client
+        agent.close()
+        client.close()
+
+    # -- what vLLM collects -------------------------------------------------------------------
+    def take_stats(self) -> KVStoreStats | None:
+        """The counters since the last call (None when nothing happened)."""
+        return delta(self.counters, self._reported, WORKER_KEYS)
+
+    def take_errors(self) -> set[int]:
+        out, self._errors = self._errors, set()
+        return out
+
+    def take_events(self) -> KVStoreEvents | None:
+        if not self._events:
+            return None
+        ev = KVStoreEvents(1)
+        ev.add_events(self._events)
+        self._events = []
+        return ev
+
+    def close(self) -> None:
+        for saves in self._saving.values():
+            for handle, _ in saves:
+                if handle is not None:
+                    try:
+                        handle.wait(self.settings.wait_s)
+                    except Exception:
+                        pass
+        if self._remote is not None:
+            self._remote.close()
+            self._remote = None
+        self._retire_agent()
