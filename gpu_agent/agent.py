@@ -69,7 +69,7 @@ from gpu_agent.prefetch import Bandwidths, plan_prefetch, usable_prefix
 from gpu_agent.transfer import BatchedLoad, BatchedSave
 from kvstore.block import BlockMeta, checksum
 from kvstore.errors import InvalidArgument, KVStoreError
-from kvstore.keys import ChunkKey, Namespace, chunk_keys, parent_keys
+from kvstore.keys import ChunkKey, Namespace, chunk_keys, parent_keys, tail_key
 
 log = logging.getLogger(__name__)
 
@@ -248,12 +248,21 @@ class GPUAgent:
             self._count("staged_blocks", left)
 
     # -- keys ----------------------------------------------------------------------------
-    def keys(self, tokens: Sequence[int] | Any, namespace: Namespace | None = None) -> list[ChunkKey]:
+    def keys(
+        self, tokens: Sequence[int] | Any, namespace: Namespace | None = None, *, tail: bool = False
+    ) -> list[ChunkKey]:
         """One key per full chunk of ``tokens`` (a list, numpy array or CPU tensor of ids),
-        in ``namespace`` (default: the agent's; another must describe the same layout)."""
+        in ``namespace`` (default: the agent's; another must describe the same layout);
+        ``tail``: and one for a trailing partial chunk (``kvstore.keys.tail_key``)."""
         if isinstance(tokens, torch.Tensor):
             tokens = tokens.detach().cpu().reshape(-1).numpy()
-        return chunk_keys(tokens, self._ns(namespace))
+        ns = self._ns(namespace)
+        keys = chunk_keys(tokens, ns)
+        if tail:
+            t = tail_key(tokens, ns, keys)
+            if t is not None:
+                keys.append(t)
+        return keys
 
     def _ns(self, namespace: Namespace | None) -> Namespace:
         if namespace is None or namespace is self.namespace:
@@ -405,18 +414,21 @@ class GPUAgent:
         namespace: Namespace | None = None,
         session_id: str | None = None,
         first_chunk: int = 0,
+        tail: bool = False,
     ) -> LoadHandle:
         """Load the cached chunks of ``tokens`` from chunk ``first_chunk`` on into the pages
         ``block_ids`` (as far as ``block_ids`` reach; a negative id leaves that page alone,
         for tokens the engine already holds).  Chunks below ``first_chunk`` (the engine's
         own prefix cache holds them) are neither acquired nor required to be stored.
         Returns at once with the copies queued, layer by layer; ``num_tokens`` of the
-        handle counts from token 0 (``first_chunk`` chunks are taken as held)."""
+        handle counts from token 0 (``first_chunk`` chunks are taken as held).  ``tail``: a
+        trailing partial chunk too (saved with ``save(tail=True)``), into the pages of a
+        whole chunk (negative ids past the tokens); it counts as its own tokens."""
         dst = self._check_buffers(kv_buffers)
         ns = self._ns(namespace)
         if first_chunk < 0:
             raise InvalidArgument(f"first_chunk must be >= 0, got {first_chunk}")
-        keys = self.keys(tokens, ns)[: len(block_ids) // self.adapter.pages_per_chunk][first_chunk:]
+        keys = self.keys(tokens, ns, tail=tail)[: len(block_ids) // self.adapter.pages_per_chunk][first_chunk:]
         skipped = first_chunk * self.chunk_tokens
         if not keys:
             return LoadHandle(skipped, 0, [DoneEvent()] * self.layout.num_layers, None)
@@ -476,7 +488,7 @@ class GPUAgent:
         done = (
             self._load_completer.submit(self._finish_load, events, leased, held) if leased is not None or held else None
         )
-        n = len(sources) * self.chunk_tokens
+        n = min(len(sources) * self.chunk_tokens, len(tokens) - skipped)
         self._count("loads", 1)
         self._count("load_tokens", n)
         self._count("load_hbm_blocks", hbm)
@@ -570,23 +582,27 @@ class GPUAgent:
         namespace: Namespace | None = None,
         skip_chunks: int = 0,
         session_id: str | None = None,
+        tail: bool = False,
     ) -> SaveHandle:
         """Offload ``tokens``' full chunks (their KV in pages ``block_ids``) to the store.
 
         Returns once the device-to-host copies are ordered before anything the caller
         queues next (see :meth:`_fence`): the engine may overwrite or free those pages
         right away.  Checksums and commits finish in the background (``SaveHandle.wait``);
-        chunks the store already holds are skipped."""
+        chunks the store already holds are skipped.  ``tail``: a trailing partial chunk too,
+        keyed by its exact tokens; ``block_ids`` still covers whole chunks (the pages past
+        the tokens are stored as they are and never loaded)."""
         src = self._check_buffers(kv_buffers)
         ns = self._ns(namespace)
-        keys = self.keys(tokens, ns)[: len(block_ids) // self.adapter.pages_per_chunk]
+        keys = self.keys(tokens, ns, tail=tail)[: len(block_ids) // self.adapter.pages_per_chunk]
         if any(int(b) < 0 for b in block_ids[: len(keys) * self.adapter.pages_per_chunk]):
             raise InvalidArgument("save needs every page of the chunks it stores (a negative page id)")
         parents = parent_keys(keys)
         shape = self.layout.block_shape(self.chunk_tokens)
+        counts = [min(self.chunk_tokens, len(tokens) - i * self.chunk_tokens) for i in range(len(keys))]
         metas = [
-            BlockMeta(ns.fingerprint, k, p, self.chunk_tokens, self.layout.dtype, shape, self.block_bytes, 0)
-            for k, p in zip(keys, parents)
+            BlockMeta(ns.fingerprint, k, p, c, self.layout.dtype, shape, self.block_bytes, 0)
+            for k, p, c in zip(keys, parents, counts)
         ][skip_chunks:]
         parts: list[concurrent.futures.Future[SaveResult]] = []
         base = SaveResult()

@@ -15,11 +15,14 @@ from typing import Any
 from kvstore.keys import ChunkKey, Namespace, parent_keys
 
 
-def pull_missing(local: Any, remote: Any, chain: list[ChunkKey], first: int, namespace: Namespace, chunk: int) -> int:
+def pull_missing(
+    local: Any, remote: Any, chain: list[ChunkKey], first: int, namespace: Namespace, chunk: int, tail_tokens: int = 0
+) -> int:
     """Put into ``local`` the chunks ``chain[first:]`` it lacks, read from ``remote``.
 
-    ``chain`` is the whole key chain (its parents are stored with each block).  Returns the
-    number of blocks put; raises the clients' errors (the caller fails open)."""
+    ``chain`` is the whole key chain (its parents are stored with each block); with
+    ``tail_tokens`` its last key is a trailing partial chunk of that many tokens.  Returns
+    the number of blocks put; raises the clients' errors (the caller fails open)."""
     keys = chain[first:]
     if not keys:
         return 0
@@ -28,14 +31,17 @@ def pull_missing(local: Any, remote: Any, chain: list[ChunkKey], first: int, nam
         return 0
     got = remote.get_many([keys[i] for i in missing])
     parents = parent_keys(chain)[first:]
-    have = [(keys[i], parents[i], d) for i, d in zip(missing, got) if d is not None]
+    counts = [chunk] * len(chain)
+    if tail_tokens and counts:
+        counts[-1] = tail_tokens
+    have = [(keys[i], parents[i], d, counts[first + i]) for i, d in zip(missing, got) if d is not None]
     if not have:
         return 0
     ok = local.put_many(
-        [k for k, _, _ in have],
-        [d for _, _, d in have],
+        [h[0] for h in have],
+        [h[2] for h in have],
         namespace=namespace,
-        parents=[p for _, p, _ in have],
-        token_counts=[chunk] * len(have),
+        parents=[h[1] for h in have],
+        token_counts=[h[3] for h in have],
     )
     return int(sum(ok))

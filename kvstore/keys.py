@@ -152,6 +152,33 @@ def chunk_keys(tokens: Sequence[int] | np.ndarray, namespace: Namespace) -> list
     return keys
 
 
+TAIL_MARK = b"kvstore/tail-chunk/v1"
+"""Hashed between the chain and a trailing partial chunk's tokens: a tail key is never the
+key of a full chunk, nor of a tail of another length (the length is hashed too)."""
+
+
+def tail_key(
+    tokens: Sequence[int] | np.ndarray, namespace: Namespace, chain: Sequence[ChunkKey] | None = None
+) -> ChunkKey | None:
+    """The key of ``tokens``' trailing partial chunk, keyed by its exact tokens
+    (``xxh3_128(key_{n-1} || TAIL_MARK || len || tokens)``), or None when ``tokens`` ends on a
+    chunk boundary.  ``chain``: ``chunk_keys(tokens, namespace)`` if the caller has it."""
+    arr = _as_tokens(tokens)
+    n = namespace.chunk_tokens
+    full, rest = divmod(len(arr), n)
+    if rest == 0:
+        return None
+    keys = list(chain) if chain is not None else chunk_keys(arr, namespace)
+    if len(keys) != full:
+        raise InvalidArgument(f"chain has {len(keys)} keys; tokens have {full} full chunks")
+    h = xxhash.xxh3_128()
+    h.update(keys[-1] if keys else namespace.fingerprint)
+    h.update(TAIL_MARK)
+    h.update(rest.to_bytes(4, "little"))
+    h.update(arr[full * n :].tobytes())
+    return ChunkKey(h.digest())
+
+
 def parent_keys(keys: Sequence[ChunkKey]) -> list[ChunkKey]:
     """The parent of each key in a chain: ``NO_PARENT`` for the first."""
     return [NO_PARENT, *keys[:-1]] if keys else []

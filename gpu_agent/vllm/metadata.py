@@ -29,6 +29,7 @@ class LoadSpec:
     num_tokens: int
     namespace: Namespace
     session_id: str | None = None
+    tail: bool = False  # the last chunk of ``tokens`` is partial: keyed by its exact tokens
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,6 +43,7 @@ class SaveSpec:
     skip_chunks: int
     namespace: Namespace
     session_id: str | None = None
+    tail: bool = False  # ``tokens`` ends in a partial chunk, saved too (``block_ids`` cover its whole chunk)
 
 
 @dataclasses.dataclass

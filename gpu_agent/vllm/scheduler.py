@@ -36,7 +36,7 @@ from gpu_agent.vllm.settings import RETRY_S, ConnectorSettings, EngineSpec
 from gpu_agent.vllm.spec import all_ranks, rank_namespace, request_namespace, request_session, unkeyable
 from gpu_agent.vllm.stats import SCHEDULER_KEYS, KVStoreStats, delta
 from kvstore.errors import KVStoreError
-from kvstore.keys import Namespace, chunk_keys
+from kvstore.keys import Namespace, chunk_keys, tail_key
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -60,9 +60,10 @@ class _Req:
     block_ids: list[int] = dataclasses.field(default_factory=list)
     local_tokens: int = 0
     external_tokens: int = 0
-    found_chunks: int = 0  # leading chunks the last lookup found (every rank's shard)
+    found_chunks: int = 0  # leading full chunks the last lookup found (every rank's shard)
     tiers: list[str] = dataclasses.field(default_factory=list)
     saved_chunks: int = 0
+    tail_saved: bool = False  # the prompt's trailing partial chunk (keyed by its exact tokens)
     saves: int = 0
     wait_until: float = 0.0  # the handoff's deadline (0: not waiting)
     next_ask: float = 0.0
@@ -109,10 +110,16 @@ class SchedulerSide:
         self._drop_client()  # a fresh channel then, not one parked in reconnect back-off
 
     def _lookup(self, tokens: list[int], ns: Namespace, first: int, session: str | None) -> tuple[int, list[str]]:
-        """Leading chunks from ``first`` on that every rank's shard holds, and rank 0's tiers."""
+        """Leading chunks from ``first`` on (the trailing partial one last) that every rank's
+        shard holds, and rank 0's tiers."""
         n, tiers = -1, []
         for t, p in self.ranks:
-            keys = chunk_keys(tokens, rank_namespace(ns, t, p))[first:]
+            rns = rank_namespace(ns, t, p)
+            chain = chunk_keys(tokens, rns)
+            keys = chain[first:]
+            tail = tail_key(tokens, rns, chain)
+            if tail is not None:
+                keys.append(tail)
             got, where = self.client().match_prefix_tiers(keys, session_id=session)
             if n < 0:
                 tiers = list(where)
@@ -133,9 +140,9 @@ class SchedulerSide:
             r = self._reqs[request.request_id] = _Req(request, ns, request_session(request), why)
         return r
 
-    def _handoff_chunks(self, request: Request, ns: Namespace, full: int) -> int:
-        """Chunks a producer said it saved for this prompt (its ``kv_transfer_params``), when
-        they are keyed as this engine keys them; 0 when there is nothing to wait for."""
+    def _handoff_tokens(self, request: Request, ns: Namespace, num_tokens: int) -> int:
+        """Leading tokens a producer said it saved for this prompt (its ``kv_transfer_params``),
+        when they are keyed as this engine keys them; 0 when there is nothing to wait for."""
         params = getattr(request, "kv_transfer_params", None)
         info = params.get("kvstore") if isinstance(params, dict) else None
         if not isinstance(info, dict):
@@ -143,7 +150,10 @@ class SchedulerSide:
         try:
             if Namespace.from_dict(info["namespace"]).fingerprint != ns.fingerprint:
                 return 0  # another model, rank layout or tenant: its chunks are not ours
-            return max(0, min(int(info.get("saved_chunks", 0)), full))
+            saved = int(info.get("saved_tokens", 0))
+            if saved == num_tokens:
+                return saved  # the whole prompt, its trailing partial chunk too
+            return max(0, min(int(info.get("saved_chunks", 0)) * self.chunk, num_tokens // self.chunk * self.chunk))
         except (KeyError, TypeError, ValueError, KVStoreError):
             return 0  # malformed params are no reason to wait
 
@@ -157,25 +167,26 @@ class SchedulerSide:
         if r.skip is not None:
             return 0, False
         tokens = list(request.all_token_ids)
-        full = len(tokens) // self.chunk
+        full, partial = divmod(len(tokens), self.chunk)
         first = num_computed // self.chunk
-        if full <= first or time.monotonic() < self._down_until:
+        if (full <= first and not partial) or time.monotonic() < self._down_until:
             return 0, False
-        want = self._handoff_chunks(request, r.namespace, full)
+        want = self._handoff_tokens(request, r.namespace, len(tokens))
         now = time.monotonic()
         if r.wait_until and now < r.next_ask and now < r.wait_until:
             self.counters["handoff_waits"] += 1
             return None, False
         t0 = time.perf_counter()
         try:
-            n, tiers = self._lookup(tokens[: full * self.chunk], r.namespace, first, r.session_id)
+            n, tiers = self._lookup(tokens, r.namespace, first, r.session_id)
         except Exception as e:  # noqa: BLE001 - the engine must outlive any store failure: it recomputes
             self._store_failed(e, f"lookup for request {request.request_id}")
             return 0, False
         self.counters["lookups"] += 1
         self.counters["lookup_us"] += int((time.perf_counter() - t0) * 1e6)
-        found = first + n
-        if want > found:
+        found = first + n  # chunks, the tail counted as one
+        found_tokens = len(tokens) if partial and found > full else found * self.chunk
+        if want > found_tokens:
             now = time.monotonic()
             if not r.wait_until:
                 r.wait_until = now + self.settings.deadline_s
@@ -186,19 +197,21 @@ class SchedulerSide:
             if r.next_ask >= 0:
                 self.counters["handoff_timeouts"] += 1
                 log.warning(
-                    "kvstore: request %s: its producer saved %d chunks, %d are committed after %.1f s; "
+                    "kvstore: request %s: its producer saved %d tokens, %d are committed after %.1f s; "
                     "recomputing the rest",
                     request.request_id,
                     want,
-                    found,
+                    found_tokens,
                     self.settings.deadline_s,
                 )
             r.next_ask = -1.0
-        r.found_chunks, r.tiers = found, tiers
+        r.found_chunks, r.tiers = min(found, full), tiers
+        if partial and found > full and len(tokens) == int(request.num_prompt_tokens):
+            r.tail_saved = True  # the whole prompt is stored, its tail too: nothing to save again
         if first == 0:
-            r.saved_chunks = max(r.saved_chunks, found)  # stored already: never saved again
+            r.saved_chunks = max(r.saved_chunks, r.found_chunks)  # stored already: never saved again
         # vLLM computes at least the last token: a prompt stored whole loads all but that one
-        end = min(found * self.chunk, request.num_tokens - 1)
+        end = min(found_tokens, request.num_tokens - 1)
         return max(0, end - num_computed), False
 
     def hit_sources(self, request: Request, num_external: int) -> dict[CacheHitSource, int]:
@@ -226,8 +239,9 @@ class SchedulerSide:
         end = start + num_external
         whole = -(-end // self.chunk) * self.chunk
         tokens = list(request.all_token_ids[:whole])
+        tail = len(tokens) % self.chunk != 0  # the load reaches into the trailing partial chunk
         self._loads[request.request_id] = LoadSpec(
-            request.request_id, tokens, list(blocks.get_block_ids()[0]), start, end, r.namespace, r.session_id
+            request.request_id, tokens, list(blocks.get_block_ids()[0]), start, end, r.namespace, r.session_id, tail
         )
         r.external_tokens = num_external
         self.counters["hit_tokens"] += num_external
@@ -275,13 +289,31 @@ class SchedulerSide:
             meta.loads.append(dataclasses.replace(load, block_ids=list(r.block_ids)))
 
     def _maybe_save(self, meta: KVStoreMeta, rid: str, r: _Req, done: int) -> None:
-        """Save the full chunks this step completes (their KV is written once it ran)."""
+        """Save the full chunks this step completes (their KV is written once it ran), and
+        when it completes the prompt, the prompt's trailing partial chunk (keyed by its
+        exact tokens, so a repeated prompt of any length loads all but its last token)."""
         if not self.produce or r.skip is not None:
             return
         tokens = r.request.all_token_ids
+        prompt = int(r.request.num_prompt_tokens)
+        bs = self.spec.block_size
+        if not r.tail_saved and done >= prompt and len(tokens) >= prompt:
+            r.tail_saved = True
+            full_p, partial = divmod(prompt, self.chunk)
+            pages = -(-prompt // bs)
+            if partial and r.saved_chunks <= full_p and len(r.block_ids) >= pages:
+                # the tail's chunk spans whole pages: those past the prompt repeat its last page
+                ids = r.block_ids[:pages]
+                ids = ids + [ids[-1]] * ((full_p + 1) * (self.chunk // bs) - pages)
+                meta.saves.append(
+                    SaveSpec(rid, list(tokens[:prompt]), ids, r.saved_chunks, r.namespace, r.session_id, tail=True)
+                )
+                r.saved_chunks = full_p
+                r.saves += 1
+                return
         limit = done if self.settings.save_decode else min(done, int(r.request.num_prompt_tokens))
         full = min(limit, len(tokens)) // self.chunk  # only chunks whose every token is known
-        pages = full * self.chunk // self.spec.block_size
+        pages = full * self.chunk // bs
         if full <= r.saved_chunks or len(r.block_ids) < pages:
             return
         meta.saves.append(
@@ -309,6 +341,13 @@ class SchedulerSide:
                 "chunk_tokens": self.chunk,
                 "saved": r.saves > 0,
                 "saved_chunks": r.saved_chunks if self.produce else 0,
+                "saved_tokens": (
+                    0
+                    if not self.produce
+                    else int(request.num_prompt_tokens)
+                    if r.tail_saved and r.saved_chunks == int(request.num_prompt_tokens) // self.chunk
+                    else r.saved_chunks * self.chunk
+                ),
                 "hit_chunks": r.found_chunks,
                 "local_tokens": r.local_tokens,
                 "external_tokens": r.external_tokens,

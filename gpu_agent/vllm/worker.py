@@ -29,7 +29,7 @@ from gpu_agent.vllm.settings import RETRY_S, ConnectorSettings, EngineSpec
 from gpu_agent.vllm.spec import engine_spec, rank_namespace, worker_ranks
 from gpu_agent.vllm.stats import WORKER_KEYS, KVStoreStats, delta
 from kvstore.errors import Incompatible, InvalidArgument, KVStoreError
-from kvstore.keys import Namespace, chunk_keys
+from kvstore.keys import Namespace, chunk_keys, tail_key
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -147,8 +147,17 @@ class WorkerSide:
             if self._remote is None:
                 self._remote = self.settings.client(self.settings.lookup_target)
             chain = chunk_keys(spec.tokens, ns)
+            tail = tail_key(spec.tokens, ns, chain) if spec.tail else None
+            if tail is not None:
+                chain.append(tail)
             self.counters["pulled_blocks"] += pull_missing(
-                self.agent.client, self._remote, chain, spec.first_token // self.chunk, ns, self.chunk
+                self.agent.client,
+                self._remote,
+                chain,
+                spec.first_token // self.chunk,
+                ns,
+                self.chunk,
+                tail_tokens=len(spec.tokens) % self.chunk if tail is not None else 0,
             )
         except Exception as e:  # noqa: BLE001 - the load goes on with what this node has (the rest recomputes)
             log.warning(
@@ -172,8 +181,11 @@ class WorkerSide:
             if self.settings.lookup_target:
                 self._pull_remote(spec, ns)
             first_page = spec.first_token // bs
-            pages = spec.block_ids[: len(spec.tokens) // bs]
+            covered = -(-len(spec.tokens) // bs)
+            pages = spec.block_ids[:covered]
             ids = [-1 if j < first_page else b for j, b in enumerate(pages)]
+            if spec.tail and len(pages) == covered:  # the partial chunk's pages past its tokens
+                ids += [-1] * (-(-len(spec.tokens) // self.chunk) * (self.chunk // bs) - covered)
             t0 = time.perf_counter()
             try:
                 h = self.agent.load(
@@ -183,6 +195,7 @@ class WorkerSide:
                     namespace=ns,
                     session_id=spec.session_id,
                     first_chunk=spec.first_token // self.chunk,
+                    tail=spec.tail,
                 )
             except Exception as e:  # never a failed step: the engine recomputes what did not load
                 log.warning("kvstore load for %s failed (%s); recomputing", spec.req_id, e)
@@ -243,6 +256,7 @@ class WorkerSide:
                         namespace=self._ns(s.namespace),
                         skip_chunks=s.skip_chunks,
                         session_id=s.session_id,
+                        tail=s.tail,
                     )
                 except Exception as e:  # a save that cannot run is a future miss, never a failed step
                     log.warning("kvstore save for %s failed (%s)", s.req_id, e)

@@ -156,6 +156,29 @@ def test_a_load_from_a_later_chunk_needs_neither_the_leading_chunks_nor_their_pa
         agent.load(toks, dst, list(range(16)), first_chunk=-1)
 
 
+def test_a_trailing_partial_chunk_is_stored_and_loaded_under_its_exact_tokens(agent_factory: Any) -> None:
+    """``tail=True``: the partial chunk after the full ones is keyed by its exact tokens; a
+    prompt one token longer or with another last token finds only the full chunks."""
+    agent = agent_factory()
+    toks = tokens(2 * C + 20)  # 2 full chunks, a tail of 20 tokens (pages 8 and 9 of chunk 2)
+    src = buffers(agent.layout, 12, fill=True)
+    ids = list(range(10)) + [9, 9]  # the tail's chunk padded to whole pages with its last page
+    res = agent.save(toks, src, ids, tail=True).wait(timeout=30)
+    assert (res.stored, res.failed) == (3, 0)
+    tail = agent.keys(toks, tail=True)[2]
+    assert len(agent.keys(toks, tail=True)) == 3 and tail not in agent.keys(toks + tokens(C, seed=3))
+    with agent.client.acquire([tail]) as held:
+        assert held.metas[0] is not None and held.metas[0].token_count == 20
+    dst = buffers(agent.layout, 12, fill=False)
+    h = agent.load(toks, dst, list(range(10)) + [-1, -1], tail=True)
+    assert h.num_tokens == 2 * C + 20 and h.wait(timeout=30)
+    assert same_pages(src, list(range(10)), dst, list(range(10)), 10)
+    assert all(not d[:, 10:].any() for d in dst)
+    for other in (toks + [7], toks[:-1] + [(toks[-1] + 1) % 30000]):
+        h = agent.load(other, dst, list(range(12)), tail=True)
+        assert h.num_tokens == 2 * C and h.wait(timeout=30)
+
+
 def test_prefetch_then_load_reads_the_hbm_pool(agent_factory: Any) -> None:
     agent = agent_factory()
     toks = tokens(4 * C)

@@ -359,3 +359,21 @@ def test_namespace_from_dict_rejects_unknown_fields() -> None:
 def test_layout_bytes_per_token() -> None:
     assert KVLayout(32, 8, 128).bytes_per_token(2) == 32 * 2 * 8 * 128 * 2
     assert KVLayout(61, 1, 576, kv_split=False).bytes_per_token(1) == 61 * 576
+
+
+def test_a_tail_key_names_the_exact_tokens_of_a_trailing_partial_chunk() -> None:
+    from kvstore.keys import tail_key
+
+    ns = Namespace("m", chunk_tokens=4)
+    toks = [1, 2, 3, 4, 5, 6]
+    t = tail_key(toks, ns)
+    assert t is not None and len(t) == 16
+    assert tail_key(toks, ns, chunk_keys(toks, ns)) == t
+    assert tail_key([1, 2, 3, 4], ns) is None  # ends on a chunk boundary: no tail
+    assert tail_key([1, 2, 3, 4, 5, 7], ns) != t and tail_key([1, 2, 3, 4, 5], ns) != t
+    assert tail_key([9, 2, 3, 4, 5, 6], ns) != t  # the chain before it is hashed in
+    assert tail_key(toks, Namespace("other", chunk_tokens=4)) != t
+    assert t not in chunk_keys([1, 2, 3, 4, 5, 6, 0, 0], ns)  # never a full chunk's key
+    assert tail_key([5, 6], ns) != chunk_keys([5, 6, 0, 0], ns)[0]
+    with pytest.raises(InvalidArgument):
+        tail_key(toks, ns, [])
