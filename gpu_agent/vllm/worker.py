@@ -16,6 +16,7 @@ by ``get_finished`` exactly once, after its last save ended.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,7 @@ class WorkerSide:
         self._events: list[KVCacheEvent] = []
         self.counters: dict[str, int] = {k: 0 for k in WORKER_KEYS}
         self._remote: Any = None  # a client of lookup_target, for chunks only other nodes hold
+        self._puller: concurrent.futures.ThreadPoolExecutor | None = None  # runs the pulls (bounded waits)
         self._make_agent: Any = None
         self._next_try = 0.0
         self._store_errors = 0  # the agent's store_errors counter when last checked
@@ -137,6 +139,22 @@ class WorkerSide:
             return False
 
     # -- loads ----------------------------------------------------------------------------
+    def _pull_bounded(self, spec: LoadSpec, ns: Namespace) -> None:
+        """:meth:`_pull_remote`, waited on for at most ``deadline_s``: past it the load goes on
+        with what this node has (the pull may still land, for later requests)."""
+        if self._puller is None:
+            self._puller = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvstore-pull")
+        fut = self._puller.submit(self._pull_remote, spec, ns)
+        try:
+            fut.result(timeout=self.settings.deadline_s)
+        except concurrent.futures.TimeoutError:
+            log.warning(
+                "kvstore: fetching %s's chunks from %s took over %.1f s; loading what this node has",
+                spec.req_id,
+                self.settings.lookup_target,
+                self.settings.deadline_s,
+            )
+
     def _pull_remote(self, spec: LoadSpec, ns: Namespace) -> None:
         """Chunks the scheduler found through ``lookup_target`` that this machine's node lacks
         (``gpu_agent.pull``); a failure leaves them missing and the load stops before them."""
@@ -179,7 +197,7 @@ class WorkerSide:
         for spec in meta.loads:
             ns = self._ns(spec.namespace)
             if self.settings.lookup_target:
-                self._pull_remote(spec, ns)
+                self._pull_bounded(spec, ns)
             first_page = spec.first_token // bs
             covered = -(-len(spec.tokens) // bs)
             pages = spec.block_ids[:covered]
@@ -362,6 +380,9 @@ class WorkerSide:
                         handle.wait(self.settings.wait_s)
                     except Exception:
                         pass
+        if self._puller is not None:
+            self._puller.shutdown(wait=True, cancel_futures=True)
+            self._puller = None
         if self._remote is not None:
             self._remote.close()
             self._remote = None

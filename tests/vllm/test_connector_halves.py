@@ -1,0 +1,222 @@
+"""The connector's two halves against a real node, with vLLM's own ``Request`` objects and no
+engine: what the scheduler promises and loads, what a worker reports finished.
+
+The end-to-end tests (``test_connector_e2e.py``) prove the tokens; these pin the rules
+each defect broke, fast: the load range after a local prefix-cache hit, every rank's shard
+before a chunk counts, the handoff wait, requests that cannot be keyed, a save that cannot
+start, and the counters vLLM exports.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+CHUNK = 256
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from kvstore.children import private_node
+
+    with private_node(tmp_path_factory.mktemp("halves") / "node", dram="64MiB", nvme="0") as n:
+        yield n
+
+
+def spec(tp: int = 1) -> Any:
+    from gpu_agent.vllm.settings import EngineSpec
+
+    return EngineSpec("m", "main", "float32", 2, 2, 64, 16, "kvstore-vllm/2:cpu:test:cache_dtype=auto", tp_size=tp)
+
+
+def scheduler(node: Any, *, tp: int = 1, **extra: Any) -> Any:
+    from gpu_agent.vllm.scheduler import SchedulerSide
+    from gpu_agent.vllm.settings import ConnectorSettings
+
+    settings = ConnectorSettings.from_extra({"target": node.target, "salt": str(time.monotonic_ns()), **extra})
+    return SchedulerSide(spec(tp), settings, CHUNK, produce=True, consume=True)
+
+
+def request(tokens: list[int], rid: str = "r", params: dict[str, Any] | None = None, **kw: Any) -> Any:
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    sp = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params} if params else None)
+    return Request(rid, tokens, sp, None, **kw)
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(1, 31000, n).tolist()
+
+
+def store(node: Any, side: Any, req: Any, chunks: int, *, ranks: list[tuple[int, int]] | None = None) -> None:
+    """Put the first ``chunks`` chunks of ``req``'s tokens under each rank's keys."""
+    from client import KVClient
+    from gpu_agent.vllm.spec import rank_namespace, request_namespace
+    from kvstore.keys import chunk_keys
+
+    ns = request_namespace(side.spec, side.settings, CHUNK, req)
+    with KVClient(node.target) as c:
+        for t, p in ranks or [(0, 0)]:
+            rns = rank_namespace(ns, t, p)
+            keys = chunk_keys(list(req.all_token_ids), rns)[:chunks]
+            assert all(c.put_many(keys, [b"x" * 64] * len(keys), namespace=rns))
+
+
+class Blocks:
+    """What ``update_state_after_alloc`` is handed: the request's block ids (one group)."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+def test_after_a_partial_local_hit_the_load_starts_where_vllms_own_cache_ends(node: Any) -> None:
+    side = scheduler(node)
+    req = request(prompt(1000))
+    store(node, side, req, 3)
+    # vLLM's prefix cache holds 512 tokens; it has not set num_computed_tokens yet
+    hit, is_async = side.matched(req, 512)
+    assert (hit, is_async) == (768 - 512, False)
+    assert req.num_computed_tokens == 0
+    side.after_alloc(req, Blocks(list(range(100, 163))), hit)
+    load = side._loads[req.request_id]
+    assert (load.first_token, load.num_tokens) == (512, 768)
+    assert len(load.tokens) == 768 and load.tokens == list(req.all_token_ids[:768])
+
+
+def test_a_chunk_counts_only_when_every_tensor_parallel_rank_holds_its_shard(node: Any) -> None:
+    side = scheduler(node, tp=2)
+    req = request(prompt(1000, seed=1))
+    store(node, side, req, 3, ranks=[(0, 0)])
+    assert side.matched(req, 0) == (0, False)  # rank 1's shards are missing
+    store(node, side, req, 2, ranks=[(1, 0)])
+    assert side.matched(req, 0) == (512, False)  # both ranks hold two chunks
+
+
+def test_a_whole_stored_prompt_loads_all_but_its_last_token(node: Any) -> None:
+    from client import KVClient
+    from gpu_agent.vllm.spec import request_namespace
+    from kvstore.keys import tail_key
+
+    side = scheduler(node)
+    req = request(prompt(1000, seed=2))
+    store(node, side, req, 3)
+    assert side.matched(req, 0) == (768, False)  # the trailing 232 tokens are not stored yet
+    ns = request_namespace(side.spec, side.settings, CHUNK, req)
+    tail = tail_key(list(req.all_token_ids), ns)
+    assert tail is not None
+    with KVClient(node.target) as c:
+        assert c.put(tail, b"x" * 64, namespace=ns)
+    assert side.matched(req, 0) == (999, False)
+    exact = request(prompt(1024, seed=3), rid="exact")  # ends on a chunk boundary: no tail
+    store(node, side, exact, 4)
+    assert side.matched(exact, 0) == (1023, False)
+
+
+def test_a_decode_engine_waits_for_exactly_the_chunks_its_prefill_engine_saved(node: Any) -> None:
+    side = scheduler(node, deadline_s=5.0)
+    toks = prompt(1000, seed=4)
+    probe = request(toks)
+    from gpu_agent.vllm.spec import request_namespace
+
+    ns = request_namespace(side.spec, side.settings, CHUNK, probe)
+    params = {"kvstore": {"namespace": ns.to_dict(), "saved_chunks": 3, "saved_tokens": 768}}
+    req = request(toks, params=params)
+    store(node, side, req, 1)
+    assert side.matched(req, 0) == (None, False)  # one of three committed: ask again next step
+    store(node, side, req, 3)
+    time.sleep(0.02)
+    assert side.matched(req, 0) == (768, False)
+    assert side.counters["handoff_waits"] >= 1 and side.counters["handoff_timeouts"] == 0
+
+
+def test_the_handoff_wait_ends_at_the_deadline_and_bad_params_never_wait(node: Any) -> None:
+    side = scheduler(node, deadline_s=0.3)
+    toks = prompt(1000, seed=5)
+    from gpu_agent.vllm.spec import request_namespace
+
+    ns = request_namespace(side.spec, side.settings, CHUNK, request(toks))
+    req = request(toks, params={"kvstore": {"namespace": ns.to_dict(), "saved_chunks": 3}})
+    store(node, side, req, 1)
+    t0 = time.monotonic()
+    while (got := side.matched(req, 0))[0] is None:
+        assert time.monotonic() - t0 < 5, "the wait outlived its deadline"
+        time.sleep(0.01)
+    assert got == (256, False) and time.monotonic() - t0 >= 0.3
+    assert side.counters["handoff_timeouts"] == 1
+    for bad in ({"kvstore": "x"}, {"kvstore": {"namespace": {"nope": 1}, "saved_chunks": 3}}, {"kvstore": {}}):
+        r = request(toks, rid=f"bad-{len(str(bad))}", params=bad)
+        assert side.matched(r, 0) == (256, False)
+    other = dict(ns.to_dict(), model_id="another-model")
+    r = request(toks, rid="other", params={"kvstore": {"namespace": other, "saved_chunks": 3}})
+    assert side.matched(r, 0) == (256, False)  # another model's chunks are never ours to wait for
+
+
+def test_requests_the_tokens_do_not_describe_are_neither_loaded_nor_saved(node: Any) -> None:
+    import torch
+
+    side = scheduler(node)
+    toks = prompt(600, seed=6)
+    req = request(toks, rid="embeds", prompt_embeds=torch.zeros(600, 8))
+    store(node, side, request(toks), 2)
+    assert side.matched(req, 0) == (0, False)
+    assert side.counters["unkeyable_requests"] == 1
+
+
+def test_a_save_that_cannot_start_still_reports_its_request_finished() -> None:
+    from gpu_agent.vllm.metadata import KVStoreMeta, SaveSpec
+    from gpu_agent.vllm.settings import ConnectorSettings
+    from gpu_agent.vllm.worker import WorkerSide
+
+    w = WorkerSide(None, None, ConnectorSettings(target="unix:///nonexistent/kvstore.sock", deadline_s=0.5), CHUNK)  # type: ignore[arg-type]
+    w._make_agent = lambda client: (_ for _ in ()).throw(OSError("no node"))
+    ns = spec().namespace(CHUNK)
+    meta = KVStoreMeta(saves=[SaveSpec("held", prompt(512), list(range(32)), 0, ns)])
+    w.wait_for_save(meta)  # the node is down: nothing saved
+    assert w.finished(set()) is None  # vLLM has not finished it yet
+    assert w.finished({"held"}) == {"held"}  # reported, so vLLM frees its blocks
+    assert w.finished(set()) is None  # once
+
+
+def test_counters_reach_vllms_stats_and_prometheus() -> None:
+    import prometheus_client
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+
+    from gpu_agent.vllm.connector import KVStoreConnector
+    from gpu_agent.vllm.stats import STAT_KEYS, KVStoreStats
+
+    a = KVStoreConnector.build_kv_connector_stats({"loads": 2, "load_tokens": 512, "hit_tokens": 512, "lookups": 3})
+    b = KVStoreStats({"local_hit_tokens": 256, "lookups": 1, "lookup_us": 4000})
+    assert isinstance(a, KVStoreStats) and set(a.data) == set(STAT_KEYS)
+    total = a.aggregate(b).reduce()
+    assert total["hit tokens"] == 512 and total["local hit tokens"] == 256 and total["avg lookup ms"] == 1.0
+    registry = prometheus_client.CollectorRegistry()
+
+    class Counter(prometheus_client.Counter):
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            super().__init__(*args, registry=registry, **kw)
+
+    prom = KVStoreConnector.build_prom_metrics(
+        types.SimpleNamespace(kv_transfer_config=None),  # type: ignore[arg-type]  # all vLLM's base reads of it
+        {
+            prometheus_client.Gauge: prometheus_client.Gauge,
+            prometheus_client.Counter: Counter,
+            prometheus_client.Histogram: prometheus_client.Histogram,
+        },
+        ["engine"],
+        {0: ["0"]},
+    )
+    assert isinstance(prom, KVConnectorPromMetrics)
+    prom.observe(a.data, 0)
+    assert registry.get_sample_value("vllm:kvstore_hit_tokens_total", {"engine": "0"}) == 512
+    assert registry.get_sample_value("vllm:kvstore_local_hit_tokens_total", {"engine": "0"}) == 256
