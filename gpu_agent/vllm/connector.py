@@ -69,8 +69,14 @@ class KVStoreConnector(KVConnectorBase_V1):
                     "request; set kv_load_failure_policy='recompute' to recompute it instead",
                     tc.kv_load_failure_policy,
                 )
+            kv_events = getattr(vllm_config, "kv_events_config", None)
             self._scheduler = SchedulerSide(
-                spec, self.settings, self.chunk, produce=bool(tc.is_kv_producer), consume=bool(tc.is_kv_consumer)
+                spec,
+                self.settings,
+                self.chunk,
+                produce=bool(tc.is_kv_producer),
+                consume=bool(tc.is_kv_consumer),
+                events=bool(getattr(kv_events, "enable_kv_cache_events", False)),
             )
         else:
             self._worker = WorkerSide(vllm_config, kv_cache_config, self.settings, self.chunk)  # type: ignore[arg-type]

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from gpu_agent.vllm.events import KVStoreEvents
+from gpu_agent.vllm.events import KVStoreEvents, StoredChunks
 from gpu_agent.vllm.metadata import KVStoreMeta, LoadSpec, SaveSpec
 from gpu_agent.vllm.settings import RETRY_S, ConnectorSettings, EngineSpec
 from gpu_agent.vllm.spec import all_ranks, rank_namespace, request_namespace, request_session, unkeyable
@@ -73,7 +73,14 @@ class SchedulerSide:
     """Lookups and per-request bookkeeping (see the module docstring)."""
 
     def __init__(
-        self, spec: EngineSpec, settings: ConnectorSettings, chunk: int, *, produce: bool, consume: bool
+        self,
+        spec: EngineSpec,
+        settings: ConnectorSettings,
+        chunk: int,
+        *,
+        produce: bool,
+        consume: bool,
+        events: bool = False,
     ) -> None:
         self.spec, self.settings, self.chunk = spec, settings, chunk
         self.produce, self.consume = produce, consume
@@ -82,6 +89,7 @@ class SchedulerSide:
         self._reqs: dict[str, _Req] = {}
         self._loads: dict[str, LoadSpec] = {}
         self._events: KVStoreEvents | None = None
+        self.stored = StoredChunks(settings.events_resync_s if events and produce else 0.0)
         self._down_until = 0.0
         self.counters: dict[str, int] = {k: 0 for k in SCHEDULER_KEYS}
         self._reported: dict[str, int] = {}
@@ -308,6 +316,7 @@ class SchedulerSide:
                 meta.saves.append(
                     SaveSpec(rid, list(tokens[:prompt]), ids, r.saved_chunks, r.namespace, r.session_id, tail=True)
                 )
+                self._note_saving(r, tokens, r.saved_chunks, full_p)
                 r.saved_chunks = full_p
                 r.saves += 1
                 return
@@ -321,8 +330,16 @@ class SchedulerSide:
                 rid, list(tokens[: full * self.chunk]), r.block_ids[:pages], r.saved_chunks, r.namespace, r.session_id
             )
         )
+        self._note_saving(r, tokens, r.saved_chunks, full)
         r.saved_chunks = full
         r.saves += 1
+
+    def _note_saving(self, r: _Req, tokens: Any, lo: int, hi: int) -> None:
+        """Chunks ``[lo, hi)`` are being saved: their keys on every rank, for :class:`StoredChunks`."""
+        if self.stored.resync_s <= 0 or hi <= lo:
+            return
+        head = list(tokens[: hi * self.chunk])
+        self.stored.saving([chunk_keys(head, rank_namespace(r.namespace, t, p)) for t, p in self.ranks], lo, hi)
 
     def finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Hold the blocks of a request whose saves run (every worker reports it once they are
@@ -366,11 +383,20 @@ class SchedulerSide:
             self._events.increment_workers(ev.get_number_of_workers())
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        if self._events is None:
-            return []
-        self._events.aggregate()
-        events = self._events.get_all_events()
-        self._events = None
+        """The workers' events every worker reported, then what the store changed on its own."""
+        events: list[KVCacheEvent] = []
+        if self._events is not None:
+            self._events.aggregate()
+            events = list(self._events.get_all_events())
+            self._events = None
+            for ev in events:
+                self.stored.stored(ev)
+        now = time.monotonic()
+        if self.stored.due(now) and now >= self._down_until:
+            try:
+                events.extend(self.stored.resync(self.client().lookup, now))
+            except Exception as e:  # noqa: BLE001 - events are advice: the engine goes on
+                self._store_failed(e, "event resync")
         return events
 
     def take_stats(self) -> KVStoreStats | None:

@@ -58,6 +58,10 @@ class ConnectorSettings:
     save_decode: bool = True
     """Also save the full chunks decoding fills, so a conversation's next turn (prompt,
     answer and a new message) loads the answer's KV too."""
+    events_resync_s: float = 1.0
+    """How often the chunks this engine reported stored (KV events) are checked against the
+    store, so the node's own evictions and demotions reach KV events too (0: never).  Only
+    with vLLM's ``kv_events_config`` enabled."""
     defer_free: bool = True
     """Keep a finished request's blocks until its save is committed (``request_finished`` → True)."""
 
@@ -82,9 +86,9 @@ class ConnectorSettings:
                 raise InvalidArgument(f"kv_connector_extra_config.{f.name} must be a string, got {v!r}")
             kw[f.name] = want(v) if v is not None and want in (int, float) else v
         s = cls(**kw)
-        if s.chunk_tokens < 0 or s.deadline_s <= 0 or s.load_timeout_s < 0 or s.hbm_bytes < 0:
+        if s.chunk_tokens < 0 or s.deadline_s <= 0 or s.load_timeout_s < 0 or s.hbm_bytes < 0 or s.events_resync_s < 0:
             raise InvalidArgument(
-                "kv_connector_extra_config: chunk_tokens, hbm_bytes, load_timeout_s >= 0 and deadline_s > 0"
+                "kv_connector_extra_config: chunk_tokens, hbm_bytes, load_timeout_s, events_resync_s >= 0 and deadline_s > 0"
             )
         return s
 

@@ -220,3 +220,44 @@ def test_counters_reach_vllms_stats_and_prometheus() -> None:
     prom.observe(a.data, 0)
     assert registry.get_sample_value("vllm:kvstore_hit_tokens_total", {"engine": "0"}) == 512
     assert registry.get_sample_value("vllm:kvstore_local_hit_tokens_total", {"engine": "0"}) == 256
+
+
+def test_the_nodes_own_evictions_and_demotions_reach_kv_events(tmp_path: Any) -> None:
+    """Chunks reported stored are checked against the store: a demotion to NVMe (the node
+    restarted: DRAM is written back) is a move from CPU to STORAGE; a chunk any rank lost
+    is removed."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from client import KVClient
+    from gpu_agent.vllm.events import StoredChunks, stored_event
+    from kvstore.children import private_node
+    from kvstore.keys import chunk_keys
+
+    toks = prompt(3 * CHUNK, seed=8)
+    ns0 = spec(tp=2).namespace(CHUNK)
+    from gpu_agent.vllm.spec import rank_namespace
+
+    chains = [chunk_keys(toks, rank_namespace(ns0, t, 0)) for t in (0, 1)]
+    with private_node(tmp_path / "node", dram="64MiB", nvme="64MiB") as node:
+        with KVClient(node.target) as c:
+            for t, chain in enumerate(chains):
+                assert all(c.put_many(chain, [b"x" * 64] * 3, namespace=rank_namespace(ns0, t, 0)))
+        tracked = StoredChunks(resync_s=0.01)
+        tracked.saving(chains, 0, 3)
+        ev = stored_event(chains[0], 0, toks, CHUNK, "")
+        assert ev is not None and ev.parent_block_hash is None
+        tracked.stored(ev)
+        assert len(tracked) == 3
+        with KVClient(node.target) as c:
+            assert tracked.resync(c.lookup, 0.0) == []  # nothing changed
+        node.stop()  # graceful: DRAM blocks are demoted to NVMe
+        node.start()
+        with KVClient(node.target) as c:
+            moved = tracked.resync(c.lookup, 1.0)
+            assert [type(e) for e in moved] == [BlockRemoved, BlockStored] * 3
+            assert all(e.medium == ("CPU" if isinstance(e, BlockRemoved) else "STORAGE") for e in moved)
+            assert [e.parent_block_hash for e in moved if isinstance(e, BlockStored)] == [None, *chains[0][:2]]
+            c.delete([chains[1][2]])  # rank 1's shard of the last chunk is gone: the chunk is unusable
+            gone = tracked.resync(c.lookup, 2.0)
+        assert gone == [BlockRemoved(block_hashes=[chains[0][2]], medium="STORAGE")]
+        assert len(tracked) == 2
