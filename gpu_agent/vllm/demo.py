@@ -1,18 +1,30 @@
 """``kvstore demo vllm``: disaggregated prefill and decode in real vLLM engine processes.
 
 A private node (or ``--target``), a locally made model (``--layers``, ``--hidden``) and
-three engine processes: a plain one (no connector: the ``recompute`` reference), a
-prefill engine (``kv_producer``) and a decode engine (``kv_consumer``).  Each scenario
-uses a fresh prompt; the plain engine computes it for the reference tokens, the prefill
-engine computes and stores it, and the decode engine's time to first token is measured:
+three engine processes with vLLM's defaults (prefix caching on): a plain one (no
+connector: the ``recompute`` reference), a prefill engine (``kv_producer``) and a decode
+engine (``kv_consumer``).  Each scenario uses a fresh prompt; the plain engine computes
+it for the reference tokens, the prefill engine computes and stores it, and the decode
+engine's time to first token is measured.  The decode request carries the prefill
+response's ``kv_transfer_params`` (as a disaggregated router passes them on), so the
+connector waits for exactly the chunks the prefill saved, no longer than its deadline:
 
 * ``dram_hit``: the KV is in the node's DRAM;
 * ``nvme_hit``: the node was restarted between prefill and decode (its DRAM blocks
-  were demoted to NVMe at the stop), so every block comes back from NVMe;
+  were demoted to NVMe at the stop), so every block comes back from NVMe; the decode
+  engine first confirms the chunks are stored (it loads them, then drops its own
+  prefix cache), since a restart loses a save still in flight;
 * ``partial_hit``: prefill stored only the first half of the prompt;
 * ``remote_hit``: a fourth engine whose node is another member of a two-node cluster
   (a real etcd, replication 2) finds the chunks cluster-wide, fetches them over TCP into
-  its own node and loads them from there.
+  its own node and loads them from there;
+* ``multi_turn``: a conversation's second turn.  The prefill engine answers turn 1
+  (``ANSWER_TOKENS`` tokens, saved as they are decoded); turn 2 is turn 1's prompt and
+  answer and a new message, served by the decode engine: its ``hit_tokens`` count the
+  answer's tokens the store supplied too.
+
+``hit_tokens``: the prompt tokens the store supplied (``kv_transfer_params["kvstore"]``'s
+``external_tokens``).
 
 It also measures the connector's own data path in this process, on the same page
 geometry: saving and loading one prompt's KV through the GPU agent against a plain copy
@@ -34,7 +46,11 @@ from typing import Any
 
 import numpy as np
 
-SCENARIOS = ("recompute", "dram_hit", "nvme_hit", "partial_hit", "remote_hit")
+SCENARIOS = ("recompute", "dram_hit", "nvme_hit", "partial_hit", "remote_hit", "multi_turn")
+ANSWER_TOKENS = 320
+"""Turn 1's answer in ``multi_turn``: longer than a chunk, so whole chunks of it are stored."""
+MESSAGE_TOKENS = 64
+"""Turn 2's new message in ``multi_turn``."""
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -45,7 +61,6 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     from client import KVClient
     from gpu_agent.vllm.engine import EngineProcess, make_model
     from kvstore.children import private_node
-    from kvstore.keys import Namespace, chunk_keys
 
     n = a.prompt_tokens
     layers = a.layers if a.layers is not None else 4
@@ -104,21 +119,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             e.generate(_prompt(n, 1000 + i), max_tokens=2)  # warm-up
         client = stack.enter_context(KVClient(target))
 
-        def wait_stored(r: dict[str, Any], tokens: list[int]) -> None:
-            info = r["kv_transfer_params"]["kvstore"]
-            ns = Namespace.from_dict(info["namespace"])
-            keys = chunk_keys(tokens[: len(tokens) // ns.chunk_tokens * ns.chunk_tokens], ns)
-            end = time.monotonic() + 60
-            while client.match_prefix(keys) < len(keys) and time.monotonic() < end:
-                time.sleep(0.02)
-
         out: dict[str, dict[str, Any]] = {}
 
         def record(name: str, r: dict[str, Any], ref: dict[str, Any]) -> None:
             info = (r.get("kv_transfer_params") or {}).get("kvstore", {})
+            hit = info.get("external_tokens", int(info.get("hit_chunks", 0)) * int(info.get("chunk_tokens", 0)))
             row = {
                 "ttft_ms": r["ttft_ms"],
-                "hit_tokens": int(info.get("hit_chunks", 0)) * int(info.get("chunk_tokens", 0)),
+                "hit_tokens": int(hit),
                 "tokens_equal": r["tokens"] == ref["tokens"],
             }
             best = out.get(name)
@@ -127,18 +135,30 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
         for rep in range(a.repeat):
             for k, name in enumerate(SCENARIOS[1:]):
-                if (name == "nvme_hit" and node is None) or (name == "remote_hit" and "remote" not in engines):
+                if (
+                    (name == "nvme_hit" and node is None)
+                    or (name == "remote_hit" and "remote" not in engines)
+                    or (name == "multi_turn" and n <= ANSWER_TOKENS + MESSAGE_TOKENS)
+                ):
                     continue
                 tokens = _prompt(n, 10 * rep + k)
+                if name == "multi_turn":  # turn 1, then turn 2 = turn 1 + its answer + a new message
+                    first = tokens[: n - ANSWER_TOKENS - MESSAGE_TOKENS]
+                    produced = engines["prefill"].generate(first, max_tokens=ANSWER_TOKENS)
+                    tokens = first + produced["tokens"] + tokens[len(first) + ANSWER_TOKENS :]
                 ref = engines["plain"].generate(tokens, max_tokens=a.new_tokens)
                 record("recompute", {**ref, "kv_transfer_params": None}, ref)
-                stored = tokens[: n // 2] if name == "partial_hit" else tokens
-                wait_stored(engines["prefill"].generate(stored, max_tokens=1), stored)
+                if name != "multi_turn":
+                    stored = tokens[: n // 2] if name == "partial_hit" else tokens
+                    produced = engines["prefill"].generate(stored, max_tokens=1)
+                params = produced["kv_transfer_params"]
                 if name == "nvme_hit":
                     assert node is not None
+                    engines["decode"].generate(tokens, max_tokens=1, kv_transfer_params=params)  # all stored
+                    engines["decode"].reset_prefix_cache()
                     node.restart()
                 reader = engines["remote" if name == "remote_hit" else "decode"]
-                record(name, reader.generate(tokens, max_tokens=a.new_tokens), ref)
+                record(name, reader.generate(tokens, max_tokens=a.new_tokens, kv_transfer_params=params), ref)
         overhead = connector_overhead(client, layers=layers, hidden=hidden, tokens=n)
         rec = out["recompute"]["ttft_ms"]
         for row in out.values():

@@ -1,15 +1,21 @@
-"""kvstore as vLLM's KV connector, end to end: real vLLM engine processes on the CPU, a
-real node, prefill (``kv_producer``) and decode (``kv_consumer``) in separate processes.
+"""kvstore as vLLM's KV connector, end to end: real vLLM engine processes on the CPU (prefix
+caching on, as vLLM ships), a real node, prefill and decode in separate processes, and
+the configurations people run: chunked prefill, preemption, aborts, tensor parallelism,
+multi-turn conversations (the engines: ``vllm_rig.Rig``).
 
-Greedy tokens and their logprobs must equal the prefill engine's own (it computed the
-whole prompt: the recompute reference), whether the decode engine loaded the KV, found
-corrupt KV (the connector's checksum check turns it into recompute), found nothing (a
-different ``cache_salt``), or lost its node (recompute within the deadline, no hang).
+Greedy tokens and their logprobs must equal the reference engine's (no connector: it
+computes every prompt) whether the consumer loaded the whole stored prompt, loaded the part
+beyond what its own prefix cache held, loaded a conversation's earlier turns (answers
+included), found corrupt KV (the connector's checksum check turns it into recompute), found
+nothing (another ``cache_salt`` or LoRA adapter), or lost its node (recompute within the
+deadline, no hang).  A decode request learns what its prefill saved from the prefill's
+``kv_transfer_params`` (no polling of the store), and every load is checked on the node's
+counters: it read exactly the blocks of what the consumer did not hold itself, so an
+engine that recomputed everything cannot pass.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
@@ -17,172 +23,192 @@ from typing import Any
 
 import numpy as np
 import pytest
+from vllm_rig import (  # noqa: F401 - fixtures
+    CHUNK,
+    MAX,
+    SMALL_STEP,
+    N,
+    Rig,
+    diff,
+    expect,
+    found,
+    healthy_node,
+    info,
+    made,
+    prompt,
+    reads,
+    rig,
+    same,
+)
 
 from client import KVClient
-from gpu_agent.vllm.demo import local_cluster
-from gpu_agent.vllm.engine import EngineProcess, make_lora, make_model
+from gpu_agent.vllm.engine import request
 from gpu_agent.vllm.settings import RETRY_S
-from kvstore.children import private_node
 from kvstore.keys import Namespace, chunk_keys
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-MAX = 2048
-N = 1000  # prompt tokens: 3 chunks of 256 loadable (the last token is always computed)
+
+def consume(
+    rig: Rig,
+    engine: Any,
+    tokens: list[int],
+    produced: dict[str, Any] | None,
+    *,
+    local: int = 0,
+    ranks: int = 1,
+    max_tokens: int = 8,
+    client: Any = None,
+    **kw: Any,
+) -> dict[str, Any]:
+    """``engine`` serves ``tokens`` with ``produced``'s ``kv_transfer_params`` (the
+    handoff): its result equals the reference's, the node handed out the blocks of what
+    ``produced`` saved beyond the ``local`` tokens of the engine's own prefix cache, and
+    the connector says it supplied those tokens (checked in that order).
+    ``produced=None``: nothing is stored for ``tokens`` (``kw`` may still carry params)."""
+    client = client or rig.client
+    want = rig.want(tokens, max_tokens, **{k: v for k, v in kw.items() if k in ("cache_salt", "lora")})
+    blocks, external = expect(produced, tokens, local=local, ranks=ranks) if produced else (0, 0)
+    if produced:
+        kw["kv_transfer_params"] = produced["kv_transfer_params"]
+    before = reads(client)
+    got = engine.generate(tokens, max_tokens=max_tokens, **kw)
+    assert same(got, want), diff(got, want)
+    assert reads(client) - before == blocks, f"the node handed out {reads(client) - before} blocks, not {blocks}"
+    kv = info(got)
+    assert (kv.get("local_tokens"), kv.get("external_tokens")) == (local, external), kv
+    return got
 
 
-def prompt(seed: int, n: int = N) -> list[int]:
-    return np.random.default_rng(seed).integers(1, 31000, n).tolist()
+def produce(rig: Rig, tokens: list[int], *, max_tokens: int = 1, **kw: Any) -> dict[str, Any]:
+    """The prefill engine computes ``tokens`` (nothing stored for them yet) and saves them."""
+    got = rig.prefill.generate(tokens, max_tokens=max_tokens, **kw)
+    want = rig.want(tokens, max_tokens, **kw)
+    assert same(got, want), diff(got, want)
+    assert info(got).get("saved"), got["kv_transfer_params"]
+    return made(got, tokens)
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    d = tmp_path_factory.mktemp("vllm")
-    model = make_model(d / "model", layers=2, hidden=256, max_tokens=MAX)
-    # both nodes are members of one cluster (a real etcd): the remote decode engine looks chunks
-    # up and pulls them through a cluster client, as `kvstore demo vllm` does
-    stack = contextlib.ExitStack()
-    cluster_target, member = local_cluster(stack, d)
-    assert cluster_target, "etcd is not installed: scripts/setup.sh installs it"
-    node = private_node(d / "node", *member, dram="256MiB", nvme="256MiB")
-    other = private_node(d / "other", *member, dram="256MiB", nvme="256MiB")  # the remote engine's own node
-    extra = {"target": node.target, "deadline_s": 2.0}
-    remote_extra = {"target": other.target, "lookup_target": cluster_target, "deadline_s": 2.0}
-    prefill = EngineProcess(
-        model,
-        max_tokens=MAX,
-        kv_bytes=64 << 20,
-        connector={"role": "kv_producer", "extra": extra},
-        log_path=d / "prefill.log",
-        lora=True,
-    )
-    decode = EngineProcess(
-        model,
-        max_tokens=MAX,
-        kv_bytes=64 << 20,
-        connector={"role": "kv_consumer", "extra": extra},
-        log_path=d / "decode.log",
-        lora=True,
-    )
-    remote = EngineProcess(
-        model,
-        max_tokens=MAX,
-        kv_bytes=64 << 20,
-        connector={"role": "kv_consumer", "extra": remote_extra},
-        log_path=d / "remote.log",
-    )
-    for e in (prefill, decode, remote):
-        e.wait_ready()
-    client = KVClient(node.target)
-    other_client = KVClient(other.target)
-    lora = {"name": "adapter-a", "id": 1, "path": str(make_lora(d / "lora-a", model))}
-    yield {
-        "lora": lora,
-        "node": node,
-        "prefill": prefill,
-        "decode": decode,
-        "remote": remote,
-        "client": client,
-        "other": other_client,
-        "dir": d,
-    }
-    client.close()
-    other_client.close()
-    for e in (prefill, decode, remote):
-        e.close()
-    node.close()
-    other.close()
-    stack.close()
+def committed(rig: Rig, tokens: list[int], p: dict[str, Any]) -> None:
+    """Everything the prefill saved is on the node: the decode engine has loaded it (the
+    handoff waits for it), then forgets it again (its own prefix cache is reset)."""
+    consume(rig, rig.decode, tokens, p, max_tokens=1)
+    assert rig.decode.reset_prefix_cache()
 
 
-def hits(client: KVClient) -> int:
-    return int(client.stats()["counters"].get("match_prefix_hits", 0))
+def test_decode_loads_what_prefill_saved(rig: Rig) -> None:
+    """A full hit, for prompts that end inside a chunk and one that ends on a chunk
+    boundary: what the prefill saved is loaded, vLLM computes the rest (at least the last
+    prompt token)."""
+    for seed, n in ((101, N), (102, 4 * CHUNK), (103, 600)):
+        toks = prompt(seed, n)
+        p = produce(rig, toks)
+        got = consume(rig, rig.decode, toks, p)
+        assert got["num_cached_tokens"] == info(got)["external_tokens"] >= min(n // CHUNK * CHUNK, n - 1)
+        assert info(p).get("saved_chunks") == n // CHUNK, p["kv_transfer_params"]
 
 
-def stored_keys(r: dict[str, Any], tokens: list[int]) -> list[bytes]:
-    info = r["kv_transfer_params"]["kvstore"]
-    ns = Namespace.from_dict(info["namespace"])
-    return chunk_keys(tokens[: (len(tokens) // ns.chunk_tokens) * ns.chunk_tokens], ns)
+def test_a_partial_local_hit_loads_only_what_the_prefix_cache_lacks(rig: Rig) -> None:
+    """The decode engine's own prefix cache holds the first L tokens, the store holds the
+    prompt: vLLM keeps its L tokens, the connector loads from L on (out of the chunks that
+    cover it), the rest is computed.  L on a chunk boundary and inside a chunk."""
+    bs = rig.decode.block_size
+    for seed, shared, n in ((203, 300, N), (201, 400, N), (202, 650, 1100)):
+        head = prompt(seed, shared)
+        first, second = head + prompt(seed + 1000, n - shared), head + prompt(seed + 2000, n - shared)
+        local = shared // bs * bs  # vLLM caches whole blocks: 256, 384 and 640 tokens of 128-token blocks
+        assert 0 < local < n // CHUNK * CHUNK, (bs, local)
+        rig.decode.generate(first, max_tokens=1)  # now the decode engine's prefix cache holds `head`
+        p = produce(rig, second)
+        got = consume(rig, rig.decode, second, p, local=local)
+        assert info(got)["external_tokens"] > 0
+        assert got["num_cached_tokens"] == local + info(got)["external_tokens"]
 
 
-def wait_stored(client: KVClient, keys: list[bytes], timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while client.match_prefix(keys) < len(keys):
-        assert time.monotonic() < end, "the prefill engine's save never landed"
-        time.sleep(0.05)
+def test_the_decode_request_waits_for_exactly_what_its_prefill_saved(rig: Rig) -> None:
+    """The prefill's ``kv_transfer_params`` say what it saved: the decode engine loads that
+    (a longer prompt does not wait for chunks nobody saves), and chunks that never arrive
+    cost at most ``deadline_s``, then the request recomputes."""
+    toks = prompt(301)
+    p = produce(rig, toks)
+    longer = toks + prompt(302, 300)
+    got = consume(rig, rig.decode, longer, p)
+    assert info(got)["external_tokens"] == 3 * CHUNK  # the whole chunks the two prompts share
+    # the same promise for a prompt nothing was saved for: it waits in vain, bounded
+    never = prompt(303)
+    t0 = time.monotonic()
+    got = rig.decode.generate(never, max_tokens=8, kv_transfer_params=p["kv_transfer_params"])
+    assert time.monotonic() - t0 < 2.0 + 30  # deadline_s, then recompute (slow CPU margin)
+    want = rig.want(never, 8)
+    assert same(got, want), diff(got, want)
+    assert info(got).get("external_tokens") == 0
 
 
-def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return a["tokens"] == b["tokens"] and np.allclose(a["logprobs"], b["logprobs"], atol=1e-4, rtol=0)
-
-
-def test_decode_loads_prefill_kv_and_generates_the_same_tokens(setup: Any) -> None:
-    toks = prompt(1)
-    ref = setup["prefill"].generate(toks, max_tokens=8)
-    keys = stored_keys(ref, toks)
-    assert len(keys) == 3
-    wait_stored(setup["client"], keys)
-    before = hits(setup["client"])
-    got = setup["decode"].generate(toks, max_tokens=8)
-    assert hits(setup["client"]) - before == 3  # the decode engine found the 3 chunks (768 tokens)
-    assert same(got, ref), (got, ref)
-
-
-def test_a_decode_engine_on_another_node_pulls_the_kv_over_tcp(setup: Any) -> None:
+def test_a_decode_engine_on_another_node_pulls_the_kv_over_tcp(rig: Rig) -> None:
     toks = prompt(6)
-    ref = setup["prefill"].generate(toks, max_tokens=8)
-    keys = stored_keys(ref, toks)
-    wait_stored(setup["client"], keys)
-    assert setup["other"].match_prefix(keys) == 0
-    got = setup["remote"].generate(toks, max_tokens=8)
-    assert same(got, ref), (got, ref)
-    assert setup["other"].match_prefix(keys) == 3  # fetched from the producer's node, then loaded from its own
-    assert (got["kv_transfer_params"] or {}).get("kvstore", {}).get("hit_chunks") == 3
+    p = produce(rig, toks)
+    keys = chunk_keys(toks[: 3 * CHUNK], Namespace.from_dict(info(p)["namespace"]))
+    assert rig.other.match_prefix(keys) == 0
+    before = reads(rig.client)
+    consume(rig, rig.remote, toks, p, client=rig.other)  # the blocks are read on its own node
+    assert reads(rig.client) - before == expect(p, toks)[0]  # after the producer's node handed them out
+    assert rig.other.match_prefix(keys) == 3  # fetched from the producer's node, then loaded from its own
 
 
-def test_a_session_id_in_kv_transfer_params_reaches_the_store(setup: Any) -> None:
+def test_a_session_id_in_kv_transfer_params_reaches_the_store(rig: Rig) -> None:
     toks = prompt(10)
-    ref = setup["prefill"].generate(toks, max_tokens=4, session_id="chat-1")
-    wait_stored(setup["client"], stored_keys(ref, toks))
-    got = setup["decode"].generate(toks, max_tokens=4, session_id="chat-2")
-    assert same(got, ref)
-    assert setup["client"].close_session("chat-1")  # the producer's saves opened it
-    assert setup["client"].close_session("chat-2")  # the consumer's lookup and load did
-    assert not setup["client"].close_session("chat-3")
+    p = produce(rig, toks, session_id="chat-1")
+    consume(rig, rig.decode, toks, p, session_id="chat-2")
+    assert rig.client.close_session("chat-1")  # the producer's saves opened it
+    assert rig.client.close_session("chat-2")  # the consumer's lookup and load did
+    assert not rig.client.close_session("chat-3")
 
 
-def test_a_different_cache_salt_never_hits(setup: Any) -> None:
+def test_a_different_cache_salt_never_hits(rig: Rig) -> None:
     toks = prompt(2)
-    ref = setup["prefill"].generate(toks, max_tokens=4, cache_salt="tenant-a")
-    wait_stored(setup["client"], stored_keys(ref, toks))
-    before = hits(setup["client"])
-    got = setup["decode"].generate(toks, max_tokens=4, cache_salt="tenant-b")
-    assert hits(setup["client"]) == before  # nothing under tenant-b's keys
-    assert same(got, ref)
-    got = setup["decode"].generate(toks, max_tokens=4, cache_salt="tenant-a")
-    assert hits(setup["client"]) - before == 3 and same(got, ref)
+    p = produce(rig, toks, cache_salt="tenant-a")
+    before = found(rig.client)
+    # tenant-b's request carries tenant-a's kv_transfer_params: they name another namespace
+    consume(rig, rig.decode, toks, None, cache_salt="tenant-b", kv_transfer_params=p["kv_transfer_params"])
+    assert found(rig.client) == before  # nothing under tenant-b's keys
+    consume(rig, rig.decode, toks, p, cache_salt="tenant-a")
 
 
-def test_kv_of_a_lora_adapter_never_serves_the_base_model(setup: Any) -> None:
+def test_kv_of_a_lora_adapter_never_serves_the_base_model(rig: Rig) -> None:
     toks = prompt(7)
-    lora = setup["lora"]
-    ref_lora = setup["prefill"].generate(toks, max_tokens=4, lora=lora)
-    wait_stored(setup["client"], stored_keys(ref_lora, toks))
-    assert ref_lora["kv_transfer_params"]["kvstore"]["namespace"]["lora_id"] == "adapter-a"
-    before = hits(setup["client"])
-    base = setup["decode"].generate(toks, max_tokens=4)  # no adapter: nothing under its keys
-    assert hits(setup["client"]) == before
-    assert base["tokens"] != ref_lora["tokens"]  # the adapter changes the output: sharing KV would show
-    got = setup["decode"].generate(toks, max_tokens=4, lora=lora)
-    assert hits(setup["client"]) - before == 3 and same(got, ref_lora)
+    lora = rig.lora
+    p = produce(rig, toks, lora=lora)
+    assert info(p)["namespace"]["lora_id"] == "adapter-a"
+    before = found(rig.client)
+    base = consume(rig, rig.decode, toks, None, max_tokens=1, kv_transfer_params=p["kv_transfer_params"])
+    assert found(rig.client) == before  # nothing under the base model's keys
+    assert base["tokens"] != p["tokens"]  # the adapter changes the output: sharing KV would show
+    consume(rig, rig.decode, toks, p, max_tokens=1, lora=lora)
 
 
-def test_corrupt_kv_in_the_store_is_recomputed_never_loaded(setup: Any) -> None:
+def test_a_conversation_loads_its_earlier_turns_answers_included(rig: Rig) -> None:
+    """Turn 1 on the prefill engine, turn 2 (turn 1's prompt and answer and a new message)
+    on the chunked-prefill engine, turn 3 on the decode engine: each loads every earlier
+    whole chunk from the store, the answers' chunks included (saved as the decode filled
+    them: ``save_decode``)."""
+    t1 = prompt(401, 500)
+    r1 = produce(rig, t1, max_tokens=300)
+    assert info(r1).get("saved_chunks") == (500 + 300 - 1) // CHUNK  # the last token has no KV yet
+    t2 = t1 + r1["tokens"] + prompt(402, 100)  # 900 tokens
+    r2 = consume(rig, rig.small, t2, r1, max_tokens=200)
+    assert info(r2)["external_tokens"] == 3 * CHUNK > len(t1)  # turn 1's answer came from the store
+    assert info(r2).get("saved_chunks") == (900 + 200 - 1) // CHUNK
+    t3 = t2 + r2["tokens"] + prompt(403, 100)  # 1200 tokens
+    r3 = consume(rig, rig.decode, t3, r2)
+    assert info(r3)["external_tokens"] == 4 * CHUNK > len(t2)  # and turn 2's
+
+
+def test_corrupt_kv_in_the_store_is_recomputed_never_loaded(rig: Rig) -> None:
     toks = prompt(3)
-    ref = setup["prefill"].generate(toks, max_tokens=8)
-    keys = stored_keys(ref, toks)
-    wait_stored(setup["client"], keys)
-    client = setup["client"]
+    p = produce(rig, toks)
+    committed(rig, toks, p)
+    keys = chunk_keys(toks[: 3 * CHUNK], Namespace.from_dict(info(p)["namespace"]))
+    client = rig.client
     arena = np.frombuffer(client.arena_buffer(), dtype=np.uint8)
     base = arena.ctypes.data
     rng = np.random.default_rng(0)
@@ -191,68 +217,141 @@ def test_corrupt_kv_in_the_store_is_recomputed_never_loaded(setup: Any) -> None:
             for v in views:
                 off = np.frombuffer(v, dtype=np.uint8).ctypes.data - base
                 arena[off : off + v.nbytes] = rng.integers(0, 256, v.nbytes, dtype=np.uint8)
-    got = setup["decode"].generate(toks, max_tokens=8)
-    assert same(got, ref), "corrupt KV reached the engine"
-    log = (setup["dir"] / "decode.log").read_text()
-    assert "payload checksum mismatch" in log
+    want = rig.want(toks, 8)
+    got = rig.decode.generate(toks, max_tokens=8)
+    assert same(got, want), "corrupt KV reached the engine: " + diff(got, want)
+    assert "payload checksum mismatch" in (rig.dir / "decode.log").read_text()
 
 
-def test_a_stopped_node_turns_into_recompute_within_the_deadline(setup: Any) -> None:
+# -- engine configurations: chunked prefill, preemption, aborts, tensor parallelism --
+def test_chunked_prefill_saves_and_loads(rig: Rig) -> None:
+    """The ``small`` engine computes SMALL_STEP tokens a step: a prompt it computes over
+    several steps is saved whole (the decode engine loads it), and of a prompt it loads
+    only the tokens past the stored ones are computed, over steps."""
+    for seed in (501, 502):
+        toks = prompt(seed)
+        got = rig.small.generate(toks, max_tokens=8)
+        want = rig.want(toks, 8)
+        assert same(got, want), diff(got, want)
+        consume(rig, rig.decode, toks, made(got, toks))
+        assert info(got).get("saved_chunks") == 3, got["kv_transfer_params"]
+        toks = prompt(seed + 10, N + 2 * SMALL_STEP)
+        consume(rig, rig.small, toks, produce(rig, toks))
+
+
+def test_preempted_requests_resume_with_the_right_kv(rig: Rig) -> None:
+    """Four requests at once in a KV cache that holds about two: vLLM preempts some and
+    resumes them later (their KV recomputed, found in its prefix cache or loaded again).
+    Every result equals the reference, and what the engine saved for the prompts it
+    computed between preemptions loads right on another engine."""
+    stored = [prompt(s) for s in (601, 602)]
+    params = [produce(rig, t)["kv_transfer_params"] for t in stored]
+    fresh = [prompt(s) for s in (603, 604)]
+    reqs = [request(t, max_tokens=48, kv_transfer_params=p) for t, p in zip(stored, params)]
+    reqs += [request(t, max_tokens=48) for t in fresh]
+    preempted, before = rig.small.metrics().get("vllm:num_preemptions", 0), reads(rig.client)
+    got = rig.small.batch(reqs)
+    for t, g in zip(stored + fresh, got):
+        want = rig.want(t, 48)
+        assert same(g, want), diff(g, want)
+    assert rig.small.metrics().get("vllm:num_preemptions", 0) > preempted, "no request was preempted"
+    assert reads(rig.client) - before >= 2 * 3  # each stored prompt's chunks were loaded at least once
+    for t, g in zip(fresh, got[2:]):
+        consume(rig, rig.decode, t, made(g, t))
+
+
+def test_an_abort_mid_prefill_frees_its_blocks_and_the_engine_serves_on(rig: Rig) -> None:
+    """Requests aborted after their first steps (one loading stored chunks, one computed in
+    steps and aborted once its first chunk is complete): their blocks come back (a request
+    that needs every block of the KV cache runs; one block kept would leave it waiting
+    forever), and both prompts are served right later."""
+    toks = prompt(701)
+    p = produce(rig, toks)
+    r = rig.small.generate(toks, max_tokens=8, kv_transfer_params=p["kv_transfer_params"], abort_after=1)
+    assert r["aborted"] and not r["tokens"], r
+    fresh = prompt(702)
+    r = rig.small.generate(fresh, max_tokens=8, abort_after=CHUNK // SMALL_STEP + 1)
+    assert r["aborted"] and not r["tokens"], r
+    whole = (rig.small.num_blocks - 1) * rig.small.block_size  # less vLLM's null block
+    assert whole == MAX, "the small engine's KV cache is not one MAX-token request"
+    consume(rig, rig.small, prompt(703, whole - 8), None, max_tokens=8, timeout=300)
+    assert rig.small.reset_prefix_cache()
+    consume(rig, rig.small, toks, p)
+    want = rig.want(fresh, 8)
+    got = rig.decode.generate(fresh, max_tokens=8)  # whatever of it was saved before the abort is right
+    assert same(got, want), diff(got, want)
+
+
+def test_tensor_parallel_ranks_store_and_load_their_own_shards(rig: Rig) -> None:
+    """A TP=2 engine saves each rank's shard of a chunk under the rank's own key (a chunk
+    is two blocks on the node); with its own prefix cache dropped, its ranks load them
+    back, each its own."""
+    for seed, n in ((901, N), (902, 4 * CHUNK)):
+        toks = prompt(seed, n)
+        first = rig.tp2.generate(toks, max_tokens=8)
+        want = rig.want(toks, 8)
+        assert same(first, want), diff(first, want)
+        assert info(first).get("saved"), first["kv_transfer_params"]
+        assert rig.tp2.reset_prefix_cache()
+        consume(rig, rig.tp2, toks, made(first, toks), ranks=2)
+
+
+# -- the node fails: these run last, and `healthy_node` brings it back for whatever follows --
+def test_a_stopped_node_turns_into_recompute_within_the_deadline(rig: Rig, healthy_node: Any) -> None:
     toks = prompt(4)
-    ref = setup["prefill"].generate(toks, max_tokens=4)
-    wait_stored(setup["client"], stored_keys(ref, toks))
-    node = setup["node"]
-    os.kill(node.proc.pid, signal.SIGSTOP)  # a node that answers nothing
+    p = produce(rig, toks)
+    committed(rig, toks, p)
+    os.kill(healthy_node.proc.pid, signal.SIGSTOP)  # a node that answers nothing
     try:
         t0 = time.monotonic()
-        got = setup["decode"].generate(toks, max_tokens=4, timeout=120)
+        got = rig.decode.generate(toks, max_tokens=4, timeout=120)
         assert time.monotonic() - t0 < 60
-        assert same(got, ref)
+        want = rig.want(toks, 4)
+        assert same(got, want), diff(got, want)
     finally:
-        os.kill(node.proc.pid, signal.SIGCONT)
+        os.kill(healthy_node.proc.pid, signal.SIGCONT)
 
 
-def test_a_killed_node_turns_into_recompute_and_a_restarted_one_serves_again(setup: Any) -> None:
+def test_a_killed_node_turns_into_recompute_and_a_restarted_one_serves_again(rig: Rig, healthy_node: Any) -> None:
     toks = prompt(5)
-    ref = setup["prefill"].generate(toks, max_tokens=4)
-    wait_stored(setup["client"], stored_keys(ref, toks))
-    node = setup["node"]
+    p = produce(rig, toks)
+    committed(rig, toks, p)
+    node = healthy_node
     node.proc.kill()
     node.proc.wait()
     t0 = time.monotonic()
-    got = setup["decode"].generate(toks, max_tokens=4, timeout=120)
+    got = rig.decode.generate(toks, max_tokens=4, timeout=120)
     assert time.monotonic() - t0 < 60
-    assert same(got, ref)
+    want = rig.want(toks, 4)
+    assert same(got, want), diff(got, want)
     node.start()  # a new process and arena on the same socket: the engines re-attach
-    toks = prompt(8)
+    seed = 800
     end = time.monotonic() + 60
     while True:
-        ref = setup["prefill"].generate(toks, max_tokens=4)
-        if (ref["kv_transfer_params"] or {}).get("kvstore", {}).get("saved"):
+        toks = prompt(seed)
+        p = made(rig.prefill.generate(toks, max_tokens=4), toks)
+        if info(p).get("saved"):
             break
         assert time.monotonic() < end, "the prefill engine never saved to the restarted node"
-        toks = prompt(int(time.monotonic()))
+        seed += 1
+    time.sleep(RETRY_S + 1)  # the decode engine's lookups failed a moment ago: it tries again after RETRY_S
     with KVClient(node.target) as client:
-        wait_stored(client, stored_keys(ref, toks))
-        time.sleep(RETRY_S + 1)  # the decode engine's lookups failed a moment ago: it tries again after RETRY_S
-        before = hits(client)
-        got = setup["decode"].generate(toks, max_tokens=4)
-        assert hits(client) - before == 3 and same(got, ref)
+        consume(rig, rig.decode, toks, p, max_tokens=4, client=client)
 
 
-def test_a_node_that_dies_in_the_middle_of_a_load_turns_into_recompute(setup: Any) -> None:
+def test_a_node_that_dies_in_the_middle_of_a_load_turns_into_recompute(rig: Rig, healthy_node: Any) -> None:
     """The scheduler finds the chunks; the node then dies answering the worker's Acquire
     (failure point ``node.acquire``): the engine recomputes, equal tokens, no hang."""
     toks = prompt(9)
-    node = setup["node"]
-    ref = setup["prefill"].generate(toks, max_tokens=4)
-    with KVClient(node.target) as client:
-        wait_stored(client, stored_keys(ref, toks))
+    node = healthy_node
+    p = produce(rig, toks)
+    committed(rig, toks, p)
     node.stop()  # graceful: the chunks come back from NVMe
     node.env["KVSTORE_FAILPOINTS"] = "node.acquire=kill"
     node.start()
     t0 = time.monotonic()
-    got = setup["decode"].generate(toks, max_tokens=4, timeout=120)
+    got = rig.decode.generate(toks, max_tokens=4, timeout=120)
     assert time.monotonic() - t0 < 60
     assert node.proc.wait(timeout=30) == -signal.SIGKILL  # it died at the Acquire of this load
-    assert same(got, ref)
+    want = rig.want(toks, 4)
+    assert same(got, want), diff(got, want)

@@ -9,7 +9,8 @@ pytestmark = pytest.mark.vllm
 
 
 def test_worker_stats_are_deltas_summed_over_workers_and_reduced() -> None:
-    from gpu_agent.vllm.connector import STAT_KEYS, KVStoreConnector, KVStoreStats
+    from gpu_agent.vllm.connector import KVStoreConnector
+    from gpu_agent.vllm.stats import STAT_KEYS, KVStoreStats
 
     a = KVStoreConnector.build_kv_connector_stats(
         {"loads": 2, "load_tokens": 512, "load_us": 3000, "saves": 1, "save_us": 500}
@@ -25,10 +26,10 @@ def test_worker_stats_are_deltas_summed_over_workers_and_reduced() -> None:
 
 
 def test_a_worker_reports_each_count_once() -> None:
-    from gpu_agent.vllm.connector import _WorkerSide
     from gpu_agent.vllm.settings import ConnectorSettings
+    from gpu_agent.vllm.worker import WorkerSide
 
-    w = _WorkerSide(None, None, ConnectorSettings(), 256)  # type: ignore[arg-type]
+    w = WorkerSide(None, None, ConnectorSettings(), 256)  # type: ignore[arg-type]
     assert w.take_stats() is None
     w.counters["loads"] += 1
     w.counters["load_tokens"] += 256

@@ -1,0 +1,196 @@
+"""The vLLM suite's engines, nodes and checks.  Import the fixtures by name
+(``from vllm_rig import healthy_node, rig``).
+
+Engine processes are what the suite pays for (each takes a minute or more to start on a
+small CPU machine), so one module-scoped :class:`Rig` starts them all at once, in
+parallel, and every test uses them with fresh prompts.  vLLM's defaults hold unless a
+test is about the setting: prefix caching on everywhere, a whole prompt per step.
+
+* ``ref``: no connector (the recompute reference every result is compared with);
+* ``prefill``: ``kv_both`` on ``node``, the producer of a prefill/decode pair and the
+  first engine of a conversation;
+* ``decode``: ``kv_consumer`` on ``node``;
+* ``remote``: ``kv_consumer`` on ``other``, another member of the cluster: it finds
+  chunks cluster-wide and pulls them into its own node;
+* ``small``: ``kv_both`` on ``node`` with chunked prefill (``SMALL_STEP`` tokens a step)
+  and a KV cache of one ``MAX``-token request, so concurrent requests are preempted
+  (and a request of ``MAX`` tokens runs only when every block has come back);
+* ``tp2``: ``kv_both`` on ``node`` with two tensor-parallel ranks (each stores its own
+  shard: a chunk is two blocks on the node).
+
+Every check that KV came from the store counts the node's block reads
+(``get_hits_dram + get_hits_nvme``): an engine that recomputed everything reads none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+MAX = 2048  # max_model_len of every engine
+N = 1000  # the usual prompt: 3 whole chunks of 256 and a partial one of 232 tokens
+CHUNK = 256  # the connector's default chunk
+SMALL_STEP = 128  # max_num_batched_tokens of the chunked-prefill engine
+LAYERS, HIDDEN = 2, 256
+KV_PER_TOKEN = LAYERS * 2 * (HIDDEN // 64 // 2) * 64 * 4  # K and V, fp32, 2 KV heads of 64
+ATOL = 1e-4
+
+
+def prompt(seed: int, n: int = N) -> list[int]:
+    return np.random.default_rng(seed).integers(1, 31000, n).tolist()
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Equal greedy tokens and logprobs within ``ATOL``."""
+    return (
+        a["tokens"] == b["tokens"]
+        and len(a["logprobs"]) == len(b["logprobs"])
+        and bool(np.allclose(a["logprobs"], b["logprobs"], atol=ATOL, rtol=0))
+    )
+
+
+def diff(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """Where two results part (for an assertion message)."""
+    first = next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), None)
+    n = min(len(a["logprobs"]), len(b["logprobs"]))
+    worst = float(np.max(np.abs(np.subtract(a["logprobs"][:n], b["logprobs"][:n])))) if n else 0.0
+    return (
+        f"tokens differ first at {first} ({len(a['tokens'])} vs {len(b['tokens'])} tokens), "
+        f"max |logprob diff| {worst:.2e}; got {a['tokens']}, want {b['tokens']}"
+    )
+
+
+def info(r: dict[str, Any]) -> dict[str, Any]:
+    """The connector's ``kv_transfer_params["kvstore"]`` of a result ({} when it gave none)."""
+    got: dict[str, Any] = (r.get("kv_transfer_params") or {}).get("kvstore") or {}
+    return got
+
+
+def expect(produced: dict[str, Any], tokens: list[int], *, local: int = 0, ranks: int = 1) -> tuple[int, int]:
+    """What a consumer of ``tokens`` loads from what ``produced`` (the producer's result,
+    its prompt under ``"prompt"``) saved, its own prefix cache holding ``local`` tokens:
+    (blocks the node hands out, tokens the store supplies).  The producer's prompt itself
+    is stored whole (its trailing partial chunk under its exact tokens); of other tokens
+    the whole chunks the producer saved (``saved_chunks``: its answer's too) that they
+    share.  vLLM computes the last prompt token itself; a chunk is a block per
+    tensor-parallel rank."""
+    n = len(tokens)
+    if produced.get("prompt") == tokens:
+        end = n
+    else:
+        end = min(int(info(produced).get("saved_chunks", 0)), n // CHUNK) * CHUNK
+    end = min(end, n - 1)
+    if end <= local:
+        return 0, 0
+    return (-(-end // CHUNK) - local // CHUNK) * ranks, end - local
+
+
+def made(result: dict[str, Any], tokens: list[int]) -> dict[str, Any]:
+    """``result`` with the prompt it was made of (for :func:`expect`)."""
+    return {**result, "prompt": list(tokens)}
+
+
+def reads(client: Any) -> int:
+    """Blocks the node has handed out (DRAM and NVMe hits of Acquire/Get)."""
+    c = client.stats()["counters"]
+    return int(c.get("get_hits_dram", 0)) + int(c.get("get_hits_nvme", 0))
+
+
+def found(client: Any) -> int:
+    """Chunks ``match_prefix`` found on the node."""
+    return int(client.stats()["counters"].get("match_prefix_hits", 0))
+
+
+class Rig:
+    """The nodes, the engines (see the module docstring) and clients of both nodes."""
+
+    def __init__(self, d: Path, stack: contextlib.ExitStack) -> None:
+        from client import KVClient
+        from gpu_agent.vllm.demo import local_cluster
+        from gpu_agent.vllm.engine import EngineProcess, make_lora, make_model
+        from kvstore.children import private_node
+
+        self.dir = d
+        self.model = make_model(d / "model", layers=LAYERS, hidden=HIDDEN, max_tokens=MAX)
+        self.lora = {"name": "adapter-a", "id": 1, "path": str(make_lora(d / "lora-a", self.model))}
+        # both nodes are members of one cluster (a real etcd): the remote engine looks chunks
+        # up and pulls them through a cluster client, as `kvstore demo vllm` does
+        cluster_target, member = local_cluster(stack, d)
+        assert cluster_target, "etcd is not installed: scripts/setup.sh installs it"
+        self.node = private_node(d / "node", *member, dram="256MiB", nvme="256MiB")
+        stack.callback(self.node.close)
+        self.other_node = private_node(d / "other", *member, dram="256MiB", nvme="256MiB")
+        stack.callback(self.other_node.close)
+        extra = {"target": self.node.target, "deadline_s": 2.0}
+        remote_extra = {"target": self.other_node.target, "lookup_target": cluster_target, "deadline_s": 2.0}
+
+        def engine(name: str, **kw: Any) -> EngineProcess:
+            kw.setdefault("max_tokens", MAX)
+            kw.setdefault("kv_bytes", 64 << 20)
+            e = EngineProcess(self.model, log_path=d / f"{name}.log", **kw)
+            stack.callback(e.close)
+            return e
+
+        self.ref = engine("ref", lora=True)
+        self.prefill = engine("prefill", connector={"role": "kv_both", "extra": extra}, lora=True)
+        self.decode = engine("decode", connector={"role": "kv_consumer", "extra": extra}, lora=True)
+        self.remote = engine("remote", connector={"role": "kv_consumer", "extra": remote_extra})
+        self.small = engine(
+            "small",
+            connector={"role": "kv_both", "extra": extra},
+            max_batched_tokens=SMALL_STEP,
+            kv_bytes=(MAX + 128) * KV_PER_TOKEN,  # and vLLM's null block (128 tokens on the CPU)
+        )
+        self.tp2 = engine("tp2", connector={"role": "kv_both", "extra": extra}, tp=2)
+        engines = (self.ref, self.prefill, self.decode, self.remote, self.small, self.tp2)
+        stack.callback(lambda: [e.quit() for e in engines])  # runs first: they shut down together
+        t0 = time.perf_counter()
+        for e in engines:
+            e.wait_ready(timeout=900)
+        self.started_s = time.perf_counter() - t0
+        self.client = KVClient(self.node.target)
+        stack.callback(self.client.close)
+        self.other = KVClient(self.other_node.target)
+        stack.callback(self.other.close)
+        self._refs: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+    def want(self, tokens: list[int], max_tokens: int, **kw: Any) -> dict[str, Any]:
+        """The reference engine's result (computed once per prompt and settings)."""
+        key = (tuple(tokens), max_tokens, tuple(sorted((k, str(v)) for k, v in kw.items())))
+        if key not in self._refs:
+            self._refs[key] = self.ref.generate(tokens, max_tokens=max_tokens, **kw)
+        return self._refs[key]
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    with contextlib.ExitStack() as stack:
+        r = Rig(tmp_path_factory.mktemp("vllm"), stack)
+        print(f"\nvLLM engines up in {r.started_s:.0f} s", flush=True)
+        yield r
+
+
+@pytest.fixture
+def healthy_node(rig: Rig) -> Iterator[Any]:
+    """The node, back up without failpoints after the test (which may stop, kill or
+    freeze it), and ``RETRY_S`` later: an engine whose store calls failed tries again
+    only then."""
+    from gpu_agent.vllm.settings import RETRY_S
+
+    node = rig.node
+    yield node
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(node.proc.pid, signal.SIGCONT)  # a frozen node answers again
+    if node.env.pop("KVSTORE_FAILPOINTS", None) is not None and node.proc.poll() is None:
+        node.stop()
+    if node.proc.poll() is not None:
+        node.start()
+    time.sleep(RETRY_S + 1)
