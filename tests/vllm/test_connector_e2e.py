@@ -282,6 +282,26 @@ def test_an_abort_mid_prefill_frees_its_blocks_and_the_engine_serves_on(rig: Rig
     assert same(got, want), diff(got, want)
 
 
+def test_saves_that_cannot_start_still_free_their_blocks(rig: Rig, healthy_node: Any) -> None:
+    """With the node gone the worker has no agent to save through (it dropped it after the
+    first failed call): the requests it held for their saves are still reported finished,
+    so their blocks come back and a request that needs every block of the KV cache runs
+    (one request's blocks kept would leave it waiting forever)."""
+    node = healthy_node
+    node.proc.kill()
+    node.proc.wait()
+    for seed in (1101, 1102, 1103):  # the first fails its save; the next ones find no agent at all
+        toks = prompt(seed)
+        got = rig.small.generate(toks, max_tokens=4, timeout=120)
+        want = rig.want(toks, 4)
+        assert same(got, want), diff(got, want)
+    whole = (rig.small.num_blocks - 1) * rig.small.block_size  # less vLLM's null block
+    big = prompt(1104, whole - 8)
+    got = rig.small.generate(big, max_tokens=8, timeout=120)
+    want = rig.want(big, 8)
+    assert same(got, want), diff(got, want)
+
+
 def test_tensor_parallel_ranks_store_and_load_their_own_shards(rig: Rig) -> None:
     """A TP=2 engine saves each rank's shard of a chunk under the rank's own key (a chunk
     is two blocks on the node); with its own prefix cache dropped, its ranks load them
