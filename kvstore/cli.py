@@ -241,7 +241,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     cs.add_argument("--token-file", metavar="FILE", help="bearer token of the tenant whose session it is")
     add_client_arguments(cs)
     cs.set_defaults(fn=_cmd_close_session)
-    b = sub.add_parser("bench", help="data-path benchmark against references measured in the same run")
+    b = sub.add_parser(
+        "bench",
+        help="data-path benchmark against references measured in the same run; "
+        "`kvstore bench serving`: a trace through real vLLM servers, with and without the store",
+    )
     from kvstore.bench import run as _bench
 
     _bench.add_arguments(b)
@@ -293,7 +297,15 @@ _PLUGINS: list[tuple[str, str, str]] = [
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(command).parse_args(argv)
+    if argv[:2] == ["bench", "serving"]:  # `kvstore bench serving`: its own parser (kvstore/bench/serving)
+        from kvstore.bench.serving import cli as serving
+
+        sp = argparse.ArgumentParser(prog="kvstore bench serving", description=serving.__doc__.split("\n\n")[0])
+        serving.add_arguments(sp)
+        args = sp.parse_args(argv[2:])
+        args.fn = serving.main
+    else:
+        args = build_parser(command).parse_args(argv)
     from kvstore.children import exit_on_sigterm
 
     exit_on_sigterm()  # SIGTERM unwinds: private nodes, redis-server, workers and temp dirs are cleaned up

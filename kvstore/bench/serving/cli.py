@@ -1,0 +1,381 @@
+"""``kvstore bench serving``: a request trace through a fleet of real vLLM servers, side
+by side with and without the store.
+
+For each configuration (``--configs``, default ``baseline,pool,pd``; see
+:mod:`kvstore.bench.serving.fleet`) it starts the fleet (``--engines`` vLLM OpenAI servers
+with prefix caching on, vLLM's default; for the store's configurations one kvstore node
+per engine in one cluster over a private etcd), warms every engine up with the same few
+requests, replays the same workload open-loop through the front
+(:mod:`kvstore.bench.serving.front`), reads the engines' and nodes' counters, and stops
+it all before the next configuration starts, so each configuration has the machine, and
+the same CPUs per engine, to itself.  ``--target URL`` replays through a fleet someone
+else started (any OpenAI-compatible endpoint) as configuration ``target``.
+``--sweep-rate R1,R2,...`` replays the workload at each offered rate (requests/s), with
+other tokens at each step so no step reuses another's KV, and reports goodput per step
+(the capacity curve).
+
+The model is made locally (the random-weight Llama of ``kvstore demo vllm``;
+``--layers``, ``--hidden``) unless ``--model PATH``; prompts are token ids
+(``--skip-tokenizer-init``), sampling is greedy, EOS ignored, so every configuration
+generates exactly the trace's output lengths and ``tokens_equal_baseline`` can compare
+them token for token.  Run it where vLLM is installed (``.venv-vllm``), or with
+``--target`` from anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import urllib.error
+from pathlib import Path
+from typing import Any
+
+from kvstore.bench.serving import fleet as fleetmod
+from kvstore.bench.serving import report
+from kvstore.bench.serving.fleet import CONFIGS, Engine, Fleet, FleetSpec
+from kvstore.bench.serving.front import front_for
+from kvstore.bench.serving.runner import Record, Replay
+from kvstore.bench.serving.workload import Scaling, Workload, build, parse_window
+from kvstore.errors import InvalidArgument
+from kvstore.progress import Progress
+
+DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "tests" / "data" / "mooncake_synthetic_trace.jsonl"
+"""Mooncake's published trace, as the repository keeps it (``tests/data/README.md``)."""
+WARMUP_TOKENS = 200
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--trace",
+        default=os.environ.get("KVSTORE_TRACE", str(DEFAULT_TRACE)),
+        help="Mooncake-format trace (JSON lines); default $KVSTORE_TRACE, else Mooncake's published trace "
+        "(tests/data/mooncake_synthetic_trace.jsonl)",
+    )
+    p.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"configurations to run, in order (default {','.join(CONFIGS)})",
+    )
+    p.add_argument("--target", metavar="URL", help="benchmark this OpenAI-compatible endpoint instead of a fleet")
+    g = p.add_argument_group("workload")
+    g.add_argument("--requests", type=int, help="replay the first N requests of the slice")
+    g.add_argument(
+        "--window", type=parse_window, metavar="A:B", help="replay the requests in seconds A..B of the trace"
+    )
+    g.add_argument(
+        "--sample",
+        type=float,
+        metavar="F",
+        help="keep the requests of a share F of the trace's prefix trees (thins the trace, keeps its reuse)",
+    )
+    g.add_argument(
+        "--block-tokens", type=int, default=16, help="tokens per trace block (the trace's are 512; default 16)"
+    )
+    g.add_argument(
+        "--output-scale", type=float, help="scale of output lengths (default: the same as the input's, B/512)"
+    )
+    g.add_argument("--min-output-tokens", type=int, default=8, help="at least this many output tokens (default 8)")
+    g.add_argument("--max-output-tokens", type=int, help="at most this many output tokens")
+    g.add_argument("--time-scale", type=float, default=1.0, help="multiply the trace's timestamps (2: half the load)")
+    g.add_argument("--rate", type=float, help="offered load in requests/s (rescales the trace's arrival times)")
+    g.add_argument("--sweep-rate", metavar="R1,R2,...", help="replay at each offered rate and report goodput per step")
+    g.add_argument("--unique-prompts", action="store_true", help="no shared prefixes (the no-reuse overhead run)")
+    g.add_argument("--salt", default="kvstore-bench-serving", help="seed of the synthesised token ids")
+    g = p.add_argument_group("SLO")
+    g.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT target for goodput (default 2000)")
+    g.add_argument("--slo-tbt-ms", type=float, default=200.0, help="TBT target for goodput (default 200)")
+    g = p.add_argument_group("fleet")
+    g.add_argument("--engines", type=int, default=2, help="vLLM servers per configuration (default 2)")
+    g.add_argument("--prefill", type=int, default=None, help="pd: prefill engines (default half, at least 1)")
+    g.add_argument("--model", help="model directory (default: a random-weight Llama made locally)")
+    g.add_argument("--layers", type=int, default=4, help="layers of the locally made model (default 4)")
+    g.add_argument("--hidden", type=int, default=512, help="hidden size of the locally made model (default 512)")
+    g.add_argument("--engine-kv", default="64MiB", help="each engine's own KV cache, its 'HBM' (default 64MiB)")
+    g.add_argument("--max-num-batched-tokens", type=int, help="vLLM's per-step token budget (default: vLLM's)")
+    g.add_argument("--node-dram", default="1GiB", help="each kvstore node's DRAM tier (default 1GiB)")
+    g.add_argument("--node-nvme", default="2GiB", help="each kvstore node's NVMe tier (default 2GiB)")
+    g.add_argument("--connector-extra", default="{}", help="JSON merged into the connector's kv_connector_extra_config")
+    g.add_argument("--warmup", type=int, default=2, help="warm-up requests per engine, not measured (default 2)")
+    g.add_argument("--request-timeout", type=float, default=300.0, help="seconds one request may take (default 300)")
+    g.add_argument("--start-timeout", type=float, default=900.0, help="seconds a fleet may take to start (default 900)")
+    g.add_argument("--log-dir", help="keep the fleets' logs here (default: a temporary directory, removed)")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table goes to stderr)")
+    g.add_argument("--records", metavar="FILE", help="write every request's record here (JSON lines)")
+    g.add_argument("--plot", metavar="PNG", help="TTFT CDF per configuration and goodput against offered load")
+
+
+def _scaling(a: argparse.Namespace, vocab: int) -> Scaling:
+    return Scaling(
+        block_tokens=a.block_tokens,
+        output_scale=a.output_scale,
+        min_output_tokens=a.min_output_tokens,
+        max_output_tokens=a.max_output_tokens,
+        time_scale=a.time_scale,
+        rate=a.rate,
+        requests=a.requests,
+        window=a.window,
+        sample=a.sample,
+        unique=a.unique_prompts,
+        vocab=vocab,
+        salt=a.salt,
+    )
+
+
+def _rates(text: str | None) -> list[float | None]:
+    if not text:
+        return [None]
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidArgument(f"--sweep-rate must be a comma-separated list of requests/s, got {text!r}") from None
+    if not rates or any(r <= 0 or not math.isfinite(r) for r in rates):
+        raise InvalidArgument(f"--sweep-rate must list positive rates, got {text!r}")
+    return list(rates)
+
+
+def _configs(text: str, target: str | None) -> list[str]:
+    if target:
+        return ["target"]
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in names if c not in CONFIGS]
+    if bad or not names:
+        raise InvalidArgument(f"--configs: unknown configuration(s) {bad or text!r} (known: {', '.join(CONFIGS)})")
+    return names
+
+
+def _vocab(model: str | None) -> int:
+    if model is None:
+        return 32000
+    cfg = Path(model) / "config.json"
+    try:
+        v = json.loads(cfg.read_text()).get("vocab_size")
+    except (OSError, ValueError) as e:
+        raise InvalidArgument(f"--model {model}: cannot read config.json ({e})") from None
+    if not isinstance(v, int):
+        raise InvalidArgument(f"--model {model}: config.json has no integer vocab_size")
+    return v
+
+
+def _target_model(url: str) -> str:
+    """The first model an OpenAI-compatible endpoint serves (a clear error when it does not answer)."""
+    try:
+        code, text = fleetmod._get(url.rstrip("/") + "/v1/models", timeout=10.0)
+    except (OSError, urllib.error.URLError) as e:
+        raise InvalidArgument(f"--target {url} does not answer: {e}") from None
+    if code != 200:
+        raise InvalidArgument(f"--target {url}: GET /v1/models answered HTTP {code}")
+    try:
+        return str(json.loads(text)["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise InvalidArgument(f"--target {url}: /v1/models lists no model") from None
+
+
+def _warm_up(engines: list[Engine], front_cfg: str, model: str, n: int, timeout_s: float) -> None:
+    """``n`` requests per engine through the front, of tokens no trace request has, unmeasured."""
+    if n <= 0:
+        return
+    import dataclasses
+
+    from kvstore.bench.serving.workload import TokenSynth, Work
+
+    synth = TokenSynth(WARMUP_TOKENS, 1000, "warm-up")
+    items = tuple(
+        Work(i, 0.0, synth.block(i), 4, (i,))
+        for i in range(n * max(1, len([e for e in engines if e.role != "prefill"])))
+    )
+    wl = Workload("warm-up", Scaling(), items, ())
+    front = front_for(engines)
+    for w in items:  # one at a time: every engine's first requests pay their one-off costs here
+        r = Replay(front_cfg, dataclasses.replace(wl, items=(w,)), front, model=model, timeout_s=timeout_s).run()[0]
+        if r.error:
+            raise RuntimeError(f"warm-up request failed: {r.error}")
+
+
+def run(a: argparse.Namespace) -> tuple[dict[str, Any], list[Record]]:
+    configs = _configs(a.configs, a.target)
+    rates = _rates(a.sweep_rate)
+    if a.slo_ttft_ms <= 0 or a.slo_tbt_ms <= 0:
+        raise InvalidArgument("--slo-ttft-ms and --slo-tbt-ms must be positive")
+    try:
+        extra = json.loads(a.connector_extra)
+        if not isinstance(extra, dict):
+            raise ValueError("not an object")
+    except ValueError as e:
+        raise InvalidArgument(f"--connector-extra must be a JSON object: {e}") from None
+    base = build(a.trace, _scaling(a, _vocab(a.model)))
+    steps = []
+    for k, rate in enumerate(rates):
+        import dataclasses
+
+        wl = base
+        if rate is not None or k:
+            wl = build(a.trace, dataclasses.replace(base.scaling, rate=rate or base.scaling.rate, salt=f"{a.salt}/{k}"))
+        steps.append(wl)
+    result: dict[str, Any] = {
+        "trace": base.summary(),
+        "scaling": base.scaling.to_json(),
+        "slo": {"ttft_ms": a.slo_ttft_ms, "tbt_ms": a.slo_tbt_ms},
+        "configs": {},
+        "fleets": {},
+        "failures": [f"trace: {s}" for s in base.skipped],
+        "cpus": sorted(os.sched_getaffinity(0)),
+    }
+    if len(steps) > 1:
+        result["steps"] = [{"offered_rps": round(w.offered_rps, 4), "configs": {}} for w in steps]
+    records: list[Record] = []
+    by_step: list[dict[str, list[Record]]] = [{} for _ in steps]
+    with contextlib.ExitStack() as stack:
+        model = a.model
+        if a.target:
+            served = _target_model(a.target)
+        else:
+            served = fleetmod.SERVED_NAME
+            if model is None:
+                from gpu_agent.vllm.engine import make_model
+
+                d = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvstore-serving-model-")))
+                model = str(make_model(d / "model", layers=a.layers, hidden=a.hidden, max_tokens=_model_len(steps, a)))
+                result["model"] = {"layers": a.layers, "hidden": a.hidden, "made_locally": True}
+            else:
+                result["model"] = {"path": model}
+        from kvstore.node.config import parse_size
+
+        spec = FleetSpec(
+            model=model or "",
+            engines=a.engines,
+            prefill=a.prefill if a.prefill is not None else max(1, a.engines // 2),
+            max_model_len=_model_len(steps, a),
+            kv_cache_bytes=parse_size(a.engine_kv),
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            node_dram=a.node_dram,
+            node_nvme=a.node_nvme,
+            connector_extra=tuple(sorted(extra.items())),
+            start_timeout_s=a.start_timeout,
+        )
+        log_dir = Path(a.log_dir) if a.log_dir else None
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+        for name in configs:
+            _run_config(name, a, spec, served, steps, log_dir, result, by_step, records)
+    greedy = True
+    for k, step_records in enumerate(by_step):
+        base_recs = step_records.get("baseline")
+        for name, recs in step_records.items():
+            summary = report.summarise(
+                recs,
+                slo_ttft_ms=a.slo_ttft_ms,
+                slo_tbt_ms=a.slo_tbt_ms,
+                baseline=base_recs,
+                greedy=greedy,
+            )
+            extra_fields = result.setdefault("_counters", {}).get((k, name), {})
+            summary.update(extra_fields)
+            if "steps" in result:
+                result["steps"][k]["configs"][name] = summary
+            if k == len(steps) - 1:
+                result["configs"][name] = summary
+    result.pop("_counters", None)
+    if "steps" in result:
+        result["capacity_goodput_rps"] = {
+            n: max(s["configs"][n]["goodput_rps"] for s in result["steps"] if n in s["configs"]) for n in configs
+        }
+    return result, records
+
+
+def _model_len(steps: list[Workload], a: argparse.Namespace) -> int:
+    need = max(max(w.max_len for w in steps), WARMUP_TOKENS + 8)
+    return -(-(need + 16) // 128) * 128
+
+
+def _run_config(
+    name: str,
+    a: argparse.Namespace,
+    spec: FleetSpec,
+    served: str,
+    steps: list[Workload],
+    log_dir: Path | None,
+    result: dict[str, Any],
+    by_step: list[dict[str, list[Record]]],
+    records: list[Record],
+) -> None:
+    t0 = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        if a.target:
+            engines = [Engine("target", a.target.rstrip("/"), "both", "?")]
+            fleet = None
+        else:
+            with Progress(f"serving: starting {name}", unit="fleets") as p:
+                p.step(f"{spec.engines} vLLM servers" + (" and kvstore nodes" if name != "baseline" else ""))
+                fleet = stack.enter_context(Fleet(name, spec, log_dir=log_dir).start())
+                p.update()
+            engines = fleet.engines
+            result["fleets"][name] = {
+                "started_s": round(fleet.started_s, 1),
+                "engines": [{"name": e.name, "role": e.role, "cpus": e.cpus, "node": bool(e.node)} for e in engines],
+            }
+        _warm_up(engines, name, served, a.warmup, a.request_timeout)
+        for k, wl in enumerate(steps):
+            before = _engine_metrics(engines)
+            nodes_before = fleet.node_counters() if fleet is not None else {}
+            label = f"serving: {name}" + (f" at {wl.offered_rps:.2f} req/s" if len(steps) > 1 else "")
+            with Progress(label, total=len(wl.items), unit="requests") as p:
+                errors = [0]
+
+                def done(r: Record, p: Progress = p, errors: list[int] = errors) -> None:
+                    errors[0] += r.error is not None
+                    p.update(note=f"{errors[0]} failed" if errors[0] else None)
+
+                rep = Replay(
+                    name,
+                    wl,
+                    front_for(engines),
+                    model=served,
+                    timeout_s=a.request_timeout,
+                    step=k,
+                    on_done=done,
+                )
+                recs = rep.run()
+            for why in rep.dead.values():
+                result["failures"].append(f"{name}: {why}")
+            after = _engine_metrics(engines)
+            nodes_after = fleet.node_counters() if fleet is not None else {}
+            result.setdefault("_counters", {})[(k, name)] = {
+                "prompt_tokens": report.prompt_sources(before, after),
+                "store_blocks": report.store_blocks(nodes_before, nodes_after, before, after)
+                if fleet is not None and fleet.uses_store
+                else None,
+                "offered_rps": round(wl.offered_rps, 4),
+                "wall_s": round(rep.wall_s, 2),
+            }
+            by_step[k][name] = recs
+            records.extend(recs)
+    if name in result["fleets"]:
+        result["fleets"][name]["total_s"] = round(time.perf_counter() - t0, 1)
+
+
+def _engine_metrics(engines: list[Engine]) -> dict[str, dict[str, float]]:
+    return {e.name: fleetmod.scrape(e.url) for e in engines if e.alive}
+
+
+def main(a: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    result, records = run(a)
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    if a.records:
+        with open(a.records, "w") as f:
+            for r in records:
+                f.write(json.dumps(r.to_json()) + "\n")
+    if a.plot:
+        report.plot(result, records, a.plot)
+    report.print_table(result, sys.stderr if a.json else sys.stdout)
+    if a.json:
+        print(json.dumps(result), flush=True)
+    failed = any(c["completed"] == 0 for c in result["configs"].values())
+    return 1 if failed else 0

@@ -1,0 +1,337 @@
+"""The fleet a serving benchmark runs against: vLLM OpenAI servers and, for the store's
+configurations, one kvstore node per engine, joined into one cluster over a private etcd.
+
+Owned by :class:`Fleet`, a context manager: every process it starts (etcd, the nodes, the
+``python -m vllm.entrypoints.openai.api_server`` servers and the processes vLLM starts
+under them) is a child tied to this process (``kvstore.children.spawn``: it dies with
+us) in a session of its own, and is stopped on exit, its whole process group killed if
+it lingers; the nodes' arenas and the temporary directory go with them.
+
+Configurations (:data:`CONFIGS`):
+
+* ``baseline``: vLLM with its own prefix cache only;
+* ``pool``: every engine with the kvstore connector (``kv_both``) on its own node,
+  lookups cluster-wide (``lookup_target`` ``etcd://``), so an engine loads what any
+  engine stored, pulling it from the other node when it is not on its own;
+* ``pd``: ``prefill`` engines ``kv_producer`` and the others ``kv_consumer``; KV goes
+  from the prefill engine's node to the decode engine through the store.
+
+Equal cores: every configuration's engines get the same CPUs.  vLLM's CPU backend binds
+a worker's OpenMP threads and, left to itself (``auto``), reserves a core for engines
+without a KV connector but none for engines with one on a 2-core machine, which would
+give ``baseline`` half the compute of ``pool``.  Here each engine's worker is bound
+explicitly (``VLLM_CPU_OMP_THREADS_BIND``) to its share of this process's CPUs
+(:func:`engine_cpus`), the same for every configuration, and reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kvstore.children import spawn, stop
+from kvstore.errors import InvalidArgument
+
+CONFIGS = ("baseline", "pool", "pd")
+SERVED_NAME = "kvstore-bench"
+
+
+@dataclasses.dataclass
+class Engine:
+    """One vLLM server of the fleet."""
+
+    name: str
+    url: str  # http://host:port
+    role: str  # "both" (baseline/pool), "prefill" or "decode"
+    cpus: str  # the worker's CPU binding
+    node: str = ""  # the kvstore node's target ("" without the connector)
+    proc: subprocess.Popen[Any] | None = None
+    log_path: Path | None = None
+    alive: bool = True
+
+    def log_tail(self, lines: int = 30) -> str:
+        if self.log_path is None:
+            return ""
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return f"\n--- last {len(text)} lines of {self.log_path} ---\n" + "\n".join(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetSpec:
+    """What to start (the CLI's options)."""
+
+    model: str
+    engines: int = 2
+    prefill: int = 1  # pd: how many of the engines prefill
+    max_model_len: int = 4096
+    kv_cache_bytes: int = 64 << 20  # each engine's own KV cache (its "HBM")
+    max_num_batched_tokens: int | None = None  # None: vLLM's default
+    node_dram: str = "1GiB"
+    node_nvme: str = "2GiB"
+    connector_extra: tuple[tuple[str, Any], ...] = ()
+    python: str = sys.executable
+    start_timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        if self.engines < 1:
+            raise InvalidArgument(f"--engines must be at least 1, got {self.engines}")
+        if not 1 <= self.prefill < max(2, self.engines):
+            raise InvalidArgument(f"--prefill must be between 1 and --engines - 1, got {self.prefill}")
+
+
+def engine_cpus(n: int, cpus: list[int] | None = None) -> list[str]:
+    """The CPU binding of each of ``n`` engines: this process's CPUs split evenly (an
+    engine per CPU when there are as many CPUs as engines; engines share CPUs round-robin
+    when there are fewer)."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
+    if n >= len(cpus):
+        return [str(cpus[i % len(cpus)]) for i in range(n)]
+    per = len(cpus) // n
+    return [",".join(str(c) for c in cpus[i * per : (i + 1) * per]) for i in range(n)]
+
+
+def roles(config: str, spec: FleetSpec) -> list[str]:
+    if config not in CONFIGS:
+        raise InvalidArgument(f"unknown configuration {config!r} (known: {', '.join(CONFIGS)})")
+    if config == "pd":
+        if spec.engines < 2:
+            raise InvalidArgument("configuration pd needs at least 2 engines (--engines)")
+        return ["prefill"] * spec.prefill + ["decode"] * (spec.engines - spec.prefill)
+    return ["both"] * spec.engines
+
+
+def _free_port() -> int:
+    from kvstore.cluster.local_etcd import free_port
+
+    return int(free_port("127.0.0.1"))
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return int(r.status), r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return int(e.code), ""
+
+
+class Fleet(contextlib.AbstractContextManager["Fleet"]):
+    """The processes of one configuration (see the module docstring)."""
+
+    def __init__(self, config: str, spec: FleetSpec, *, log_dir: Path | None = None) -> None:
+        self.config = config
+        self.spec = spec
+        self.roles = roles(config, spec)
+        self.engines: list[Engine] = []
+        self.nodes: list[Any] = []  # kvstore.children.ServeProcess, one per engine (store configs)
+        self.cluster_target = ""
+        self._stack = contextlib.ExitStack()
+        self._tmp = Path(self._stack.enter_context(tempfile.TemporaryDirectory(prefix=f"kvstore-serving-{config}-")))
+        self.log_dir = log_dir or self._tmp
+        self.started_s = 0.0
+
+    @property
+    def uses_store(self) -> bool:
+        return self.config != "baseline"
+
+    def start(self) -> Fleet:
+        t0 = time.perf_counter()
+        try:
+            if self.uses_store:
+                self._start_store()
+            self._start_engines()
+        except BaseException:
+            self.close()
+            raise
+        self.started_s = time.perf_counter() - t0
+        return self
+
+    def _start_store(self) -> None:
+        import asyncio
+        import uuid
+
+        from kvstore.children import private_node
+        from kvstore.cluster.etcd import ClusterStore
+        from kvstore.cluster.local_etcd import LocalEtcd, find_etcd
+
+        if find_etcd() is None:
+            raise InvalidArgument("etcd is not installed (scripts/setup.sh installs Debian's etcd-server)")
+        etcd = self._stack.enter_context(LocalEtcd(self._tmp / "etcd"))
+        name = f"serving-{uuid.uuid4().hex[:8]}"
+
+        async def configure() -> None:
+            store = ClusterStore(etcd.endpoint, name)
+            try:  # every node owns every chunk: an engine's own node is always an owner of what it saved
+                await store.set_config("replication", len(self.roles))
+            finally:
+                await store.close()
+
+        asyncio.run(configure())
+        self.cluster_target = f"etcd://{etcd.endpoint}/{name}"
+        member = ("--etcd", etcd.endpoint, "--cluster", name)
+        nodes = [
+            private_node(
+                self._tmp / f"node{i}",
+                *member,
+                dram=self.spec.node_dram,
+                nvme=self.spec.node_nvme,
+                log_path=self.log_dir / f"{self.config}-node{i}.log",
+                start=False,
+            )
+            for i in range(len(self.roles))
+        ]
+        for n in nodes:
+            self._stack.callback(n.close)
+            n.spawn()
+        for n in nodes:
+            n.wait_ready(60.0)
+        self.nodes = nodes
+
+    def _command(self, i: int, role: str, port: int) -> list[str]:
+        s = self.spec
+        cmd = [
+            s.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            s.model,
+            "--served-model-name",
+            SERVED_NAME,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--skip-tokenizer-init",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(s.max_model_len),
+            "--kv-cache-memory-bytes",
+            str(s.kv_cache_bytes),
+            "--seed",
+            "0",
+        ]
+        if s.max_num_batched_tokens:
+            cmd += ["--max-num-batched-tokens", str(s.max_num_batched_tokens)]
+        if self.uses_store:
+            kv_role = {"both": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}[role]
+            extra = {"target": self.nodes[i].target, "lookup_target": self.cluster_target, **dict(s.connector_extra)}
+            cmd += [
+                "--kv-transfer-config",
+                json.dumps(
+                    {
+                        "kv_connector": "KVStoreConnector",
+                        "kv_connector_module_path": "gpu_agent.vllm",
+                        "kv_role": kv_role,
+                        "kv_connector_extra_config": extra,
+                        "kv_load_failure_policy": "recompute",
+                    }
+                ),
+            ]
+        return cmd
+
+    def _start_engines(self) -> None:
+        cpus = engine_cpus(len(self.roles))
+        for i, role in enumerate(self.roles):
+            port = _free_port()
+            name = f"{self.config}-{role}{i}" if role != "both" else f"{self.config}-engine{i}"
+            log = self.log_dir / f"{name}.log"
+            env = {
+                **os.environ,
+                "VLLM_CPU_OMP_THREADS_BIND": cpus[i],
+                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+                "PYTHONUNBUFFERED": "1",
+            }
+            with open(log, "w") as f:
+                proc = spawn(self._command(i, role, port), stdout=f, stderr=subprocess.STDOUT, env=env)
+            e = Engine(
+                name,
+                f"http://127.0.0.1:{port}",
+                role,
+                cpus[i],
+                self.nodes[i].target if self.nodes else "",
+                proc,
+                log,
+            )
+            self.engines.append(e)
+            self._stack.callback(_stop_engine, e)
+        deadline = time.monotonic() + self.spec.start_timeout_s
+        pending = list(self.engines)
+        while pending:
+            for e in list(pending):
+                assert e.proc is not None
+                if e.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"engine {e.name} exited (code {e.proc.returncode}) while starting{e.log_tail()}"
+                    )
+                with contextlib.suppress(OSError):
+                    if _get(e.url + "/v1/models", timeout=2.0)[0] == 200:
+                        pending.remove(e)
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"engine {pending[0].name} not ready in {self.spec.start_timeout_s:.0f} s{pending[0].log_tail()}"
+                )
+            if pending:
+                time.sleep(1.0)
+
+    def metrics(self) -> dict[str, dict[str, float]]:
+        """Each live engine's Prometheus counters (``/metrics``), summed over labels."""
+        return {e.name: scrape(e.url) for e in self.engines if e.alive}
+
+    def node_counters(self) -> dict[str, dict[str, int]]:
+        """Each node's counters (``get_hits_dram``, ``get_hits_nvme``, ...)."""
+        from client import KVClient
+
+        out: dict[str, dict[str, int]] = {}
+        for i, n in enumerate(self.nodes):
+            try:
+                with KVClient(n.target) as c:
+                    out[f"node{i}"] = {k: int(v) for k, v in c.stats()["counters"].items()}
+            except Exception:  # a node that died is reported as missing, not fatal
+                out[f"node{i}"] = {}
+        return out
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """An engine's ``/metrics`` as {name: value}, summed over labels ({} when it does not answer)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        code, text = _get(url + "/metrics", timeout=10.0)
+    except OSError:
+        return {}
+    if code != 200:
+        return {}
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + float(s.value)
+    return out
+
+
+def _stop_engine(e: Engine) -> None:
+    """SIGTERM the server (it stops the engine core and workers), then kill what is left of its session."""
+    if e.proc is None:
+        return
+    stop(e.proc, timeout=30)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(e.proc.pid, signal.SIGKILL)  # spawn() made it a session (and group) leader
