@@ -31,6 +31,10 @@ geometry: saving and loading one prompt's KV through the GPU agent against a pla
 of the same bytes (``connector``).
 
 Every engine first serves one warm-up prompt, so no TTFT includes first-request costs.
+Every engine, the plain one included, runs its worker on the same cores (all of this
+process's CPUs: :func:`gpu_agent.vllm.engine.cpu_binding`), so the ratios compare like
+with like (vLLM's own default binding keeps a core back from an engine without a
+connector only); the output says which cores each engine's worker used (``engine_cpus``).
 Run it in ``.venv-vllm`` (``./scripts/setup.sh --vllm``).
 """
 
@@ -170,6 +174,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "model": {"layers": layers, "hidden": hidden},
             "kv_bytes_per_token": kv_per_token,
             "engine_start_s": start_s,
+            "engine_cpus": {name: e.cpus for name, e in engines.items()},
             "target": a.target or "private node",
             "connector": overhead,
             "ok": all(r["tokens_equal"] for r in out.values()),
@@ -266,6 +271,11 @@ def format_table(r: dict[str, Any]) -> str:
     for name, row in r["scenarios"].items():
         lines.append(
             f"{name:<14}{row['ttft_ms']:>10.1f}{row['ttft_ratio']:>13.2f}{row['hit_tokens']:>12}  {'yes' if row['tokens_equal'] else 'NO'}"
+        )
+    cpus = r.get("engine_cpus") or {}
+    if cpus:
+        lines.append(
+            "engine workers' CPUs (VLLM_CPU_OMP_THREADS_BIND): " + "; ".join(f"{k} {v}" for k, v in cpus.items())
         )
     c = r["connector"]
     lines.append(

@@ -5,15 +5,25 @@ as a disaggregated deployment does.  The engine is vLLM's offline engine with vL
 defaults where they matter to a connector: prefix caching on (``prefix_caching=False``
 turns it off), chunked prefill (``max_batched_tokens`` below the prompt length splits a
 prefill over steps), ``tp`` tensor-parallel ranks, and a KV cache of ``kv_bytes`` (small:
-concurrent requests are preempted and resumed).  With ``tp`` > 1 on the CPU each rank is
-bound to its share of this process's CPUs (:func:`cpu_binding`): vLLM's own binding
-wants a NUMA node per rank and refuses to start otherwise.
+concurrent requests are preempted and resumed).
+
+Every engine, with a connector or without, binds its worker(s) the same way: to this
+process's CPUs (:func:`cpu_binding`, as ``VLLM_CPU_OMP_THREADS_BIND``, unless the caller's
+environment sets that): with ``tp`` = 1 the worker gets all of them (``"0,1"``), with
+``tp`` > 1 each rank its share (``"0|1"``).  With an explicit list vLLM reserves no core.
+vLLM's own default (``auto``) is no good here: it keeps cores back "for other processes"
+(``tp`` of them, ``tp`` more when the engine has a KV connector) unless that would be
+every core, when it keeps none; so on a small machine a plain engine computes on fewer
+cores than a connector engine (on 2 CPUs: 1 against 2), which skews every comparison
+between them; and it wants a NUMA node per rank, refusing to start ``tp`` > 1 otherwise.
 
 The parent (:class:`EngineProcess`) writes one JSON object per line; the child answers
 each with one line (``{"error": "..."}`` when the command failed; it keeps serving):
 
-* the child's first line is ``{"ready": true, "block_size": B, "num_blocks": N}`` (vLLM's KV
-  cache: ``N`` blocks of ``B`` tokens, one of them vLLM's null block);
+* the child's first line is ``{"ready": true, "block_size": B, "num_blocks": N, "cpus": C}``
+  (vLLM's KV cache: ``N`` blocks of ``B`` tokens, one of them vLLM's null block; ``C``: the
+  CPUs its worker(s) run on, the ``VLLM_CPU_OMP_THREADS_BIND`` it started with: ``"0,1"``,
+  ``"0|1"`` for two ranks, or whatever the caller's environment set);
 * ``{"cmd": "generate", REQUEST}`` → a RESULT;
 * ``{"cmd": "batch", "requests": [REQUEST, ...]}`` → ``{"results": [RESULT, ...]}``: every
   request is added before the first step and they are stepped together (so they share
@@ -245,11 +255,13 @@ def _metrics(llm: Any) -> dict[str, float]:
 
 
 def cpu_binding(tp: int) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` CPU workers: this process's CPUs split
-    between the ranks (``"0|1"``), or ``"nobind"`` when there are fewer CPUs than ranks.
-    vLLM's default (``auto``) binds each rank to a NUMA node of its own and refuses to
-    start more ranks than the machine has NUMA nodes ("Not enough allowed NUMA nodes to
-    bind threads of 2 local CPUWorkers")."""
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` CPU workers: this process's CPUs, all of
+    them for one worker (``"0,1"``) or split between the ranks (``"0|1"``), or ``"nobind"``
+    when there are fewer CPUs than ranks.  An explicit list reserves no core for other
+    processes, whatever the engine's configuration (see the module docstring).  vLLM's
+    default (``auto``) binds each rank to a NUMA node of its own and refuses to start more
+    ranks than the machine has NUMA nodes ("Not enough allowed NUMA nodes to bind threads
+    of 2 local CPUWorkers")."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < tp:
         return "nobind"
@@ -260,8 +272,9 @@ def cpu_binding(tp: int) -> str:
 def _serve(spec: dict[str, Any]) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     tp = int(spec.get("tp", 1))
-    if tp > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+    if not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):  # every engine alike, connector or not
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tp)
+    cpus = os.environ["VLLM_CPU_OMP_THREADS_BIND"]
     # the protocol keeps the real stdout; everything else printed (here, by vLLM, by the
     # processes it starts) goes to stderr
     out = os.fdopen(os.dup(1), "w")
@@ -283,7 +296,8 @@ def _serve(spec: dict[str, Any]) -> None:
     )
     engine = llm.llm_engine
     cache = engine.vllm_config.cache_config
-    out.write(json.dumps({"ready": True, "block_size": cache.block_size, "num_blocks": cache.num_gpu_blocks}) + "\n")
+    ready = {"ready": True, "block_size": cache.block_size, "num_blocks": cache.num_gpu_blocks, "cpus": cpus}
+    out.write(json.dumps(ready) + "\n")
     out.flush()
     n = 0
     for line in sys.stdin:
@@ -313,7 +327,8 @@ def _serve(spec: dict[str, Any]) -> None:
 
 class EngineProcess:
     """A vLLM engine child process (see the module docstring); ``block_size`` and
-    ``num_blocks`` (vLLM's KV cache) are known once :meth:`wait_ready` returns."""
+    ``num_blocks`` (vLLM's KV cache) and ``cpus`` (the CPUs its worker(s) run on, as
+    ``VLLM_CPU_OMP_THREADS_BIND``: ``"0,1"``) are known once :meth:`wait_ready` returns."""
 
     def __init__(
         self,
@@ -352,6 +367,7 @@ class EngineProcess:
         self.started_s = 0.0
         self.block_size = 0
         self.num_blocks = 0
+        self.cpus = ""
 
     def wait_ready(self, timeout: float = 300.0) -> EngineProcess:
         t0 = time.perf_counter()
@@ -360,6 +376,7 @@ class EngineProcess:
         if not ready.get("ready"):
             raise RuntimeError(f"engine did not start: {line}{self.log_tail()}")
         self.block_size, self.num_blocks = int(ready.get("block_size") or 0), int(ready.get("num_blocks") or 0)
+        self.cpus = str(ready.get("cpus") or "")
         self.started_s = time.perf_counter() - t0
         return self
 

@@ -1,0 +1,95 @@
+"""The short form of ``kvstore bench serving``: a few dozen requests of a conversation
+trace through two real vLLM OpenAI servers per configuration (baseline, pool, pd).
+
+It checks the machinery, not timing: every request completes; ``pool`` serves prompt
+tokens from the store (the engines' own counters and the nodes' block reads say so);
+``pool`` and ``pd`` generate the same greedy tokens as ``baseline`` for every request;
+and nothing is left behind (no server process, no arena in /dev/shm).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+REQUESTS = 40
+
+
+def _servers() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "vllm.entrypoints.openai.api_server"], capture_output=True, text=True)
+    return {int(p) for p in out.stdout.split()}
+
+
+def _arenas() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if "kvstore" in n} if os.path.isdir("/dev/shm") else set()
+
+
+def test_short_serving_run(tmp_path: Path) -> None:
+    trace = tmp_path / "conversations.jsonl"
+    subprocess.run(
+        [sys.executable, "-m", "kvstore", "replay", "--generate", str(trace), "--requests", "200", "--seed", "7"],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+        timeout=120,
+    )
+    servers, arenas = _servers(), _arenas()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "bench",
+            "serving",
+            "--trace",
+            str(trace),
+            "--requests",
+            str(REQUESTS),
+            "--block-tokens",
+            "64",
+            "--rate",
+            "2",
+            "--max-output-tokens",
+            "16",
+            "--configs",
+            "baseline,pool,pd",
+            "--json",
+            "--records",
+            str(tmp_path / "records.jsonl"),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    r = json.loads(out.stdout)
+    assert set(r["configs"]) == {"baseline", "pool", "pd"}
+    for name, c in r["configs"].items():
+        assert (c["requests"], c["completed"], c["errors"], c["rejected"]) == (REQUESTS, REQUESTS, 0, 0), (name, c)
+        assert c["ttft_ms"]["p50"] is not None and c["throughput_tok_s"] > 0
+    pool, pd, base = r["configs"]["pool"], r["configs"]["pd"], r["configs"]["baseline"]
+    assert base["prompt_tokens"]["store"] == 0
+    assert pool["prompt_tokens"]["store"] > 0, pool["prompt_tokens"]  # the store served prompt tokens
+    assert pool["store_blocks"]["dram_reads"] > 0, pool["store_blocks"]
+    # pd: every decode request loads its prompt but the last token from the store
+    assert pd["prompt_tokens"]["store"] >= r["trace"]["prompt_tokens"]["total"] // 2, pd["prompt_tokens"]
+    assert pool["tokens_equal_baseline"] == 1.0 and pd["tokens_equal_baseline"] == 1.0
+    # every engine of every configuration ran on the same split of CPUs
+    cpus = {name: [e["cpus"] for e in f["engines"]] for name, f in r["fleets"].items()}
+    assert len({tuple(v) for v in cpus.values()}) == 1, cpus
+    records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert len(records) == 3 * REQUESTS
+    assert all(x["prefill_engine"] for x in records if x["config"] == "pd")
+    assert _servers() <= servers, "a vLLM server outlived the benchmark"
+    assert _arenas() <= arenas, "a node's arena was left in /dev/shm"
