@@ -158,11 +158,11 @@ def test_goodput_counts_only_requests_within_both_targets() -> None:
 
 
 def test_prompt_sources_from_engine_counters() -> None:
-    before = {"e0": {"vllm:prompt_tokens_total": 100.0, "vllm:prefix_cache_hits_total": 10.0}}
+    before = {"e0": {"vllm:request_prompt_tokens_sum": 100.0, "vllm:request_prefill_kv_computed_tokens_sum": 90.0}}
     after = {
         "e0": {
-            "vllm:prompt_tokens_total": 1100.0,
-            "vllm:prefix_cache_hits_total": 210.0,
+            "vllm:request_prompt_tokens_sum": 1100.0,
+            "vllm:request_prefill_kv_computed_tokens_sum": 390.0,
             "vllm:external_prefix_cache_hits_total": 500.0,
         }
     }
@@ -173,6 +173,11 @@ def test_prompt_sources_from_engine_counters() -> None:
         "total": 1000,
     }
     assert report.prompt_sources({}, {"e0": {}})["store"] is None  # an engine that did not answer
+    counters = report.connector_counters(
+        {"e0": {"vllm:kvstore_loads_total": 2.0}},
+        {"e0": {"vllm:kvstore_loads_total": 5.0, "vllm:kvstore_handoff_timeouts_total": 1.0, "vllm:other_total": 9}},
+    )
+    assert counters == {"handoff_timeouts": 1, "loads": 3}
 
 
 # -- the client against a real streaming server ----------------------------------------
@@ -206,7 +211,7 @@ class StreamingServer:
             return web.json_response({"data": [{"id": "fake-model"}]})
 
         async def metrics(_: web.Request) -> web.Response:
-            return web.Response(text=f"vllm:prompt_tokens_total {self.prompt_tokens}\n")
+            return web.Response(text=f"vllm:request_prompt_tokens_sum {self.prompt_tokens}\n")
 
         async def completions(req: web.Request) -> web.StreamResponse:
             body = await req.json()
@@ -363,3 +368,37 @@ def test_bad_options_are_clear_errors() -> None:
             cwd=ROOT,
         )
         assert out.returncode == 2 and want in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
+
+
+def test_a_rate_sweep_reports_goodput_per_step(server: StreamingServer, tmp_path: Path) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "bench",
+            "serving",
+            "--target",
+            server.url,
+            "--requests",
+            "4",
+            "--sweep-rate",
+            "20,40",
+            "--warmup",
+            "0",
+            "--json",
+            "--plot",
+            str(tmp_path / "p.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert [s["offered_rps"] for s in r["steps"]] == [20.0, 40.0]
+    assert all(s["configs"]["target"]["completed"] == 4 for s in r["steps"])
+    assert r["configs"]["target"] == r["steps"][-1]["configs"]["target"]
+    assert r["capacity_goodput_rps"]["target"] > 0
+    assert (tmp_path / "p.png").stat().st_size > 10_000

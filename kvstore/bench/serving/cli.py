@@ -351,6 +351,7 @@ def _run_config(
                 "store_blocks": report.store_blocks(nodes_before, nodes_after, before, after)
                 if fleet is not None and fleet.uses_store
                 else None,
+                "connector": report.connector_counters(before, after),
                 "offered_rps": round(wl.offered_rps, 4),
                 "wall_s": round(rep.wall_s, 2),
             }

@@ -36,23 +36,27 @@ def delta(after: dict[str, float], before: dict[str, float], name: str) -> float
 
 
 def prompt_sources(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """Prompt tokens by source over the run, from every engine's ``/metrics`` (see the module docstring)."""
-    total = local = external = 0.0
+    """Prompt tokens by source over the run, from every engine's ``/metrics``, per finished
+    request: ``total`` (``vllm:request_prompt_tokens``), ``recomputed`` (vLLM's
+    ``vllm:request_prefill_kv_computed_tokens``: the prompt less its cached tokens),
+    ``store`` (the connector's hits, ``vllm:external_prefix_cache_hits``) and
+    ``engine_cache`` (the rest: vLLM's own prefix cache)."""
+    total = computed = external = 0.0
     have = False
     for name, a in after.items():
         b = before.get(name, {})
-        if "vllm:prompt_tokens_total" not in a:
+        if "vllm:request_prompt_tokens_sum" not in a:
             continue
         have = True
-        total += delta(a, b, "vllm:prompt_tokens_total")
-        local += delta(a, b, "vllm:prefix_cache_hits_total")
+        total += delta(a, b, "vllm:request_prompt_tokens_sum")
+        computed += delta(a, b, "vllm:request_prefill_kv_computed_tokens_sum")
         external += delta(a, b, "vllm:external_prefix_cache_hits_total")
     if not have:
         return {"engine_cache": None, "store": None, "recomputed": None, "total": None}
     return {
-        "engine_cache": int(local),
+        "engine_cache": int(max(0.0, total - computed - external)),
         "store": int(external),
-        "recomputed": int(max(0.0, total - local - external)),
+        "recomputed": int(computed),
         "total": int(total),
     }
 
@@ -76,6 +80,19 @@ def store_blocks(
         delta(engines_after[e], engines_before.get(e, {}), "vllm:kvstore_pulled_blocks_total") for e in engines_after
     )
     return {"dram_reads": reads("get_hits_dram"), "nvme_reads": reads("get_hits_nvme"), "remote_pulls": int(pulled)}
+
+
+def connector_counters(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, int] | None:
+    """The kvstore connector's counters over the run (``vllm:kvstore_*_total``, summed over
+    the fleet's engines: lookups and their errors, handoff waits and timeouts, loads, load
+    errors, pulls, ...); None where no engine runs the connector."""
+    out: dict[str, float] = {}
+    for name, a in after.items():
+        for k, v in a.items():
+            if k.startswith("vllm:kvstore_") and k.endswith("_total"):
+                short = k[len("vllm:kvstore_") : -len("_total")]
+                out[short] = out.get(short, 0.0) + v - before.get(name, {}).get(k, 0.0)
+    return {k: int(v) for k, v in sorted(out.items())} or None
 
 
 def summarise(

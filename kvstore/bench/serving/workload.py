@@ -159,7 +159,8 @@ class Workload:
 
     @property
     def offered_rps(self) -> float:
-        return len(self.items) / self.duration_s if self.duration_s > 0 else float("inf")
+        """Arrivals per second between the first and the last (``rate`` when it was set)."""
+        return (len(self.items) - 1) / self.duration_s if self.duration_s > 0 else float("inf")
 
     @property
     def max_len(self) -> int:
