@@ -90,7 +90,9 @@ class SchedulerSide:
         self._loads: dict[str, LoadSpec] = {}
         self._events: KVStoreEvents | None = None
         self.stored = StoredChunks(settings.events_resync_s if events and produce else 0.0)
-        self._down_until = 0.0
+        self._down_until = 0.0  # lookups resume then (a store call failed)
+        self._reporter: Any = None  # the engine's own node, for the prefix-cache hits it reports
+        self._report_down_until = 0.0
         self.counters: dict[str, int] = {k: 0 for k in SCHEDULER_KEYS}
         self._reported: dict[str, int] = {}
 
@@ -257,15 +259,31 @@ class SchedulerSide:
         self._report_local_hits(r.namespace, start)
 
     def _report_local_hits(self, ns: Namespace, tokens: int) -> None:
-        """vLLM's own prefix-cache hits never reach the store: report them (tier HBM)."""
-        if tokens <= 0 or time.monotonic() < self._down_until:
+        """vLLM's own prefix-cache hits never reach the store: report them (tier HBM) to the
+        engine's own node (``target``; the lookup client may be a cluster's, which has no
+        node of its own to count them).  Metrics only: a failure pauses reporting for
+        ``RETRY_S``, never lookups or loads."""
+        now = time.monotonic()
+        if tokens <= 0 or now < self._report_down_until:
             return
         try:
-            self.client().report_hits(max(1, tokens // self.chunk), tokens, tier="hbm", op="match_prefix", namespace=ns)
-        except Exception:  # noqa: BLE001 - metrics only: never worth an engine
-            log.debug("kvstore: reporting prefix-cache hits failed", exc_info=True)
-            self._down_until = time.monotonic() + RETRY_S
-            self._drop_client()
+            if self._reporter is None:
+                self._reporter = self.settings.client(self.settings.target or None)
+                if not hasattr(self._reporter, "report_hits"):  # a cluster target: no node of its own
+                    self._report_down_until = float("inf")
+                    return
+            self._reporter.report_hits(
+                max(1, tokens // self.chunk), tokens, tier="hbm", op="match_prefix", namespace=ns
+            )
+        except Exception as e:  # noqa: BLE001 - metrics only: never worth an engine, nor its lookups
+            log.warning("kvstore: reporting prefix-cache hits failed (%s); not reporting for %.0f s", e, RETRY_S)
+            self._report_down_until = now + RETRY_S
+            reporter, self._reporter = self._reporter, None
+            if reporter is not None:
+                try:
+                    reporter.close()
+                except Exception:  # closing a broken client is best effort
+                    pass
 
     def build_meta(self, out: SchedulerOutput) -> KVStoreMeta:
         meta = KVStoreMeta()
@@ -404,3 +422,9 @@ class SchedulerSide:
 
     def close(self) -> None:
         self._drop_client()
+        if self._reporter is not None:
+            try:
+                self._reporter.close()
+            except Exception:  # closing a broken client is best effort
+                pass
+            self._reporter = None

@@ -261,3 +261,32 @@ def test_the_nodes_own_evictions_and_demotions_reach_kv_events(tmp_path: Any) ->
             gone = tracked.resync(c.lookup, 2.0)
         assert gone == [BlockRemoved(block_hashes=[chains[0][2]], medium="STORAGE")]
         assert len(tracked) == 2
+
+
+def test_a_local_prefix_cache_hit_never_stops_the_next_requests_lookups(tmp_path: Any) -> None:
+    """With cluster-wide lookups (``lookup_target`` etcd://), reporting vLLM's own
+    prefix-cache hits went to the cluster client, which has no node to count them; the
+    failure took the store away from every request for RETRY_S (found by ``kvstore bench
+    serving``: decode engines recomputed 40-60 % of prompts the store held).  The hits now
+    go to the engine's own node and a reporting failure never stops lookups."""
+    import contextlib
+
+    from gpu_agent.vllm.demo import local_cluster
+    from kvstore.children import private_node
+
+    with contextlib.ExitStack() as stack:
+        cluster, member = local_cluster(stack, tmp_path)
+        assert cluster, "etcd is not installed: scripts/setup.sh installs it"
+        n = stack.enter_context(private_node(tmp_path / "n", *member, dram="64MiB", nvme="0"))
+        side = scheduler(n, lookup_target=cluster)
+        first = request(prompt(1000, seed=7), "first")
+        store(n, side, first, 3)
+        hit, _ = side.matched(first, CHUNK)  # vLLM's own cache holds the first chunk
+        assert hit == 3 * CHUNK - CHUNK
+        side.after_alloc(first, Blocks(list(range(63))), hit)  # reports the local hit
+        second = request(prompt(1000, seed=8), "second")
+        store(n, side, second, 2)
+        assert side.matched(second, 0) == (2 * CHUNK, False)
+        assert side.counters["lookups"] == 2 and side.counters["lookup_errors"] == 0
+        assert side._reporter is not None and side._report_down_until == 0.0  # reported to the node, no failure
+        side.close()

@@ -324,6 +324,7 @@ def _run_config(
         for k, wl in enumerate(steps):
             before = _engine_metrics(engines)
             nodes_before = fleet.node_counters() if fleet is not None else {}
+            cpu_before = fleet.cpu_seconds() if fleet is not None else {}
             label = f"serving: {name}" + (f" at {wl.offered_rps:.2f} req/s" if len(steps) > 1 else "")
             with Progress(label, total=len(wl.items), unit="requests") as p:
                 errors = [0]
@@ -346,12 +347,15 @@ def _run_config(
                 result["failures"].append(f"{name}: {why}")
             after = _engine_metrics(engines)
             nodes_after = fleet.node_counters() if fleet is not None else {}
+            cpu_after = fleet.cpu_seconds() if fleet is not None else {}
             result.setdefault("_counters", {})[(k, name)] = {
                 "prompt_tokens": report.prompt_sources(before, after),
                 "store_blocks": report.store_blocks(nodes_before, nodes_after, before, after)
                 if fleet is not None and fleet.uses_store
                 else None,
                 "connector": report.connector_counters(before, after),
+                # where the machine's time went during the replay: CPU seconds per process tree
+                "cpu_s": {n: round(cpu_after[n] - cpu_before.get(n, 0.0), 2) for n in cpu_after} or None,
                 "offered_rps": round(wl.offered_rps, 4),
                 "wall_s": round(rep.wall_s, 2),
             }

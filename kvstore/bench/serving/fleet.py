@@ -138,6 +138,7 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
         self.engines: list[Engine] = []
         self.nodes: list[Any] = []  # kvstore.children.ServeProcess, one per engine (store configs)
         self.cluster_target = ""
+        self._etcd: Any = None
         self._stack = contextlib.ExitStack()
         self._tmp = Path(self._stack.enter_context(tempfile.TemporaryDirectory(prefix=f"kvstore-serving-{config}-")))
         self.log_dir = log_dir or self._tmp
@@ -169,7 +170,7 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
 
         if find_etcd() is None:
             raise InvalidArgument("etcd is not installed (scripts/setup.sh installs Debian's etcd-server)")
-        etcd = self._stack.enter_context(LocalEtcd(self._tmp / "etcd"))
+        etcd = self._etcd = self._stack.enter_context(LocalEtcd(self._tmp / "etcd"))
         name = f"serving-{uuid.uuid4().hex[:8]}"
 
         async def configure() -> None:
@@ -302,6 +303,46 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
                     out[f"node{i}"] = {k: int(v) for k, v in c.stats()["counters"].items()}
             except Exception:  # a node that died is reported as missing, not fatal
                 out[f"node{i}"] = {}
+        return out
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) each process of the fleet has used so far: per engine its
+        server (``NAME/api``), engine core (``NAME/core``: vLLM's scheduler, the connector's
+        lookups) and workers (``NAME/worker``: the model, the connector's loads and saves);
+        every node; etcd."""
+        import psutil
+
+        def times(p: Any) -> float:
+            try:
+                t = p.cpu_times()
+                return float(t.user + t.system)
+            except psutil.Error:
+                return 0.0
+
+        out: dict[str, float] = {}
+        for e in self.engines:
+            if e.proc is None:
+                continue
+            try:
+                root = psutil.Process(e.proc.pid)
+                procs = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                continue
+            for q in procs:
+                try:
+                    name = q.name()
+                except psutil.Error:
+                    continue
+                part = "core" if "EngineCore" in name else "worker" if "Worker" in name else "api"
+                key = f"{e.name}/{part}"
+                out[key] = out.get(key, 0.0) + times(q)
+        for i, n in enumerate(self.nodes):
+            if n.proc is not None:
+                with contextlib.suppress(psutil.Error):
+                    out[f"node{i}"] = times(psutil.Process(n.proc.pid))
+        if self._etcd is not None and self._etcd.pid is not None:
+            with contextlib.suppress(psutil.Error):
+                out["etcd"] = times(psutil.Process(self._etcd.pid))
         return out
 
     def close(self) -> None:

@@ -82,7 +82,9 @@ def store_blocks(
     return {"dram_reads": reads("get_hits_dram"), "nvme_reads": reads("get_hits_nvme"), "remote_pulls": int(pulled)}
 
 
-def connector_counters(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, int] | None:
+def connector_counters(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, int] | None:
     """The kvstore connector's counters over the run (``vllm:kvstore_*_total``, summed over
     the fleet's engines: lookups and their errors, handoff waits and timeouts, loads, load
     errors, pulls, ...); None where no engine runs the connector."""
