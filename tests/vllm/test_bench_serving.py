@@ -82,8 +82,12 @@ def test_short_serving_run(tmp_path: Path) -> None:
     assert base["prompt_tokens"]["store"] == 0
     assert pool["prompt_tokens"]["store"] > 0, pool["prompt_tokens"]  # the store served prompt tokens
     assert pool["store_blocks"]["dram_reads"] > 0, pool["store_blocks"]
-    # pd: every decode request loads its prompt but the last token from the store
-    assert pd["prompt_tokens"]["store"] >= r["trace"]["prompt_tokens"]["total"] // 2, pd["prompt_tokens"]
+    # pd: a decode engine loads what its prefill engine computed (all but the last token), so
+    # the fleet recomputes little more than baseline does (a decode engine that lost the
+    # store after a local hit recomputed 40-60 % of its prompts)
+    total = r["trace"]["prompt_tokens"]["total"]
+    assert pd["prompt_tokens"]["store"] > 0, pd["prompt_tokens"]
+    assert pd["prompt_tokens"]["recomputed"] - base["prompt_tokens"]["recomputed"] < total // 4, (pd, base)
     assert pool["tokens_equal_baseline"] == 1.0 and pd["tokens_equal_baseline"] == 1.0
     # every engine of every configuration ran on the same split of CPUs
     cpus = {name: [e["cpus"] for e in f["engines"]] for name, f in r["fleets"].items()}
