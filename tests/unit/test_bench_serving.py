@@ -402,3 +402,24 @@ def test_a_rate_sweep_reports_goodput_per_step(server: StreamingServer, tmp_path
     assert r["configs"]["target"] == r["steps"][-1]["configs"]["target"]
     assert r["capacity_goodput_rps"]["target"] > 0
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_sessions_reach_the_connector_and_their_closes_are_sent(server: StreamingServer, tmp_path: Path) -> None:
+    t = _lines(
+        tmp_path,
+        [
+            {"timestamp": 0, "input_length": 512, "output_length": 32, "hash_ids": [1], "session_id": "s1"},
+            {"timestamp": 100, "input_length": 1024, "output_length": 32, "hash_ids": [1, 2], "session_id": "s1"},
+            {"timestamp": 150, "close_session": "s1"},
+            {"timestamp": 200, "input_length": 512, "output_length": 32, "hash_ids": [3]},
+        ],
+    )
+    w = build(t, Scaling(block_tokens=16, time_scale=0.5))
+    assert [x.session_id for x in w.items] == ["s1", "s1", None]
+    assert w.closes == ((0.075, "s1"),)
+    closed: list[str] = []
+    e = Engine("fake", server.url, "both", "0")
+    recs = Replay("pool", w, RoundRobin([e]), model="fake-model", on_close=closed.append).run()
+    assert all(r.ok for r in recs) and closed == ["s1"]
+    sent = [b.get("kv_transfer_params") for b in server.seen]
+    assert sent == [{"session_id": "s1"}, {"session_id": "s1"}, None]

@@ -341,9 +341,11 @@ def _run_config(
                     timeout_s=a.request_timeout,
                     step=k,
                     on_done=done,
+                    on_close=fleet.close_session if fleet is not None and fleet.uses_store else None,
+                    sessions=name != "baseline",
                 )
                 recs = rep.run()
-            for why in rep.dead.values():
+            for why in [*rep.dead.values(), *rep.closes_failed]:
                 result["failures"].append(f"{name}: {why}")
             after = _engine_metrics(engines)
             nodes_after = fleet.node_counters() if fleet is not None else {}

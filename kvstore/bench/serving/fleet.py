@@ -305,6 +305,14 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
                 out[f"node{i}"] = {}
         return out
 
+    def close_session(self, session_id: str) -> None:
+        """A trace's ``close_session`` event: every node hears it (the session's blocks go first)."""
+        from client import KVClient
+
+        for n in self.nodes:
+            with KVClient(n.target) as c:
+                c.close_session(session_id)
+
     def cpu_seconds(self) -> dict[str, float]:
         """CPU time (user + system) each process of the fleet has used so far: per engine its
         server (``NAME/api``), engine core (``NAME/core``: vLLM's scheduler, the connector's

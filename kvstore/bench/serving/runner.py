@@ -75,7 +75,9 @@ def tbt(intervals: list[float]) -> float | None:
     return sum(worst) / k
 
 
-def _body(model: str, w: Work, *, temperature: float, stream: bool, max_tokens: int, kvp: Any) -> dict[str, Any]:
+def _body(
+    model: str, w: Work, *, temperature: float, stream: bool, max_tokens: int, kvp: Any, sessions: bool = True
+) -> dict[str, Any]:
     b: dict[str, Any] = {
         "model": model,
         "prompt": list(w.tokens),
@@ -89,6 +91,8 @@ def _body(model: str, w: Work, *, temperature: float, stream: bool, max_tokens: 
         b["seed"] = 0
     if stream:
         b["stream_options"] = {"include_usage": True}
+    if sessions and w.session_id is not None:  # the store's eviction hints (the connector reads it there)
+        kvp = {**(kvp or {}), "session_id": w.session_id}
     if kvp is not None:
         b["kv_transfer_params"] = kvp
     return b
@@ -108,6 +112,8 @@ class Replay:
         timeout_s: float = 300.0,
         step: int = 0,
         on_done: Callable[[Record], None] | None = None,
+        on_close: Callable[[str], None] | None = None,
+        sessions: bool = True,
     ) -> None:
         self.config = config
         self.workload = workload
@@ -117,6 +123,9 @@ class Replay:
         self.timeout_s = timeout_s
         self.step = step
         self.on_done = on_done
+        self.on_close = on_close  # a session's close event (blocking: run in a thread)
+        self.closes_failed: list[str] = []
+        self.sessions = sessions  # pass session ids on (False: engines without the connector, which warn)
         self.dead: dict[str, str] = {}  # engine name -> why it was taken out
         self.wall_s = 0.0
 
@@ -131,7 +140,9 @@ class Replay:
         async with aiohttp.ClientSession(timeout=timeout, connector=conn) as http:
             t0 = time.monotonic()
             tasks = [asyncio.create_task(self._one(http, w, t0)) for w in self.workload.items]
+            closing = [asyncio.create_task(self._close(at, sid, t0)) for at, sid in self.workload.closes]
             records = list(await asyncio.gather(*tasks))
+            await asyncio.gather(*closing)
             self.wall_s = time.monotonic() - t0
         return records
 
@@ -151,14 +162,30 @@ class Replay:
         try:
             if route.prefill is not None:
                 rec.prefill_engine = route.prefill.name
-                body = _body(self.model, w, temperature=self.temperature, stream=False, max_tokens=1, kvp=None)
+                body = _body(
+                    self.model,
+                    w,
+                    temperature=self.temperature,
+                    stream=False,
+                    max_tokens=1,
+                    kvp=None,
+                    sessions=self.sessions,
+                )
                 async with http.post(route.prefill.url + "/v1/completions", json=body) as r:
                     if r.status != 200:
                         return self._done(await self._refused(rec, r, route.prefill))
                     data = await r.json()
                 kvp = data.get("kv_transfer_params")
                 rec.prefill_ms = (time.monotonic() - arrival) * 1e3
-            body = _body(self.model, w, temperature=self.temperature, stream=True, max_tokens=w.output_tokens, kvp=kvp)
+            body = _body(
+                self.model,
+                w,
+                temperature=self.temperature,
+                stream=True,
+                max_tokens=w.output_tokens,
+                kvp=kvp,
+                sessions=self.sessions,
+            )
             async with http.post(route.decode.url + "/v1/completions", json=body) as r:
                 if r.status != 200:
                     return self._done(await self._refused(rec, r, route.decode))
@@ -201,6 +228,17 @@ class Replay:
             rec.error = f"{engine.name} ({engine.url}): {type(e).__name__}: {e}"
             self._check_dead(engine, e)
         return self._done(rec)
+
+    async def _close(self, at: float, session_id: str, t0: float) -> None:
+        if self.on_close is None:
+            return
+        delay = t0 + at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        try:
+            await asyncio.to_thread(self.on_close, session_id)
+        except Exception as e:  # a close that fails is reported, never fatal
+            self.closes_failed.append(f"close_session {session_id!r}: {type(e).__name__}: {e}")
 
     async def _refused(self, rec: Record, r: Any, engine: Engine) -> Record:
         rec.status = int(r.status)

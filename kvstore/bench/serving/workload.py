@@ -23,6 +23,9 @@ the file and the options (no clock, no randomness beyond seeded generators):
   trace, ``"A:B"``), then the first ``requests``.
 * ``unique``: every request gets hash ids of its own (no prefix is shared: the no-reuse
   overhead run).
+* **sessions**: a request's ``session_id`` is kept (the runner passes it to the connector
+  as ``kv_transfer_params["session_id"]``), and the trace's ``close_session`` events of the
+  slice's sessions become ``closes`` at their scaled times.
 
 Bad trace lines (missing or ill-typed fields) are skipped and reported by line
 (``Workload.skipped``); a trace left with no request is an error.
@@ -152,6 +155,7 @@ class Workload:
     scaling: Scaling
     items: tuple[Work, ...]
     skipped: tuple[str, ...]  # bad trace lines, each naming its line
+    closes: tuple[tuple[float, str], ...] = ()  # (seconds after the start, session id): close_session events
 
     @property
     def duration_s(self) -> float:
@@ -218,10 +222,18 @@ def build(path: str | Path, s: Scaling) -> Workload:
         raise InvalidArgument(f"trace {path}: no request in the chosen slice (--window/--requests)")
     ts = [r.timestamp / 1e3 for r in reqs]
     arrivals = [(t - ts[0]) * s.time_scale for t in ts]
+    stretch = 1.0
     if s.rate is not None and len(reqs) > 1:
         span = arrivals[-1]
         want = (len(reqs) - 1) / s.rate
-        arrivals = [a * want / span for a in arrivals] if span > 0 else [i / s.rate for i in range(len(reqs))]
+        stretch = want / span if span > 0 else 1.0
+        arrivals = [a * stretch for a in arrivals] if span > 0 else [i / s.rate for i in range(len(reqs))]
+    sessions = {r.session_id for r in reqs if r.session_id is not None}
+    closes = tuple(
+        (max(0.0, (c.timestamp / 1e3 - ts[0]) * s.time_scale * stretch), c.session_id)
+        for c in trace.closes
+        if c.session_id in sessions and ts[0] <= c.timestamp / 1e3
+    )
     synth = TokenSynth(s.block_tokens, s.vocab, s.salt)
     items = []
     for i, r in enumerate(reqs):
@@ -234,4 +246,4 @@ def build(path: str | Path, s: Scaling) -> Workload:
         if s.max_output_tokens is not None:
             out = min(out, s.max_output_tokens)
         items.append(Work(i, arrivals[i], synth.prompt(ids, length), out, ids, r.session_id))
-    return Workload(str(path), s, tuple(items), trace.skipped)
+    return Workload(str(path), s, tuple(items), trace.skipped, closes if not s.unique else ())
