@@ -1,6 +1,6 @@
 """``kvstore bench serving`` without vLLM: the workload it makes of a trace, the figures it
 computes, and its client against a real HTTP server speaking the OpenAI streaming
-protocol (an aiohttp server in a thread; the vLLM form is tests/vllm/test_bench_serving.py).
+protocol (an aiohttp server in a thread; the vLLM form is tests/vllm/test_serving_vllm.py).
 """
 
 from __future__ import annotations
