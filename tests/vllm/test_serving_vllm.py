@@ -32,6 +32,7 @@ def _arenas() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if "kvstore" in n} if os.path.isdir("/dev/shm") else set()
 
 
+@pytest.mark.timeout(1500)  # three fleets start one after another: minutes, not the suite's 300 s
 def test_short_serving_run(tmp_path: Path) -> None:
     trace = tmp_path / "conversations.jsonl"
     subprocess.run(
