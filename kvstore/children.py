@@ -115,6 +115,17 @@ def spawn(cmd: Sequence[str], **popen: Any) -> subprocess.Popen[Any]:
     return fork() if threading.current_thread() is threading.main_thread() else _in_forker(fork)
 
 
+def log_tail(path: Path | None, lines: int = 40) -> str:
+    """The end of a child's log file, for an error message ("" when there is none)."""
+    if path is None:
+        return ""
+    try:
+        text = path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return ""
+    return f"\n--- last {len(text)} lines of {path} ---\n" + "\n".join(text)
+
+
 def stop(proc: subprocess.Popen[Any] | None, *, timeout: float = 30.0, sig: int = signal.SIGTERM) -> int | None:
     """Send ``sig`` to a running child and wait up to ``timeout`` s, then SIGKILL it.  Its exit status."""
     if proc is None:

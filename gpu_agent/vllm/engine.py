@@ -64,7 +64,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvstore.children import spawn, stop
+from kvstore.children import log_tail, spawn, stop
 
 HEAD_DIM = 64
 
@@ -395,13 +395,7 @@ class EngineProcess:
 
     def log_tail(self, lines: int = 40) -> str:
         """The end of the engine's log (vLLM's own stack traces land there), for an error message."""
-        if self.log_path is None:
-            return ""
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
-        except OSError:
-            return ""
-        return f"\n--- last {len(text)} lines of {self.log_path.name} ---\n" + "\n".join(text)
+        return log_tail(self.log_path, lines)
 
     def call(self, cmd: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
         """Send one command, return its answer (an ``{"error"}`` answer raises RuntimeError)."""

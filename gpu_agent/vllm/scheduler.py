@@ -21,6 +21,7 @@ record every save, started or not); a store that fails is not asked again for
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -278,12 +279,7 @@ class SchedulerSide:
         except Exception as e:  # noqa: BLE001 - metrics only: never worth an engine, nor its lookups
             log.warning("kvstore: reporting prefix-cache hits failed (%s); not reporting for %.0f s", e, RETRY_S)
             self._report_down_until = now + RETRY_S
-            reporter, self._reporter = self._reporter, None
-            if reporter is not None:
-                try:
-                    reporter.close()
-                except Exception:  # closing a broken client is best effort
-                    pass
+            self._drop_reporter()
 
     def build_meta(self, out: SchedulerOutput) -> KVStoreMeta:
         meta = KVStoreMeta()
@@ -420,11 +416,12 @@ class SchedulerSide:
     def take_stats(self) -> KVStoreStats | None:
         return delta(self.counters, self._reported, SCHEDULER_KEYS)
 
+    def _drop_reporter(self) -> None:
+        reporter, self._reporter = self._reporter, None
+        if reporter is not None:
+            with contextlib.suppress(Exception):  # closing a broken client is best effort
+                reporter.close()
+
     def close(self) -> None:
         self._drop_client()
-        if self._reporter is not None:
-            try:
-                self._reporter.close()
-            except Exception:  # closing a broken client is best effort
-                pass
-            self._reporter = None
+        self._drop_reporter()

@@ -40,7 +40,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvstore.children import spawn, stop
+from kvstore.children import log_tail, spawn, stop
 from kvstore.errors import InvalidArgument
 
 CONFIGS = ("baseline", "pool", "pd")
@@ -61,13 +61,7 @@ class Engine:
     alive: bool = True
 
     def log_tail(self, lines: int = 30) -> str:
-        if self.log_path is None:
-            return ""
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
-        except OSError:
-            return ""
-        return f"\n--- last {len(text)} lines of {self.log_path} ---\n" + "\n".join(text)
+        return log_tail(self.log_path, lines)
 
 
 @dataclasses.dataclass(frozen=True)
