@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import math
 import operator
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -522,8 +523,10 @@ class ClientCore:
     # -- zero-copy views (client/_zerocopy.py) --------------------------------------------
     def acquire_views(
         self, keys: Sequence[bytes], *, session: str | None = None
-    ) -> Op[tuple[list[int], list[Any], list[Any]]]:
-        """Lease keys; return (lease ids, metas or None, arena views or None) per key."""
+    ) -> Op[tuple[list[int], list[Any], list[Any], float]]:
+        """Lease keys; return (lease ids, metas or None, arena views or None) per key, and the
+        ``time.monotonic()`` before which every lease granted is certainly still held (the
+        node starts a lease's TTL after this call began; a margin is kept)."""
         sid = session_field(session)
         yield from self.ensure_hello()
         shm = self.transport
@@ -536,9 +539,13 @@ class ClientCore:
         ids: list[int] = []
         metas: list[Any] = []
         views: list[Any] = []
+        held_until = float("inf")
         try:
             for span in self._spans(len(ks), limit):
+                t0 = time.monotonic()
                 resp = yield Rpc("Acquire", pb.KeysRequest(keys=ks[span], session_id=sid))
+                if resp.ttl_s > 0:
+                    held_until = min(held_until, t0 + resp.ttl_s - min(1.0, 0.1 * resp.ttl_s))
                 granted = [x.lease_id for x in resp.leases if x.status == pb.KEY_STATUS_OK]
                 arena = yield from shm.live_arena(granted, "Release", pb.ReleaseRequest(lease_ids=granted))
                 for x in resp.leases:
@@ -555,7 +562,14 @@ class ClientCore:
                 for span in self._spans(len(ids), limit):
                     yield from best_effort("Release", pb.ReleaseRequest(lease_ids=ids[span]))
             raise
-        return ids, metas, views
+        return ids, metas, views, held_until
+
+    def release_ids_nowait(self, ids: Sequence[int]) -> Op[None]:
+        """Release leases without waiting for the answer (the caller knows they were held:
+        see ``acquire_views``); a release that is lost only leaves them to expire."""
+        limit = yield from self._limit(len(ids))
+        for span in self._spans(len(ids), limit):
+            yield RpcNoWait("Release", pb.ReleaseRequest(lease_ids=ids[span]))
 
     def reserve_views(
         self, metas: Sequence[BlockMeta], *, session: str | None = None

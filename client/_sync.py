@@ -223,14 +223,17 @@ class KVClient(BlockCalls):
         from client._zerocopy import LeasedBlocks
 
         ks = [check_key(k) for k in as_key_list(keys)]
-        ids, metas, views = self._run(self._core.acquire_views(ks, session=session_id))
+        ids, metas, views, held_until = self._run(self._core.acquire_views(ks, session=session_id))
 
-        def release() -> list[bool]:
+        def release(wait: bool) -> list[bool]:
             if not ids:
                 return []
+            if not wait:
+                self._run(self._core.release_ids_nowait(ids))
+                return [True] * len(ids)
             return self._run(self._core.release_ids(ids))
 
-        return LeasedBlocks(ks, metas, views, release)
+        return LeasedBlocks(ks, metas, views, release, held_until)
 
     def reserve(self, metas: Sequence[BlockMeta], *, session_id: str | None = None) -> ReservedBlocks:
         """Reserve arena space for blocks described by ``metas`` and get writable views.

@@ -11,6 +11,7 @@ reservation, so nobody decrements anything by hand.  Local (``unix://``) targets
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,20 +23,27 @@ from kvstore.vocabulary import Extent
 @dataclasses.dataclass
 class LeasedBlocks:
     """Blocks held under read leases.  ``views[i]`` is None for a miss; else the block's
-    extents as read-only memoryviews (usually one) into the shared arena."""
+    extents as read-only memoryviews (usually one) into the shared arena.
+
+    ``held_until`` (``time.monotonic()``): before it every lease is certainly still held,
+    so bytes read from the views by then are the committed ones; ``release`` after that
+    asks the node whether each lease outlived the read."""
 
     keys: Sequence[bytes]
     metas: list[BlockMeta | None]
     views: list[list[memoryview] | None]
-    _release: Callable[[], list[bool]]
+    _release: Callable[[bool], list[bool]]
+    held_until: float = float("inf")
     _done: bool = False
     valid: list[bool] = dataclasses.field(default_factory=list)
 
     def release(self) -> list[bool]:
-        """Give the leases back; False for a lease that expired (its bytes are not to be trusted)."""
+        """Give the leases back; False for a lease that expired (its bytes are not to be
+        trusted).  Called before ``held_until`` it does not wait for the node's answer
+        (every lease was held throughout): no round trip on the caller's path."""
         if not self._done:
             self._done = True
-            self.valid = self._release()
+            self.valid = self._release(time.monotonic() >= self.held_until)
         return self.valid
 
     def __enter__(self) -> LeasedBlocks:

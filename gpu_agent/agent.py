@@ -62,6 +62,7 @@ from gpu_agent.copy_engine import (
     host_tensor,
     normalize_device,
 )
+from gpu_agent.hostcopy import BlockJob, HostCopier
 from gpu_agent.layout import KVCacheLayout, PagedAdapter
 from gpu_agent.pinned import CudaRuntime
 from gpu_agent.pool import HBMPool
@@ -98,6 +99,9 @@ class AgentConfig:
     batch_on_cpu: bool = False
     """Batch copies (staging plus one gather or scatter per layer) on CPU tensors too; CUDA
     always batches, the CPU copies page runs directly (fewer passes over memory)."""
+    copy_threads: int = 0
+    """CPU: threads that share one load's or save's blocks, the engine's own included
+    (``gpu_agent.hostcopy``); 0: as many as torch's intra-op threads (the engine's cores), at most 4."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -202,6 +206,17 @@ class GPUAgent:
         self._fingerprint = namespace.fingerprint
         self.engine = CopyEngine(self.device, cudart=cudart)
         self._batched = self.engine.is_cuda or self.config.batch_on_cpu
+        # CPU (unbatched, no pinned-memory runtime): copies run inline on the caller's thread,
+        # checksummed as they go (gpu_agent.hostcopy)
+        self._host = (
+            None
+            if self._batched or self.engine.host.registry is not None
+            else HostCopier(
+                self.layer_bytes,
+                layout.num_layers,
+                threads=self.config.copy_threads or max(1, min(4, torch.get_num_threads())),
+            )
+        )
         arena = arena_buffer(client)  # also refuses a client that cannot map the arena
         if self.engine.host.registry is not None:
             self.engine.register_host(arena)
@@ -443,10 +458,16 @@ class GPUAgent:
                 self._count("store_errors", 1)
                 log.warning("kvstore acquire for load failed (%s); loading only what HBM holds", e)
         host: dict[bytes, Segmented] = {}
+        expect: dict[bytes, tuple[list[memoryview], int | None]] = {}  # inline path: checked while copied
         if leased is not None:
             for k, meta, views in zip(leased.keys, leased.metas, leased.views):
-                if views is not None and self._meta_ok(meta, ns.fingerprint) and self._payload_ok(meta, views):
-                    host[k] = Segmented([host_tensor(v) for v in views])
+                if views is None or not self._meta_ok(meta, ns.fingerprint):
+                    continue
+                if self._host is not None:
+                    expect[k] = (views, meta.payload_checksum if self.config.verify_loads else None)
+                elif not self._payload_ok(meta, views):
+                    continue
+                host[k] = Segmented([host_tensor(v) for v in views])
         held: list[int] = []  # pool slots this load reads: not reused before its copies completed
         L = self.layout.num_layers
         try:
@@ -464,7 +485,10 @@ class GPUAgent:
                         sources.append(host[k])
                     else:
                         break  # a gap (evicted since lookup): load the prefix before it
-            if sources:
+            if sources and self._host is not None:
+                sources = sources[: self._load_inline(dst, keys, sources, expect, block_ids, first_chunk)]
+                events: list[Event] = [DoneEvent()] * L
+            elif sources:
                 layer = self._layer_copier(
                     dst,
                     sources,
@@ -476,7 +500,7 @@ class GPUAgent:
                 rest: list[concurrent.futures.Future[Event]] = [concurrent.futures.Future() for _ in range(1, L)]
                 if rest:
                     self._issuer.submit(self._issue_layers, layer, dst, rest)
-                events: list[Event] = [first, *(DeferredEvent(f) for f in rest)]
+                events = [first, *(DeferredEvent(f) for f in rest)]
             else:
                 events = [DoneEvent()] * L
         except BaseException:
@@ -485,9 +509,16 @@ class GPUAgent:
             if leased is not None:
                 leased.release()
             raise
-        done = (
-            self._load_completer.submit(self._finish_load, events, leased, held) if leased is not None or held else None
-        )
+        if self._host is not None:  # copied already: holds and leases go back now, the release unanswered
+            done = None
+            if (leased is not None or held) and not self._finish_load(events, leased, held):
+                sources = []  # a lease lapsed under the copy: nothing loaded is to be trusted
+        else:
+            done = (
+                self._load_completer.submit(self._finish_load, events, leased, held)
+                if leased is not None or held
+                else None
+            )
         n = min(len(sources) * self.chunk_tokens, len(tokens) - skipped)
         self._count("loads", 1)
         self._count("load_tokens", n)
@@ -496,6 +527,44 @@ class GPUAgent:
         if hbm:  # the node cannot see pool hits: report them so its metrics show the HBM tier
             self._save_completer.submit(self._report_hbm_hits, hbm)
         return LoadHandle(skipped + n, hbm, events, done)
+
+    def _load_inline(
+        self,
+        dst: EngineBuffers,
+        keys: list[ChunkKey],
+        sources: list[torch.Tensor | Segmented],
+        expect: dict[bytes, tuple[list[memoryview], int | None]],
+        block_ids: Sequence[int],
+        first_chunk: int,
+    ) -> int:
+        """Copy ``sources`` into their pages on this thread (``gpu_agent.hostcopy``), each arena
+        block checked against its committed checksum as it is copied; how many leading
+        chunks loaded good (a block that failed was written, and the caller loads none from it on)."""
+        assert self._host is not None
+        jobs = []
+        for c, (k, src) in enumerate(zip(keys, sources)):
+            copies = self._host.plan(
+                self.adapter.chunk_copies(self.adapter.chunk_pages(block_ids, first_chunk + c), dst.geometry)
+            )
+            if isinstance(src, Segmented):
+                views, want = expect[k]
+                jobs.append(BlockJob(src, views, copies, want))
+            else:  # an HBM-pool slot (device memory the agent filled itself)
+                jobs.append(BlockJob(Segmented([src]), (), copies, None))
+        results = self._host.load(dst, jobs)
+        for n, (k, r) in enumerate(zip(keys, results)):
+            if r is True:
+                continue
+            if r is False:
+                self._count("checksum_failures", 1)
+                log.error(
+                    "block %s: payload checksum mismatch in the store; not loaded (the engine recomputes it)", k.hex()
+                )
+            else:
+                self._count("load_errors", 1)
+                log.warning("copying block %s into the engine's pages failed (%s): the engine recomputes", k.hex(), r)
+            return n
+        return len(jobs)
 
     def _issue_layers(self, layer: Any, dst: EngineBuffers, futures: list[concurrent.futures.Future[Event]]) -> None:
         """Queue layers 1.. of a load (layer 0 is queued by ``load`` itself), in order, on the
@@ -625,6 +694,39 @@ class GPUAgent:
                 res.abort()
                 base = base + SaveResult(existed=existed, failed=len(res.views) - existed)
                 continue
+            no_room = len(res.views) - existed - len(jobs)
+            if self._host is not None:  # CPU: copied and checksummed here, committed in the background
+                try:
+                    sums = self._host.save(
+                        src,
+                        [
+                            BlockJob(seg, views, self._host.plan(self.adapter.chunk_copies(pages, src.geometry)))
+                            for views, seg, pages in jobs
+                        ],
+                    )
+                except BaseException:
+                    res.abort()
+                    raise
+                failed = next((e for e in sums if isinstance(e, Exception)), None)
+                if failed is not None:
+                    res.abort()
+                    self._count("save_errors", 1)
+                    log.warning("saving %d blocks failed: %s", len(jobs), failed)
+                    base = base + SaveResult(existed=existed, failed=len(jobs) + no_room)
+                    continue
+                parts.append(
+                    self._save_completer.submit(
+                        self._finish_save,
+                        DoneEvent(),
+                        res,
+                        [],
+                        existed,
+                        no_room,
+                        [],
+                        sums,  # type: ignore[arg-type]
+                    )
+                )
+                continue
             deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # staged blocks the save completer drains
             try:
                 self._check_pinned([j[1] for j in jobs])
@@ -635,7 +737,6 @@ class GPUAgent:
                 res.abort()
                 raise
             self._fence(ev)
-            no_room = len(res.views) - existed - len(jobs)
             parts.append(
                 self._save_completer.submit(
                     self._finish_save, ev, res, [j[0] for j in jobs], existed, no_room, deferred
@@ -697,19 +798,24 @@ class GPUAgent:
         existed: int,
         no_room: int,
         deferred: list[tuple[torch.Tensor, torch.Tensor]],
+        sums: list[int] | None = None,
     ) -> SaveResult:
+        """Commit a save's blocks once its copies completed; ``sums``: their checksums, when
+        computed during the copy (else here, a pass over ``views``)."""
+        blocks = len(sums) if sums is not None else len(views)
         try:
             ev.synchronize()
             for dst, staged in deferred:  # extents outside the registered arena: through a bounce buffer
                 self.engine.drain(dst, staged)
             deferred.clear()  # the device staging may go
-            sums = [checksum(v[0]) if len(v) == 1 else _checksum_parts(v) for v in views]
+            if sums is None:
+                sums = [checksum(v[0]) if len(v) == 1 else _checksum_parts(v) for v in views]
             ok = res.commit(sums)
         except BaseException as e:
             res.abort()
             self._count("save_errors", 1)
-            log.warning("saving %d blocks failed: %s", len(views), e)
-            return SaveResult(existed=existed, failed=len(views) + no_room)
+            log.warning("saving %d blocks failed: %s", blocks, e)
+            return SaveResult(existed=existed, failed=blocks + no_room)
         stored = sum(ok)
         self._count("saved_blocks", stored)
         return SaveResult(stored, existed, len(ok) - stored + no_room)
@@ -730,6 +836,8 @@ class GPUAgent:
         self._issuer.shutdown(wait=True)  # before the completers: they wait on issued layers
         self._load_completer.shutdown(wait=True)
         self._save_completer.shutdown(wait=True)
+        if self._host is not None:
+            self._host.close()
         self.engine.close()
         self.pool.clear()
 

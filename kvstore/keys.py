@@ -13,6 +13,7 @@ golden vectors in ``tests/unit/test_keys.py`` and checked across processes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from typing import NewType
@@ -86,8 +87,9 @@ class Namespace:
 
     @property
     def fingerprint(self) -> bytes:
-        """8 stable bytes identifying this namespace (xxh3-64 of :meth:`canonical`)."""
-        return xxhash.xxh3_64_digest(self.canonical())
+        """8 stable bytes identifying this namespace (xxh3-64 of :meth:`canonical`); computed
+        once per distinct namespace (every key derivation starts from it)."""
+        return _fingerprint(self)
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -182,3 +184,9 @@ def tail_key(
 def parent_keys(keys: Sequence[ChunkKey]) -> list[ChunkKey]:
     """The parent of each key in a chain: ``NO_PARENT`` for the first."""
     return [NO_PARENT, *keys[:-1]] if keys else []
+
+
+@functools.lru_cache(maxsize=4096)
+def _fingerprint(ns: Namespace) -> bytes:
+    """:attr:`Namespace.fingerprint`, cached by value (namespaces are immutable and hashable)."""
+    return xxhash.xxh3_64_digest(ns.canonical())

@@ -594,6 +594,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--batch-bytes", type=_size, default=64 * MiB, metavar="SIZE", help="bytes per batched call (default 64MiB)"
     )
     p.add_argument("--quick", action="store_true", help="small and fast: 32MiB working set, 4MiB blocks, 2 reps")
+    g = p.add_argument_group("--connector (kvstore.bench.connector)")
+    g.add_argument(
+        "--connector",
+        action="store_true",
+        help="instead: the engine's data path (the GPU agent vLLM's connector drives) against memcpy: "
+        "save/load x memcpy with verification on and off, per-request load latency from DRAM, NVMe and a "
+        "remote node, put latency with DRAM empty and full (needs torch, not vLLM)",
+    )
+    g.add_argument(
+        "--model",
+        default="32,8,128,bfloat16",
+        metavar="L,H,D,DTYPE",
+        help="--connector: the model's KV shape: layers, kv heads, head dim, dtype (default 32,8,128,bfloat16; --quick 8,8,128,bfloat16)",
+    )
+    g.add_argument(
+        "--prompt-tokens", type=int, default=4096, metavar="N", help="--connector: prompt length (default 4096)"
+    )
+    g.add_argument(
+        "--layouts", default="cpu,cuda", help="--connector: page layouts, cpu (vLLM's CPU backend) and/or cuda (flash)"
+    )
+    g.add_argument(
+        "--latency-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--connector: requests per latency figure (default 20; --quick 6)",
+    )
+    g.add_argument("--no-latency", action="store_true", help="--connector: the ratios only")
     g = p.add_argument_group("--cluster-sim (kvstore.cluster.simbench)")
     g.add_argument(
         "--cluster-sim",
@@ -677,6 +705,8 @@ def main(a: argparse.Namespace) -> int:
             print(json.dumps(sim, sort_keys=True), flush=True)
         return 0
     a.repeat = a.repeat or (2 if a.quick else 5)
+    if a.connector:
+        return _connector(a)
     a.working_set = a.working_set or (32 * MiB if a.quick else 256 * MiB)
     if a.sizes is None:
         a.sizes = [64 * KiB, 256 * KiB] if a.latency else [4 * MiB] if a.quick else [256 * KiB, 4 * MiB, 32 * MiB]
@@ -721,6 +751,26 @@ def main(a: argparse.Namespace) -> int:
         file=table,
         flush=True,
     )
+    if a.json:
+        print(json.dumps(result, sort_keys=True), flush=True)
+    return 0
+
+
+def _connector(a: argparse.Namespace) -> int:
+    from kvstore.bench import connector
+
+    if a.quick and a.model == "32,8,128,bfloat16":
+        a.model = "8,8,128,bfloat16"
+    a.latency_requests = a.latency_requests or (6 if a.quick else 20)
+    if a.latency_requests < 1:
+        raise InvalidArgument("--latency-requests must be at least 1")
+    load_before = os.getloadavg()[0]
+    table = sys.stderr if a.json else sys.stdout
+    with Progress("kvstore bench --connector", unit="stages") as bar:
+        result = connector.run_connector(a, progress=lambda stage: bar.update(1, note=stage))
+    result["load_avg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    result["cpus"] = os.cpu_count()
+    connector.print_connector(result, table)
     if a.json:
         print(json.dumps(result, sort_keys=True), flush=True)
     return 0

@@ -121,3 +121,35 @@ def test_latency_bench_json() -> None:
         assert set(by_size["256KiB"]) == {"put", "get"}
         for op, p in (*by_size["64KiB"].items(), *by_size["256KiB"].items()):
             assert p["calls"] == 30 and positive(p["p50_us"]) and p["p99_us"] >= p["p50_us"], (path, op, p)
+
+
+@pytest.mark.timeout(300)
+def test_connector_bench_json() -> None:
+    """``kvstore bench --connector`` (issue 24): both page layouts, verification on and off,
+    load latency from DRAM, NVMe and a remote node, puts with DRAM empty and full."""
+    r = run_bench("--connector", "--quick", "--model", "2,2,64,float16", "--prompt-tokens", "1024", timeout=280)
+    assert r["bench"] == "connector" and r["prompt_tokens"] == 1024
+    assert r["prompt_bytes"] == 1024 * 2 * 2 * 2 * 64 * 2
+    assert set(r["layouts"]) == {"cpu", "cuda"}
+    for lay in r["layouts"].values():
+        for key in ("memcpy_ms", "save_ms", "load_ms", "save_x_memcpy", "load_x_memcpy"):
+            assert positive(lay[key]), (key, lay)
+        assert positive(lay["save_x_memcpy_noverify"]) and positive(lay["load_x_memcpy_noverify"])
+        assert lay["bytes"] == r["prompt_bytes"]
+    for tier in ("dram", "nvme", "remote"):
+        p = r["load_ms"][tier]
+        assert p is not None and positive(p["p50"]) and p["p99"] >= p["p50"] and p["n"] >= 1, (tier, p)
+    assert positive(r["put_ms"]["dram_empty"]["p99"]) and positive(r["put_ms"]["dram_full"]["p99"])
+    assert positive(r["put_p99_full_x_empty"])
+
+
+def test_connector_bench_refuses_a_bad_model_shape() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstore", "bench", "--connector", "--model", "32,8,bf16"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert proc.returncode != 0 and "LAYERS,KV_HEADS,HEAD_DIM,DTYPE" in proc.stderr
+    assert "Traceback" not in proc.stderr

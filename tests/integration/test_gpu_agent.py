@@ -343,9 +343,10 @@ def test_batched_copies_round_trip_scattered_tables_and_skipped_pages(agent_fact
 
 
 def test_a_load_returns_with_layer_0_queued_and_the_rest_follow(agent_factory: Any) -> None:
+    """The device path (batched, as on CUDA): layers after the first are queued by the issuer."""
     from gpu_agent.copy_engine import DeferredEvent
 
-    agent = agent_factory()
+    agent = agent_factory(batch_on_cpu=True)
     toks = tokens(2 * C)
     src = buffers(agent.layout, 8, fill=True)
     agent.save(toks, src, list(range(8))).wait(timeout=30)
@@ -358,6 +359,66 @@ def test_a_load_returns_with_layer_0_queued_and_the_rest_follow(agent_factory: A
             torch.equal(dst[layer][:, i].view(torch.uint8), src[layer][:, i].view(torch.uint8)) for i in range(8)
         )
     assert h.wait(timeout=30)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_cpu_load_is_in_the_pages_when_load_returns_and_its_leases_are_back(
+    agent_factory: Any, node: Any, threads: int
+) -> None:
+    """The CPU path copies inline (issue 24): no layer is left to wait for, and the leases
+    go back without a round trip on the engine's thread (the node sees them released)."""
+    from gpu_agent.copy_engine import DoneEvent
+
+    agent = agent_factory(copy_threads=threads)
+    toks = tokens(5 * C)
+    src = buffers(agent.layout, 20, fill=True)
+    table = [7, 3, 12, 0, 19, 4, 5, 6, 1, 2, 8, 9, 10, 11, 13, 14, 15, 16, 17, 18]  # scattered
+    assert agent.save(toks, src, table).wait(timeout=30).stored == 5
+    dst = buffers(agent.layout, 20, fill=False)
+    h = agent.load(toks, dst, table)
+    assert h.num_tokens == 5 * C and all(isinstance(e, DoneEvent) for e in h._events)
+    assert same_pages(src, table, dst, table, 20)  # before any wait
+    assert h.wait(timeout=0) is True
+    with KVClient(node.unix) as other:
+        from conftest import wait_for
+
+        wait_for(lambda: other.stats()["leases"] == 0, 10, "the node to see the leases released")
+
+
+def test_a_corrupt_block_is_copied_but_never_counted_as_loaded(agent_factory: Any) -> None:
+    """The checksum is computed during the copy: a block whose bytes changed in the store
+    was written into its pages, so the load stops before it and the engine recomputes it."""
+    import numpy as np
+
+    agent = agent_factory()
+    toks = tokens(4 * C)
+    src = buffers(agent.layout, 16, fill=True)
+    agent.save(toks, src, list(range(16))).wait(timeout=30)
+    keys = agent.keys(toks)
+    arena = np.frombuffer(agent.client.arena_buffer(), dtype=np.uint8)
+    with agent.client.acquire(keys[2:3]) as held:  # one byte of chunk 2, flipped in place
+        v = held.views[0][-1]
+        off = np.frombuffer(v, dtype=np.uint8).ctypes.data - arena.ctypes.data
+        arena[off + v.nbytes // 2] ^= 0xFF
+    h = agent.load(toks, buffers(agent.layout, 16, fill=False), list(range(16)))
+    assert h.num_tokens == 2 * C and h.wait(timeout=30)
+    assert agent.stats()["counters"]["checksum_failures"] == 1
+    off_agent = agent_factory(verify_loads=False)  # the same namespace is not needed: count only
+    assert off_agent.config.verify_loads is False
+
+
+def test_a_lease_read_after_its_deadline_is_checked_with_the_node(agent_factory: Any) -> None:
+    """Before ``held_until`` a release does not wait; after it the node says whether the lease
+    outlived the read (here it did: the TTL is long, the deadline was moved up)."""
+    agent = agent_factory()
+    toks = tokens(2 * C)
+    agent.save(toks, buffers(agent.layout, 8, fill=True), list(range(8))).wait(timeout=30)
+    leased = agent.client.acquire(agent.keys(toks))
+    import time as _time
+
+    assert leased.held_until > _time.monotonic()
+    leased.held_until = 0.0  # as if the read took past the deadline
+    assert leased.release() == [True, True]
 
 
 def test_prefetch_publishes_pool_slots_only_after_its_copy_completed(agent_factory: Any) -> None:
