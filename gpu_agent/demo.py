@@ -62,6 +62,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="torch device of the workers (default: cuda if available, else cpu)")
     p.add_argument("--repeat", type=int, default=3, help="runs per scenario; TTFT is the fastest (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument(
+        "--async-loads",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="vllm: the decode engines' async_loads (default auto: NVMe and remote hits load while the batch runs on)",
+    )
 
 
 class WorkerProcess:

@@ -55,6 +55,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         "--eviction-policy", metavar="NAME", help="eviction policy (default prefix-reuse; see `kvstore replay`)"
     )
     p.add_argument("--write-through", action="store_true", default=None, help="persist every block to NVMe at commit")
+    p.add_argument(
+        "--dram-clean-ahead",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="share of DRAM at the eviction end a background writer keeps free or already on NVMe (default 0.25; 0: off)",
+    )
     p.add_argument("--token-file", metavar="FILE", help="require this bearer token on every call")
     p.add_argument(
         "--tenant",
@@ -160,6 +167,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
             "arena_path",
             "eviction_policy",
             "write_through",
+            "dram_clean_ahead",
             "token_file",
             "tenants",
             "read_lease_ttl_s",

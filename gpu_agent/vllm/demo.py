@@ -26,6 +26,12 @@ connector waits for exactly the chunks the prefill saved, no longer than its dea
 ``hit_tokens``: the prompt tokens the store supplied (``kv_transfer_params["kvstore"]``'s
 ``external_tokens``).
 
+``itl_during_load``: a request decoding ``ITL_TOKENS`` tokens on the decode engine, alone and
+then while a prompt of ``--prompt-tokens`` loads from NVMe (added a few steps into its
+decode; the node was restarted, so every chunk comes from disk): its inter-token latency
+p50/p99 both ways and ``itl_p99_ratio``.  With ``--async-loads auto`` (the default) that load
+runs in the background (vLLM's ``load_kv_async``); ``never`` shows the stall it replaces.
+
 It also measures the connector's own data path in this process, on the same page
 geometry: saving and loading one prompt's KV through the GPU agent against a plain copy
 of the same bytes (``connector``).
@@ -51,6 +57,8 @@ from typing import Any
 import numpy as np
 
 SCENARIOS = ("recompute", "dram_hit", "nvme_hit", "partial_hit", "remote_hit", "multi_turn")
+ITL_TOKENS = 64
+"""Tokens the decoding request of ``itl_during_load`` generates."""
 ANSWER_TOKENS = 320
 """Turn 1's answer in ``multi_turn``: longer than a chunk, so whole chunks of it are stored."""
 MESSAGE_TOKENS = 64
@@ -88,6 +96,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         kv_per_token = layers * 2 * max(1, heads // 2) * 64 * 4
         kv_bytes = max(64 << 20, 2 * max_tokens * kv_per_token)
         extra = {"target": target}
+        consumer = {"target": target, "async_loads": a.async_loads}
+        if remote_extra is not None:
+            remote_extra["async_loads"] = a.async_loads
         t0 = time.perf_counter()
         engines = {
             "plain": EngineProcess(model, max_tokens=max_tokens, kv_bytes=kv_bytes, log_path=d / "plain.log"),
@@ -102,7 +113,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 model,
                 max_tokens=max_tokens,
                 kv_bytes=kv_bytes,
-                connector={"role": "kv_consumer", "extra": extra},
+                connector={"role": "kv_consumer", "extra": consumer},
                 log_path=d / "decode.log",
             ),
         }
@@ -163,6 +174,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     node.restart()
                 reader = engines["remote" if name == "remote_hit" else "decode"]
                 record(name, reader.generate(tokens, max_tokens=a.new_tokens, kv_transfer_params=params), ref)
+        itl = itl_during_load(engines["prefill"], engines["decode"], node, n, a.repeat) if node is not None else None
         overhead = connector_overhead(client, layers=layers, hidden=hidden, tokens=n)
         rec = out["recompute"]["ttft_ms"]
         for row in out.values():
@@ -177,8 +189,59 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "engine_cpus": {name: e.cpus for name, e in engines.items()},
             "target": a.target or "private node",
             "connector": overhead,
-            "ok": all(r["tokens_equal"] for r in out.values()),
+            "itl_during_load": itl,
+            "async_loads": a.async_loads,
+            "ok": all(r["tokens_equal"] for r in out.values()) and (itl is None or itl["tokens_equal"]),
         }
+
+
+def _itl(result: dict[str, Any]) -> list[float]:
+    t = result["token_ms"]
+    return [b - a for a, b in zip(t, t[1:])]
+
+
+def itl_during_load(prefill: Any, decode: Any, node: Any, n: int, repeat: int) -> dict[str, Any]:
+    """Inter-token latency of a decoding request alone, and while a prompt of ``n`` tokens
+    loads from NVMe on the same engine (see the module docstring).  p50/p99 over every
+    interval of ``repeat`` runs each way."""
+    from gpu_agent.vllm.engine import request
+
+    alone: list[float] = []
+    loaded: list[float] = []
+    load_ms: list[float] = []
+    equal = True
+    for rep in range(repeat):
+        running = _prompt(256, 5000 + rep)
+        ref = decode.batch([request(running, max_tokens=ITL_TOKENS)])[0]
+        alone += _itl(ref)
+        big = _prompt(n, 6000 + rep)
+        params = prefill.generate(big, max_tokens=1)["kv_transfer_params"]
+        decode.generate(big, max_tokens=1, kv_transfer_params=params)  # every chunk is committed
+        decode.reset_prefix_cache()
+        node.restart()  # DRAM demoted to NVMe at the stop: the load comes from disk
+        got = decode.batch(
+            [
+                request(_prompt(256, 5000 + rep), max_tokens=ITL_TOKENS),
+                request(big, max_tokens=1, kv_transfer_params=params, start_after=8),
+            ]
+        )
+        equal = equal and got[0]["tokens"] == ref["tokens"]
+        info = (got[1].get("kv_transfer_params") or {}).get("kvstore", {})
+        equal = equal and int(info.get("external_tokens", 0)) > 0
+        loaded += _itl(got[0])
+        load_ms.append(got[1]["ttft_ms"])
+        decode.reset_prefix_cache()
+
+    def pct(xs: list[float], q: float) -> float:
+        return float(np.percentile(xs, q)) if xs else 0.0
+
+    return {
+        "itl_ms_alone": {"p50": pct(alone, 50), "p99": pct(alone, 99)},
+        "itl_ms_during_load": {"p50": pct(loaded, 50), "p99": pct(loaded, 99)},
+        "itl_p99_ratio": pct(loaded, 99) / pct(alone, 99) if alone else None,
+        "load_ttft_ms": min(load_ms) if load_ms else None,
+        "tokens_equal": equal,
+    }
 
 
 def local_cluster(stack: contextlib.ExitStack, d: Path) -> tuple[str, tuple[str, ...]]:
@@ -276,6 +339,15 @@ def format_table(r: dict[str, Any]) -> str:
     if cpus:
         lines.append(
             "engine workers' CPUs (VLLM_CPU_OMP_THREADS_BIND): " + "; ".join(f"{k} {v}" for k, v in cpus.items())
+        )
+    itl = r.get("itl_during_load")
+    if itl:
+        lines.append(
+            f"inter-token latency of a decoding request (async_loads={r['async_loads']}): alone p50 "
+            f"{itl['itl_ms_alone']['p50']:.1f} / p99 {itl['itl_ms_alone']['p99']:.1f} ms; while a "
+            f"{r['prompt_tokens']}-token prompt loads from NVMe p50 {itl['itl_ms_during_load']['p50']:.1f} / p99 "
+            f"{itl['itl_ms_during_load']['p99']:.1f} ms (p99 x {itl['itl_p99_ratio']:.2f}; that load's TTFT "
+            f"{itl['load_ttft_ms']:.0f} ms)"
         )
     c = r["connector"]
     lines.append(

@@ -30,6 +30,7 @@ class LoadSpec:
     namespace: Namespace
     session_id: str | None = None
     tail: bool = False  # the last chunk of ``tokens`` is partial: keyed by its exact tokens
+    async_load: bool = False  # loaded in the background; the worker reports it in ``get_finished``
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -68,6 +68,7 @@ class _Req:
     saves: int = 0
     wait_until: float = 0.0  # the handoff's deadline (0: not waiting)
     next_ask: float = 0.0
+    async_load: bool = False  # the last hit loads in the background (vLLM's load_kv_async)
 
 
 class SchedulerSide:
@@ -93,6 +94,7 @@ class SchedulerSide:
         self.stored = StoredChunks(settings.events_resync_s if events and produce else 0.0)
         self._down_until = 0.0  # lookups resume then (a store call failed)
         self._reporter: Any = None  # the engine's own node, for the prefix-cache hits it reports
+        self._local: Any = None  # the engine's own node, asked which chunks it holds (async_loads=auto)
         self._report_down_until = 0.0
         self.counters: dict[str, int] = {k: 0 for k in SCHEDULER_KEYS}
         self._reported: dict[str, int] = {}
@@ -223,7 +225,39 @@ class SchedulerSide:
             r.saved_chunks = max(r.saved_chunks, r.found_chunks)  # stored already: never saved again
         # vLLM computes at least the last token: a prompt stored whole loads all but that one
         end = min(found_tokens, request.num_tokens - 1)
-        return max(0, end - num_computed), False
+        n = max(0, end - num_computed)
+        r.async_load = n > 0 and self._load_async(tokens, r.namespace, first, found, tiers)
+        if r.async_load:
+            self.counters["async_loads"] += 1
+        return n, r.async_load
+
+    def _load_async(self, tokens: list[int], ns: Namespace, first: int, found: int, tiers: list[str]) -> bool:
+        """Whether chunks ``[first, found)`` load in the background (``async_loads``): with
+        ``auto``, when any is on NVMe, or not on this engine's own node (a remote pull)."""
+        mode = self.settings.async_loads
+        if mode != "auto":
+            return mode == "always"
+        if "nvme" in tiers:
+            return True
+        if not self.settings.lookup_target:
+            return False  # the lookup asked this engine's own node: its tiers say it all
+        try:
+            if self._local is None:
+                self._local = self.settings.client(self.settings.target or None)
+            chain = chunk_keys(tokens, ns)
+            tail = tail_key(tokens, ns, chain)
+            keys = (chain + ([tail] if tail is not None else []))[first:found]
+            return any(t != "dram" for t in self._local.lookup(keys))
+        except Exception as e:  # noqa: BLE001 - unknown: the background load is right either way
+            log.debug("kvstore: asking the local node which chunks it holds failed (%s)", e)
+            self._drop_local()
+            return True
+
+    def _drop_local(self) -> None:
+        client, self._local = self._local, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
 
     def hit_sources(self, request: Request, num_external: int) -> dict[CacheHitSource, int]:
         r = self._reqs.get(request.request_id)
@@ -252,7 +286,15 @@ class SchedulerSide:
         tokens = list(request.all_token_ids[:whole])
         tail = len(tokens) % self.chunk != 0  # the load reaches into the trailing partial chunk
         self._loads[request.request_id] = LoadSpec(
-            request.request_id, tokens, list(blocks.get_block_ids()[0]), start, end, r.namespace, r.session_id, tail
+            request.request_id,
+            tokens,
+            list(blocks.get_block_ids()[0]),  # with load_kv_async: every block of the request
+            start,
+            end,
+            r.namespace,
+            r.session_id,
+            tail,
+            async_load=r.async_load,
         )
         r.external_tokens = num_external
         self.counters["hit_tokens"] += num_external
@@ -302,6 +344,10 @@ class SchedulerSide:
             elif new is not None:
                 r.block_ids.extend(new[0])
             self._maybe_save(meta, rid, r, cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(rid, 0))
+        for rid, load in self._loads.items():  # waiting for their KV: not scheduled, loaded now
+            if load.async_load and rid in self._reqs:
+                self._reqs[rid].block_ids = list(load.block_ids)
+                meta.loads.append(load)
         self._loads.clear()  # an allocation vLLM did not schedule is asked again next time
         return meta
 
@@ -425,3 +471,4 @@ class SchedulerSide:
     def close(self) -> None:
         self._drop_client()
         self._drop_reporter()
+        self._drop_local()

@@ -24,6 +24,9 @@ RETRY_S = 5.0
 """After a failed store call, how long the connector serves without the store before trying it again."""
 
 
+ASYNC_LOADS = ("auto", "always", "never")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ConnectorSettings:
     """What ``kv_connector_extra_config`` may hold.  Unknown keys are an error naming them."""
@@ -64,6 +67,11 @@ class ConnectorSettings:
     with vLLM's ``kv_events_config`` enabled."""
     defer_free: bool = True
     """Keep a finished request's blocks until its save is committed (``request_finished`` → True)."""
+    async_loads: str = "auto"
+    """Which hits load while the engine keeps stepping (vLLM's ``load_kv_async``: the request
+    waits in ``WAITING_FOR_REMOTE_KVS``, the batch runs on): ``auto``, hits with chunks on
+    NVMe or on another node (their latency is the disk's or the network's); ``always``;
+    ``never`` (every load inside the step that computes the request)."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -86,6 +94,10 @@ class ConnectorSettings:
                 raise InvalidArgument(f"kv_connector_extra_config.{f.name} must be a string, got {v!r}")
             kw[f.name] = want(v) if v is not None and want in (int, float) else v
         s = cls(**kw)
+        if s.async_loads not in ASYNC_LOADS:
+            raise InvalidArgument(
+                f"kv_connector_extra_config.async_loads must be one of {list(ASYNC_LOADS)}, got {s.async_loads!r}"
+            )
         if s.chunk_tokens < 0 or s.deadline_s <= 0 or s.load_timeout_s < 0 or s.hbm_bytes < 0 or s.events_resync_s < 0:
             raise InvalidArgument(
                 "kv_connector_extra_config: chunk_tokens, hbm_bytes, load_timeout_s, events_resync_s >= 0 and deadline_s > 0"

@@ -16,7 +16,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-WORKER_KEYS = ("loads", "load_tokens", "load_errors", "saves", "load_us", "save_us", "pulled_blocks", "pull_us")
+WORKER_KEYS = (
+    "loads",
+    "load_tokens",
+    "load_errors",
+    "saves",
+    "load_us",
+    "save_us",
+    "pulled_blocks",
+    "pull_us",
+    "async_load_tokens",
+)
 SCHEDULER_KEYS = (
     "lookups",
     "lookup_errors",
@@ -26,6 +36,7 @@ SCHEDULER_KEYS = (
     "handoff_waits",
     "handoff_timeouts",
     "unkeyable_requests",
+    "async_loads",
 )
 STAT_KEYS = WORKER_KEYS + SCHEDULER_KEYS
 
@@ -35,6 +46,8 @@ PROM_HELP = {
     "load_errors": "Engine blocks kvstore failed to load (recomputed).",
     "saves": "Saves from the engine's KV cache into kvstore.",
     "pulled_blocks": "Blocks fetched from other kvstore nodes into the local one.",
+    "async_load_tokens": "Tokens loaded in the background while the engine kept stepping (summed over workers).",
+    "async_loads": "Hits the scheduler sent to load in the background (vLLM's load_kv_async).",
     "lookups": "Prefix lookups the scheduler made in kvstore.",
     "lookup_errors": "Prefix lookups that failed (the request recomputed).",
     "hit_tokens": "Prompt tokens kvstore supplied (scheduler's count).",

@@ -4,6 +4,10 @@ Each worker learns the engine's page geometry from the registered tensors
 (``gpu_agent.buffers``) and keys its own tensor/pipeline shard (its rank is in every key's
 namespace).  Loads are queued in ``start_load_kv`` and waited on per layer; saves run in
 ``wait_for_save`` (when it returns, the pages may be reused: the agent's save fence).
+A load the scheduler marked ``async_load`` (its request waits in vLLM's
+``WAITING_FOR_REMOTE_KVS``; nothing reads its pages) runs on the loader thread — remote
+pull, lease (the node promotes NVMe blocks), copy — while the engine keeps stepping, and is
+reported by ``get_finished`` once it ended, its failed blocks in the same step.
 A block that is gone, fails its checksum or whose lease lapsed is reported through
 ``get_block_ids_with_load_errors``, so vLLM recomputes it: wrong KV is never kept.
 
@@ -17,6 +21,7 @@ by ``get_finished`` exactly once, after its last save ended.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -64,6 +69,9 @@ class WorkerSide:
         self._next_try = 0.0
         self._store_errors = 0  # the agent's store_errors counter when last checked
         self._reported: dict[str, int] = {}
+        self._loader: concurrent.futures.ThreadPoolExecutor | None = None  # runs async loads
+        self._async: dict[str, tuple[LoadSpec, concurrent.futures.Future[tuple[int, int]]]] = {}
+        self._async_failed: list[LoadSpec] = []  # could not start (no node): reported at the next get_finished
 
     @property
     def _bs(self) -> int:
@@ -191,34 +199,22 @@ class WorkerSide:
     def start_load(self, meta: KVStoreMeta) -> None:
         if not self._connect():
             for spec in meta.loads:  # no node: every promised block is recomputed
-                self._fail(spec, spec.first_token)
+                if spec.async_load:
+                    self._async_failed.append(spec)  # still reported finished, with its blocks failed
+                else:
+                    self._fail(spec, spec.first_token)
             return
-        bs = self._bs
         for spec in meta.loads:
+            if spec.async_load:
+                if self._loader is None:
+                    self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
+                self._async[spec.req_id] = (spec, self._loader.submit(self._load_in_background, self.agent, spec))
+                continue
             ns = self._ns(spec.namespace)
             if self.settings.lookup_target:
                 self._pull_bounded(spec, ns)
-            first_page = spec.first_token // bs
-            covered = -(-len(spec.tokens) // bs)
-            pages = spec.block_ids[:covered]
-            ids = [-1 if j < first_page else b for j, b in enumerate(pages)]
-            if spec.tail and len(pages) == covered:  # the partial chunk's pages past its tokens
-                ids += [-1] * (-(-len(spec.tokens) // self.chunk) * (self.chunk // bs) - covered)
-            t0 = time.perf_counter()
-            try:
-                h = self.agent.load(
-                    spec.tokens,
-                    self.buffers,
-                    ids,
-                    namespace=ns,
-                    session_id=spec.session_id,
-                    first_chunk=spec.first_token // self.chunk,
-                    tail=spec.tail,
-                )
-            except Exception as e:  # never a failed step: the engine recomputes what did not load
-                log.warning("kvstore load for %s failed (%s); recomputing", spec.req_id, e)
-                h = None
-            self.counters["load_us"] += int((time.perf_counter() - t0) * 1e6)
+            h, us = self._issue_load(self.agent, spec, ns)
+            self.counters["load_us"] += us
             got = h.num_tokens if h is not None else 0
             if got < spec.num_tokens:
                 self._fail(spec, got)
@@ -226,6 +222,73 @@ class WorkerSide:
             self.counters["loads"] += 1
             self.counters["load_tokens"] += max(0, min(got, spec.num_tokens) - spec.first_token)
         self._check_agent()
+
+    def _issue_load(self, agent: Any, spec: LoadSpec, ns: Namespace) -> tuple[Any, int]:
+        """``agent.load`` for ``spec``: its handle (None: it failed) and the microseconds it took."""
+        bs = self._bs
+        first_page = spec.first_token // bs
+        covered = -(-len(spec.tokens) // bs)
+        pages = spec.block_ids[:covered]
+        ids = [-1 if j < first_page else b for j, b in enumerate(pages)]
+        if spec.tail and len(pages) == covered:  # the partial chunk's pages past its tokens
+            ids += [-1] * (-(-len(spec.tokens) // self.chunk) * (self.chunk // bs) - covered)
+        t0 = time.perf_counter()
+        try:
+            h = agent.load(
+                spec.tokens,
+                self.buffers,
+                ids,
+                namespace=ns,
+                session_id=spec.session_id,
+                first_chunk=spec.first_token // self.chunk,
+                tail=spec.tail,
+            )
+        except Exception as e:  # never a failed step: the engine recomputes what did not load
+            log.warning("kvstore load for %s failed (%s); recomputing", spec.req_id, e)
+            h = None
+        return h, int((time.perf_counter() - t0) * 1e6)
+
+    def _load_in_background(self, agent: Any, spec: LoadSpec) -> tuple[int, int]:
+        """The loader thread: pull what only other nodes hold, then load; (tokens loaded from
+        token 0, microseconds).  Bounded by the clients' deadlines and ``wait_s``."""
+        t0 = time.perf_counter()
+        ns = self._ns(spec.namespace)
+        if self.settings.lookup_target:
+            self._pull_remote(spec, ns)
+        h, _ = self._issue_load(agent, spec, ns)
+        got = 0
+        if h is not None:
+            try:
+                got = h.num_tokens if h.wait(timeout=self.settings.wait_s) else 0
+            except Exception as e:  # noqa: BLE001 - the engine recomputes what did not load
+                log.warning("kvstore load for %s did not finish (%s)", spec.req_id, e)
+        return got, int((time.perf_counter() - t0) * 1e6)
+
+    def _finished_loads(self) -> set[str]:
+        """Async loads that ended (their failed blocks recorded for this step's errors)."""
+        out: set[str] = set()
+        for spec in self._async_failed:
+            self._fail(spec, spec.first_token)
+            out.add(spec.req_id)
+        self._async_failed = []
+        for rid, (spec, fut) in list(self._async.items()):
+            if not fut.done():
+                continue
+            del self._async[rid]
+            try:
+                got, us = fut.result()
+            except Exception as e:  # noqa: BLE001 - a bug in the loader: recompute, never hang the request
+                log.warning("kvstore background load for %s failed (%s); recomputing", rid, e)
+                got, us = 0, 0
+            if got < spec.num_tokens:
+                self._fail(spec, got)
+            loaded = max(0, min(got, spec.num_tokens) - spec.first_token)
+            self.counters["loads"] += 1
+            self.counters["load_us"] += us
+            self.counters["load_tokens"] += loaded
+            self.counters["async_load_tokens"] += loaded
+            out.add(rid)
+        return out
 
     def _fail(self, spec: LoadSpec, from_token: int) -> None:
         """The pages of tokens ``[from_token, num_tokens)`` (never below ``first_token``) did not load."""
@@ -284,8 +347,13 @@ class WorkerSide:
         if connected:
             self._check_agent()
 
-    def finished(self, finished_req_ids: set[str]) -> set[str] | None:
-        """Requests vLLM has finished whose saves all ended (each reported once)."""
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests vLLM has finished whose saves all ended (each reported once), and
+        requests whose background load ended."""
+        recving = self._finished_loads() or None
+        return self._finished_saves(finished_req_ids), recving
+
+    def _finished_saves(self, finished_req_ids: set[str]) -> set[str] | None:
         self._told |= finished_req_ids & (set(self._saving) | self._saved)
         for rid in list(self._saving):
             saves = self._saving[rid]
@@ -338,6 +406,9 @@ class WorkerSide:
         agent, self.agent = self.agent, None
         if agent is None:
             return
+        for _, fut in list(self._async.values()):  # background loads through this agent end first
+            with contextlib.suppress(Exception):
+                fut.result(timeout=self.settings.wait_s + self.settings.deadline_s)
         for _, h in self._loads:
             if h is not None:
                 try:
@@ -383,6 +454,9 @@ class WorkerSide:
         if self._puller is not None:
             self._puller.shutdown(wait=True, cancel_futures=True)
             self._puller = None
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+            self._loader = None
         if self._remote is not None:
             self._remote.close()
             self._remote = None

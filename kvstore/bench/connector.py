@@ -40,6 +40,27 @@ from kvstore.bench.nodes import bench_node
 from kvstore.errors import InvalidArgument
 
 MiB = 1 << 20
+CLEAN_AHEAD = 0.5  # the NVMe node's --dram-clean-ahead: room for two whole prompts in a DRAM of four
+
+
+def _disk_write_gbps(workdir: Path, nbytes: int) -> float:
+    """Sequential write + fdatasync of ``nbytes`` where the NVMe tier lives (best of two)."""
+    import os
+
+    buf = os.urandom(min(nbytes, 8 * MiB))
+    best = float("inf")
+    path = workdir / "disk-probe"
+    for _ in range(2):
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            left = nbytes
+            while left > 0:
+                left -= f.write(buf[: min(left, len(buf))])
+            f.flush()
+            os.fdatasync(f.fileno())
+        best = min(best, time.perf_counter() - t0)
+    path.unlink()
+    return nbytes / best / 1e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,11 +232,20 @@ def latencies(
     from kvstore.keys import chunk_keys
 
     prompt = tokens // 256 * 256 * shape.token_bytes()
-    cycle = 6  # prompts cycled through a node whose DRAM holds 2: every load promotes from NVMe
+    held = 4  # prompts the NVMe node's DRAM holds; twice as many are cycled, so every load promotes
+    cycle = 2 * held
     out: dict[str, Any] = {"load_ms": {}, "put_ms": {}}
-    small = bench_node(2 * prompt + prompt // 2, workdir, nvme=(cycle + 4) * prompt + 256 * MiB, tag="nvme")
-    big = bench_node((cycle + 2) * prompt + 256 * MiB, workdir, tag="dram")
-    remote = bench_node((cycle + 2) * prompt + 256 * MiB, workdir, tag="remote")
+    small = bench_node(
+        held * prompt + prompt // 2,
+        workdir,
+        nvme=(cycle + 4) * prompt + 256 * MiB,
+        extra=("--dram-clean-ahead", str(CLEAN_AHEAD)),
+        tag="nvme",
+    )
+    big = bench_node(2 * prompt + 256 * MiB, workdir, tag="dram")
+    remote = bench_node(2 * prompt + 256 * MiB, workdir, tag="remote")
+    disk = _disk_write_gbps(workdir, prompt)
+    out["disk_write_gbps"] = round(disk, 3)
     try:
         with KVClient(big.target) as cb, KVClient(small.target) as cs, KVClient(str(remote.endpoints["grpc"])) as cr:
             e = Engine("cpu", shape, tokens, cb, verify=True)
@@ -254,17 +284,26 @@ def latencies(
             e = Engine("cpu", shape, tokens, cs, verify=True)
             try:
                 progress("puts, DRAM empty then full")
+                # A full DRAM's puts come at half the disk's write rate: the background writer can
+                # keep up, so a put waits on NVMe only if it falls behind (reserve_waited_on_nvme).
+                pace = prompt / (0.5 * disk * 1e9)
+                out["put_pace_s"] = round(pace, 4)
                 empty: list[float] = []
                 full: list[float] = []
                 names: list[Any] = []
-                for _ in range(max(1, -(-requests // 2))):  # a round: DRAM emptied, then six saves
+                waits0 = int(cs.stats()["counters"].get("reserve_waited_on_nvme", 0))
+                for _ in range(max(1, -(-requests // 2))):  # a round: DRAM emptied, then `cycle` saves
                     for n in names:
                         e.delete(n)
                     names = []
+                    time.sleep(pace * held)  # the cleaner's writes of the last round are done
                     for i in range(cycle):
                         n = e.namespace()
-                        (empty if i < 2 else full).append(_ms(e.save, n)[0])  # DRAM holds two
+                        dt = _ms(e.save, n)[0]
+                        (empty if i < 2 else full if i > held else []).append(dt)
                         names.append(n)
+                        time.sleep(max(0.0, pace - dt / 1e3))
+                out["put_waited_on_nvme"] = int(cs.stats()["counters"].get("reserve_waited_on_nvme", 0)) - waits0
                 out["put_ms"]["dram_empty"] = _pcts(empty)
                 out["put_ms"]["dram_full"] = _pcts(full)
                 out["put_p99_full_x_empty"] = round(
@@ -273,7 +312,7 @@ def latencies(
                 progress("NVMe hits")
                 xs = []
                 for i in range(requests):
-                    n = names[i % cycle]  # oldest first: never the two DRAM holds
+                    n = names[i % cycle]  # oldest first: never one DRAM holds
                     tiers = cs.lookup(e.agent.keys(e.toks, n))
                     dt, ok = _ms(e.load, n)
                     if not ok:

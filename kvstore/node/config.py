@@ -198,6 +198,13 @@ class NodeConfig(BaseModel):
         "prefix-reuse", description="DRAM and NVMe eviction policy (see tiers.policy.POLICIES)."
     )
     write_through: bool = Field(False, description="Persist every commit to NVMe at once instead of on eviction.")
+    dram_clean_ahead: float = Field(
+        0.25,
+        ge=0.0,
+        le=1.0,
+        description="Share of DRAM at the eviction end kept free or already on NVMe by a background writer, "
+        "so a put that needs room deletes clean blocks instead of waiting on the disk (0: off).",
+    )
     direct_io: bool | None = Field(
         None, description="O_DIRECT on NVMe segment files; unset: use it where the filesystem allows."
     )

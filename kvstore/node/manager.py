@@ -116,7 +116,11 @@ class TierManager:
         max_pin_ttl: float = 3600.0,
         owner_of: OwnerOf | None = None,
         sessions: Sessions | None = None,
+        clean_ahead: float = 0.0,
     ) -> None:
+        """``clean_ahead``: the share of DRAM at the eviction end kept free or also on NVMe
+        by a background writer (``TierMovers.kick_cleaner``), so a put that needs room
+        rarely waits on the disk; 0 (or no NVMe, or write-through) turns it off."""
         self.dram = dram
         self.sessions = sessions
         self.clock = clock
@@ -163,6 +167,8 @@ class TierManager:
             departed=self._departed,
             verify_demotions=verify_demotions,
         )
+        if nvme is not None and not write_through and clean_ahead > 0:
+            self.movers.clean_ahead_bytes = int(dram.capacity_bytes * clean_ahead)
         self.quotas = (
             TenantQuotas(
                 Occupancy(dram_caps, owner_of),
@@ -483,6 +489,8 @@ class TierManager:
                 durable.append(meta.key)
         self.counters["puts"] += puts
         self.counters["put_bytes"] += put_bytes
+        if puts:
+            self.movers.kick_cleaner()
         if durable:  # write-through answers once payload and index entry are on disk (group commit)
             await self.movers.write_through(durable)
         return out

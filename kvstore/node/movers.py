@@ -14,7 +14,10 @@ State (blocks in flight, by key):
 * ``_persisting``: how many writes to NVMe carry each key right now;
 * ``_doomed``: keys deleted while being written to NVMe: they count as gone from NVMe at
   once, and the copy being written is deleted when its write ends;
-* ``background``: write-through groups and other persists still running;
+* ``background``: write-through groups, the cleaner and other persists still running;
+* ``_cleaner``: the task writing the next DRAM victims to NVMe ahead of their eviction
+  (``clean_ahead_bytes``), so a reserve that needs room deletes clean blocks instead of
+  waiting on the disk;
 * ``_wt_queue``: write-through commits waiting for the next group (``write_through``);
 * ``_corrupt_demoted``: dirty blocks that failed their checksum on the way out (so their
   eviction is remembered as ``corrupt``; bounded).
@@ -87,6 +90,9 @@ class TierMovers:
         self._corrupt_demoted: set[ChunkKey] = set()  # from executor threads: dirty blocks that failed their checksum
         self._wt_queue: list[tuple[Sequence[ChunkKey], asyncio.Future[None]]] = []
         self._wt_writer: asyncio.Task[Any] | None = None
+        self.clean_ahead_bytes = 0  # DRAM kept free or clean (on NVMe too) at the victims' end; 0: no cleaner
+        self.clean_batch_bytes = 64 << 20  # most bytes one cleaning write carries
+        self._cleaner: asyncio.Task[Any] | None = None
 
     # -- executor ---------------------------------------------------------------------
     async def io(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -129,12 +135,72 @@ class TierMovers:
     # -- DRAM space ---------------------------------------------------------------------
     async def allocate(self, nbytes: int) -> list[Extent]:
         extents = self.dram.reserve(nbytes)  # raises CapacityExceeded if it can never fit
+        waited = False
         while extents is None:
-            await self._evict_dram(nbytes)
+            waited = await self._evict_dram(nbytes) or waited
             extents = self.dram.reserve(nbytes)
+        if waited:  # the cleaner fell behind (or there is none): this put waited on the disk
+            self.counters["reserve_waited_on_nvme"] += 1
+        self.kick_cleaner()
         return extents
 
-    async def _evict_dram(self, nbytes: int) -> None:
+    # -- cleaning ahead of eviction -------------------------------------------------------
+    def kick_cleaner(self) -> None:
+        """Start the cleaner unless it runs or is not needed: the DRAM victims' end that is
+        free or clean (also on NVMe, or one the NVMe tier would not admit, so its eviction
+        is a delete) is below ``clean_ahead_bytes``.  Loop only."""
+        if self.nvme is None or self.clean_ahead_bytes <= 0 or self._cleaner is not None:
+            return
+        if self.dram.allocator.free_bytes >= self.clean_ahead_bytes:
+            return
+        self._cleaner = self.spawn(self._clean())
+
+    def _dirty_victims(self) -> list[ChunkKey]:
+        """The next victims to write so the victims' end is clean (at most ``clean_batch_bytes``)."""
+        assert self.nvme is not None
+        have = self.dram.allocator.free_bytes
+        batch: list[ChunkKey] = []
+        size = 0
+        for key in self.dram.victims(self.can_evict):
+            if have >= self.clean_ahead_bytes or size >= self.clean_batch_bytes:
+                break
+            meta = self.dram.meta(key)
+            n = sum(e.length for e in self.dram.extents(key) or [])
+            have += n
+            if meta is None or self.nvme.contains(key) or self._persisting[key]:
+                continue
+            if not self.nvme.admit(key, meta.payload_len):
+                continue  # evicting it is a delete: clean already
+            batch.append(key)
+            size += n
+        return batch
+
+    async def _clean(self) -> None:
+        """Write dirty victims to NVMe, keeping them in DRAM (readable; not evictable while
+        written), until the victims' end is clean.  Fails open like a demotion."""
+        try:
+            while True:
+                batch = self._dirty_victims()
+                if not batch:
+                    return
+                self._busy.update(batch)
+                try:
+                    before = self.counters["demotions"]
+                    await self.persist(batch)
+                finally:
+                    self._busy.difference_update(batch)
+                wrote = self.counters["demotions"] - before
+                self.counters["cleaned_ahead"] += wrote
+                if not wrote:
+                    return  # the disk refused them all: the next commit tries again
+        except Exception:  # noqa: BLE001 - a cache fails open: evictions then write as before
+            log.warning("cleaning DRAM ahead of eviction failed", exc_info=True)
+        finally:
+            self._cleaner = None
+
+    async def _evict_dram(self, nbytes: int) -> bool:
+        """Free DRAM for ``nbytes`` by evicting victims, writing the dirty ones to NVMe first;
+        True if this waited on the disk (a write, or the cleaner's blocks in flight)."""
         need = self.dram.allocator.rounded(nbytes) - self.dram.allocator.free_bytes
         batch: list[ChunkKey] = []
         freed = 0
@@ -149,17 +215,19 @@ class TierMovers:
             # let them finish, then retry (those blocks are not pinned or leased)
             if self._busy or self.background:
                 await asyncio.sleep(0.001)
-                return
+                return True
             raise CapacityExceeded(
                 f"DRAM tier is full of pinned, leased or reserved blocks ({self.dram.used_bytes} of "
                 f"{self.dram.capacity_bytes} bytes); release leases, unpin, or raise --dram"
             )
         self._busy.update(batch)
+        before = self.counters["demotions"]
         try:
             if self.nvme is not None:
                 await self.persist(batch)
         finally:
             self._busy.difference_update(batch)
+        waited = self.counters["demotions"] > before
         for key in batch:
             if self.dram.contains(key) and self.can_evict(key):
                 meta = self.dram.meta(key)
@@ -168,6 +236,7 @@ class TierMovers:
                 if self.nvme is None or not self.nvme.contains(key):  # it left the node
                     self._forget(key, CORRUPT if key in self._corrupt_demoted else EVICTED, meta)
                 self._corrupt_demoted.discard(key)
+        return waited
 
     # -- demotion DRAM -> NVMe --------------------------------------------------------------
     async def write_through(self, keys: Sequence[ChunkKey]) -> None:

@@ -275,6 +275,7 @@ class Node:
             # blocks kept across a restart keep their owner
             owner_of=self.owners.owner if self.owners is not None else None,
             sessions=sessions,
+            clean_ahead=cfg.dram_clean_ahead,
         )
 
     def _build_nvme(self, sessions: Sessions) -> NVMeTier:

@@ -314,3 +314,54 @@ def test_flush_demotes_every_dirty_block(mgr: TierManager) -> None:
         assert all(mgr.nvme.contains(key(i)) for i in range(3))
 
     run(go())
+
+
+def test_the_cleaner_writes_the_next_victims_ahead_so_a_full_dram_put_never_waits_on_the_disk(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """Issue 24: with ``clean_ahead`` the eviction end of DRAM is written to NVMe in the
+    background (the blocks stay readable in DRAM), so a put into a full DRAM frees room by
+    deleting clean blocks; it waits on the disk only when the cleaner fell behind (counted)."""
+    m = build(tmp_path, clock, dram=8 * MiB, nvme=32 * MiB, policy=LRUPolicy, clean_ahead=0.25)
+
+    async def settle() -> None:
+        while m.movers.background:
+            await asyncio.gather(*m.movers.background, return_exceptions=True)
+
+    async def go() -> None:
+        for i in range(7):  # 7 of 8 MiB: the victims' end (2 MiB) is no longer free
+            assert await put(m, i) == Status.OK
+            await settle()
+        assert m.counters["cleaned_ahead"] >= 1
+        assert m.where(key(0)) == TierKind.DRAM and m.movers.on_nvme(key(0))  # in both tiers: clean
+        assert m.counters["reserve_waited_on_nvme"] == 0
+        for i in range(7, 20):  # DRAM full from here on: every put evicts
+            assert await put(m, i) == Status.OK
+            await settle()
+        assert m.counters["reserve_waited_on_nvme"] == 0, "a put waited although the cleaner had kept up"
+        assert m.counters["dram_evictions"] >= 12
+        for i in range(20):  # nothing lost: every block reads back from DRAM or NVMe, byte for byte
+            assert await read(m, i) == payload(i).tobytes()
+        # a burst the cleaner cannot keep up with: puts wait, and say so
+        for i in range(20, 30):
+            assert await put(m, i) == Status.OK
+        assert m.counters["reserve_waited_on_nvme"] >= 1
+
+    try:
+        run(go())
+    finally:
+        m.close()
+
+
+def test_without_clean_ahead_a_full_dram_put_waits_on_the_disk(tmp_path: Path, clock: FakeClock) -> None:
+    m = build(tmp_path, clock, dram=8 * MiB, nvme=32 * MiB, policy=LRUPolicy)
+
+    async def go() -> None:
+        for i in range(12):
+            assert await put(m, i) == Status.OK
+        assert m.counters["cleaned_ahead"] == 0 and m.counters["reserve_waited_on_nvme"] >= 4
+
+    try:
+        run(go())
+    finally:
+        m.close()

@@ -223,6 +223,77 @@ def test_corrupt_kv_in_the_store_is_recomputed_never_loaded(rig: Rig) -> None:
     assert "payload checksum mismatch" in (rig.dir / "decode.log").read_text()
 
 
+# -- loads that do not stall the batch (issue 24) --
+def push_to_nvme(client: Any, keys: list[Any]) -> list[Any]:
+    """Fill the node's DRAM with other blocks until ``keys`` are on NVMe only; the filler's keys."""
+    import os
+
+    filler: list[Any] = []
+    for _ in range(24):
+        batch = [os.urandom(16) for _ in range(8)]
+        client.put_many(batch, [os.urandom(4 << 20) for _ in batch])
+        filler += batch
+        if all(t == "nvme" for t in client.lookup(keys)):
+            return filler
+    raise AssertionError(f"the prompt's chunks did not reach NVMe: {client.lookup(keys)}")
+
+
+def test_a_hit_on_nvme_loads_in_the_background_while_the_batch_decodes(rig: Rig) -> None:
+    """``async_loads=auto``: a hit whose chunks are on NVMe waits in vLLM's
+    ``WAITING_FOR_REMOTE_KVS`` while its blocks are promoted and copied, and the request
+    already decoding keeps stepping; both answers equal the reference's."""
+    toks = prompt(701)
+    p = produce(rig, toks)
+    committed(rig, toks, p)
+    keys = chunk_keys(toks[: 3 * CHUNK], Namespace.from_dict(info(p)["namespace"]))
+    filler = push_to_nvme(rig.client, keys)
+    try:
+        running = prompt(702, 300)
+        asked = rig.decode.metrics().get("vllm:kvstore_async_loads", 0)
+        before = reads(rig.client)
+        got = rig.decode.batch(
+            [request(running, max_tokens=48), request(toks, max_tokens=8, kv_transfer_params=p["kv_transfer_params"])]
+        )
+        for t, g, n in ((running, got[0], 48), (toks, got[1], 8)):
+            want = rig.want(t, n)
+            assert same(g, want), diff(g, want)
+        assert info(got[1])["external_tokens"] == expect(p, toks)[1]
+        assert reads(rig.client) - before == expect(p, toks)[0]
+        assert rig.decode.metrics().get("vllm:kvstore_async_loads", 0) - asked == 1
+        assert len(got[0]["token_ms"]) == 48
+    finally:
+        rig.client.delete(filler)
+        assert rig.decode.reset_prefix_cache()
+
+
+def test_a_corrupt_block_in_a_background_load_is_recomputed_never_loaded(rig: Rig) -> None:
+    """A background load whose first block fails its checksum reports the request's blocks
+    failed in the step that reports it finished: vLLM recomputes them."""
+    toks = prompt(711)
+    p = produce(rig, toks)
+    committed(rig, toks, p)
+    keys = chunk_keys(toks[: 3 * CHUNK], Namespace.from_dict(info(p)["namespace"]))
+    filler = push_to_nvme(rig.client, keys)
+    try:
+        arena = np.frombuffer(rig.client.arena_buffer(), dtype=np.uint8)
+        with rig.client.acquire(keys[:1]) as held:  # promotes chunk 0 to DRAM; flip its bytes there
+            v = held.views[0][0]
+            off = np.frombuffer(v, dtype=np.uint8).ctypes.data - arena.ctypes.data
+            arena[off : off + v.nbytes] ^= 0x5A
+        assert rig.client.lookup(keys) == ["dram", "nvme", "nvme"]
+        asked = rig.decode.metrics().get("vllm:kvstore_async_loads", 0)
+        failed = rig.decode.metrics().get("vllm:kvstore_load_errors", 0)
+        got = rig.decode.generate(toks, max_tokens=8, kv_transfer_params=p["kv_transfer_params"])
+        want = rig.want(toks, 8)
+        assert same(got, want), "corrupt KV reached the engine: " + diff(got, want)
+        assert rig.decode.metrics().get("vllm:kvstore_async_loads", 0) - asked == 1
+        assert rig.decode.metrics().get("vllm:kvstore_load_errors", 0) > failed
+    finally:
+        rig.client.delete(filler)
+        rig.client.delete(keys[:1])  # its bytes are not what was committed
+        assert rig.decode.reset_prefix_cache()
+
+
 # -- engine configurations: chunked prefill, preemption, aborts, tensor parallelism --
 def test_chunked_prefill_saves_and_loads(rig: Rig) -> None:
     """The ``small`` engine computes SMALL_STEP tokens a step: a prompt it computes over

@@ -183,9 +183,57 @@ def test_a_save_that_cannot_start_still_reports_its_request_finished() -> None:
     ns = spec().namespace(CHUNK)
     meta = KVStoreMeta(saves=[SaveSpec("held", prompt(512), list(range(32)), 0, ns)])
     w.wait_for_save(meta)  # the node is down: nothing saved
-    assert w.finished(set()) is None  # vLLM has not finished it yet
-    assert w.finished({"held"}) == {"held"}  # reported, so vLLM frees its blocks
-    assert w.finished(set()) is None  # once
+    assert w.finished(set()) == (None, None)  # vLLM has not finished it yet
+    assert w.finished({"held"}) == ({"held"}, None)  # reported, so vLLM frees its blocks
+    assert w.finished(set()) == (None, None)  # once
+
+
+def test_a_background_load_that_cannot_start_is_reported_finished_with_its_blocks_failed() -> None:
+    """An ``async_load`` the node cannot serve still ends: ``get_finished`` reports it received
+    (vLLM would otherwise wait for it forever) and every block it promised failed, in the
+    same step, so vLLM recomputes them."""
+    from gpu_agent.vllm.metadata import KVStoreMeta, LoadSpec
+    from gpu_agent.vllm.settings import ConnectorSettings
+    from gpu_agent.vllm.worker import WorkerSide
+
+    w = WorkerSide(None, None, ConnectorSettings(target="unix:///nonexistent/kvstore.sock", deadline_s=0.5), CHUNK)  # type: ignore[arg-type]
+    w.spec = spec()
+    w._make_agent = lambda client: (_ for _ in ()).throw(OSError("no node"))
+    ns = spec().namespace(CHUNK)
+    w.start_load(KVStoreMeta(loads=[LoadSpec("waiting", prompt(512), list(range(40)), 0, 511, ns, async_load=True)]))
+    assert w.finished(set()) == (None, {"waiting"})
+    assert w.take_errors() == set(range(32))  # tokens [0, 511): 32 pages of 16
+    assert w.finished(set()) == (None, None)  # once
+
+
+def test_async_loads_auto_sends_nvme_hits_to_the_background_and_keeps_dram_hits_in_the_step(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from client import KVClient
+    from gpu_agent.vllm.spec import request_namespace
+    from kvstore.children import private_node
+    from kvstore.keys import chunk_keys
+
+    with private_node(tmp_path_factory.mktemp("async") / "node", dram="64MiB", nvme="256MiB") as n:
+        toks = prompt(800, seed=8)
+        side = scheduler(n)
+        req = request(toks, rid="dram")
+        store(n, side, req, 3)
+        assert side.matched(req, 0) == (768, False)  # DRAM: loaded in the step that computes it
+        keys = chunk_keys(toks, request_namespace(side.spec, side.settings, CHUNK, req))[:3]
+        with KVClient(n.target) as c:
+            filler = [bytes([i]) * 16 for i in range(1, 20)]
+            c.put_many(filler, [b"f" * (4 << 20)] * len(filler))  # 76 MiB through 64 MiB of DRAM
+            assert "nvme" in c.lookup(keys)
+        assert side.matched(request(toks, rid="nvme"), 0) == (768, True)
+        assert side.counters["async_loads"] == 1
+        never = scheduler(n, async_loads="never", salt=side.settings.salt)
+        assert never.matched(request(toks, rid="never"), 0) == (768, False)
+        always = scheduler(n, async_loads="always", salt=side.settings.salt)
+        assert always.matched(request(toks, rid="always"), 0) == (768, True)
+        side.close()
+        never.close()
+        always.close()
 
 
 def test_counters_reach_vllms_stats_and_prometheus() -> None:
