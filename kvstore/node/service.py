@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import logging
 import time
@@ -67,6 +68,23 @@ from tiers.base import TierKind
 log = logging.getLogger(__name__)
 
 STREAM_CHUNK = 1 << 20
+STREAM_STAGE_BYTES = 1 << 20
+"""Payload a put stream sends before it holds any DRAM (``PutStream``)."""
+
+
+@dataclasses.dataclass(slots=True)
+class _StreamBlock:
+    """One block of a put stream: in memory (``buf``) until reserved, then filled in place.
+    ``rid``: its reservation (0: none yet, or none to fill: EXISTS, NO_SPACE; -1: it expired
+    mid-block); bytes of a block without one are read and dropped."""
+
+    index: int
+    meta: BlockMeta
+    session: str | None
+    buf: bytearray | None = dataclasses.field(default_factory=bytearray)
+    rid: int = 0
+    filled: int = 0
+
 
 # The caller of the unary or client-streaming call being served, set by ``_rpc`` for the
 # call's duration (``GetStream`` identifies its caller itself).  Unset means "not
@@ -482,37 +500,65 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     # -- streaming fallback ------------------------------------------------------------
     @_rpc
     async def PutStream(self, request_iterator: Any, context: Any) -> pb.StatusesResponse:
-        """One batch, like ``Reserve`` + ``Commit``: each block is reserved when its header
-        arrives and filled by the chunks that follow; all are committed together once the
-        stream has ended well.  A stream that breaks a rule (more than ``max_batch`` blocks,
-        a block with too few or too many bytes, data before a header) is refused with
-        ``INVALID_ARGUMENT`` and stores nothing: every reservation it made is aborted, as
-        when the client goes away or the call is cancelled.  A client that declares its
-        block count (``BLOCKS_METADATA_KEY``) is refused before anything is read if the
-        count is over the limit."""
+        """One batch, like ``Reserve`` + ``Commit``, whose blocks take DRAM only as their bytes
+        arrive: whole blocks are staged in memory until a stage's worth of them is waiting
+        (``STREAM_STAGE_BYTES``, at most half of ``max_block_bytes``), then reserved and
+        written together; a block larger than that is reserved once that many of its bytes
+        came, and filled in place from then on.  All are
+        committed together once the stream has ended well.  A stream that breaks a rule (more
+        than ``max_batch`` blocks, a block with too few or too many bytes, data before a
+        header) is refused with ``INVALID_ARGUMENT`` and stores nothing: every reservation it
+        made is aborted, as when the client goes away or the call is cancelled — and one
+        refused within its first stage of bytes (a flood of one-byte blocks) reserved
+        nothing, so it moved no block and refused no other client.  A client that declares its
+        block count (``BLOCKS_METADATA_KEY``) is refused before anything is read if the count
+        is over the limit."""
         limit = self.cfg.max_batch
         declared = _declared_blocks(context)
         if declared is not None and declared > limit:
             raise errors.InvalidArgument(f"a put stream of {declared} blocks; the limit is max_batch={limit}")
-        statuses: list[int] = []
-        whole: list[
-            tuple[int, int, BlockMeta]
-        ] = []  # (index, reservation id, meta) of filled blocks, committed at the end
-        current: tuple[BlockMeta, int, list[Any], int] | None = (
-            None  # meta, rid (0: not written), extents, bytes filled
-        )
+        stage = min(STREAM_STAGE_BYTES, max(1, self.cfg.max_block_bytes // 2))
+        statuses: list[int] = []  # per block, in order (set when it is reserved, then committed)
+        whole: list[tuple[int, int, BlockMeta]] = []  # (index, reservation id, meta): filled, committed at the end
+        staged: list[_StreamBlock] = []  # whole blocks in memory, not yet reserved
+        staged_bytes = [0]
+        current: _StreamBlock | None = None
         caller = self._caller()
         visible = self._visible(caller)
 
-        def close(cur: tuple[BlockMeta, int, list[Any], int]) -> None:
-            meta, rid, _extents, filled = cur
-            if rid == 0:
-                return
-            if filled != meta.payload_len:
+        async def reserve(b: _StreamBlock) -> None:
+            """Reserve ``b`` (NO_SPACE over the tenant's max_reserved_bytes: the stream goes on)
+            and write what of it is in memory."""
+            (r,) = await self.manager.reserve(
+                [b.meta], tenant=caller.tenant, visible=visible, refuse_over_limit=False, session=b.session
+            )
+            statuses[b.index] = int(r.status)
+            b.rid = r.reservation_id if r.status == Status.OK else 0
+            if b.rid and b.buf is not None and not self.manager.write_reserved(b.rid, 0, memoryview(b.buf)):
+                statuses[b.index] = int(Status.EXPIRED)
+                b.rid = 0
+            b.buf = None  # in place from here on
+
+        async def flush() -> None:
+            for b in staged:
+                await reserve(b)
+                if b.rid > 0:
+                    whole.append((b.index, b.rid, b.meta))
+            staged.clear()
+            staged_bytes[0] = 0
+
+        async def close(b: _StreamBlock) -> None:
+            if b.filled != b.meta.payload_len:
                 raise errors.InvalidArgument(
-                    f"stream for key {meta.key.hex()} carried {filled} bytes; its header says {meta.payload_len}"
+                    f"stream for key {b.meta.key.hex()} carried {b.filled} bytes; its header says {b.meta.payload_len}"
                 )
-            whole.append((len(statuses) - 1, rid, meta))
+            if b.buf is not None:
+                staged.append(b)
+                staged_bytes[0] += b.meta.payload_len
+                if staged_bytes[0] >= stage:
+                    await flush()
+            elif b.rid > 0:
+                whole.append((b.index, b.rid, b.meta))
 
         try:
             async for chunk in request_iterator:
@@ -520,7 +566,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     raise chunk.invalid()
                 if chunk.HasField("block"):
                     if current is not None:
-                        close(current)
+                        await close(current)
                         current = None
                     if len(statuses) >= limit:
                         raise errors.InvalidArgument(
@@ -532,33 +578,32 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         )
                     (meta,) = self._metas([chunk.block])
                     await self._claim(caller, [meta])
-                    # over the tenant's max_reserved_bytes: NO_SPACE for this block, the stream goes on
-                    (r,) = await self.manager.reserve(
-                        [meta],
-                        tenant=caller.tenant,
-                        visible=visible,
-                        refuse_over_limit=False,
-                        session=check_session_id(chunk.session_id),
-                    )
-                    statuses.append(int(r.status))
-                    current = (meta, r.reservation_id if r.status == Status.OK else 0, list(r.extents), 0)
+                    statuses.append(int(Status.OK))
+                    current = _StreamBlock(len(statuses) - 1, meta, check_session_id(chunk.session_id))
                 if current is None:
                     raise errors.InvalidArgument("the first chunk of a put stream must carry its block header")
-                meta, rid, extents, filled = current
                 data = chunk.data
-                if filled + len(data) > meta.payload_len:
+                if current.filled + len(data) > current.meta.payload_len:
                     raise errors.InvalidArgument(
-                        f"stream for key {meta.key.hex()} carries more bytes than its header says"
+                        f"stream for key {current.meta.key.hex()} carries more bytes than its header says"
                     )
-                if rid and not self.manager.write_reserved(rid, filled, memoryview(data)):
+                if current.buf is not None:
+                    current.buf += data
+                    current.filled += len(data)
+                    if current.filled >= stage and current.filled < current.meta.payload_len:
+                        await flush()  # blocks before it first: their order is the stream's
+                        await reserve(current)  # a big block: in place from here on
+                    continue
+                if current.rid > 0 and not self.manager.write_reserved(current.rid, current.filled, memoryview(data)):
                     # reclaimed at its deadline while the client stalled: its space may be
                     # another block's by now, so not one more byte goes there
-                    statuses[-1] = int(Status.EXPIRED)
-                    rid = 0
-                current = (meta, rid, extents, filled + len(data))
+                    statuses[current.index] = int(Status.EXPIRED)
+                    current.rid = -1
+                current.filled += len(data)
             if current is not None:
-                close(current)
+                await close(current)
                 current = None
+            await flush()
             # a reservation reclaimed at its deadline meanwhile answers EXPIRED here
             committed = await self.manager.commit([rid for _, rid, _ in whole], verify=True) if whole else []
             for (i, _rid, meta), st in zip(whole, committed):
@@ -570,7 +615,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             # refused, cancelled, or the client went away: nothing of this stream becomes visible
             # (ids already committed or reclaimed are no longer reservations: aborting them is a no-op)
             self.manager.abort(
-                [rid for _, rid, _ in whole] + ([current[1]] if current is not None and current[1] else [])
+                [rid for _, rid, _ in whole] + ([current.rid] if current is not None and current.rid > 0 else [])
             )
         return pb.StatusesResponse(statuses=_statuses(statuses))
 

@@ -250,11 +250,11 @@ def test_put_stream_that_ends_early_leaves_nothing(stub: pb_grpc.KVStoreStub) ->
 def test_put_stream_whose_client_goes_away_leaves_nothing(stub: pb_grpc.KVStoreStub) -> None:
     used = dram_used(stub)
     k = rkey()
-    payload = os.urandom(300_000)
+    payload = os.urandom(MAX_BLOCK)
     gate = threading.Event()
 
-    def held_open() -> Iterator[pb.BlockChunk]:
-        yield pb.BlockChunk(block=block(k, payload), data=payload[:1000])
+    def held_open() -> Iterator[pb.BlockChunk]:  # past a stage of bytes: the block is reserved
+        yield pb.BlockChunk(block=block(k, payload), data=payload[: MAX_BLOCK * 3 // 4])
         gate.wait(10)
 
     fut = stub.PutStream.future(held_open(), timeout=20)
@@ -428,3 +428,46 @@ def test_data_channel_put_cut_short_leaves_nothing(node: NodeProcess, stub: pb_g
     assert dram_used(stub) == used
     assert list(stub.Lookup(pb.KeysRequest(keys=[k]), timeout=10).tiers) == [pb.TIER_UNSPECIFIED]
     assert stats(stub).counters["data_channel_aborted_puts"] >= 1
+
+
+def test_a_refused_put_stream_of_one_byte_blocks_moves_nothing_and_refuses_no_one(tmp_path: Path) -> None:
+    """Issue 24 (a held-out check): a stream of thousands of one-byte blocks, refused at the
+    end (more than ``max_batch``), used to reserve a DRAM unit for each as its header came:
+    every resident block was demoted and other clients' puts were refused meanwhile.  Its
+    blocks now wait in memory until a stage's worth of bytes came: nothing is reserved."""
+    from kvstore.children import private_node
+
+    with private_node(tmp_path / "node", "--max-batch", "4096", dram="8MiB", nvme="64MiB") as n:
+        channel = grpc.insecure_channel(n.endpoints["grpc"])
+        stub = pb_grpc.KVStoreStub(channel)
+        with KVClient(n.target) as kv, KVClient(n.target) as other:
+            resident = [rkey() for _ in range(6)]
+            assert kv.put_many(resident, [os.urandom(MiB)] * 6) == [True] * 6  # 6 of 8 MiB
+            before = stats(stub).counters
+            gate, reached = threading.Event(), threading.Event()
+            ones = [block(rkey(), b"x") for _ in range(4097)]
+
+            def flood() -> Iterator[pb.BlockChunk]:
+                for i, info in enumerate(ones):
+                    yield pb.BlockChunk(block=info, data=b"x")
+                    if i == 3000:
+                        reached.set()
+                        gate.wait(20)  # open, 3,001 blocks sent: others put meanwhile
+
+            fut = stub.PutStream.future(flood(), timeout=60)
+            assert reached.wait(20)
+            time.sleep(0.5)  # the node has read what was sent
+            assert stats(stub).reservations == 0
+            k = rkey()
+            assert other.put(k, os.urandom(MiB)), "a put was refused while the stream was open"
+            gate.set()
+            with pytest.raises(grpc.RpcError) as ei:
+                fut.result()
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_batch" in ei.value.details()
+            after = stats(stub).counters
+            # (the cleaner may have copied a block to NVMe ahead of time: it stays in DRAM)
+            assert after.get("dram_evictions", 0) == before.get("dram_evictions", 0), "the stream evicted blocks"
+            assert kv.lookup(resident) == ["dram"] * 6
+            assert stats(stub).reservations == 0
+            assert kv.lookup([i.key for i in ones[:5]]) == [None] * 5
+        channel.close()
