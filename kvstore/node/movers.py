@@ -40,14 +40,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvstore.aio import await_to_the_end
 from kvstore.block import BlockMeta, checksum
 from kvstore.errors import CapacityExceeded, KVStoreError
-from kvstore.keys import ChunkKey
+from kvstore.keys import NO_PARENT, ChunkKey
 from kvstore.node.holds import Holds, allocation
 from kvstore.node.ledger import CORRUPT, EVICTED
 from kvstore.node.outcomes import Status
@@ -161,7 +161,7 @@ class TierMovers:
         have = self.dram.allocator.free_bytes
         batch: list[ChunkKey] = []
         size = 0
-        for key in self.dram.victims(self.can_evict):
+        for key in self._eviction_order():
             if have >= self.clean_ahead_bytes or size >= self.clean_batch_bytes:
                 break
             meta = self.dram.meta(key)
@@ -174,6 +174,19 @@ class TierMovers:
             batch.append(key)
             size += n
         return batch
+
+    def _eviction_order(self) -> Iterator[ChunkKey]:
+        """The DRAM blocks in the order they are likely to be evicted: the policy's victims,
+        each followed by its ancestors in DRAM (prefix-aware policies offer a chain's leaf
+        first and its parent only once the leaf is gone)."""
+        seen: set[ChunkKey] = set()
+        for key in self.dram.victims(self.can_evict):
+            k: ChunkKey | None = key
+            while k is not None and k not in seen and self.dram.contains(k) and self.can_evict(k):
+                seen.add(k)
+                yield k
+                meta = self.dram.meta(k)
+                k = meta.parent if meta is not None and meta.parent != NO_PARENT else None
 
     async def _clean(self) -> None:
         """Write dirty victims to NVMe, keeping them in DRAM (readable; not evictable while
@@ -200,8 +213,14 @@ class TierMovers:
 
     async def _evict_dram(self, nbytes: int) -> bool:
         """Free DRAM for ``nbytes`` by evicting victims, writing the dirty ones to NVMe first;
-        True if this waited on the disk (a write, or the cleaner's blocks in flight)."""
+        True if this waited on the disk (a write, or the cleaner's blocks in flight).
+
+        With a cleaner, clean victims (already on NVMe) within the cleaned window at the
+        eviction end go first: the policy's order moves as blocks come and go, so the
+        blocks the cleaner wrote need not be the very first victims by now."""
         need = self.dram.allocator.rounded(nbytes) - self.dram.allocator.free_bytes
+        if self.clean_ahead_bytes > 0 and self._evict_clean(need):
+            return False
         batch: list[ChunkKey] = []
         freed = 0
         for key in self.dram.victims(self.can_evict):
@@ -228,7 +247,12 @@ class TierMovers:
         finally:
             self._busy.difference_update(batch)
         waited = self.counters["demotions"] > before
-        for key in batch:
+        self._drop(batch)
+        return waited
+
+    def _drop(self, keys: Sequence[ChunkKey]) -> None:
+        """Evict ``keys`` from DRAM (those still there and evictable); one not on NVMe left the node."""
+        for key in keys:
             if self.dram.contains(key) and self.can_evict(key):
                 meta = self.dram.meta(key)
                 self.dram.delete(key)
@@ -236,7 +260,30 @@ class TierMovers:
                 if self.nvme is None or not self.nvme.contains(key):  # it left the node
                     self._forget(key, CORRUPT if key in self._corrupt_demoted else EVICTED, meta)
                 self._corrupt_demoted.discard(key)
-        return waited
+
+    def _evict_clean(self, need: int) -> bool:
+        """Free ``need`` bytes by evicting clean victims only (each is a delete: NVMe has it),
+        looking no further than ``clean_ahead_bytes`` past ``need`` into the eviction order.
+        False (nothing evicted) if they do not add up."""
+        if self.nvme is None or need <= 0:
+            return need <= 0
+        clean: list[ChunkKey] = []
+        got = scanned = 0
+        for key in self.dram.victims(self.can_evict):
+            n = sum(e.length for e in self.dram.extents(key) or [])
+            scanned += n
+            if key not in self._doomed and self.nvme.contains(key):
+                clean.append(key)
+                got += n
+                if got >= need:
+                    break
+            if scanned >= need + self.clean_ahead_bytes:
+                break
+        if got < need:
+            return False
+        self._drop(clean)
+        self.counters["evicted_clean"] += len(clean)
+        return True
 
     # -- demotion DRAM -> NVMe --------------------------------------------------------------
     async def write_through(self, keys: Sequence[ChunkKey]) -> None:
