@@ -45,7 +45,7 @@ import dataclasses
 import functools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -120,6 +120,53 @@ class PrefetchResult:
     resident: int = 0  # blocks of the prefix already in HBM
     prefix: int = 0  # blocks of the prompt cached anywhere, without a gap
     limit: str = ""  # what stopped the plan short ("bytes", "time", "pool"), if anything
+
+
+class ReservedAhead:
+    """A save's reservations, requested ahead of it (:meth:`GPUAgent.reserve_ahead`)."""
+
+    def __init__(self, keys: list[ChunkKey], fut: concurrent.futures.Future[list[tuple[int, Any]]]) -> None:
+        self.keys = keys
+        self._fut = fut
+        self._taken = False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the node answered (True), or ``timeout`` passed (False)."""
+        try:
+            self._fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            return False
+        except BaseException:  # noqa: BLE001 - answered with an error: batches() says which
+            pass
+        return True
+
+    def batches(self) -> list[tuple[int, Any]]:
+        """(first index, ``ReservedBlocks`` or the error) per batch, once the node answered."""
+        self._taken = True
+        try:
+            return self._fut.result()
+        except KVStoreError as e:
+            return [(0, e)]
+
+    def abort(self) -> None:
+        """Give back what was reserved and not yet used (no-op for reservations committed)."""
+        if self._taken and not self._fut.done():
+            return
+        self._taken = True
+        self._fut.add_done_callback(_abort_batches)
+
+
+def _abort_batches(fut: concurrent.futures.Future[list[tuple[int, Any]]]) -> None:
+    try:
+        batches = fut.result()
+    except BaseException:  # noqa: BLE001 - nothing was reserved
+        return
+    for _, res in batches:
+        if not isinstance(res, BaseException):
+            try:
+                res.abort()
+            except BaseException:  # noqa: BLE001 - it lapses at the node's TTL anyway
+                pass
 
 
 class LoadHandle:
@@ -226,6 +273,7 @@ class GPUAgent:
         self._issuer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-issue")
         self._load_completer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-load-done")
         self._save_completer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-save-done")
+        self._reserver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-reserve")
         self.counters: collections.Counter[str] = collections.Counter()
         self._counters_lock = threading.Lock()  # the engine's thread, the prefetcher and the completer all count
         self._saves_lock = threading.Lock()
@@ -652,8 +700,11 @@ class GPUAgent:
         skip_chunks: int = 0,
         session_id: str | None = None,
         tail: bool = False,
+        ahead: ReservedAhead | None = None,
     ) -> SaveHandle:
         """Offload ``tokens``' full chunks (their KV in pages ``block_ids``) to the store.
+        ``ahead``: the same save's :meth:`reserve_ahead` (its arena space reserved while the
+        engine computed; the save then makes no Reserve call of its own).
 
         Returns once the device-to-host copies are ordered before anything the caller
         queues next (see :meth:`_fence`): the engine may overwrite or free those pages
@@ -661,29 +712,26 @@ class GPUAgent:
         chunks the store already holds are skipped.  ``tail``: a trailing partial chunk too,
         keyed by its exact tokens; ``block_ids`` still covers whole chunks (the pages past
         the tokens are stored as they are and never loaded)."""
-        src = self._check_buffers(kv_buffers)
-        ns = self._ns(namespace)
-        keys = self.keys(tokens, ns, tail=tail)[: len(block_ids) // self.adapter.pages_per_chunk]
-        if any(int(b) < 0 for b in block_ids[: len(keys) * self.adapter.pages_per_chunk]):
-            raise InvalidArgument("save needs every page of the chunks it stores (a negative page id)")
-        parents = parent_keys(keys)
-        shape = self.layout.block_shape(self.chunk_tokens)
-        counts = [min(self.chunk_tokens, len(tokens) - i * self.chunk_tokens) for i in range(len(keys))]
-        metas = [
-            BlockMeta(ns.fingerprint, k, p, c, self.layout.dtype, shape, self.block_bytes, 0)
-            for k, p, c in zip(keys, parents, counts)
-        ][skip_chunks:]
+        try:
+            src = self._check_buffers(kv_buffers)
+            ns = self._ns(namespace)
+            metas = self._save_metas(tokens, block_ids, ns, skip_chunks, tail)
+        except BaseException:
+            if ahead is not None:
+                ahead.abort()
+            raise
+        if ahead is not None and ahead.keys != [m.key for m in metas]:
+            ahead.abort()  # reserved for other blocks: not these
+            ahead = None
+        batches = ahead.batches() if ahead is not None else self._reserve_batches(metas, session_id)
         parts: list[concurrent.futures.Future[SaveResult]] = []
         base = SaveResult()
-        step = max(1, self.config.batch_blocks)
-        for lo in range(0, len(metas), step):
-            try:
-                res = self.client.reserve(metas[lo : lo + step], session_id=session_id)
-            except KVStoreError as e:
+        for lo, res in batches:
+            if isinstance(res, KVStoreError):
                 self._count("store_errors", 1)
-                log.warning("kvstore reserve failed (%s); %d blocks not saved", e, len(metas) - lo)
+                log.warning("kvstore reserve failed (%s); %d blocks not saved", res, len(metas) - lo)
                 base = base + SaveResult(failed=len(metas) - lo)
-                break
+                break  # nothing reserved from here on; the batches before commit as usual
             jobs = []
             for j, views in enumerate(res.views):
                 if views is not None:
@@ -744,6 +792,50 @@ class GPUAgent:
             )
         self._count("saves", 1)
         return SaveHandle(parts, base)
+
+    def _save_metas(
+        self, tokens: Sequence[int] | Any, block_ids: Sequence[int], ns: Namespace, skip_chunks: int, tail: bool
+    ) -> list[BlockMeta]:
+        keys = self.keys(tokens, ns, tail=tail)[: len(block_ids) // self.adapter.pages_per_chunk]
+        if any(int(b) < 0 for b in block_ids[: len(keys) * self.adapter.pages_per_chunk]):
+            raise InvalidArgument("save needs every page of the chunks it stores (a negative page id)")
+        parents = parent_keys(keys)
+        shape = self.layout.block_shape(self.chunk_tokens)
+        counts = [min(self.chunk_tokens, len(tokens) - i * self.chunk_tokens) for i in range(len(keys))]
+        return [
+            BlockMeta(ns.fingerprint, k, p, c, self.layout.dtype, shape, self.block_bytes, 0)
+            for k, p, c in zip(keys, parents, counts)
+        ][skip_chunks:]
+
+    def _reserve_batches(self, metas: list[BlockMeta], session_id: str | None) -> Iterator[tuple[int, Any]]:
+        """(first index, ``ReservedBlocks`` or the ``KVStoreError``) per batch of ``batch_blocks``;
+        a failed batch ends it (the caller stops there)."""
+        step = max(1, self.config.batch_blocks)
+        for lo in range(0, len(metas), step):
+            try:
+                yield lo, self.client.reserve(metas[lo : lo + step], session_id=session_id)
+            except KVStoreError as e:
+                yield lo, e
+                return
+
+    def reserve_ahead(
+        self,
+        tokens: Sequence[int] | Any,
+        block_ids: Sequence[int],
+        *,
+        namespace: Namespace | None = None,
+        skip_chunks: int = 0,
+        session_id: str | None = None,
+        tail: bool = False,
+    ) -> ReservedAhead:
+        """Start the Reserve of a :meth:`save` to come (same arguments) on the agent's reserver
+        thread and return at once: the engine computes while the node answers, and ``save(...,
+        ahead=)`` finds the space waiting.  A reservation never used lapses at the node's
+        reservation TTL; ``ReservedAhead.abort`` gives it back at once."""
+        metas = self._save_metas(tokens, block_ids, self._ns(namespace), skip_chunks, tail)
+        fut = self._reserver.submit(lambda: list(self._reserve_batches(metas, session_id)))
+        self._count("reserved_ahead", 1)
+        return ReservedAhead([m.key for m in metas], fut)
 
     def _save_copier(self, src: EngineBuffers, jobs: list[Any], deferred: list[Any]) -> Any:
         """A function copying the pages of whole chunks into their reserved extents (on the stream)."""
@@ -832,6 +924,7 @@ class GPUAgent:
         if self._closed:
             return
         self._closed = True
+        self._reserver.shutdown(wait=True)
         self._prefetcher.shutdown(wait=True)
         self._issuer.shutdown(wait=True)  # before the completers: they wait on issued layers
         self._load_completer.shutdown(wait=True)

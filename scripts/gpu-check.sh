@@ -11,7 +11,8 @@
 #      agents on one client, a node restart under a live agent, cuda:1 where there are two
 #      devices, concurrent prefetch and load, scattered block tables, bounce-buffer staging);
 #   3. python -m gpu_agent.bench with a scattered block table: arena -> HBM load against a
-#      pinned cudaMemcpyAsync of the same bytes (target >= 0.8x), byte-identical loads.
+#      pinned cudaMemcpyAsync of the same bytes (target >= 0.8x), HBM -> arena save against
+#      a pinned D2H copy, byte-identical loads.
 #
 # --device cpu dry-runs what needs no GPU (step 1, and the bench on CPU tensors, whose
 # numbers mean nothing); step 2 is then skipped.  --quick runs a smaller bench.
@@ -124,7 +125,8 @@ load = r["agent_gbps"]["load_from_arena"]
 ok = r["agent_load_byte_identical"] and (sys.argv[2] == "cpu" or (r["arena_pinned"] and ratio["agent_load"] >= 0.8))
 print(("ok  " if ok else "FAIL") + f" bench ({r['table']} table, {r['blocks']} blocks of {r['block_bytes'] >> 20} MiB): "
       f"load {load:.1f} GB/s = {ratio['agent_load']:.2f}x pinned cudaMemcpyAsync (target >= 0.8), "
-      f"{ratio['agent_load_vs_whole_blocks']:.2f}x whole blocks; save {r['agent_gbps']['save_to_arena']:.1f} GB/s; "
+      f"{ratio['agent_load_vs_whole_blocks']:.2f}x whole blocks; save {r['agent_gbps']['save_to_arena']:.1f} GB/s = "
+      f"{ratio['agent_save_vs_pinned_d2h']:.2f}x pinned D2H; "
       f"HBM pool {r['agent_gbps']['load_from_hbm_pool']:.1f} GB/s; overlap hides {r['overlap']['hidden_over_load']:.0%} of the load; "
       f"pinned {r['arena_pinned']}, byte-identical {r['agent_load_byte_identical']}")
 EOF

@@ -90,6 +90,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVStoreMeta) and connector_metadata.saves:
+            self._worker.reserve_ahead(connector_metadata)  # the node answers while the step computes
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if self._worker is not None and isinstance(meta, KVStoreMeta) and meta.loads:

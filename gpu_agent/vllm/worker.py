@@ -72,6 +72,7 @@ class WorkerSide:
         self._loader: concurrent.futures.ThreadPoolExecutor | None = None  # runs async loads
         self._async: dict[str, tuple[LoadSpec, concurrent.futures.Future[tuple[int, int]]]] = {}
         self._async_failed: list[LoadSpec] = []  # could not start (no node): reported at the next get_finished
+        self._ahead: dict[int, tuple[Any, Any]] = {}  # id(SaveSpec) → (agent, its reservations), asked before the step
 
     @property
     def _bs(self) -> int:
@@ -320,6 +321,28 @@ class WorkerSide:
                 self._fail(spec, spec.first_token)
 
     # -- saves ----------------------------------------------------------------------------
+    def reserve_ahead(self, meta: KVStoreMeta) -> None:
+        """Before the step runs: ask the node for the arena space of its saves (on the agent's
+        reserver thread), so ``wait_for_save`` copies at once.  Best effort: a save without
+        its reservation reserves for itself."""
+        if self.agent is None or self.spec is None:
+            return
+        for s in meta.saves:
+            try:
+                self._ahead[id(s)] = (
+                    self.agent,
+                    self.agent.reserve_ahead(
+                        s.tokens,
+                        s.block_ids,
+                        namespace=self._ns(s.namespace),
+                        skip_chunks=s.skip_chunks,
+                        session_id=s.session_id,
+                        tail=s.tail,
+                    ),
+                )
+            except Exception as e:  # noqa: BLE001 - the save reserves for itself then
+                log.debug("kvstore: reserving ahead for %s failed (%s)", s.req_id, e)
+
     def wait_for_save(self, meta: KVStoreMeta) -> None:
         self._finish_loads()
         if not meta.saves:
@@ -327,6 +350,10 @@ class WorkerSide:
         connected = self._connect()
         for s in meta.saves:
             handle = None
+            owner, ahead = self._ahead.pop(id(s), (None, None))
+            if ahead is not None and owner is not self.agent:  # reserved through an agent since retired
+                ahead.abort()
+                ahead = None
             if connected:
                 t0 = time.perf_counter()
                 try:
@@ -338,12 +365,18 @@ class WorkerSide:
                         skip_chunks=s.skip_chunks,
                         session_id=s.session_id,
                         tail=s.tail,
+                        ahead=ahead,
                     )
                 except Exception as e:  # a save that cannot run is a future miss, never a failed step
                     log.warning("kvstore save for %s failed (%s)", s.req_id, e)
                 self.counters["save_us"] += int((time.perf_counter() - t0) * 1e6)
                 self.counters["saves"] += 1
+            elif ahead is not None:
+                ahead.abort()
             self._saving.setdefault(s.req_id, []).append((handle, s))  # recorded whatever happened to it
+        for _, unused in self._ahead.values():  # for saves of another step's metadata: never used
+            unused.abort()
+        self._ahead.clear()
         if connected:
             self._check_agent()
 

@@ -132,7 +132,7 @@ def test_connector_bench_json() -> None:
     assert r["prompt_bytes"] == 1024 * 2 * 2 * 2 * 64 * 2
     assert set(r["layouts"]) == {"cpu", "cuda"}
     for lay in r["layouts"].values():
-        for key in ("memcpy_ms", "save_ms", "load_ms", "save_x_memcpy", "load_x_memcpy"):
+        for key in ("memcpy_ms", "save_ms", "load_ms", "save_x_memcpy", "load_x_memcpy", "save_ahead_x_memcpy"):
             assert positive(lay[key]), (key, lay)
         assert positive(lay["save_x_memcpy_noverify"]) and positive(lay["load_x_memcpy_noverify"])
         assert lay["bytes"] == r["prompt_bytes"]

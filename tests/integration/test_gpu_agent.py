@@ -385,6 +385,42 @@ def test_a_cpu_load_is_in_the_pages_when_load_returns_and_its_leases_are_back(
         wait_for(lambda: other.stats()["leases"] == 0, 10, "the node to see the leases released")
 
 
+def test_a_save_reserved_ahead_uses_that_space_and_an_unused_one_is_given_back(agent_factory: Any, node: Any) -> None:
+    """``reserve_ahead`` (issue 24): the Reserve of a save runs while the engine computes;
+    the save then makes no Reserve call of its own.  One for other blocks is aborted."""
+    agent = agent_factory()
+    toks = tokens(3 * C)
+    src = buffers(agent.layout, 12, fill=True)
+    import threading
+
+    calls: list[tuple[bool, int]] = []  # (made on the reserver thread, blocks)
+    reserve = agent.client.reserve
+
+    def counted(metas: Any, **kw: Any) -> Any:
+        calls.append((threading.current_thread().name.startswith("kv-reserve"), len(metas)))
+        return reserve(metas, **kw)
+
+    agent.client.reserve = counted
+    ahead = agent.reserve_ahead(toks, list(range(12)))
+    try:
+        assert agent.save(toks, src, list(range(12)), ahead=ahead).wait(timeout=30).stored == 3
+        assert calls == [(True, 3)]
+        dst = buffers(agent.layout, 12, fill=False)
+        assert agent.load(toks, dst, list(range(12))).wait(timeout=30)
+        assert same_pages(src, list(range(12)), dst, list(range(12)), 12)
+        other = agent.reserve_ahead(tokens(2 * C, seed=5), list(range(8)))
+        assert agent.save(tokens(2 * C, seed=6), src, list(range(8)), ahead=other).wait(timeout=30).stored == 2
+        assert sorted(calls[1:]) == [(False, 2), (True, 2)]  # it reserved for itself; the other went back
+        never = agent.reserve_ahead(tokens(2 * C, seed=7), list(range(8)))
+        never.abort()
+    finally:
+        agent.client.reserve = reserve
+    with KVClient(node.unix) as c:
+        from conftest import wait_for
+
+        wait_for(lambda: c.stats()["reservations"] == 0, 10, "the unused reservations to be aborted")
+
+
 def test_a_corrupt_block_is_copied_but_never_counted_as_loaded(agent_factory: Any) -> None:
     """The checksum is computed during the copy: a block whose bytes changed in the store
     was written into its pages, so the load stops before it and the engine recomputes it."""
