@@ -67,6 +67,9 @@ class ConnectorSettings:
     with vLLM's ``kv_events_config`` enabled."""
     defer_free: bool = True
     """Keep a finished request's blocks until its save is committed (``request_finished`` → True)."""
+    copy_threads: int = 0
+    """Threads that share one load's or save's host copies, the engine's own included
+    (0: torch's intra-op threads, i.e. the cores the worker was given, at most 4)."""
     async_loads: str = "auto"
     """Which hits load while the engine keeps stepping (vLLM's ``load_kv_async``: the request
     waits in ``WAITING_FOR_REMOTE_KVS``, the batch runs on): ``auto``, hits with chunks on
@@ -98,7 +101,14 @@ class ConnectorSettings:
             raise InvalidArgument(
                 f"kv_connector_extra_config.async_loads must be one of {list(ASYNC_LOADS)}, got {s.async_loads!r}"
             )
-        if s.chunk_tokens < 0 or s.deadline_s <= 0 or s.load_timeout_s < 0 or s.hbm_bytes < 0 or s.events_resync_s < 0:
+        if (
+            s.chunk_tokens < 0
+            or s.deadline_s <= 0
+            or s.load_timeout_s < 0
+            or s.hbm_bytes < 0
+            or s.events_resync_s < 0
+            or s.copy_threads < 0
+        ):
             raise InvalidArgument(
                 "kv_connector_extra_config: chunk_tokens, hbm_bytes, load_timeout_s, events_resync_s >= 0 and deadline_s > 0"
             )

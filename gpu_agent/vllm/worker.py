@@ -102,7 +102,11 @@ class WorkerSide:
         layout = self.spec.layout()
         ns = self.spec.namespace(self.chunk, salt=self.settings.salt)
         PagedAdapter(layout, self.chunk).check_geometry(self.buffers.geometry)
-        cfg = AgentConfig(hbm_bytes=self.settings.hbm_bytes, verify_loads=self.settings.verify_loads)
+        cfg = AgentConfig(
+            hbm_bytes=self.settings.hbm_bytes,
+            verify_loads=self.settings.verify_loads,
+            copy_threads=self.settings.copy_threads,
+        )
         self._make_agent = lambda client: GPUAgent(client, layout, ns, device=tensors[0].device, config=cfg)
         self._connect()
         log.info(
