@@ -110,7 +110,7 @@ class ConnectorSettings:
             or s.copy_threads < 0
         ):
             raise InvalidArgument(
-                "kv_connector_extra_config: chunk_tokens, hbm_bytes, load_timeout_s, events_resync_s >= 0 and deadline_s > 0"
+                "kv_connector_extra_config: chunk_tokens, hbm_bytes, load_timeout_s, events_resync_s, copy_threads >= 0 and deadline_s > 0"
             )
         return s
 
