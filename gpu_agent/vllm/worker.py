@@ -333,19 +333,18 @@ class WorkerSide:
             return
         for s in meta.saves:
             try:
-                self._ahead[id(s)] = (
-                    self.agent,
-                    self.agent.reserve_ahead(
-                        s.tokens,
-                        s.block_ids,
-                        namespace=self._ns(s.namespace),
-                        skip_chunks=s.skip_chunks,
-                        session_id=s.session_id,
-                        tail=s.tail,
-                    ),
-                )
+                self._ahead[id(s)] = self.agent, self.agent.reserve_ahead(s.tokens, s.block_ids, **self._save_kw(s))
             except Exception as e:  # noqa: BLE001 - the save reserves for itself then
                 log.debug("kvstore: reserving ahead for %s failed (%s)", s.req_id, e)
+
+    def _save_kw(self, s: SaveSpec) -> dict[str, Any]:
+        """What ``GPUAgent.save`` and ``reserve_ahead`` take from a save spec besides tokens and pages."""
+        return {
+            "namespace": self._ns(s.namespace),
+            "skip_chunks": s.skip_chunks,
+            "session_id": s.session_id,
+            "tail": s.tail,
+        }
 
     def wait_for_save(self, meta: KVStoreMeta) -> None:
         self._finish_loads()
@@ -361,16 +360,7 @@ class WorkerSide:
             if connected:
                 t0 = time.perf_counter()
                 try:
-                    handle = self.agent.save(
-                        s.tokens,
-                        self.buffers,
-                        s.block_ids,
-                        namespace=self._ns(s.namespace),
-                        skip_chunks=s.skip_chunks,
-                        session_id=s.session_id,
-                        tail=s.tail,
-                        ahead=ahead,
-                    )
+                    handle = self.agent.save(s.tokens, self.buffers, s.block_ids, ahead=ahead, **self._save_kw(s))
                 except Exception as e:  # a save that cannot run is a future miss, never a failed step
                     log.warning("kvstore save for %s failed (%s)", s.req_id, e)
                 self.counters["save_us"] += int((time.perf_counter() - t0) * 1e6)
