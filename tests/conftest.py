@@ -16,6 +16,15 @@ from kvstore.children import ServeProcess
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Arenas of test nodes whose run was killed before its teardown (SIGKILL, a lost
+    machine session) stay in /dev/shm: reclaim those no running node holds."""
+    from kvstore.children import reclaim_arena
+
+    for p in Path("/dev/shm").glob("kvstore-test-*.arena"):
+        reclaim_arena(p)
+
+
 def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
     """Poll ``pred`` until it returns something truthy (returned), or fail naming ``what``."""
     deadline = time.monotonic() + timeout
