@@ -291,6 +291,11 @@ _PLUGINS: list[tuple[str, str, str]] = [
         "kvstore.cluster.cli",
         "cluster configuration and namespaces in etcd: set, show, invalidate, owners, release",
     ),
+    (
+        "conductor",
+        "kvstore.conductor.cli",
+        "KV-cache-aware request scheduler: an OpenAI-compatible front over vLLM engines using the connector",
+    ),
     ("dashboard", "kvstore.dashboard.cli", "live cache-hit dashboard (web page) for one node or a whole cluster"),
     ("health", "kvstore.node.health", "one gRPC health check of a node (exit 0: SERVING), for container probes"),
     ("certs", "kvstore.local.ca", "a throwaway CA and node certificate for trying TLS (needs the 'tls' extra)"),

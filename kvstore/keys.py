@@ -141,9 +141,17 @@ def _as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
 
 def chunk_keys(tokens: Sequence[int] | np.ndarray, namespace: Namespace) -> list[ChunkKey]:
     """One 16-byte key per *full* chunk of ``tokens``; a trailing partial chunk gets none."""
+    return chunk_keys_from(tokens, namespace.fingerprint, namespace.chunk_tokens)
+
+
+def chunk_keys_from(tokens: Sequence[int] | np.ndarray, fingerprint: bytes, chunk_tokens: int) -> list[ChunkKey]:
+    """:func:`chunk_keys` from a namespace's fingerprint and chunk size alone (what an
+    engine registers: a router computes the engine's keys without its whole namespace)."""
+    if chunk_tokens <= 0:
+        raise InvalidArgument(f"chunk_tokens must be positive, got {chunk_tokens}")
     arr = _as_tokens(tokens)
-    n = namespace.chunk_tokens
-    prev = namespace.fingerprint
+    n = chunk_tokens
+    prev = fingerprint
     keys: list[ChunkKey] = []
     for i in range(len(arr) // n):
         h = xxhash.xxh3_128()

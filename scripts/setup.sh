@@ -33,7 +33,7 @@ fi
 # build comes from the PyTorch CPU index (falling back to what pip resolves when it is unreachable)
 torch_args=$("$PY" scripts/torch_choice.py "torch==2.13.0")   # one argument a line, no spaces
 .venv/bin/python -m pip install -q $torch_args
-.venv/bin/python -m pip install -q -e ".[test,gpu,demo,plan,serving]"
+.venv/bin/python -m pip install -q -e ".[test,gpu,demo,plan,serving,conductor]"
 echo "kvstore is set up in .venv"
 
 if [ "$want_vllm" = 1 ]; then
@@ -51,6 +51,6 @@ if [ "$want_vllm" = 1 ]; then
     # imports ("operator torchvision::nms does not exist"); nothing here needs them
     .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
   fi
-  .venv-vllm/bin/python -m pip install -q -e ".[serving,plan]" "pytest>=8,<10" "pytest-timeout>=2.3,<3"
+  .venv-vllm/bin/python -m pip install -q -e ".[serving,plan,conductor]" "pytest>=8,<10" "pytest-timeout>=2.3,<3"
   echo "the vLLM connector is set up in .venv-vllm"
 fi

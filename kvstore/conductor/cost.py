@@ -1,0 +1,162 @@
+"""The conductor's cost model: time to first token and time between tokens, fitted online
+to the fleet's own measurements.
+
+Owned by the conductor's event loop (not thread-safe).  Two linear models, each a
+recursive least-squares fit with forgetting (old measurements fade, so a fleet that slows
+down or speeds up is followed within a few dozen requests):
+
+* **TTFT** (seconds) of a request on an engine::
+
+      ttft = base + compute · (tokens to compute + prefill tokens queued ahead on the engine)
+                  + dram · tokens loaded from the engine's node's DRAM
+                  + nvme · tokens loaded from its NVMe
+                  + remote · tokens pulled from another node
+
+  Token counts enter in thousands (the fit is better conditioned).  Each engine has its
+  own fit (engines may differ in speed), started from the fleet-wide fit when the engine
+  joins; every measurement updates both.  ``compute`` is the engine's prefill cost per
+  thousand tokens, so ``1000 / compute`` is its prefill rate in tokens/s.
+* **TBT** (seconds, Mooncake's: the mean of a request's slowest 10 % inter-token gaps) on
+  an engine running ``r`` decodes: ``tbt = base + per_decode · r``.  Fleet-wide.
+
+The priors (before any measurement) come from :class:`Priors`: a prefill rate and, per
+tier, a load rate in GB/s with the engine's KV bytes per token; ``kvstore bench
+--connector`` measures the tier rates of a machine.  Predictions clamp every coefficient at
+0 (a fit may wander negative on a few noisy samples; no cost is negative).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+TTFT_FEATURES = ("base", "compute", "dram", "nvme", "remote")
+TIERS = ("dram", "nvme", "remote")
+TBT_FEATURES = ("base", "per_decode")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Priors:
+    """Where the fits start.  Defaults: a prefill rate of 2,000 tokens/s, a TBT of 50 ms
+    plus 5 ms per running decode, and loads at 10 (DRAM), 2 (NVMe) and 1 (remote) GB/s of
+    128 KiB of KV per token (Llama-3-8B in bf16).  Every fit leaves these behind within a
+    few requests."""
+
+    prefill_tokens_per_s: float = 2000.0
+    base_s: float = 0.02
+    load_gbps: tuple[float, float, float] = (10.0, 2.0, 1.0)  # dram, nvme, remote
+    bytes_per_token: int = 128 << 10
+    tbt_base_s: float = 0.05
+    tbt_per_decode_s: float = 0.005
+
+    def ttft_weights(self) -> np.ndarray:
+        per_ktok = [1000 * self.bytes_per_token / (g * 1e9) for g in self.load_gbps]
+        return np.array([self.base_s, 1000.0 / self.prefill_tokens_per_s, *per_ktok], dtype=np.float64)
+
+    def tbt_weights(self) -> np.ndarray:
+        return np.array([self.tbt_base_s, self.tbt_per_decode_s], dtype=np.float64)
+
+
+class RLS:
+    """Recursive least squares with exponential forgetting: ``y ≈ w · x``."""
+
+    def __init__(self, w: np.ndarray, var: np.ndarray | float = 1.0, forget: float = 0.98) -> None:
+        self.w = np.array(w, dtype=np.float64)
+        self.P = np.diag(np.broadcast_to(np.asarray(var, dtype=np.float64), self.w.shape)).copy()
+        self.forget = forget
+        self.samples = 0
+
+    def copy(self) -> RLS:
+        c = RLS(self.w, 1.0, self.forget)
+        c.P, c.samples = self.P.copy(), self.samples
+        return c
+
+    def update(self, x: np.ndarray, y: float) -> None:
+        px = self.P @ x
+        k = px / (self.forget + float(x @ px))
+        self.w = self.w + k * (y - float(x @ self.w))
+        self.P = (self.P - np.outer(k, px)) / self.forget
+        # keep P symmetric and bounded: features that never vary would otherwise blow it up
+        self.P = np.clip((self.P + self.P.T) / 2, -1e3, 1e3)
+        self.samples += 1
+
+    def predict(self, x: np.ndarray) -> float:
+        return float(x @ np.maximum(self.w, 0.0))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Load:
+    """What one request would cost an engine, in tokens (the TTFT model's inputs)."""
+
+    compute: int  # prompt tokens the engine computes (neither its cache nor the pool has them)
+    queued: float  # prefill tokens queued ahead of it on the engine
+    dram: int = 0
+    nvme: int = 0
+    remote: int = 0
+
+    def features(self) -> np.ndarray:
+        return np.array(
+            [1.0, (self.compute + self.queued) / 1000, self.dram / 1000, self.nvme / 1000, self.remote / 1000]
+        )
+
+
+class CostModel:
+    """The TTFT and TBT fits (see the module docstring); owned by the conductor's loop."""
+
+    def __init__(self, priors: Priors | None = None, *, forget: float = 0.98) -> None:
+        self.priors = priors or Priors()
+        w = self.priors.ttft_weights()
+        self.fleet = RLS(w, np.maximum(w, 0.01) ** 2 * 4 + 1e-4, forget)
+        self.engines: dict[str, RLS] = {}
+        t = self.priors.tbt_weights()
+        self.tbt_fit = RLS(t, np.maximum(t, 0.005) ** 2 * 4 + 1e-4, forget)
+
+    def _engine(self, engine_id: str) -> RLS:
+        fit = self.engines.get(engine_id)
+        if fit is None:
+            fit = self.engines[engine_id] = self.fleet.copy()
+        return fit
+
+    @property
+    def samples(self) -> int:
+        """TTFT measurements seen (fleet-wide)."""
+        return self.fleet.samples
+
+    def ttft(self, engine_id: str, load: Load) -> float:
+        return self._engine(engine_id).predict(load.features())
+
+    def prefill_rate(self, engine_id: str) -> float:
+        """The engine's fitted prefill rate in tokens/s."""
+        per_ktok = max(float(self._engine(engine_id).w[1]), 1e-6)
+        return 1000.0 / per_ktok
+
+    def observe_ttft(self, engine_id: str, load: Load, seconds: float) -> None:
+        x = load.features()
+        self._engine(engine_id).update(x, seconds)
+        self.fleet.update(x, seconds)
+
+    def tbt(self, running: int) -> float:
+        return self.tbt_fit.predict(np.array([1.0, float(running)]))
+
+    def observe_tbt(self, running: float, seconds: float) -> None:
+        self.tbt_fit.update(np.array([1.0, float(running)]), seconds)
+
+    def describe(self) -> dict[str, object]:
+        """The fits, for ``/conductor/state``."""
+        return {
+            "samples": self.fleet.samples,
+            "fleet": dict(zip(TTFT_FEATURES, np.round(np.maximum(self.fleet.w, 0), 6).tolist())),
+            "engines": {
+                e: {
+                    "samples": f.samples,
+                    "prefill_tokens_per_s": round(self.prefill_rate(e), 1),
+                    **dict(zip(TTFT_FEATURES, np.round(np.maximum(f.w, 0), 6).tolist())),
+                }
+                for e, f in sorted(self.engines.items())
+            },
+            "tbt": {
+                "samples": self.tbt_fit.samples,
+                **dict(zip(TBT_FEATURES, np.round(np.maximum(self.tbt_fit.w, 0), 6).tolist())),
+            },
+        }

@@ -1,0 +1,206 @@
+"""The conductor's engines: who they are, whether they answer, and how loaded they are.
+
+Owned by the conductor's event loop: :class:`Engines` holds one :class:`EngineState` per
+engine, from two sources, merged by URL:
+
+* ``--engine URL[=ROLE]`` (static: kept for as long as the conductor runs);
+* the engines the kvstore connector registers in etcd (``engines/<id>`` under a lease:
+  see :class:`kvstore.cluster.state.EngineRecord`); one whose lease lapses drops out.
+  A registration also says what a static entry cannot: the engine's namespace fingerprint
+  and chunk size (for the pool's keys), its kvstore node, and its KV-events endpoint.
+
+Load accounting (the queue part of the TTFT estimate) is the conductor's own: each request
+it sends is *prefilling* until its first token, then *decoding* until it ends.  It is
+checked against each engine's ``/metrics`` (``vllm:num_requests_waiting`` and
+``..._running``), scraped every ``probe_s``: requests the engine runs that this conductor
+did not send (another conductor, a direct client) count too, at the fleet's mean prompt.
+
+Liveness: an engine that refuses a connection or fails its ``/health`` is marked dead at
+once (no new request goes there; its KV view is dropped, since a restarted engine has an
+empty cache) and probed every ``probe_s`` until it answers again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvstore.errors import InvalidArgument
+
+log = logging.getLogger("kvstore.conductor")
+
+ROLES = ("both", "prefill", "decode")
+
+
+@dataclasses.dataclass
+class Inflight:
+    """A request the conductor sent to an engine."""
+
+    compute_tokens: int  # prompt tokens the engine computes (the estimate's)
+    sent_at: float  # monotonic
+    first_at: float | None = None
+
+
+@dataclasses.dataclass
+class EngineState:
+    """One engine (see the module docstring).  Mutated on the conductor's loop only."""
+
+    engine_id: str
+    url: str
+    role: str = "both"
+    models: tuple[str, ...] = ()
+    static: bool = False
+    registered: bool = False  # seen in etcd (and not yet gone)
+    fingerprint: bytes | None = None  # rank 0's base namespace (None: the pool's keys are unknown)
+    chunk_tokens: int = 0
+    block_size: int = 0
+    node: str = ""  # the kvstore target it saves and loads through
+    node_id: str = ""  # that node's id in the cluster ("" unknown)
+    kv_events: str = ""
+    kv_events_replay: str = ""
+    bytes_per_token: int = 0
+    alive: bool = True
+    last_error: str = ""
+    failures: int = 0
+    prefilling: dict[str, Inflight] = dataclasses.field(default_factory=dict)
+    decoding: set[str] = dataclasses.field(default_factory=set)
+    scraped_waiting: int = 0
+    scraped_running: int = 0
+    scraped_at: float = 0.0
+    served: int = 0
+
+    def queued_tokens(self, now: float, tokens_per_s: float, mean_prompt: float) -> float:
+        """Prefill tokens queued ahead of a new request: what the requests sent here have
+        not computed yet (at the fitted rate), plus requests the engine reports waiting
+        beyond ours, at the fleet's mean prompt."""
+        mine = sum(max(0.0, f.compute_tokens - (now - f.sent_at) * tokens_per_s) for f in self.prefilling.values())
+        others = max(0, self.scraped_waiting - len(self.prefilling)) if now - self.scraped_at < 5 else 0
+        return mine + others * mean_prompt
+
+    def running(self, now: float) -> int:
+        fresh = now - self.scraped_at < 5
+        return max(len(self.decoding), self.scraped_running if fresh else 0)
+
+    def describe(self, now: float) -> dict[str, Any]:
+        return {
+            "engine_id": self.engine_id,
+            "url": self.url,
+            "role": self.role,
+            "models": list(self.models),
+            "alive": self.alive,
+            "source": "static" if self.static else "etcd",
+            "node": self.node,
+            "node_id": self.node_id,
+            "kv_events": self.kv_events,
+            "prefilling": len(self.prefilling),
+            "decoding": len(self.decoding),
+            "scraped": {"waiting": self.scraped_waiting, "running": self.scraped_running},
+            "served": self.served,
+            "last_error": self.last_error,
+        }
+
+
+def parse_engine(spec: str) -> tuple[str, str]:
+    """``URL[=ROLE]`` → (url, role); a clear error for anything else."""
+    url, _, role = spec.partition("=")
+    role = role or "both"
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or not parts.port:
+        raise InvalidArgument(f"--engine {spec!r}: want http://HOST:PORT[=ROLE]")
+    if role not in ROLES:
+        raise InvalidArgument(f"--engine {spec!r}: role must be one of {', '.join(ROLES)}")
+    return url.rstrip("/"), role
+
+
+class Engines:
+    """Every engine the conductor knows (see the module docstring)."""
+
+    def __init__(self, static: Iterable[tuple[str, str]] = ()) -> None:
+        self.by_id: dict[str, EngineState] = {}
+        for url, role in static:
+            eid = urlsplit(url).netloc
+            self.by_id[eid] = EngineState(eid, url, role, static=True)
+
+    def live(self, model: str | None = None) -> list[EngineState]:
+        return [e for e in self.by_id.values() if e.alive and (model is None or not e.models or model in e.models)]
+
+    def models(self) -> list[str]:
+        return sorted({m for e in self.by_id.values() for m in e.models})
+
+    def by_url(self, url: str) -> EngineState | None:
+        url = url.rstrip("/")
+        return next((e for e in self.by_id.values() if e.url == url), None)
+
+    def apply_registry(self, records: Mapping[str, Any], nodes: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+        """Merge etcd's engine records (``EngineRecord`` by id) and node records (``NodeInfo``
+        by id, to name each engine's node); returns (engines added, engines gone)."""
+        added, gone = [], []
+        target_to_node = {}
+        for nid, n in nodes.items():
+            for t in (getattr(n, "unix", ""), getattr(n, "grpc", "")):
+                if t:
+                    target_to_node[t] = nid
+        seen = set()
+        for rec in records.values():
+            url = rec.url.rstrip("/")
+            e = self.by_url(url)
+            if e is None:
+                e = self.by_id[rec.engine_id] = EngineState(rec.engine_id, url, rec.role)
+                added.append(rec.engine_id)
+            seen.add(e.engine_id)
+            e.registered = True
+            e.role = rec.role if not e.static else e.role
+            e.models = tuple(rec.models)
+            e.fingerprint = bytes.fromhex(rec.fingerprint) if rec.fingerprint else None
+            e.chunk_tokens, e.block_size = int(rec.chunk_tokens), int(rec.block_size)
+            e.node = rec.node
+            e.node_id = target_to_node.get(rec.node, target_to_node.get(rec.node.removeprefix("unix://"), ""))
+            e.kv_events, e.kv_events_replay = rec.kv_events, rec.kv_events_replay
+            e.bytes_per_token = int(rec.bytes_per_token)
+        for eid, e in list(self.by_id.items()):
+            if e.registered and eid not in seen:
+                e.registered = False
+                if not e.static:
+                    del self.by_id[eid]
+                    gone.append(eid)
+        return added, gone
+
+    def mark_dead(self, e: EngineState, why: str) -> bool:
+        """True if it was alive (the caller drops its KV view)."""
+        was = e.alive
+        e.alive, e.last_error = False, why
+        e.failures += 1
+        if was:
+            log.warning("engine %s (%s) taken out: %s", e.engine_id, e.url, why)
+        return was
+
+    def mark_alive(self, e: EngineState) -> None:
+        if not e.alive:
+            log.info("engine %s (%s) answers again", e.engine_id, e.url)
+        e.alive, e.last_error = True, ""
+
+
+def scrape_counts(text: str) -> tuple[int, int]:
+    """(waiting, running) from a vLLM engine's ``/metrics`` text (summed over its labels)."""
+    waiting = running = 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:num_requests_waiting"):
+            waiting += _value(line)
+        elif line.startswith("vllm:num_requests_running"):
+            running += _value(line)
+    return int(waiting), int(running)
+
+
+def _value(line: str) -> float:
+    try:
+        return float(line.rsplit(" ", 1)[1])
+    except (IndexError, ValueError):
+        return 0.0
+
+
+def now() -> float:
+    return time.monotonic()

@@ -1,0 +1,269 @@
+"""The decision: which engine serves a request, or whether it is refused (pure; no I/O).
+
+Mooncake's Conductor algorithm, made measurable.  For each candidate engine::
+
+    estimated TTFT = queue wait + prefill of the tokens neither it nor the pool holds
+                                + load of the pool's tokens from their tier and node
+
+(the :class:`~kvstore.conductor.cost.CostModel` turns those token counts into seconds).
+The lowest estimate wins; estimates within ``tie`` of it count as ties and go to the less
+loaded engine (fewer queued prefill tokens, then fewer running decodes).  With SLOs set,
+an engine whose predicted time between tokens misses ``slo_tbt_s`` is no candidate, and a
+request whose best estimated TTFT misses ``slo_ttft_s`` is refused before any engine
+spends time on it; both only once the model has ``min_samples`` measurements (an
+uncalibrated model refuses nothing).
+
+Prefill/decode: the prefill engine is picked by estimated TTFT among ``prefill`` engines
+and the decode engine by predicted TBT among ``decode`` engines (ties: fewer running); the
+KV goes through the store.
+
+What an engine holds comes in two parts, both as leading tokens of the prompt:
+``local_tokens`` (its own prefix cache, from its KV events) and the pool's chunks
+(:class:`PoolMatch`: for each leading chunk the pool holds, its node and tier).  A chunk on
+the engine's own node loads from that tier; one on another node is a remote pull.  vLLM
+computes at least the prompt's last token, so no hit covers the whole prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from kvstore.conductor.cost import CostModel, Load
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """One candidate engine at decision time."""
+
+    engine_id: str
+    role: str  # "both", "prefill" or "decode"
+    node_id: str  # the kvstore node it loads through ("": none known: every pool chunk is remote)
+    local_tokens: int  # leading prompt tokens its own prefix cache holds
+    queued_tokens: float  # prefill tokens queued ahead of a new request
+    running: int  # decodes it runs
+    sent: int = 0  # requests sent to it so far (exact ties spread over the engines)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolMatch:
+    """The leading chunks the pool holds: ``where[i]`` = (node id, tier) of chunk ``i``."""
+
+    chunk_tokens: int
+    where: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def tokens(self) -> int:
+        return len(self.where) * self.chunk_tokens
+
+
+NO_POOL = PoolMatch(1)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Estimate:
+    """One candidate's estimate."""
+
+    engine_id: str
+    load: Load
+    local_tokens: int  # of the prompt, from its own cache (capped at prompt - 1)
+    pool_tokens: int  # loaded from the pool beyond ``local_tokens``
+    ttft_s: float
+    tbt_s: float
+
+    def source(self) -> str:
+        if self.pool_tokens > 0:
+            return "pool"
+        return "engine" if self.local_tokens > 0 else "compute"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decision:
+    """Where a request goes (``engine``, and ``prefill`` first in prefill/decode mode) or,
+    with ``refused`` set, why it is refused and when to try again."""
+
+    engine: Estimate | None
+    prefill: Estimate | None = None
+    refused: str = ""
+    retry_after_s: int = 0
+    candidates: tuple[Estimate, ...] = ()
+    reason: str = ""
+    handoff: Load | None = None  # prefill/decode: what the decode engine loads from the pool
+    handoff_s: float = 0.0
+
+    @property
+    def predicted_ttft_s(self) -> float:
+        first = self.prefill or self.engine
+        if first is None:  # refused: the best candidate's
+            return min((c.ttft_s for c in self.candidates), default=math.inf) + self.handoff_s
+        return first.ttft_s + self.handoff_s
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Slo:
+    ttft_s: float = 0.0  # 0: no target
+    tbt_s: float = 0.0
+    min_samples: int = 8  # measurements before the model may refuse or exclude anyone
+    tie: float = 0.05  # estimates within this share (or tie_s) of the best are ties
+    tie_s: float = 0.02
+
+
+def _pool_split(pool: PoolMatch, start: int, end: int, node_id: str) -> tuple[int, int, int]:
+    """Tokens ``[start, end)`` of the pool's chunks as (dram, nvme, remote) for an engine on ``node_id``."""
+    out = [0, 0, 0]
+    c = pool.chunk_tokens
+    i = start // c
+    while i * c < end and i < len(pool.where):
+        lo, hi = max(start, i * c), min(end, (i + 1) * c)
+        node, tier = pool.where[i]
+        slot = 2 if node != node_id or not node_id else (1 if tier == "nvme" else 0)
+        out[slot] += hi - lo
+        i += 1
+    return out[0], out[1], out[2]
+
+
+class _Splitter:
+    """:func:`_pool_split` for many engines: per distinct node, prefix sums over the chunks."""
+
+    def __init__(self, pool: PoolMatch) -> None:
+        self.pool = pool
+        self._sums: dict[str, list[tuple[int, int, int]]] = {}
+
+    def _cum(self, node_id: str) -> list[tuple[int, int, int]]:
+        cum = self._sums.get(node_id)
+        if cum is None:
+            cum = [(0, 0, 0)]
+            d = n = r = 0
+            for node, tier in self.pool.where:
+                if node != node_id or not node_id:
+                    r += 1
+                elif tier == "nvme":
+                    n += 1
+                else:
+                    d += 1
+                cum.append((d, n, r))
+            self._sums[node_id] = cum
+        return cum
+
+    def split(self, start: int, end: int, node_id: str) -> tuple[int, int, int]:
+        c = self.pool.chunk_tokens
+        if end <= start:
+            return 0, 0, 0
+        first, last = start // c, -(-end // c)  # chunks touched: [first, last)
+        if last - first <= 2:
+            return _pool_split(self.pool, start, end, node_id)
+        cum = self._cum(node_id)
+        # whole chunks strictly inside, plus the two partial ends
+        a, b = cum[first + 1], cum[last - 1]
+        mid = [(b[k] - a[k]) * c for k in range(3)]
+        head = _pool_split(self.pool, start, (first + 1) * c, node_id)
+        tail = _pool_split(self.pool, (last - 1) * c, end, node_id)
+        return mid[0] + head[0] + tail[0], mid[1] + head[1] + tail[1], mid[2] + head[2] + tail[2]
+
+
+def estimate(
+    model: CostModel, e: EngineLoad, prompt_tokens: int, pool: PoolMatch, splitter: _Splitter | None = None
+) -> Estimate:
+    cap = max(prompt_tokens - 1, 0)
+    local = min(e.local_tokens, cap)
+    pooled = min(pool.tokens, cap)
+    dram = nvme = remote = 0
+    if pooled > local:
+        dram, nvme, remote = (splitter or _Splitter(pool)).split(local, pooled, e.node_id)
+    compute = prompt_tokens - max(local, pooled)
+    load = Load(compute=compute, queued=e.queued_tokens, dram=dram, nvme=nvme, remote=remote)
+    return Estimate(
+        e.engine_id,
+        load,
+        local,
+        max(pooled - local, 0),
+        model.ttft(e.engine_id, load),
+        model.tbt(e.running + 1),
+    )
+
+
+def _pick(cands: Sequence[Estimate], loads: dict[str, EngineLoad], slo: Slo, key: str) -> Estimate:
+    best = min(getattr(c, key) for c in cands)
+    near = [c for c in cands if getattr(c, key) <= best * (1 + slo.tie) + slo.tie_s]
+    return min(
+        near,
+        key=lambda c: (
+            loads[c.engine_id].queued_tokens,
+            loads[c.engine_id].running,
+            getattr(c, key),
+            loads[c.engine_id].sent,
+            c.engine_id,
+        ),
+    )
+
+
+def decide(
+    model: CostModel,
+    engines: Sequence[EngineLoad],
+    prompt_tokens: int,
+    pool: PoolMatch = NO_POOL,
+    slo: Slo | None = None,
+    *,
+    pd: bool = False,
+) -> Decision:
+    """The decision for one request of ``prompt_tokens`` tokens (see the module docstring)."""
+    slo = slo or Slo()
+    calibrated = model.samples >= slo.min_samples
+    loads = {e.engine_id: e for e in engines}
+    splitter = _Splitter(pool)
+    if pd:
+        pre = [estimate(model, e, prompt_tokens, pool, splitter) for e in engines if e.role == "prefill"]
+        dec = [estimate(model, e, prompt_tokens, pool, splitter) for e in engines if e.role == "decode"]
+        if not pre or not dec:
+            return Decision(None, refused="no live prefill and decode engines", retry_after_s=1)
+        p = _pick(pre, loads, slo, "ttft_s")
+        d = _pick(dec, loads, slo, "tbt_s")
+        if calibrated and slo.tbt_s and d.tbt_s > slo.tbt_s:
+            return Decision(None, refused="tbt", retry_after_s=1, candidates=tuple(pre + dec))
+        handoff = handoff_load(loads[p.engine_id], loads[d.engine_id], prompt_tokens, pool.chunk_tokens)
+        handoff_s = model.ttft(d.engine_id, handoff)
+        if calibrated and slo.ttft_s and p.ttft_s + handoff_s > slo.ttft_s:
+            return Decision(
+                None, refused="ttft", retry_after_s=_retry(p.ttft_s + handoff_s, slo.ttft_s), candidates=tuple(pre)
+            )
+        return Decision(
+            d,
+            prefill=p,
+            candidates=tuple(pre + dec),
+            reason="prefill by ttft, decode by tbt",
+            handoff=handoff,
+            handoff_s=handoff_s,
+        )
+    cands = [estimate(model, e, prompt_tokens, pool, splitter) for e in engines if e.role != "prefill"]
+    if not cands:
+        return Decision(None, refused="no live engine", retry_after_s=1)
+    ok = cands
+    if calibrated and slo.tbt_s:
+        ok = [c for c in cands if c.tbt_s <= slo.tbt_s]
+        if not ok:
+            return Decision(None, refused="tbt", retry_after_s=1, candidates=tuple(cands))
+    best = _pick(ok, loads, slo, "ttft_s")
+    if calibrated and slo.ttft_s and best.ttft_s > slo.ttft_s:
+        return Decision(None, refused="ttft", retry_after_s=_retry(best.ttft_s, slo.ttft_s), candidates=tuple(cands))
+    lowest = min(c.ttft_s for c in ok)
+    reason = "lowest ttft" if best.ttft_s == lowest else "near-tie, less loaded"
+    return Decision(best, candidates=tuple(cands), reason=reason)
+
+
+def handoff_load(prefill: EngineLoad, decode: EngineLoad, prompt_tokens: int, chunk_tokens: int) -> Load:
+    """What the decode engine does for a prompt its prefill engine stored: loads every full
+    chunk from DRAM (same node) or over the network, and computes the rest."""
+    stored = (max(prompt_tokens - 1, 0) // chunk_tokens) * chunk_tokens
+    same = bool(prefill.node_id) and prefill.node_id == decode.node_id
+    return Load(
+        compute=prompt_tokens - stored,
+        queued=decode.queued_tokens,
+        dram=stored if same else 0,
+        remote=0 if same else stored,
+    )
+
+
+def _retry(estimate_s: float, target_s: float) -> int:
+    """Seconds until the queue that makes the estimate miss its target has likely drained."""
+    return max(1, min(30, math.ceil(estimate_s - target_s)))

@@ -1,0 +1,349 @@
+"""The conductor's state and its background work: engines, the KV view, the cost model.
+
+:class:`Conductor` is owned by one asyncio loop (the HTTP front's): every field is read
+and written there, so nothing here takes a lock.  The pieces it owns:
+
+* :class:`~kvstore.conductor.engines.Engines` (who, alive, how loaded);
+* the view of where KV is, per request:
+  - each engine's own prefix cache, from its vLLM KV events
+    (:class:`~kvstore.conductor.kvevents.FleetCacheIndex`, fed by one subscriber thread
+    per engine: the only state shared with other threads, behind the index's own lock);
+  - the pool's chunks, node and tier (``match_prefix_locations`` on the cluster: one call
+    per distinct namespace, bounded by ``pool_timeout_s``; a pool that fails is not asked
+    again for ``POOL_RETRY_S``: routing goes on by load and engine caches alone);
+* the :class:`~kvstore.conductor.cost.CostModel` fitted from the requests it served;
+* the routing record (decisions per engine, decision time, predicted against measured
+  TTFT) that ``/conductor/state`` and ``/metrics`` report.
+
+Background tasks (started by :meth:`Conductor.start`): the etcd registry (engines and
+nodes), a probe of every engine each ``probe_s`` (``/health``, ``/metrics`` for its
+load, ``/v1/models`` once), all best effort: a failure marks an engine dead, never the
+conductor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import logging
+import statistics
+import time
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from kvstore.conductor.cost import CostModel, Load, Priors
+from kvstore.conductor.engines import Engines, EngineState, scrape_counts
+from kvstore.conductor.metrics import ConductorMetrics
+from kvstore.conductor.policy import NO_POOL, Decision, EngineLoad, PoolMatch, Slo, decide
+
+log = logging.getLogger("kvstore.conductor")
+
+POOL_RETRY_S = 2.0
+"""After a failed pool lookup, how long requests are routed without the pool."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ConductorConfig:
+    """What ``kvstore conductor`` is told (its flags)."""
+
+    engines: tuple[tuple[str, str], ...] = ()  # static (url, role)
+    etcd: str = ""  # etcd://host:port/cluster: registered engines and the pool ("" none)
+    pd: bool = False
+    slo: Slo = Slo()
+    priors: Priors = Priors()
+    probe_s: float = 1.0
+    pool_timeout_s: float = 0.25
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 2.0
+    tokenizer: str = ""
+    max_body_bytes: int = 32 << 20
+    attempts: int = 3  # engines tried for one request before it fails (connection refused etc.)
+
+
+@dataclasses.dataclass
+class Sent:
+    """One request in flight: what was decided, and what was measured (the loop's)."""
+
+    rid: str
+    decision: Decision
+    prompt_tokens: int
+    arrived: float
+    running_at_start: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    intervals: list[float] = dataclasses.field(default_factory=list)
+    completed: bool = False  # the engine's answer reached its end
+
+
+class Conductor:
+    """See the module docstring."""
+
+    def __init__(self, cfg: ConductorConfig) -> None:
+        self.cfg = cfg
+        self.engines = Engines(cfg.engines)
+        self.model = CostModel(cfg.priors)
+        self.metrics = ConductorMetrics()
+        self.decisions: collections.Counter[str] = collections.Counter()
+        self.decision_us: collections.deque[float] = collections.deque(maxlen=10_000)
+        self.ttft_err: collections.deque[float] = collections.deque(maxlen=10_000)
+        self.mean_prompt = 0.0
+        self.pool_down_until = 0.0
+        self.pool_errors = 0
+        self.rejected: collections.Counter[str] = collections.Counter()
+        self.http: aiohttp.ClientSession | None = None
+        self.tokenizer: Any = None
+        self._pool: Any = None
+        self._membership: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._seq = 0
+        from kvstore.conductor.localview import LocalView
+
+        self.local = LocalView()
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.http = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(
+                total=self.cfg.request_timeout_s, sock_connect=self.cfg.connect_timeout_s, connect=None
+            ),
+            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+        )
+        if self.cfg.etcd:
+            from client import Timeouts
+            from client._connect import connect_async
+
+            t = self.cfg.pool_timeout_s
+            self._pool = connect_async(self.cfg.etcd, timeouts=Timeouts(rpc=t, data=t, connect=t))
+            self._tasks.append(asyncio.create_task(self._follow_registry(), name="conductor-registry"))
+        self._tasks.append(asyncio.create_task(self._probe_loop(), name="conductor-probes"))
+        if self.cfg.tokenizer:
+            self._tasks.append(asyncio.create_task(self._load_tokenizer(), name="conductor-tokenizer"))
+        for e in self.engines.by_id.values():
+            self.local.follow(e)
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self.local.close()
+        if self._membership is not None:
+            await asyncio.to_thread(self._membership.close)
+        if self._pool is not None:
+            with contextlib.suppress(Exception):
+                await self._pool.close()
+        if self.http is not None:
+            await self.http.close()
+
+    async def _load_tokenizer(self) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.cfg.tokenizer)
+            log.info("tokenizer %s loaded", self.cfg.tokenizer)
+        except Exception as e:  # noqa: BLE001 - text prompts then route by load alone
+            log.warning("tokenizer %s did not load (%s): text prompts are routed by load only", self.cfg.tokenizer, e)
+
+    # -- the registry -------------------------------------------------------------------------
+    async def _follow_registry(self) -> None:
+        from kvstore.cluster.membership import Membership
+        from kvstore.cluster.state import parse_target
+
+        endpoints, cluster = parse_target(self.cfg.etcd)
+        warned = False
+        while True:
+            if self._membership is None:
+                m = Membership(endpoints, cluster)
+                try:
+                    await asyncio.to_thread(m.start, 3.0)
+                    self._membership = m
+                    log.info("following engines and nodes in etcd at %s", self.cfg.etcd)
+                except Exception as e:  # noqa: BLE001 - static engines serve on; retried
+                    await asyncio.to_thread(m.close)
+                    if not warned:
+                        log.warning(
+                            "etcd at %s unreachable (%s): routing over the engines known so far", self.cfg.etcd, e
+                        )
+                    warned = True
+                    await asyncio.sleep(2.0)
+                    continue
+            snap = self._membership.snapshot()
+            added, gone = self.engines.apply_registry(getattr(snap, "engines", {}), snap.nodes)
+            for eid in added:
+                log.info("engine %s joined (%s)", eid, self.engines.by_id[eid].url)
+            for eid in gone:
+                log.info("engine %s left (its registration lapsed)", eid)
+                self.local.drop(eid)
+            for engine in self.engines.by_id.values():
+                self.local.follow(engine)
+            await asyncio.sleep(0.5)
+
+    # -- probes ---------------------------------------------------------------------------------
+    async def _probe_loop(self) -> None:
+        while True:
+            engines = list(self.engines.by_id.values())
+            await asyncio.gather(*(self._probe(e) for e in engines), return_exceptions=True)
+            await asyncio.sleep(self.cfg.probe_s)
+
+    async def _probe(self, e: EngineState) -> None:
+        assert self.http is not None
+        timeout = aiohttp.ClientTimeout(total=max(self.cfg.probe_s, 1.0))
+        try:
+            async with self.http.get(e.url + "/health", timeout=timeout) as r:
+                ok = r.status == 200
+            if ok:
+                async with self.http.get(e.url + "/metrics", timeout=timeout) as r:
+                    if r.status == 200:
+                        e.scraped_waiting, e.scraped_running = scrape_counts(await r.text())
+                        e.scraped_at = time.monotonic()
+                if not e.models:
+                    async with self.http.get(e.url + "/v1/models", timeout=timeout) as r:
+                        if r.status == 200:
+                            data = await r.json()
+                            e.models = tuple(str(m["id"]) for m in data.get("data", []) if "id" in m)
+        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError) as err:
+            ok = False
+            why = f"probe failed: {type(err).__name__}: {err}"
+        else:
+            why = "health check failed"
+        if ok:
+            self.engines.mark_alive(e)
+        elif self.engines.mark_dead(e, why):
+            self.local.clear(e.engine_id)
+
+    def engine_failed(self, e: EngineState, why: str) -> None:
+        """A request could not reach ``e``: out until a probe finds it answering."""
+        if self.engines.mark_dead(e, why):
+            self.local.clear(e.engine_id)
+
+    # -- the view and the decision --------------------------------------------------------------
+    async def pool_match(
+        self, tokens: list[int] | None, engines: list[EngineState]
+    ) -> dict[tuple[bytes, int], PoolMatch]:
+        """The pool's leading chunks per (fingerprint, chunk size) the engines key by."""
+        out: dict[tuple[bytes, int], PoolMatch] = {}
+        if tokens is None or self._pool is None or time.monotonic() < self.pool_down_until:
+            return out
+        from kvstore.keys import chunk_keys_from
+
+        spaces = {(e.fingerprint, e.chunk_tokens) for e in engines if e.fingerprint and e.chunk_tokens}
+        arr = np.asarray(tokens, dtype=np.uint32)
+        for fp, chunk in spaces:
+            assert fp is not None
+            keys = chunk_keys_from(arr, fp, chunk)
+            if not keys:
+                out[(fp, chunk)] = PoolMatch(chunk)
+                continue
+            try:
+                n, where = await asyncio.wait_for(self._pool.match_prefix_locations(keys), self.cfg.pool_timeout_s * 2)
+            except Exception as err:  # noqa: BLE001 - the pool is a hint: route without it for a while
+                self.pool_errors += 1
+                self.metrics.pool_errors.inc()
+                self.pool_down_until = time.monotonic() + POOL_RETRY_S
+                log.warning("pool lookup failed (%s): routing by load and engine caches for %.0f s", err, POOL_RETRY_S)
+                return {}
+            out[(fp, chunk)] = PoolMatch(chunk, tuple((str(w), str(t)) for w, t in where[:n]))
+        return out
+
+    def decide(
+        self,
+        tokens: list[int] | None,
+        prompt_tokens: int,
+        model_name: str | None,
+        pools: dict[tuple[bytes, int], PoolMatch],
+    ) -> tuple[Decision, dict[str, EngineState]]:
+        t0 = time.perf_counter()
+        live = self.engines.live(model_name)
+        local = self.local.match(tokens, [e.engine_id for e in live]) if tokens is not None else {}
+        now = time.monotonic()
+        loads = []
+        for e in live:
+            rate = self.model.prefill_rate(e.engine_id)
+            loads.append(
+                EngineLoad(
+                    e.engine_id,
+                    e.role,
+                    e.node_id,
+                    local.get(e.engine_id, 0),
+                    e.queued_tokens(now, rate, self.mean_prompt),
+                    e.running(now),
+                    self.decisions[e.engine_id],
+                )
+            )
+        # one pool view per request: engines of several namespaces each get their own
+        pool = NO_POOL
+        if pools:
+            pool = max(pools.values(), key=lambda p: p.tokens)
+        d = decide(self.model, loads, prompt_tokens, pool, self.cfg.slo, pd=self.cfg.pd)
+        us = (time.perf_counter() - t0) * 1e6
+        self.decision_us.append(us)
+        self.metrics.decision_seconds.observe(us / 1e6)
+        return d, {e.engine_id: e for e in live}
+
+    # -- what requests report back ------------------------------------------------------------
+    def next_id(self) -> str:
+        self._seq += 1
+        return f"cond-{self._seq}"
+
+    def dispatched(self, e: EngineState, rid: str, load: Load) -> None:
+        from kvstore.conductor.engines import Inflight
+
+        e.prefilling[rid] = Inflight(load.compute, time.monotonic())
+        self.decisions[e.engine_id] += 1
+        self.metrics.requests.labels(e.engine_id).inc()
+
+    def first_token(self, e: EngineState, rid: str, load: Load, measured_s: float) -> None:
+        """The first token of what ``e`` was sent came (for a prefill engine: its answer):
+        the request decodes now, and the TTFT model learns from the engine's part."""
+        e.prefilling.pop(rid, None)
+        e.decoding.add(rid)
+        self.model.observe_ttft(e.engine_id, load, measured_s)
+
+    def ttft_seen(self, sent: Sent, measured_s: float) -> None:
+        """The client got its first token ``measured_s`` after the request arrived."""
+        predicted = sent.decision.predicted_ttft_s
+        if measured_s > 0:
+            self.ttft_err.append(abs(predicted - measured_s) / measured_s)
+        self.metrics.ttft.labels("predicted").observe(predicted)
+        self.metrics.ttft.labels("measured").observe(measured_s)
+
+    def ended(self, e: EngineState, rid: str, *, ok: bool, tbt_s: float | None = None, running: float = 0) -> None:
+        e.prefilling.pop(rid, None)
+        e.decoding.discard(rid)
+        if ok:
+            e.served += 1
+            if tbt_s is not None:
+                self.model.observe_tbt(running, tbt_s)
+
+    def note_prompt(self, n: int) -> None:
+        self.mean_prompt = n if self.mean_prompt == 0 else 0.95 * self.mean_prompt + 0.05 * n
+
+    # -- reports ------------------------------------------------------------------------------
+    def routing(self) -> dict[str, Any]:
+        us = sorted(self.decision_us)
+        return {
+            "predicted_ttft_abs_err_median": round(statistics.median(self.ttft_err), 4) if self.ttft_err else None,
+            "decisions_per_engine": dict(sorted(self.decisions.items())),
+            "decision_us": {
+                "p50": round(us[len(us) // 2], 1) if us else None,
+                "p99": round(us[min(len(us) - 1, int(len(us) * 0.99))], 1) if us else None,
+            },
+            "rejected": dict(self.rejected),
+            "pool_errors": self.pool_errors,
+        }
+
+    def state(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "engines": [e.describe(now) for e in self.engines.by_id.values()],
+            "routing": self.routing(),
+            "model": self.model.describe(),
+            "views": self.local.describe(),
+            "pd": self.cfg.pd,
+            "slo": {"ttft_s": self.cfg.slo.ttft_s, "tbt_s": self.cfg.slo.tbt_s},
+        }
