@@ -107,10 +107,10 @@ class CostModel:
     def __init__(self, priors: Priors | None = None, *, forget: float = 0.98) -> None:
         self.priors = priors or Priors()
         w = self.priors.ttft_weights()
-        self.fleet = RLS(w, np.maximum(w, 0.01) ** 2 * 4 + 1e-4, forget)
+        self.fleet = RLS(w, np.maximum(w, 0.1) ** 2 * 100, forget)  # weak priors: measurements win fast
         self.engines: dict[str, RLS] = {}
         t = self.priors.tbt_weights()
-        self.tbt_fit = RLS(t, np.maximum(t, 0.005) ** 2 * 4 + 1e-4, forget)
+        self.tbt_fit = RLS(t, np.maximum(t, 0.01) ** 2 * 100, forget)
 
     def _engine(self, engine_id: str) -> RLS:
         fit = self.engines.get(engine_id)

@@ -101,6 +101,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--node-dram", default="1GiB", help="each kvstore node's DRAM tier (default 1GiB)")
     g.add_argument("--node-nvme", default="2GiB", help="each kvstore node's NVMe tier (default 2GiB)")
     g.add_argument("--connector-extra", default="{}", help="JSON merged into the connector's kv_connector_extra_config")
+    g.add_argument(
+        "--conductor-reject",
+        action="store_true",
+        help="conductor configurations: early rejection on, at --slo-ttft-ms and --slo-tbt-ms (429 before any engine works)",
+    )
+    g.add_argument("--conductor-args", default="", help="more flags for `kvstore conductor` (one string, shell-split)")
     g.add_argument("--warmup", type=int, default=2, help="warm-up requests per engine, not measured (default 2)")
     g.add_argument("--request-timeout", type=float, default=300.0, help="seconds one request may take (default 300)")
     g.add_argument("--start-timeout", type=float, default=900.0, help="seconds a fleet may take to start (default 900)")
@@ -257,6 +263,7 @@ def run(a: argparse.Namespace) -> tuple[dict[str, Any], list[Record]]:
             node_dram=a.node_dram,
             node_nvme=a.node_nvme,
             connector_extra=tuple(sorted(extra.items())),
+            conductor_args=_conductor_args(a),
             start_timeout_s=a.start_timeout,
         )
         log_dir = Path(a.log_dir) if a.log_dir else None
@@ -289,6 +296,15 @@ def run(a: argparse.Namespace) -> tuple[dict[str, Any], list[Record]]:
     return result, records
 
 
+def _conductor_args(a: argparse.Namespace) -> tuple[str, ...]:
+    import shlex
+
+    args = shlex.split(a.conductor_args)
+    if a.conductor_reject:
+        args += ["--slo-ttft-ms", str(a.slo_ttft_ms), "--slo-tbt-ms", str(a.slo_tbt_ms)]
+    return tuple(args)
+
+
 def _model_len(steps: list[Workload], a: argparse.Namespace) -> int:
     need = max(max(w.max_len for w in steps), WARMUP_TOKENS + 8)
     return -(-(need + 16) // 128) * 128
@@ -316,13 +332,17 @@ def _run_config(
                 fleet = stack.enter_context(Fleet(name, spec, log_dir=log_dir).start())
                 p.update()
             engines = fleet.engines
+            if fleet.conductor is not None:  # requests go to the conductor, which picks the engine
+                engines = [fleet.conductor]
             result["fleets"][name] = {
                 "started_s": round(fleet.started_s, 1),
-                "engines": [{"name": e.name, "role": e.role, "cpus": e.cpus, "node": bool(e.node)} for e in engines],
+                "engines": [
+                    {"name": e.name, "role": e.role, "cpus": e.cpus, "node": bool(e.node)} for e in fleet.engines
+                ],
             }
         _warm_up(engines, name, served, a.warmup, a.request_timeout)
         for k, wl in enumerate(steps):
-            before = _engine_metrics(engines)
+            before = _engine_metrics(fleet.engines if fleet is not None else engines)
             nodes_before = fleet.node_counters() if fleet is not None else {}
             cpu_before = fleet.cpu_seconds() if fleet is not None else {}
             label = f"serving: {name}" + (f" at {wl.offered_rps:.2f} req/s" if len(steps) > 1 else "")
@@ -347,7 +367,7 @@ def _run_config(
                 recs = rep.run()
             for why in [*rep.dead.values(), *rep.closes_failed]:
                 result["failures"].append(f"{name}: {why}")
-            after = _engine_metrics(engines)
+            after = _engine_metrics(fleet.engines if fleet is not None else engines)
             nodes_after = fleet.node_counters() if fleet is not None else {}
             cpu_after = fleet.cpu_seconds() if fleet is not None else {}
             result.setdefault("_counters", {})[(k, name)] = {
@@ -361,6 +381,8 @@ def _run_config(
                 "offered_rps": round(wl.offered_rps, 4),
                 "wall_s": round(rep.wall_s, 2),
             }
+            if fleet is not None and fleet.conductor is not None:
+                result["_counters"][(k, name)]["routing"] = fleet.routing()
             by_step[k][name] = recs
             records.extend(recs)
     if name in result["fleets"]:

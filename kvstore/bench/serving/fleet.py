@@ -14,7 +14,11 @@ Configurations (:data:`CONFIGS`):
   lookups cluster-wide (``lookup_target`` ``etcd://``), so an engine loads what any
   engine stored, pulling it from the other node when it is not on its own;
 * ``pd``: ``prefill`` engines ``kv_producer`` and the others ``kv_consumer``; KV goes
-  from the prefill engine's node to the decode engine through the store.
+  from the prefill engine's node to the decode engine through the store;
+* ``conductor`` and ``conductor-pd``: the fleets of ``pool`` and ``pd``, each engine also
+  publishing vLLM's KV events and registered in the cluster (connector setting
+  ``advertise_url``), behind ``kvstore conductor`` (a process of its own): requests go
+  to the conductor, which picks the engine (:mod:`kvstore.conductor`).
 
 Equal cores: every configuration's engines get the same CPUs.  vLLM's CPU backend binds
 a worker's OpenMP threads and, left to itself (``auto``), reserves a core for engines
@@ -43,7 +47,7 @@ from typing import Any
 from kvstore.children import log_tail, spawn, stop
 from kvstore.errors import InvalidArgument
 
-CONFIGS = ("baseline", "pool", "pd")
+CONFIGS = ("baseline", "pool", "pd", "conductor", "conductor-pd")
 SERVED_NAME = "kvstore-bench"
 
 
@@ -77,6 +81,7 @@ class FleetSpec:
     node_dram: str = "1GiB"
     node_nvme: str = "2GiB"
     connector_extra: tuple[tuple[str, Any], ...] = ()
+    conductor_args: tuple[str, ...] = ()  # extra flags of `kvstore conductor` (conductor configurations)
     python: str = sys.executable
     start_timeout_s: float = 900.0
 
@@ -101,9 +106,9 @@ def engine_cpus(n: int, cpus: list[int] | None = None) -> list[str]:
 def roles(config: str, spec: FleetSpec) -> list[str]:
     if config not in CONFIGS:
         raise InvalidArgument(f"unknown configuration {config!r} (known: {', '.join(CONFIGS)})")
-    if config == "pd":
+    if config in ("pd", "conductor-pd"):
         if spec.engines < 2:
-            raise InvalidArgument("configuration pd needs at least 2 engines (--engines)")
+            raise InvalidArgument(f"configuration {config} needs at least 2 engines (--engines)")
         return ["prefill"] * spec.prefill + ["decode"] * (spec.engines - spec.prefill)
     return ["both"] * spec.engines
 
@@ -132,6 +137,7 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
         self.engines: list[Engine] = []
         self.nodes: list[Any] = []  # kvstore.children.ServeProcess, one per engine (store configs)
         self.cluster_target = ""
+        self.conductor: Engine | None = None  # the conductor configurations' front
         self._etcd: Any = None
         self._stack = contextlib.ExitStack()
         self._tmp = Path(self._stack.enter_context(tempfile.TemporaryDirectory(prefix=f"kvstore-serving-{config}-")))
@@ -142,12 +148,18 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
     def uses_store(self) -> bool:
         return self.config != "baseline"
 
+    @property
+    def conducted(self) -> bool:
+        return self.config.startswith("conductor")
+
     def start(self) -> Fleet:
         t0 = time.perf_counter()
         try:
             if self.uses_store:
                 self._start_store()
             self._start_engines()
+            if self.conducted:
+                self._start_conductor()
         except BaseException:
             self.close()
             raise
@@ -224,6 +236,20 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
         if self.uses_store:
             kv_role = {"both": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}[role]
             extra = {"target": self.nodes[i].target, "lookup_target": self.cluster_target, **dict(s.connector_extra)}
+            if self.conducted:  # registered for the conductor, with the engine's KV events
+                extra["advertise_url"] = f"http://127.0.0.1:{port}"
+                ev, replay = _free_port(), _free_port()
+                cmd += [
+                    "--kv-events-config",
+                    json.dumps(
+                        {
+                            "enable_kv_cache_events": True,
+                            "publisher": "zmq",
+                            "endpoint": f"tcp://127.0.0.1:{ev}",
+                            "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+                        }
+                    ),
+                ]
             cmd += [
                 "--kv-transfer-config",
                 json.dumps(
@@ -281,6 +307,46 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
                 )
             if pending:
                 time.sleep(1.0)
+
+    def _start_conductor(self) -> None:
+        """``kvstore conductor`` over the engines (listed, and found in etcd with their
+        namespaces, nodes and KV events), ready once it knows every engine's KV events."""
+        port = _free_port()
+        cmd = [self.spec.python, "-m", "kvstore", "conductor", "--port", str(port), "--etcd", self.cluster_target]
+        cmd += ["--pd"] if self.config == "conductor-pd" else []
+        for e in self.engines:
+            cmd += ["--engine", f"{e.url}={e.role}"]
+        cmd += list(self.spec.conductor_args)
+        log = self.log_dir / f"{self.config}-conductor.log"
+        with open(log, "w") as f:
+            proc = spawn(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.conductor = Engine("conductor", f"http://127.0.0.1:{port}", "both", "", "", proc, log)
+        self._stack.callback(_stop_engine, self.conductor)
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"the conductor exited (code {proc.returncode}) while starting{self.conductor.log_tail()}"
+                )
+            with contextlib.suppress(OSError, ValueError):
+                code, text = _get(self.conductor.url + "/conductor/state", timeout=2.0)
+                if code == 200 and all(e["kv_events"] and e["node_id"] for e in json.loads(text)["engines"]):
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the conductor did not learn every engine's registration in 60 s{self.conductor.log_tail()}"
+                )
+            time.sleep(0.5)
+
+    def routing(self) -> dict[str, Any] | None:
+        """The conductor's routing record (``/conductor/state``), None without one."""
+        if self.conductor is None:
+            return None
+        try:
+            code, text = _get(self.conductor.url + "/conductor/state", timeout=10.0)
+            return dict(json.loads(text)["routing"]) if code == 200 else None
+        except (OSError, ValueError, KeyError):
+            return None
 
     def metrics(self) -> dict[str, dict[str, float]]:
         """Each live engine's Prometheus counters (``/metrics``), summed over labels."""

@@ -10,7 +10,10 @@ makespan; ``prompt_tokens`` by source (``engine_cache``: vLLM's own prefix cache
 ``store``: the connector, ``recomputed``: the rest; from the engines' ``/metrics``
 counters over the run, summed over the fleet's engines, so in ``pd`` a prompt counts on
 its prefill and on its decode engine), ``store_blocks`` (DRAM and NVMe reads, remote
-pulls, from the nodes' and the connector's counters) and ``tokens_equal_baseline``.
+pulls, from the nodes' and the connector's counters) and ``tokens_equal_baseline``;
+``reject_ms`` (p50/p99/p100 of how soon a refused request was answered).  The conductor
+configurations add ``routing``: the conductor's ``predicted_ttft_abs_err_median``,
+``decisions_per_engine`` and ``decision_us`` (p50, p99).
 """
 
 from __future__ import annotations
@@ -125,6 +128,7 @@ def summarise(
         "completed": len(ok),
         "errors": sum(1 for r in records if r.error is not None and not r.rejected),
         "rejected": sum(1 for r in records if r.rejected),
+        "reject_ms": pct([r.reject_ms for r in records if r.reject_ms is not None], (50, 99, 100)),
         "ttft_ms": pct(ttft, (50, 90, 99)),
         "tbt_ms": pct(tbts, (50, 90, 99)),
         "itl_ms": pct(itl, (50, 99)),

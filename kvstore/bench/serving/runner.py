@@ -49,6 +49,7 @@ class Record:
     status: int | None = None
     error: str | None = None
     rejected: bool = False
+    reject_ms: float | None = None  # a rejected request: how soon the answer came
     step: int = 0
 
     @property
@@ -173,7 +174,7 @@ class Replay:
                 )
                 async with http.post(route.prefill.url + "/v1/completions", json=body) as r:
                     if r.status != 200:
-                        return self._done(await self._refused(rec, r, route.prefill))
+                        return self._done(await self._refused(rec, r, route.prefill, arrival))
                     data = await r.json()
                 kvp = data.get("kv_transfer_params")
                 rec.prefill_ms = (time.monotonic() - arrival) * 1e3
@@ -188,7 +189,7 @@ class Replay:
             )
             async with http.post(route.decode.url + "/v1/completions", json=body) as r:
                 if r.status != 200:
-                    return self._done(await self._refused(rec, r, route.decode))
+                    return self._done(await self._refused(rec, r, route.decode, arrival))
                 rec.status = 200
                 last: float | None = None
                 async for raw in r.content:
@@ -240,11 +241,12 @@ class Replay:
         except Exception as e:  # a close that fails is reported, never fatal
             self.closes_failed.append(f"close_session {session_id!r}: {type(e).__name__}: {e}")
 
-    async def _refused(self, rec: Record, r: Any, engine: Engine) -> Record:
+    async def _refused(self, rec: Record, r: Any, engine: Engine, arrival: float) -> Record:
         rec.status = int(r.status)
         text = (await r.text())[:300]
         if r.status in REJECT_STATUS:
             rec.rejected = True
+            rec.reject_ms = (time.monotonic() - arrival) * 1e3
         rec.error = f"{engine.name}: HTTP {r.status}: {text}"
         return rec
 

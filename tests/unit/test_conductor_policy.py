@@ -1,0 +1,135 @@
+"""The conductor's decision and cost model, as pure functions: estimates from token counts,
+ties, prefill/decode, early rejection, and a model that learns the fleet's speed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.conductor.cost import CostModel, Load, Priors
+from kvstore.conductor.policy import EngineLoad, PoolMatch, Slo, _pool_split, _Splitter, decide, estimate
+
+# a model with exact, easy numbers: 1 ms per computed token, 0.1 ms per DRAM token,
+# 0.3 ms per NVMe token, 0.5 ms per remote token, no base cost
+PRIORS = Priors(prefill_tokens_per_s=1000, base_s=0.0, load_gbps=(10.0, 10 / 3, 2.0), bytes_per_token=1_000_000)
+
+
+def model() -> CostModel:
+    return CostModel(PRIORS)
+
+
+def eng(
+    eid: str, *, local: int = 0, queued: float = 0, running: int = 0, node: str = "n1", role: str = "both"
+) -> EngineLoad:
+    return EngineLoad(eid, role, node, local, queued, running)
+
+
+def test_the_estimate_counts_compute_queue_and_each_tier() -> None:
+    m = model()
+    pool = PoolMatch(100, (("n1", "dram"), ("n1", "nvme"), ("n2", "dram")))
+    e = estimate(m, eng("a", local=50, queued=200), 1000, pool)
+    # local 0..50, pool 50..300: 50 DRAM (rest of chunk 0), 100 NVMe, 100 remote (chunk on n2)
+    assert (e.local_tokens, e.pool_tokens) == (50, 250)
+    assert (e.load.dram, e.load.nvme, e.load.remote, e.load.compute) == (50, 100, 100, 700)
+    assert e.ttft_s == pytest.approx(0.9 + 0.005 + 0.03 + 0.05)
+
+
+def test_no_hit_covers_the_last_prompt_token() -> None:
+    m = model()
+    pool = PoolMatch(100, (("n1", "dram"),) * 3)
+    e = estimate(m, eng("a", local=300), 300, pool)
+    assert e.local_tokens == 299 and e.pool_tokens == 0 and e.load.compute == 1
+
+
+def test_the_splitter_agrees_with_the_plain_split_everywhere() -> None:
+    rng = np.random.default_rng(1)
+    where = tuple((f"n{rng.integers(3)}", "dram" if rng.random() < 0.6 else "nvme") for _ in range(40))
+    pool = PoolMatch(64, where)
+    sp = _Splitter(pool)
+    for _ in range(300):
+        a, b = sorted(int(x) for x in rng.integers(0, 40 * 64 + 1, 2))
+        for node in ("n0", "n1", "n2", ""):
+            assert sp.split(a, b, node) == _pool_split(pool, a, b, node), (a, b, node)
+
+
+def test_the_engine_holding_the_prefix_wins_unless_its_queue_costs_more() -> None:
+    m = model()
+    d = decide(m, [eng("a", local=800), eng("b")], 1000)
+    assert d.engine is not None and d.engine.engine_id == "a" and d.reason == "lowest ttft"
+    # a's queue (1,000 tokens) costs more than b's recompute of the 800 it lacks
+    d = decide(m, [eng("a", local=800, queued=1000), eng("b")], 1000)
+    assert d.engine is not None and d.engine.engine_id == "b"
+
+
+def test_a_hot_prefix_on_a_saturated_engine_is_served_from_the_pool_by_another() -> None:
+    m = model()
+    pool = PoolMatch(100, tuple(("n2", "dram") for _ in range(8)))  # a's own node holds it too? no: b's
+    d = decide(m, [eng("a", local=800, queued=5000, node="n1"), eng("b", node="n2")], 1000, pool)
+    assert d.engine is not None and d.engine.engine_id == "b"
+    assert d.engine.pool_tokens == 800 and d.engine.load.dram == 800
+
+
+def test_near_ties_go_to_the_less_loaded_engine_and_exact_ties_spread() -> None:
+    m = model()
+    d = decide(m, [eng("a", running=5), eng("b", queued=10, running=0)], 1000, slo=Slo(tie=0.05))
+    assert d.engine is not None and d.engine.engine_id == "a"  # b's 10 queued tokens: 1 % slower, a near-tie
+    d = decide(m, [eng("a", queued=10), eng("b", queued=0)], 1000)
+    assert d.engine is not None and d.engine.engine_id == "b"
+    d = decide(m, [EngineLoad("a", "both", "n1", 0, 0, 0, sent=3), EngineLoad("b", "both", "n1", 0, 0, 0, sent=1)], 10)
+    assert d.engine is not None and d.engine.engine_id == "b"
+
+
+def test_an_uncalibrated_model_refuses_nothing_a_calibrated_one_refuses_what_misses() -> None:
+    m = model()
+    slo = Slo(ttft_s=0.5, min_samples=3)
+    busy = [eng("a", queued=5000)]
+    assert not decide(m, busy, 1000, slo=slo).refused
+    for _ in range(3):
+        m.observe_ttft("a", Load(compute=1000, queued=0), 1.0)
+    d = decide(m, busy, 1000, slo=slo)
+    assert d.refused == "ttft" and d.engine is None and d.retry_after_s >= 1
+    assert d.predicted_ttft_s > 0.5
+    assert not decide(m, [eng("a")], 100, slo=slo).refused
+
+
+def test_the_tbt_target_excludes_engines_running_too_many_decodes() -> None:
+    m = model()
+    for r in range(1, 30):  # 10 ms + 2 ms per running decode
+        m.observe_tbt(r, 0.010 + 0.002 * r)
+    slo = Slo(tbt_s=0.05, min_samples=0)
+    d = decide(m, [eng("a", running=25), eng("b", running=3, queued=3000)], 100, slo=slo)
+    assert d.engine is not None and d.engine.engine_id == "b"
+    d = decide(m, [eng("a", running=25)], 100, slo=slo)
+    assert d.refused == "tbt"
+
+
+def test_prefill_decode_picks_each_half_by_its_own_measure() -> None:
+    m = model()
+    engines = [
+        eng("p1", role="prefill", queued=2000),
+        eng("p2", role="prefill"),
+        eng("d1", role="decode", running=9, node="n2"),
+        eng("d2", role="decode", running=1, node="n1"),
+    ]
+    d = decide(m, engines, 1000, PoolMatch(256), pd=True)
+    assert d.prefill is not None and d.engine is not None
+    assert (d.prefill.engine_id, d.engine.engine_id) == ("p2", "d2")
+    # the decode engine loads the prefill's full chunks (768 of 1,000 tokens) from its own node's DRAM
+    assert d.handoff is not None and (d.handoff.dram, d.handoff.remote, d.handoff.compute) == (768, 0, 232)
+    assert d.predicted_ttft_s == pytest.approx(d.prefill.ttft_s + d.handoff_s)
+    assert decide(m, engines[:2], 1000, pd=True).refused
+
+
+def test_the_model_learns_an_engine_speed_it_was_not_told() -> None:
+    m = CostModel(Priors(prefill_tokens_per_s=2000))
+    rng = np.random.default_rng(0)
+    for _ in range(60):  # the real engine: 50 ms + 4 ms per token, 1 ms per DRAM token
+        load = Load(
+            compute=int(rng.integers(50, 2000)), queued=float(rng.integers(0, 3000)), dram=int(rng.integers(0, 2000))
+        )
+        m.observe_ttft("e", load, 0.05 + 0.004 * (load.compute + load.queued) + 0.001 * load.dram)
+    assert m.prefill_rate("e") == pytest.approx(250, rel=0.05)
+    probe = Load(compute=700, queued=300, dram=500)
+    assert m.ttft("e", probe) == pytest.approx(0.05 + 4.0 + 0.5, rel=0.05)
+    # a new engine starts from what the fleet learned
+    assert m.ttft("new", probe) == pytest.approx(m.ttft("e", probe), rel=0.01)
