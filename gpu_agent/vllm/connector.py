@@ -10,7 +10,9 @@ only routes vLLM's calls to the half it is:
   per-request bookkeeping, and each step's :class:`~gpu_agent.vllm.metadata.KVStoreMeta`;
 * worker (:mod:`gpu_agent.vllm.worker`): the loads and saves, through one GPU agent;
 * what both share: the namespaces (:mod:`gpu_agent.vllm.spec`), the counters
-  (:mod:`gpu_agent.vllm.stats`) and the KV events (:mod:`gpu_agent.vllm.events`).
+  (:mod:`gpu_agent.vllm.stats`) and the KV events (:mod:`gpu_agent.vllm.events`);
+* the engine's record in etcd (:mod:`gpu_agent.vllm.registry`, with ``advertise_url``): the
+  scheduler half registers it at start and revokes it in ``shutdown``.
 
 Invariants: the scheduler and the workers derive the same namespace from the same
 config, each worker for its own rank; a request whose blocks are held for its saves
@@ -29,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from gpu_agent.vllm.metadata import KVStoreMeta
+from gpu_agent.vllm.registry import start_registration
 from gpu_agent.vllm.scheduler import SchedulerSide
 from gpu_agent.vllm.settings import ConnectorSettings
 from gpu_agent.vllm.spec import engine_spec
@@ -44,6 +47,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from kvstore.cluster.engines import EngineRegistrar
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +66,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.chunk = self.settings.chunk_for(block)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._registrar: EngineRegistrar | None = None  # the engine's record in etcd (advertise_url)
         spec = engine_spec(vllm_config, kv_cache_config, model_id=self.settings.model_id)  # fails at start, not later
         if role == KVConnectorRole.SCHEDULER:
             if getattr(tc, "kv_load_failure_policy", "recompute") != "recompute":
@@ -78,6 +84,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 consume=bool(tc.is_kv_consumer),
                 events=bool(getattr(kv_events, "enable_kv_cache_events", False)),
             )
+            self._registrar = start_registration(vllm_config, spec, self.settings, self.chunk)
         else:
             self._worker = WorkerSide(vllm_config, kv_cache_config, self.settings, self.chunk)  # type: ignore[arg-type]
 
@@ -143,6 +150,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         return self._worker.take_events() if self._worker is not None else None
 
     def shutdown(self) -> None:
+        registrar, self._registrar = self._registrar, None
+        if registrar is not None:
+            registrar.close()  # the engine leaves the registry first: no request is routed to it now
         if self._worker is not None:
             self._worker.close()
         if self._scheduler is not None:

@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from client import KVClient, Timeouts
 from gpu_agent.layout import KVCacheLayout
 from kvstore.block import DTYPES
+from kvstore.cluster.state import check_engine_id, parse_target
 from kvstore.errors import Incompatible, InvalidArgument
 from kvstore.keys import Namespace
 
@@ -75,6 +77,17 @@ class ConnectorSettings:
     waits in ``WAITING_FOR_REMOTE_KVS``, the batch runs on): ``auto``, hits with chunks on
     NVMe or on another node (their latency is the disk's or the network's); ``always``;
     ``never`` (every load inside the step that computes the request)."""
+    advertise_url: str = ""
+    """The engine's OpenAI base URL as clients reach it (``http://10.0.0.5:8000``): the
+    engine then registers in etcd (``engines/<engine_id>`` on a lease, for a request
+    scheduler such as ``kvstore conductor``; see ``kvstore.cluster.engines``) and drops out
+    when it stops or dies ("": not registered)."""
+    registry: str = ""
+    """``etcd://host:port/cluster`` to register the engine in (default: the lookup target,
+    ``lookup_target`` or else ``target``, when it is an ``etcd://`` target).  Only with
+    ``advertise_url``; etcd down never stalls the engine: it registers when etcd answers."""
+    engine_id: str = ""
+    """The engine's id in the registry (default: ``host:port`` of ``advertise_url``)."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -112,7 +125,45 @@ class ConnectorSettings:
             raise InvalidArgument(
                 "kv_connector_extra_config: chunk_tokens, hbm_bytes, load_timeout_s, events_resync_s, copy_threads >= 0 and deadline_s > 0"
             )
+        s.registry_target()  # an engine that cannot register fails at start, naming the keys
+        s.registered_engine_id()
         return s
+
+    def registry_target(self) -> str:
+        """Where the engine registers (``etcd://host:port/cluster``; "" when it does not: no
+        ``advertise_url``).  InvalidArgument when ``advertise_url`` has no etcd to register in."""
+        if not self.advertise_url:
+            if self.registry or self.engine_id:
+                raise InvalidArgument(
+                    "kv_connector_extra_config.registry and engine_id register the engine only with "
+                    "kv_connector_extra_config.advertise_url (the engine's OpenAI URL as clients reach it)"
+                )
+            return ""
+        advertised_host_port(self.advertise_url)
+        lookups = self.lookup_target or self.target
+        target = self.registry or (lookups if lookups.startswith("etcd://") else "")
+        if not target:
+            raise InvalidArgument(
+                f"kv_connector_extra_config.advertise_url={self.advertise_url!r} registers the engine in etcd, "
+                "but there is none to register in: set kv_connector_extra_config.registry to "
+                "etcd://HOST:PORT/CLUSTER (or make lookup_target an etcd:// target)"
+            )
+        try:
+            parse_target(target)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"kv_connector_extra_config.registry: {e}") from None
+        return target
+
+    def registered_engine_id(self) -> str:
+        """The engine's id in the registry: ``engine_id``, or ``host:port`` of ``advertise_url``."""
+        if not self.advertise_url:
+            return ""
+        host, port = advertised_host_port(self.advertise_url)
+        eid = self.engine_id or f"{host}:{port}"
+        try:
+            return check_engine_id(eid)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"kv_connector_extra_config.engine_id: {e}") from None
 
     @property
     def wait_s(self) -> float:
@@ -146,6 +197,28 @@ class ConnectorSettings:
         if self.tls:
             kw["tls"] = True
         return KVClient(t, **kw)
+
+
+def advertised_host_port(url: str) -> tuple[str, int]:
+    """Host (IPv6 in brackets) and port of an ``http(s)://HOST[:PORT]`` URL (the scheme's
+    port when it has none); InvalidArgument naming ``advertise_url`` otherwise."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        parts, port = None, None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidArgument(
+            f"kv_connector_extra_config.advertise_url must be http(s)://HOST:PORT (the engine's OpenAI URL "
+            f"as clients reach it), got {url!r}"
+        )
+    if parts.hostname in ("0.0.0.0", "::", "*"):
+        raise InvalidArgument(
+            f"kv_connector_extra_config.advertise_url={url!r}: a wildcard address is not one clients can reach; "
+            "give the engine's address on the network"
+        )
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return host, port or (443 if parts.scheme == "https" else 80)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,5 +1,6 @@
-"""Cluster mode: etcd-managed membership, configuration, namespace epochs and owners;
-placement; the node's registration agent; ``kvstore up`` and ``kvstore cluster``.
+"""Cluster mode: etcd-managed membership (nodes, and the vLLM engines that use them),
+configuration, namespace epochs and owners; placement; the node's registration agent;
+``kvstore up`` and ``kvstore cluster``.
 
 Modules:
 
@@ -8,6 +9,7 @@ Modules:
 * :mod:`kvstore.cluster.simbench` — ``kvstore cluster bench-placement`` (placement at 3..1,024 nodes, in-process);
 * :mod:`kvstore.cluster.etcd` — every etcd call (the only importer of ``aetcd``);
 * :mod:`kvstore.cluster.membership` — a watched view for synchronous code (its own thread);
+* :mod:`kvstore.cluster.engines` — a vLLM engine's registration for synchronous code (its own thread);
 * :mod:`kvstore.cluster.node` — a node's registration and epoch reclaim (the node's loop);
 * :mod:`kvstore.cluster.owners` — a node's namespace owners followed from etcd (with tenants);
 * :mod:`kvstore.cluster.local_etcd` — a private etcd process for ``kvstore up`` and tests;

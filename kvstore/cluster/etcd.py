@@ -1,11 +1,13 @@
 """All etcd access: the only module that imports the etcd client (``aetcd``).
 
-Three users, each with its own :class:`EtcdSession` (one gRPC channel, rotating over
+Its users, each with its own :class:`EtcdSession` (one gRPC channel, rotating over
 the configured endpoints after a failure):
 
 * :class:`Registration` (a node): puts ``nodes/<id>`` under a lease and keeps the lease
   alive; if etcd is unreachable the node serves on, and when etcd answers again the
   record is checked and, if the lease or the key is gone, registered anew.
+  :class:`EngineRegistration` does the same for a vLLM engine's ``engines/<id>``; both
+  are a :class:`LeasedRecord`.
 * :class:`ClusterWatcher` (nodes and clients): loads everything under the cluster
   prefix, then follows a watch from the next revision, publishing an immutable
   :class:`~kvstore.cluster.state.ClusterSnapshot` after each change.  A ping beside the
@@ -31,18 +33,26 @@ import math
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import aetcd
 import aetcd.exceptions
 
 from kvstore.cluster import hot as _hot
 from kvstore.cluster import state
-from kvstore.cluster.state import ClusterConfig, ClusterSnapshot, NamespaceRecord, NodeInfo, OwnerRecord
+from kvstore.cluster.state import (
+    ClusterConfig,
+    ClusterSnapshot,
+    EngineRecord,
+    NamespaceRecord,
+    NodeInfo,
+    OwnerRecord,
+)
 from kvstore.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger("kvstore.cluster.etcd")
 T = TypeVar("T")
+R = TypeVar("R", NodeInfo, EngineRecord)  # a record kept alive under a lease (LeasedRecord)
 
 # reconnect quickly when etcd comes back; notice a silent peer through keepalive pings
 # (etcd allows pings on open streams every 5 s or more)
@@ -130,6 +140,7 @@ class _Builder:
         self.config_raw: dict[str, bytes] = {}
         self.namespaces: dict[bytes, NamespaceRecord] = {}
         self.registrations: dict[str, tuple[int, int]] = {}
+        self.engines: dict[str, EngineRecord] = {}
         self.owners: dict[bytes, OwnerRecord] = {}  # filled by a full load only (see apply)
         self.hot = _hot.HotTable()
         self.revision = 0
@@ -157,6 +168,14 @@ class _Builder:
                         raise ValueError(f"record of node {name!r} names node {info.node_id!r}")
                     self.nodes[name] = info
                     self.registrations[name] = (revision, lease)
+            elif kind == "engines" and name:
+                if value is None:
+                    self.engines.pop(name, None)
+                else:
+                    engine = EngineRecord.from_json(value)
+                    if engine.engine_id != name:  # a second claim to an id: ignored, like a node's
+                        raise ValueError(f"record of engine {name!r} names engine {engine.engine_id!r}")
+                    self.engines[name] = engine
             elif kind == "hot" and name:
                 self.hot.set(name, None)  # a record that does not parse counts as none
                 if value is not None:
@@ -203,6 +222,7 @@ class _Builder:
             connected=connected,
             loaded=True,
             hot=dict(self.hot.merged),
+            engines=dict(self.engines),
         )
 
 
@@ -355,49 +375,68 @@ class ClusterWatcher:
         await self.session.close()
 
 
-# -- node registration ------------------------------------------------------------------------
-class Registration:
-    """Keeps ``nodes/<id>`` alive under a lease for as long as the node runs."""
+# -- registration: a record kept alive under a lease -------------------------------------------
+class LeasedRecord(Generic[R]):
+    """Keeps one record (``key`` = ``record.to_json()``) alive under a lease for as long as its
+    owner runs: :meth:`run` refreshes the lease every ttl/3 and registers anew when the lease
+    expired or the record vanished or changed hands; if etcd is unreachable the owner serves
+    on (one warning) and registers when etcd answers.  :meth:`deregister` revokes the lease,
+    which deletes the record.  Subclasses say what the record is (``kind``, for the logs) and
+    whom an existing record under the key may belong to (:meth:`_conflict`)."""
+
+    kind = "record"
 
     def __init__(
-        self, endpoints: str, cluster: str, info: NodeInfo, *, ttl_s: float = 10.0, timeout: float = 2.0
+        self,
+        endpoints: str,
+        cluster: str,
+        key: bytes,
+        name: str,
+        record: R,
+        *,
+        ttl_s: float = 10.0,
+        timeout: float = 2.0,
     ) -> None:
         self.cluster = state.check_cluster_name(cluster)
-        self.info = info
+        self.record: R = record
+        self.name = name
+        self.key = key
         self.ttl = max(1, math.ceil(ttl_s))
-        self.key = state.node_key(cluster, info.node_id)
         self.session = EtcdSession(endpoints, timeout=min(timeout, max(0.5, self.ttl / 3)))
         self.lease_id: int | None = None
         self.registered = asyncio.Event()
         self.registrations = 0  # how many times a record was written (1 + re-registrations)
         self._reachable = True
 
+    def _conflict(self, existing: bytes, record: R) -> str | None:
+        """Why ``existing`` (the value under our key) must not be replaced by ``record`` (None: it may)."""
+        return None
+
     async def register(self) -> None:
-        """Grant a lease and put our record on it (refusing to clobber another live node with our id)."""
-        info = dataclasses.replace(self.info, started_at=self.info.started_at or time.time())
+        """Grant a lease and put our record on it (refusing to clobber another live owner of the key)."""
+        record = dataclasses.replace(self.record, started_at=self.record.started_at or time.time())
 
         async def put(c: aetcd.Client) -> int:
             existing = await c.get(self.key)
             if existing is not None:
-                try:
-                    other = NodeInfo.from_json(existing.value)
-                except ValueError:
-                    other = None
-                if other is not None and (other.host, other.data_dir) != (info.host, info.data_dir):
-                    raise InvalidArgument(
-                        f"node id {info.node_id!r} is already registered in cluster {self.cluster!r} by "
-                        f"{other.host}:{other.data_dir} (pid {other.pid}); give this node a unique --node-id"
-                    )
+                why = self._conflict(existing.value, record)
+                if why is not None:
+                    raise InvalidArgument(why)
             lease = await c.lease(self.ttl)
-            await c.put(self.key, info.to_json(), lease=lease.id)
+            await c.put(self.key, record.to_json(), lease=lease.id)
             return int(lease.id)
 
-        self.lease_id = await self.session.run(put, f"registering node {info.node_id}")
-        self.info = info
+        self.lease_id = await self.session.run(put, f"registering {self.kind} {self.name}")
+        self.record = record
         self.registrations += 1
         self.registered.set()
         log.info(
-            "registered node %s in cluster %s (lease %x, ttl %d s)", info.node_id, self.cluster, self.lease_id, self.ttl
+            "registered %s %s in cluster %s (lease %x, ttl %d s)",
+            self.kind,
+            self.name,
+            self.cluster,
+            self.lease_id,
+            self.ttl,
         )
 
     async def run(self) -> None:
@@ -410,7 +449,7 @@ class Registration:
                 else:
                     await self._refresh()
                 if not self._reachable:
-                    log.info("etcd reachable again; node %s is registered", self.info.node_id)
+                    log.info("etcd reachable again; %s %s is registered", self.kind, self.name)
                 self._reachable = True
                 await asyncio.sleep(interval)
             except asyncio.CancelledError:
@@ -421,7 +460,7 @@ class Registration:
             except Exception as e:  # etcd unreachable: keep serving, retry soon
                 if self._reachable:
                     log.warning(
-                        "etcd unreachable (%s); node %s keeps serving and will re-register", e, self.info.node_id
+                        "etcd unreachable (%s); %s %s keeps serving and will re-register", e, self.kind, self.name
                     )
                 self._reachable = False
                 await asyncio.sleep(min(interval, 0.5))
@@ -437,12 +476,14 @@ class Registration:
         ttl, rec = await self.session.run(keepalive, "lease keep-alive")
         if ttl <= 0:
             log.warning(
-                "lease of node %s expired (etcd lost it or we were away too long); registering again", self.info.node_id
+                "lease of %s %s expired (etcd lost it or we were away too long); registering again",
+                self.kind,
+                self.name,
             )
             self.lease_id = None
             await self.register()
         elif rec is None or rec.lease != lease_id:
-            log.warning("record of node %s vanished or changed hands; registering again", self.info.node_id)
+            log.warning("record of %s %s vanished or changed hands; registering again", self.kind, self.name)
             await self._revoke_quietly(lease_id)
             self.lease_id = None
             await self.register()
@@ -466,6 +507,68 @@ class Registration:
 
     async def close(self) -> None:
         await self.session.close()
+
+
+class Registration(LeasedRecord[NodeInfo]):
+    """Keeps ``nodes/<id>`` alive under a lease for as long as the node runs."""
+
+    kind = "node"
+
+    def __init__(
+        self, endpoints: str, cluster: str, info: NodeInfo, *, ttl_s: float = 10.0, timeout: float = 2.0
+    ) -> None:
+        super().__init__(
+            endpoints, cluster, state.node_key(cluster, info.node_id), info.node_id, info, ttl_s=ttl_s, timeout=timeout
+        )
+
+    @property
+    def info(self) -> NodeInfo:
+        return self.record
+
+    def _conflict(self, existing: bytes, record: NodeInfo) -> str | None:
+        try:
+            other = NodeInfo.from_json(existing)
+        except ValueError:
+            return None
+        if (other.host, other.data_dir) == (record.host, record.data_dir):
+            return None  # this node, an earlier incarnation
+        return (
+            f"node id {record.node_id!r} is already registered in cluster {self.cluster!r} by "
+            f"{other.host}:{other.data_dir} (pid {other.pid}); give this node a unique --node-id"
+        )
+
+
+class EngineRegistration(LeasedRecord[EngineRecord]):
+    """Keeps ``engines/<engine_id>`` alive under a lease for as long as the engine runs (the
+    vLLM connector's scheduler half, through :class:`kvstore.cluster.engines.EngineRegistrar`)."""
+
+    kind = "engine"
+
+    def __init__(
+        self, endpoints: str, cluster: str, record: EngineRecord, *, ttl_s: float = 10.0, timeout: float = 2.0
+    ) -> None:
+        super().__init__(
+            endpoints,
+            cluster,
+            state.engine_key(cluster, record.engine_id),
+            record.engine_id,
+            record,
+            ttl_s=ttl_s,
+            timeout=timeout,
+        )
+
+    def _conflict(self, existing: bytes, record: EngineRecord) -> str | None:
+        try:
+            other = EngineRecord.from_json(existing)
+        except ValueError:
+            return None
+        if other.url == record.url:
+            return None  # the engine behind this URL, an earlier incarnation: replaced
+        return (
+            f"engine id {record.engine_id!r} is already registered in cluster {self.cluster!r} by the engine at "
+            f"{other.url} ({other.host}, pid {other.pid}); give this engine a unique "
+            "kv_connector_extra_config.engine_id"
+        )
 
 
 # -- configuration and namespaces -----------------------------------------------------------------

@@ -15,6 +15,9 @@ SDK read snapshots).  The etcd key schema, under ``/kvstore/<cluster>/``:
 ``hot/<node_id>``                     JSON ``{"keys": {key hex: extra copies}}``: the read-hot
                                       keys a node owns (:mod:`kvstore.cluster.hot`), on the
                                       node's lease
+``engines/<engine_id>``               JSON :class:`EngineRecord`: a vLLM engine serving with
+                                      the kvstore connector, on the engine's lease (for a
+                                      request scheduler: ``ClusterSnapshot.engines``)
 ====================================  ==============================================
 
 **Epochs.** Bumping a namespace's epoch invalidates its KV everywhere.  The epoch is
@@ -33,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,6 +61,24 @@ def check_cluster_name(cluster: str) -> str:
 
 def node_key(cluster: str, node_id: str) -> bytes:
     return f"{prefix(cluster)}nodes/{node_id}".encode()
+
+
+def engine_key(cluster: str, engine_id: str) -> bytes:
+    return f"{prefix(cluster)}engines/{check_engine_id(engine_id)}".encode()
+
+
+ENGINE_ID = re.compile(r"[A-Za-z0-9\[][A-Za-z0-9._:\[\]-]{0,252}")
+"""An engine id: a node id's characters (letters, digits, ``.``, ``_``, ``-``) plus ``:`` and
+the brackets of an IPv6 address, so the default id, ``host:port`` of the engine's URL, is one."""
+
+
+def check_engine_id(engine_id: object) -> str:
+    if not isinstance(engine_id, str) or not ENGINE_ID.fullmatch(engine_id):
+        raise InvalidArgument(
+            "an engine id is letters, digits, '.', '_', '-', ':' or IPv6 brackets (starting with a letter, "
+            f"a digit or '['), at most 253 characters; got {engine_id!r}"
+        )
+    return engine_id
 
 
 def config_key(cluster: str, name: str) -> bytes:
@@ -252,6 +274,95 @@ class NodeInfo:
         return info
 
 
+# -- engines --------------------------------------------------------------------------------
+ENGINE_ROLES = ("both", "prefill", "decode")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineRecord:
+    """A vLLM engine serving with the kvstore connector (``engines/<engine_id>``, on its lease):
+    where clients reach it and what a request scheduler needs to key and route a prompt.
+
+    Keying: ``fingerprint`` is the engine's rank-0 base namespace (no LoRA adapter, no
+    ``cache_salt``); :func:`kvstore.keys.chunk_keys` seeds its chain with it, so a prompt's
+    chunk keys are the xxh3-128 chain over ``chunk_tokens``-token chunks from these 8 bytes.
+    Invalid values raise :class:`InvalidArgument` (a ``ValueError``)."""
+
+    engine_id: str
+    url: str  # the engine's OpenAI base URL as clients reach it: http://10.0.0.5:8000
+    role: str  # "both" | "prefill" (vLLM kv_producer) | "decode" (kv_consumer)
+    fingerprint: str  # hex of the rank-0 base namespace's 8-byte fingerprint
+    chunk_tokens: int
+    block_size: int  # vLLM's
+    models: tuple[str, ...] = ()  # served model names
+    node: str = ""  # the kvstore target the engine saves and loads through
+    kv_events: str = ""  # vLLM's KV-events ZMQ publisher, reachable from elsewhere ("": none)
+    kv_events_replay: str = ""  # its replay endpoint ("": none)
+    tp_size: int = 1
+    bytes_per_token: int = 0  # KV bytes per token over all ranks
+    host: str = ""  # hostname of the machine
+    pid: int = 0
+    started_at: float = 0.0  # unix seconds when this incarnation registered
+
+    def __post_init__(self) -> None:
+        check_engine_id(self.engine_id)
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "models":
+                if not isinstance(v, (tuple, list)) or not all(isinstance(m, str) and m for m in v):
+                    raise InvalidArgument(f"engine {self.engine_id!r}: models must be a list of names, got {v!r}")
+                object.__setattr__(self, "models", tuple(v))
+            elif f.type == "float":
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                    raise InvalidArgument(f"engine {self.engine_id!r}: {f.name} must be a number, got {v!r}")
+                object.__setattr__(self, f.name, float(v))
+            elif f.type == "int":
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    raise InvalidArgument(f"engine {self.engine_id!r}: {f.name} must be an integer >= 0, got {v!r}")
+            elif not isinstance(v, str):
+                raise InvalidArgument(f"engine {self.engine_id!r}: {f.name} must be a string, got {v!r}")
+        if not self.url.startswith(("http://", "https://")):
+            raise InvalidArgument(f"engine {self.engine_id!r}: url must be http(s)://HOST:PORT, got {self.url!r}")
+        if self.role not in ENGINE_ROLES:
+            raise InvalidArgument(f"engine {self.engine_id!r}: role must be one of {ENGINE_ROLES}, got {self.role!r}")
+        try:
+            fp_ok = len(bytes.fromhex(self.fingerprint)) == 8
+        except ValueError:
+            fp_ok = False
+        if not fp_ok:
+            raise InvalidArgument(
+                f"engine {self.engine_id!r}: fingerprint must be 16 hex digits, got {self.fingerprint!r}"
+            )
+        if self.block_size <= 0 or self.chunk_tokens <= 0 or self.chunk_tokens % self.block_size:
+            raise InvalidArgument(
+                f"engine {self.engine_id!r}: chunk_tokens ({self.chunk_tokens}) must be a positive multiple "
+                f"of block_size ({self.block_size})"
+            )
+        if self.tp_size < 1:
+            raise InvalidArgument(f"engine {self.engine_id!r}: tp_size must be >= 1, got {self.tp_size}")
+
+    @property
+    def namespace_fingerprint(self) -> bytes:
+        """``fingerprint`` as the 8 bytes a chunk-key chain starts from."""
+        return bytes.fromhex(self.fingerprint)
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> EngineRecord:
+        """A record from etcd; ValueError if it does not parse or is not valid (the watcher then
+        ignores it, logged).  Unknown fields are dropped: newer engines may add some."""
+        d = json.loads(raw)
+        if not isinstance(d, dict):
+            raise ValueError(f"an engine record is a JSON object, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        try:
+            return cls(**{k: v for k, v in d.items() if k in names})
+        except TypeError as e:  # a required field missing
+            raise ValueError(f"not an engine record: {e}") from None
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class NamespaceRecord:
     fingerprint: bytes
@@ -323,6 +434,8 @@ class ClusterSnapshot:
     loaded: bool = False  # False: never reached etcd (the view is empty, not known-empty)
     # read-hot keys -> extra copies (the most any live publisher asked for): kvstore.cluster.hot
     hot: Mapping[bytes, int] = dataclasses.field(default_factory=dict)
+    # live vLLM engines with the kvstore connector (engine id -> record), for a request scheduler
+    engines: Mapping[str, EngineRecord] = dataclasses.field(default_factory=dict)
 
     def members(self) -> dict[str, int]:
         """Live nodes and their placement weights (what placement is a function of)."""
@@ -348,6 +461,7 @@ class ClusterSnapshot:
                 }
                 for fp, r in sorted(self.namespaces.items())
             },
+            "engines": {e: dataclasses.asdict(r) for e, r in sorted(self.engines.items())},
         }
 
 

@@ -66,10 +66,11 @@ class RLS:
         self.P = np.diag(np.broadcast_to(np.asarray(var, dtype=np.float64), self.w.shape)).copy()
         self.forget = forget
         self.samples = 0
+        self.wp = tuple(float(x) for x in np.maximum(self.w, 0.0))  # clamped, as plain floats: cheap to predict with
 
     def copy(self) -> RLS:
         c = RLS(self.w, 1.0, self.forget)
-        c.P, c.samples = self.P.copy(), self.samples
+        c.P, c.samples, c.wp = self.P.copy(), self.samples, self.wp
         return c
 
     def update(self, x: np.ndarray, y: float) -> None:
@@ -80,12 +81,13 @@ class RLS:
         # keep P symmetric and bounded: features that never vary would otherwise blow it up
         self.P = np.clip((self.P + self.P.T) / 2, -1e3, 1e3)
         self.samples += 1
+        self.wp = tuple(float(x) for x in np.maximum(self.w, 0.0))
 
     def predict(self, x: np.ndarray) -> float:
         return float(x @ np.maximum(self.w, 0.0))
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)  # not frozen: built per engine per request, and frozen init costs twice as much
 class Load:
     """What one request would cost an engine, in tokens (the TTFT model's inputs)."""
 
@@ -124,7 +126,9 @@ class CostModel:
         return self.fleet.samples
 
     def ttft(self, engine_id: str, load: Load) -> float:
-        return self._engine(engine_id).predict(load.features())
+        # the decision asks this once per engine and request: plain arithmetic, no numpy call
+        b, c, d, n, r = self._engine(engine_id).wp
+        return b + (c * (load.compute + load.queued) + d * load.dram + n * load.nvme + r * load.remote) / 1000
 
     def prefill_rate(self, engine_id: str) -> float:
         """The engine's fitted prefill rate in tokens/s."""
@@ -137,7 +141,8 @@ class CostModel:
         self.fleet.update(x, seconds)
 
     def tbt(self, running: int) -> float:
-        return self.tbt_fit.predict(np.array([1.0, float(running)]))
+        b, per = self.tbt_fit.wp
+        return b + per * running
 
     def observe_tbt(self, running: float, seconds: float) -> None:
         self.tbt_fit.update(np.array([1.0, float(running)]), seconds)

@@ -149,7 +149,8 @@ class Engines:
             url = rec.url.rstrip("/")
             e = self.by_url(url)
             if e is None:
-                e = self.by_id[rec.engine_id] = EngineState(rec.engine_id, url, rec.role)
+                # registered before its server listens: in once a probe finds it answering
+                e = self.by_id[rec.engine_id] = EngineState(rec.engine_id, url, rec.role, alive=False)
                 added.append(rec.engine_id)
             seen.add(e.engine_id)
             e.registered = True

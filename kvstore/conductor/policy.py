@@ -26,6 +26,7 @@ computes at least the prompt's last token, so no hit covers the whole prompt.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -61,7 +62,7 @@ class PoolMatch:
 NO_POOL = PoolMatch(1)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)  # not frozen: one per engine per request (frozen init costs twice as much)
 class Estimate:
     """One candidate's estimate."""
 
@@ -124,42 +125,37 @@ def _pool_split(pool: PoolMatch, start: int, end: int, node_id: str) -> tuple[in
 
 
 class _Splitter:
-    """:func:`_pool_split` for many engines: per distinct node, prefix sums over the chunks."""
+    """:func:`_pool_split` for many engines at once: the pool's chunk indices per (node,
+    tier), so each engine's split is a few bisections, not a walk over the chunks."""
 
     def __init__(self, pool: PoolMatch) -> None:
         self.pool = pool
-        self._sums: dict[str, list[tuple[int, int, int]]] = {}
+        self._at: dict[tuple[str, str], list[int]] = {}
+        for i, (node, tier) in enumerate(pool.where):
+            self._at.setdefault((node, "nvme" if tier == "nvme" else "dram"), []).append(i)
 
-    def _cum(self, node_id: str) -> list[tuple[int, int, int]]:
-        cum = self._sums.get(node_id)
-        if cum is None:
-            cum = [(0, 0, 0)]
-            d = n = r = 0
-            for node, tier in self.pool.where:
-                if node != node_id or not node_id:
-                    r += 1
-                elif tier == "nvme":
-                    n += 1
-                else:
-                    d += 1
-                cum.append((d, n, r))
-            self._sums[node_id] = cum
-        return cum
+    def _count(self, node_id: str, tier: str, lo: int, hi: int) -> int:
+        at = self._at.get((node_id, tier))
+        return bisect.bisect_left(at, hi) - bisect.bisect_left(at, lo) if at else 0
 
     def split(self, start: int, end: int, node_id: str) -> tuple[int, int, int]:
         c = self.pool.chunk_tokens
         if end <= start:
             return 0, 0, 0
         first, last = start // c, -(-end // c)  # chunks touched: [first, last)
-        if last - first <= 2:
+        if last - first <= 2 or not node_id:
             return _pool_split(self.pool, start, end, node_id)
-        cum = self._cum(node_id)
         # whole chunks strictly inside, plus the two partial ends
-        a, b = cum[first + 1], cum[last - 1]
-        mid = [(b[k] - a[k]) * c for k in range(3)]
-        head = _pool_split(self.pool, start, (first + 1) * c, node_id)
-        tail = _pool_split(self.pool, (last - 1) * c, end, node_id)
-        return mid[0] + head[0] + tail[0], mid[1] + head[1] + tail[1], mid[2] + head[2] + tail[2]
+        out = [
+            self._count(node_id, "dram", first + 1, last - 1) * c,
+            self._count(node_id, "nvme", first + 1, last - 1) * c,
+            0,
+        ]
+        out[2] = (last - first - 2) * c - out[0] - out[1]
+        for i, part in ((first, (first + 1) * c - start), (last - 1, end - (last - 1) * c)):
+            node, tier = self.pool.where[i]
+            out[2 if node != node_id else 1 if tier == "nvme" else 0] += part
+        return out[0], out[1], out[2]
 
 
 def estimate(
