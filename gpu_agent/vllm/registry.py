@@ -45,16 +45,18 @@ def served_models(served_model_name: str | list[str] | tuple[str, ...] | None, m
     return tuple(dict.fromkeys(names)) if names else (model,)
 
 
-def reachable_endpoint(endpoint: str | None, host: str) -> str:
+def reachable_endpoint(endpoint: str | None, host: str, *, publisher: bool = False) -> str:
     """A ZMQ endpoint as another machine reaches it: a wildcard host (``tcp://*:5557``,
     ``0.0.0.0``, ``[::]``) becomes ``host``; ``inproc://`` (this process only) and a port
-    the OS picks (``:0``: the engine alone knows which) become "" (none to give)."""
+    the OS picks (``:0``: the engine alone knows which) become "" (none to give).
+    ``publisher``: vLLM's PUB socket binds only a wildcard host; given another host it
+    *connects* there (to a subscriber that binds), so there is nothing to subscribe to: ""."""
     if not endpoint or endpoint.startswith("inproc://"):
         return ""
     if not endpoint.startswith("tcp://"):
         return endpoint  # ipc://: reachable on this machine, as it is
     addr, sep, port = endpoint[len("tcp://") :].rpartition(":")
-    if not sep or port == "0":
+    if not sep or port == "0" or (publisher and addr not in WILDCARDS):
         return ""
     if addr in WILDCARDS:
         addr = host
@@ -70,12 +72,13 @@ def kv_events_endpoints(vllm_config: Any, host: str) -> tuple[str, str]:
     from vllm.distributed.kv_events import ZmqEventPublisher
 
     rank = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
-    pub = reachable_endpoint(ZmqEventPublisher.offset_endpoint_port(cfg.endpoint, rank), host)
+    pub = reachable_endpoint(ZmqEventPublisher.offset_endpoint_port(cfg.endpoint, rank), host, publisher=True)
     replay = reachable_endpoint(ZmqEventPublisher.offset_endpoint_port(cfg.replay_endpoint, rank), host)
     if not pub and cfg.endpoint:
         log.warning(
-            "kvstore: vLLM's KV events go to %s, which no other machine can reach; the engine is registered "
-            "without them (give kv_events_config.endpoint a port: tcp://*:5557)",
+            "kvstore: vLLM's KV events go to %s, where no router can subscribe (vLLM connects out to a host it "
+            "is given, and binds only tcp://*:PORT); the engine is registered without them (give "
+            "kv_events_config.endpoint as tcp://*:5557)",
             cfg.endpoint,
         )
     return pub, replay

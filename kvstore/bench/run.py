@@ -622,6 +622,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="--connector: requests per latency figure (default 20; --quick 6)",
     )
     g.add_argument("--no-latency", action="store_true", help="--connector: the ratios only")
+    g = p.add_argument_group("--conductor-sim (kvstore.conductor.simbench)")
+    g.add_argument(
+        "--conductor-sim",
+        action="store_true",
+        help="instead: the conductor's decision time per request over a simulated fleet (target <= 1 ms)",
+    )
+    g.add_argument("--sim-engines", type=int, default=64, help="--conductor-sim: engines (default 64)")
+    g.add_argument(
+        "--sim-prompt-tokens", type=int, default=32768, help="--conductor-sim: prompt length (default 32768)"
+    )
     g = p.add_argument_group("--cluster-sim (kvstore.cluster.simbench)")
     g.add_argument(
         "--cluster-sim",
@@ -703,6 +713,14 @@ def main(a: argparse.Namespace) -> int:
         simbench.print_cluster_sim(sim, sys.stderr if a.json else sys.stdout)
         if a.json:
             print(json.dumps(sim, sort_keys=True), flush=True)
+        return 0
+    if a.conductor_sim:
+        from kvstore.conductor import simbench as csim
+
+        r = csim.conductor_sim(a.sim_engines, a.sim_prompt_tokens, 50 if a.quick else 300)
+        csim.print_conductor_sim(r, sys.stderr if a.json else sys.stdout)
+        if a.json:
+            print(json.dumps(r, sort_keys=True), flush=True)
         return 0
     a.repeat = a.repeat or (2 if a.quick else 5)
     if a.connector:

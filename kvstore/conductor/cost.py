@@ -14,7 +14,8 @@ down or speeds up is followed within a few dozen requests):
 
   Token counts enter in thousands (the fit is better conditioned).  Each engine has its
   own fit (engines may differ in speed), started from the fleet-wide fit when the engine
-  joins; every measurement updates both.  ``compute`` is the engine's prefill cost per
+  joins and used once it has ``OWN_FIT_SAMPLES`` measurements; every measurement updates
+  both.  ``compute`` is the engine's prefill cost per
   thousand tokens, so ``1000 / compute`` is its prefill rate in tokens/s.
 * **TBT** (seconds, Mooncake's: the mean of a request's slowest 10 % inter-token gaps) on
   an engine running ``r`` decodes: ``tbt = base + per_decode · r``.  Fleet-wide.
@@ -34,6 +35,8 @@ import numpy as np
 TTFT_FEATURES = ("base", "compute", "dram", "nvme", "remote")
 TIERS = ("dram", "nvme", "remote")
 TBT_FEATURES = ("base", "per_decode")
+OWN_FIT_SAMPLES = 20
+"""Measurements of an engine before its own fit replaces the fleet's in its estimates."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -115,10 +118,13 @@ class CostModel:
         self.tbt_fit = RLS(t, np.maximum(t, 0.01) ** 2 * 100, forget)
 
     def _engine(self, engine_id: str) -> RLS:
+        """The fit to predict ``engine_id`` with: its own once it has ``OWN_FIT_SAMPLES``
+        measurements, the fleet's until then (an engine judged on one unlucky measurement
+        would be sent nothing, and so never measured again)."""
         fit = self.engines.get(engine_id)
         if fit is None:
             fit = self.engines[engine_id] = self.fleet.copy()
-        return fit
+        return fit if fit.samples >= OWN_FIT_SAMPLES else self.fleet
 
     @property
     def samples(self) -> int:
@@ -137,7 +143,9 @@ class CostModel:
 
     def observe_ttft(self, engine_id: str, load: Load, seconds: float) -> None:
         x = load.features()
-        self._engine(engine_id).update(x, seconds)
+        if engine_id not in self.engines:
+            self.engines[engine_id] = self.fleet.copy()
+        self.engines[engine_id].update(x, seconds)
         self.fleet.update(x, seconds)
 
     def tbt(self, running: int) -> float:

@@ -167,7 +167,10 @@ def test_roles_models_and_reachable_kv_event_endpoints() -> None:
     assert reachable_endpoint("tcp://*:5557", "10.0.0.5") == "tcp://10.0.0.5:5557"
     assert reachable_endpoint("tcp://0.0.0.0:5558", "10.0.0.5") == "tcp://10.0.0.5:5558"
     assert reachable_endpoint("tcp://[::]:5557", "[fd00::5]") == "tcp://[fd00::5]:5557"
-    assert reachable_endpoint("tcp://10.0.0.9:5557", "10.0.0.5") == "tcp://10.0.0.9:5557"  # a proxy's, as given
+    assert reachable_endpoint("tcp://10.0.0.9:5557", "10.0.0.5") == "tcp://10.0.0.9:5557"  # a replay socket binds it
+    # vLLM's publisher given a host connects out to a subscriber there: nothing to subscribe to
+    assert reachable_endpoint("tcp://10.0.0.9:5557", "10.0.0.5", publisher=True) == ""
+    assert reachable_endpoint("tcp://*:5557", "10.0.0.5", publisher=True) == "tcp://10.0.0.5:5557"
     assert reachable_endpoint("tcp://*:0", "10.0.0.5") == ""  # the OS picks the port: unknown here
     assert reachable_endpoint("inproc://events", "10.0.0.5") == ""
     assert reachable_endpoint("ipc:///tmp/ev", "10.0.0.5") == "ipc:///tmp/ev"

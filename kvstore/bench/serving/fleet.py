@@ -245,8 +245,8 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
                         {
                             "enable_kv_cache_events": True,
                             "publisher": "zmq",
-                            "endpoint": f"tcp://127.0.0.1:{ev}",
-                            "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+                            "endpoint": f"tcp://*:{ev}",  # bound (a host makes vLLM connect out)
+                            "replay_endpoint": f"tcp://*:{replay}",
                         }
                     ),
                 ]
