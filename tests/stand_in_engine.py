@@ -91,7 +91,9 @@ class Engine:
         return web.json_response({"object": "list", "data": [{"id": self.a.model, "object": "model"}]})
 
     async def report(self, _: web.Request) -> web.Response:
-        return web.json_response({**self.seen, "prompts": self.prompts, "running": self.running, "waiting": self.waiting, "at": time.time()})
+        return web.json_response(
+            {**self.seen, "prompts": self.prompts, "running": self.running, "waiting": self.waiting, "at": time.time()}
+        )
 
 
 def main() -> None:
