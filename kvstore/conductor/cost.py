@@ -11,6 +11,7 @@ down or speeds up is followed within a few dozen requests):
                   + dram · tokens loaded from the engine's node's DRAM
                   + nvme · tokens loaded from its NVMe
                   + remote · tokens pulled from another node
+                  + decodes · decodes the engine runs (each makes every step of the prefill longer)
 
   Token counts enter in thousands (the fit is better conditioned).  Each engine has its
   own fit (engines may differ in speed), started from the fleet-wide fit when the engine
@@ -32,7 +33,7 @@ import dataclasses
 
 import numpy as np
 
-TTFT_FEATURES = ("base", "compute", "dram", "nvme", "remote")
+TTFT_FEATURES = ("base", "compute", "dram", "nvme", "remote", "decodes")
 TIERS = ("dram", "nvme", "remote")
 TBT_FEATURES = ("base", "per_decode")
 OWN_FIT_SAMPLES = 20
@@ -48,6 +49,7 @@ class Priors:
 
     prefill_tokens_per_s: float = 2000.0
     base_s: float = 0.02
+    per_decode_s: float = 0.005  # TTFT added by each decode the engine runs
     load_gbps: tuple[float, float, float] = (10.0, 2.0, 1.0)  # dram, nvme, remote
     bytes_per_token: int = 128 << 10
     tbt_base_s: float = 0.05
@@ -55,7 +57,9 @@ class Priors:
 
     def ttft_weights(self) -> np.ndarray:
         per_ktok = [1000 * self.bytes_per_token / (g * 1e9) for g in self.load_gbps]
-        return np.array([self.base_s, 1000.0 / self.prefill_tokens_per_s, *per_ktok], dtype=np.float64)
+        return np.array(
+            [self.base_s, 1000.0 / self.prefill_tokens_per_s, *per_ktok, self.per_decode_s], dtype=np.float64
+        )
 
     def tbt_weights(self) -> np.ndarray:
         return np.array([self.tbt_base_s, self.tbt_per_decode_s], dtype=np.float64)
@@ -99,10 +103,18 @@ class Load:
     dram: int = 0
     nvme: int = 0
     remote: int = 0
+    running: int = 0  # decodes the engine runs
 
     def features(self) -> np.ndarray:
         return np.array(
-            [1.0, (self.compute + self.queued) / 1000, self.dram / 1000, self.nvme / 1000, self.remote / 1000]
+            [
+                1.0,
+                (self.compute + self.queued) / 1000,
+                self.dram / 1000,
+                self.nvme / 1000,
+                self.remote / 1000,
+                float(self.running),
+            ]
         )
 
 
@@ -133,8 +145,9 @@ class CostModel:
 
     def ttft(self, engine_id: str, load: Load) -> float:
         # the decision asks this once per engine and request: plain arithmetic, no numpy call
-        b, c, d, n, r = self._engine(engine_id).wp
-        return b + (c * (load.compute + load.queued) + d * load.dram + n * load.nvme + r * load.remote) / 1000
+        b, c, d, n, r, k = self._engine(engine_id).wp
+        work = c * (load.compute + load.queued) + d * load.dram + n * load.nvme + r * load.remote
+        return b + work / 1000 + k * load.running
 
     def prefill_rate(self, engine_id: str) -> float:
         """The engine's fitted prefill rate in tokens/s."""

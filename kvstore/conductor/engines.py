@@ -72,6 +72,13 @@ class EngineState:
     scraped_running: int = 0
     scraped_at: float = 0.0
     served: int = 0
+    # prompt tokens of the requests routed here, by predicted source (engine, pool_dram,
+    # pool_nvme, pool_remote, compute): the engine's hit ratio on the dashboard
+    tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def hit_ratio(self) -> float | None:
+        total = sum(self.tokens.values())
+        return None if not total else round(1 - self.tokens.get("compute", 0) / total, 4)
 
     def queued_tokens(self, now: float, tokens_per_s: float, mean_prompt: float) -> float:
         """Prefill tokens queued ahead of a new request: what the requests sent here have
@@ -100,6 +107,8 @@ class EngineState:
             "decoding": len(self.decoding),
             "scraped": {"waiting": self.scraped_waiting, "running": self.scraped_running},
             "served": self.served,
+            "tokens": dict(self.tokens),
+            "hit_ratio": self.hit_ratio(),
             "last_error": self.last_error,
         }
 

@@ -217,13 +217,16 @@ UNREACHABLE = (
 )
 
 
-def _count_sources(c: Conductor, x: Estimate) -> None:
-    m = c.metrics.hit_tokens
-    m.labels("engine").inc(x.local_tokens)
-    m.labels("pool_dram").inc(x.load.dram)
-    m.labels("pool_nvme").inc(x.load.nvme)
-    m.labels("pool_remote").inc(x.load.remote)
-    m.labels("compute").inc(x.load.compute)
+def _count_sources(c: Conductor, e: EngineState, x: Estimate) -> None:
+    for source, n in (
+        ("engine", x.local_tokens),
+        ("pool_dram", x.load.dram),
+        ("pool_nvme", x.load.nvme),
+        ("pool_remote", x.load.remote),
+        ("compute", x.load.compute),
+    ):
+        c.metrics.hit_tokens.labels(source).inc(n)
+        e.tokens[source] = e.tokens.get(source, 0) + n
 
 
 async def _dispatch(
@@ -237,7 +240,7 @@ async def _dispatch(
     kvp = body.get("kv_transfer_params") if isinstance(body.get("kv_transfer_params"), dict) else None
     if d.prefill is not None:
         pre = engines[d.prefill.engine_id]
-        _count_sources(c, d.prefill)
+        _count_sources(c, pre, d.prefill)
         pbody = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         pbody.update(stream=False, max_tokens=1, n=1)
         if "max_completion_tokens" in pbody:
@@ -266,7 +269,7 @@ async def _dispatch(
         c.ended(pre, sent.rid, ok=True)
         body = {**body, "kv_transfer_params": kvp}
     else:
-        _count_sources(c, d.engine)
+        _count_sources(c, dec, d.engine)
     load = d.handoff if d.handoff is not None else d.engine.load
     c.dispatched(dec, sent.rid, load)
     sent.running_at_start = dec.running(time.monotonic())

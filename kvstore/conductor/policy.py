@@ -168,7 +168,7 @@ def estimate(
     if pooled > local:
         dram, nvme, remote = (splitter or _Splitter(pool)).split(local, pooled, e.node_id)
     compute = prompt_tokens - max(local, pooled)
-    load = Load(compute=compute, queued=e.queued_tokens, dram=dram, nvme=nvme, remote=remote)
+    load = Load(compute=compute, queued=e.queued_tokens, dram=dram, nvme=nvme, remote=remote, running=e.running)
     return Estimate(
         e.engine_id,
         load,
@@ -255,6 +255,7 @@ def handoff_load(prefill: EngineLoad, decode: EngineLoad, prompt_tokens: int, ch
     return Load(
         compute=prompt_tokens - stored,
         queued=decode.queued_tokens,
+        running=decode.running,
         dram=stored if same else 0,
         remote=0 if same else stored,
     )

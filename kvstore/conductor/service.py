@@ -311,6 +311,9 @@ class Conductor:
             self.ttft_err.append(abs(predicted - measured_s) / measured_s)
         self.metrics.ttft.labels("predicted").observe(predicted)
         self.metrics.ttft.labels("measured").observe(measured_s)
+        log.info(
+            "request %s: first token after %.0f ms (predicted %.0f ms)", sent.rid, measured_s * 1e3, predicted * 1e3
+        )
 
     def ended(self, e: EngineState, rid: str, *, ok: bool, tbt_s: float | None = None, running: float = 0) -> None:
         e.prefilling.pop(rid, None)
