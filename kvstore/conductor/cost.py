@@ -7,7 +7,7 @@ down or speeds up is followed within a few dozen requests):
 
 * **TTFT** (seconds) of a request on an engine::
 
-      ttft = base + compute · (tokens to compute + prefill tokens queued ahead on the engine)
+      ttft = base + compute · tokens to compute + queued · prefill tokens queued ahead on the engine
                   + dram · tokens loaded from the engine's node's DRAM
                   + nvme · tokens loaded from its NVMe
                   + remote · tokens pulled from another node
@@ -33,7 +33,7 @@ import dataclasses
 
 import numpy as np
 
-TTFT_FEATURES = ("base", "compute", "dram", "nvme", "remote", "decodes")
+TTFT_FEATURES = ("base", "compute", "queued", "dram", "nvme", "remote", "decodes")
 TIERS = ("dram", "nvme", "remote")
 TBT_FEATURES = ("base", "per_decode")
 OWN_FIT_SAMPLES = 20
@@ -57,9 +57,8 @@ class Priors:
 
     def ttft_weights(self) -> np.ndarray:
         per_ktok = [1000 * self.bytes_per_token / (g * 1e9) for g in self.load_gbps]
-        return np.array(
-            [self.base_s, 1000.0 / self.prefill_tokens_per_s, *per_ktok, self.per_decode_s], dtype=np.float64
-        )
+        per_compute = 1000.0 / self.prefill_tokens_per_s
+        return np.array([self.base_s, per_compute, per_compute, *per_ktok, self.per_decode_s], dtype=np.float64)
 
     def tbt_weights(self) -> np.ndarray:
         return np.array([self.tbt_base_s, self.tbt_per_decode_s], dtype=np.float64)
@@ -109,7 +108,8 @@ class Load:
         return np.array(
             [
                 1.0,
-                (self.compute + self.queued) / 1000,
+                self.compute / 1000,
+                self.queued / 1000,
                 self.dram / 1000,
                 self.nvme / 1000,
                 self.remote / 1000,
@@ -145,8 +145,8 @@ class CostModel:
 
     def ttft(self, engine_id: str, load: Load) -> float:
         # the decision asks this once per engine and request: plain arithmetic, no numpy call
-        b, c, d, n, r, k = self._engine(engine_id).wp
-        work = c * (load.compute + load.queued) + d * load.dram + n * load.nvme + r * load.remote
+        b, c, q, d, n, r, k = self._engine(engine_id).wp
+        work = c * load.compute + q * load.queued + d * load.dram + n * load.nvme + r * load.remote
         return b + work / 1000 + k * load.running
 
     def prefill_rate(self, engine_id: str) -> float:

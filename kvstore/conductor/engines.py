@@ -81,10 +81,14 @@ class EngineState:
         return None if not total else round(1 - self.tokens.get("compute", 0) / total, 4)
 
     def queued_tokens(self, now: float, tokens_per_s: float, mean_prompt: float) -> float:
-        """Prefill tokens queued ahead of a new request: what the requests sent here have
-        not computed yet (at the fitted rate), plus requests the engine reports waiting
-        beyond ours, at the fleet's mean prompt."""
-        mine = sum(max(0.0, f.compute_tokens - (now - f.sent_at) * tokens_per_s) for f in self.prefilling.values())
+        """Prefill tokens queued ahead of a new request: those of the requests sent here
+        that have no first token yet, at most half done at the fitted rate (the fit has
+        its own coefficient for them), plus requests the engine reports waiting beyond
+        ours, at the fleet's mean prompt."""
+        mine = sum(
+            max(0.5 * f.compute_tokens, f.compute_tokens - (now - f.sent_at) * tokens_per_s)
+            for f in self.prefilling.values()
+        )
         others = max(0, self.scraped_waiting - len(self.prefilling)) if now - self.scraped_at < 5 else 0
         return mine + others * mean_prompt
 

@@ -105,7 +105,7 @@ def _route_header(d: Decision) -> str:
         return (
             f"{tag}={x.engine_id}; local={x.local_tokens}; pool={x.pool_tokens}"
             f"(dram={x.load.dram},nvme={x.load.nvme},remote={x.load.remote}); compute={x.load.compute}; "
-            f"queued={int(x.load.queued)}; ttft_ms={x.ttft_s * 1e3:.0f}"
+            f"queued={int(x.load.queued)}; decodes={x.load.running}; ttft_ms={x.ttft_s * 1e3:.0f}"
         )
 
     parts = []

@@ -1,9 +1,11 @@
 """The short form of ``kvstore bench serving``: a few dozen requests of a conversation
-trace through two real vLLM OpenAI servers per configuration (baseline, pool, pd).
+trace through two real vLLM OpenAI servers per configuration (baseline, pool, pd, and
+conductor and conductor-pd: the same fleets behind ``kvstore conductor``).
 
 It checks the machinery, not timing: every request completes; ``pool`` serves prompt
 tokens from the store (the engines' own counters and the nodes' block reads say so);
-``pool`` and ``pd`` generate the same greedy tokens as ``baseline`` for every request;
+``pool``, ``pd`` and the conductor's generate the same greedy tokens as ``baseline`` for
+every request; the conductor routes over both engines and reports its decisions;
 and nothing is left behind (no server process, no arena in /dev/shm).
 """
 
@@ -32,7 +34,7 @@ def _arenas() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if "kvstore" in n} if os.path.isdir("/dev/shm") else set()
 
 
-@pytest.mark.timeout(1500)  # three fleets start one after another: minutes, not the suite's 300 s
+@pytest.mark.timeout(2400)  # five fleets start one after another: minutes, not the suite's 300 s
 def test_short_serving_run(tmp_path: Path) -> None:
     trace = tmp_path / "conversations.jsonl"
     subprocess.run(
@@ -61,7 +63,7 @@ def test_short_serving_run(tmp_path: Path) -> None:
             "--max-output-tokens",
             "16",
             "--configs",
-            "baseline,pool,pd",
+            "baseline,pool,pd,conductor,conductor-pd",
             "--json",
             "--records",
             str(tmp_path / "records.jsonl"),
@@ -71,11 +73,11 @@ def test_short_serving_run(tmp_path: Path) -> None:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=1500,
+        timeout=2400,
     )
     assert out.returncode == 0, out.stderr[-4000:]
     r = json.loads(out.stdout)
-    assert set(r["configs"]) == {"baseline", "pool", "pd"}
+    assert set(r["configs"]) == {"baseline", "pool", "pd", "conductor", "conductor-pd"}
     for name, c in r["configs"].items():
         assert (c["requests"], c["completed"], c["errors"], c["rejected"]) == (REQUESTS, REQUESTS, 0, 0), (name, c)
         assert c["ttft_ms"]["p50"] is not None and c["throughput_tok_s"] > 0
@@ -94,7 +96,16 @@ def test_short_serving_run(tmp_path: Path) -> None:
     cpus = {name: [e["cpus"] for e in f["engines"]] for name, f in r["fleets"].items()}
     assert len({tuple(v) for v in cpus.values()}) == 1, cpus
     records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
-    assert len(records) == 3 * REQUESTS
+    assert len(records) == 5 * REQUESTS
     assert all(x["prefill_engine"] for x in records if x["config"] == "pd")
+    # the conductor: same tokens, both engines used, every decision on record, and hits
+    # from the engines' own caches (their KV events) or the pool
+    for name in ("conductor", "conductor-pd"):
+        c = r["configs"][name]
+        assert c["tokens_equal_baseline"] == 1.0, (name, c)
+        routing = c["routing"]
+        assert len(routing["decisions_per_engine"]) == 2, routing
+        assert routing["decision_us"]["p50"] is not None and routing["predicted_ttft_abs_err_median"] is not None
+        assert c["prompt_tokens"]["store"] + c["prompt_tokens"]["engine_cache"] > 0, c["prompt_tokens"]
     assert _servers() <= servers, "a vLLM server outlived the benchmark"
     assert _arenas() <= arenas, "a node's arena was left in /dev/shm"
