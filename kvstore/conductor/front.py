@@ -64,8 +64,8 @@ def prompt_tokens(c: Conductor, body: dict[str, Any], chat: bool) -> tuple[list[
             ids = c.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         except Exception:  # noqa: BLE001 - a template the tokenizer cannot apply: the engine will say why
             return None, max(1, len(json.dumps(msgs)) // 4)
-        if isinstance(ids, dict):
-            ids = ids.get("input_ids", [])
+        if not isinstance(ids, list):  # transformers 5: a BatchEncoding (a mapping, not a dict)
+            ids = ids["input_ids"]
         return [int(t) for t in ids], len(ids)
     p = body.get("prompt")
     if isinstance(p, list) and p and isinstance(p[0], (list, str)):
@@ -100,7 +100,7 @@ def _check(c: Conductor, body: Any, chat: bool) -> str | None:
     return model
 
 
-def _route_header(d: Decision) -> str:
+def _route_header(d: Decision, prompt_tokens: int, tokenized: bool) -> str:
     def one(tag: str, x: Estimate) -> str:
         return (
             f"{tag}={x.engine_id}; local={x.local_tokens}; pool={x.pool_tokens}"
@@ -108,7 +108,7 @@ def _route_header(d: Decision) -> str:
             f"queued={int(x.load.queued)}; decodes={x.load.running}; ttft_ms={x.ttft_s * 1e3:.0f}"
         )
 
-    parts = []
+    parts = [f"prompt={prompt_tokens}" + ("" if tokenized else "(estimated: no token ids)")]
     if d.prefill is not None:
         parts.append(one("prefill", d.prefill))
     if d.engine is not None:
@@ -192,7 +192,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
             c.metrics.outcomes.labels("engine_error").inc()
             return error(503, f"no engine can take the request: {d.refused}", "ServiceUnavailableError")
         assert d.engine is not None
-        sent = Sent(c.next_id(), d, n, arrived)
+        sent = Sent(c.next_id(), d, n, arrived, tokenized=tokens is not None)
         try:
             return await _dispatch(request, c, body, path, sent, engines)
         except _Unreachable as u:
@@ -235,7 +235,10 @@ async def _dispatch(
     d = sent.decision
     assert d.engine is not None and c.http is not None
     dec = engines[d.engine.engine_id]
-    headers = {"x-kvstore-engine": dec.engine_id, "x-kvstore-route": _route_header(d)}
+    headers = {
+        "x-kvstore-engine": dec.engine_id,
+        "x-kvstore-route": _route_header(d, sent.prompt_tokens, sent.tokenized),
+    }
     log.info("request %s (%d tokens) → %s", sent.rid, sent.prompt_tokens, headers["x-kvstore-route"])
     kvp = body.get("kv_transfer_params") if isinstance(body.get("kv_transfer_params"), dict) else None
     if d.prefill is not None:

@@ -72,6 +72,7 @@ class Sent:
     decision: Decision
     prompt_tokens: int
     arrived: float
+    tokenized: bool = True  # the prompt's token ids are known (else its length is estimated)
     running_at_start: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -113,8 +114,7 @@ class Conductor:
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
         )
         if self.cfg.etcd:
-            from client import Timeouts
-            from client._connect import connect_async
+            from client import Timeouts, connect_async
 
             t = self.cfg.pool_timeout_s
             self._pool = connect_async(self.cfg.etcd, timeouts=Timeouts(rpc=t, data=t, connect=t))

@@ -310,6 +310,47 @@ def test_load_goes_to_the_engine_with_the_shorter_queue(tmp_path: Path, procs: l
     assert sorted(per.values()) == [3, 3], per
 
 
+def _tokenizer(d: Path) -> Path:
+    """A real (tiny, word-level) Hugging Face tokenizer with a chat template, saved as a model's is."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = "hello world the a user assistant system : how are you".split()
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    t = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    t.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}assistant :{% endif %}"
+    )
+    t.save_pretrained(d)
+    return d
+
+
+def test_text_and_chat_prompts_are_tokenised_as_the_engines_do(tmp_path: Path, procs: list[Proc]) -> None:
+    a = engine(tmp_path, "a")
+    procs.append(a)
+    c = conductor(tmp_path, [a], "--tokenizer", str(_tokenizer(tmp_path / "tok")))
+    procs.append(c)
+    end = time.monotonic() + 30
+    while True:  # the tokenizer loads in the background; until then text prompts are estimated
+        status, body, headers = post(c.url + "/v1/completions", {"prompt": "hello world how are you", "max_tokens": 2})
+        assert status == 200, body
+        if "estimated" not in headers["x-kvstore-route"]:
+            break
+        assert time.monotonic() < end, headers
+        time.sleep(0.2)
+    assert headers["x-kvstore-route"].startswith("prompt=5;"), headers
+    chat = {"messages": [{"role": "user", "content": "hello world"}], "max_tokens": 2}
+    status, body, headers = post(c.url + "/v1/chat/completions", chat)
+    assert status == 200, body
+    # "user : hello world assistant :": six tokens, as the chat template renders them
+    assert headers["x-kvstore-route"].startswith("prompt=6;"), headers
+    # token ids pass through as they are
+    status, body, headers = post(c.url + "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2})
+    assert status == 200 and headers["x-kvstore-route"].startswith("prompt=3;"), headers
+
+
 def test_bad_flags_are_one_clear_line() -> None:
     for args, want in (
         ([], "give --engine"),
