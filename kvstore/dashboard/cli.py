@@ -1,5 +1,6 @@
 """``kvstore dashboard``: parse the flags, run :class:`~kvstore.dashboard.server.Dashboard`
 in the foreground until SIGINT/SIGTERM.  Prints a ``READY {json}`` line with the URL.
+``--conductor`` (repeatable) adds the conductors' engines; with it the nodes are optional.
 
 The TLS flags (for nodes that serve ``/metrics`` over HTTPS) default to ``KVSTORE_TLS_*``
 variables, so a deployment can add them without rewriting the command line (compose
@@ -51,6 +52,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="cluster name in etcd (default 'default', or the one in etcd://.../CLUSTER)",
     )
     p.add_argument(
+        "--conductor",
+        action="append",
+        default=[],
+        metavar="HOST:PORT | URL",
+        help="a `kvstore conductor` to show the engines of (polled at its /conductor/state every --interval): "
+        "per engine its role, whether it is alive, requests routed, running and queued, hit ratio and prompt "
+        "tokens by source, and per conductor its decision time, TTFT prediction error and rejections; "
+        "repeat for conductors side by side (engines merge by id). With it, --nodes and --etcd are optional",
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         metavar="PORT",
@@ -97,13 +108,20 @@ def _fail(msg: str) -> int:
 
 
 def main(a: argparse.Namespace) -> int:
-    from kvstore.dashboard.server import Dashboard, EtcdNodes, StaticNodes
+    from kvstore.dashboard.conductors import conductor_url
+    from kvstore.dashboard.server import Dashboard, EtcdNodes, NoNodes, StaticNodes
     from kvstore.errors import KVStoreError
 
-    if bool(a.nodes) == bool(a.etcd):
+    if a.nodes and a.etcd or not (a.nodes or a.etcd or a.conductor):
         return _fail(
-            "name the nodes with --nodes HOST:PORT,... or take them from etcd with --etcd HOST:PORT (one of the two)"
+            "name the nodes with --nodes HOST:PORT,... or take them from etcd with --etcd HOST:PORT (one of the two), "
+            "or show only conductors' engines with --conductor HOST:PORT"
         )
+    for c in a.conductor:
+        try:
+            conductor_url(c)
+        except ValueError as e:
+            return _fail(f"--conductor: {e}")
     host, sep, port = a.listen.rpartition(":")
     if not sep or not port.isdigit():
         return _fail(f"--listen must be HOST:PORT, got {a.listen!r}")
@@ -123,8 +141,11 @@ def main(a: argparse.Namespace) -> int:
         return _fail(str(e))
     scheme = "https" if tls is not None else "http"
     try:
+        source: StaticNodes | EtcdNodes | NoNodes
         if a.nodes:
-            source: StaticNodes | EtcdNodes = StaticNodes(a.nodes.split(","), scheme=scheme)
+            source = StaticNodes(a.nodes.split(","), scheme=scheme)
+        elif not a.etcd:
+            source = NoNodes()
         else:
             from kvstore.cluster.state import parse_target
 
@@ -145,6 +166,7 @@ def main(a: argparse.Namespace) -> int:
             interval=a.interval,
             title=a.title,
             tls=tls,
+            conductors=a.conductor,
         )
     except (ValueError, OSError) as e:
         source.close()
@@ -154,7 +176,7 @@ def main(a: argparse.Namespace) -> int:
     dash.start()
     try:
         print(
-            f"kvstore dashboard: {dash.url} ({source.description}, every {a.interval:g} s){' — token required' if token else ''}"
+            f"kvstore dashboard: {dash.url} ({dash.description}, every {a.interval:g} s){' — token required' if token else ''}"
         )
         print(f"READY {json.dumps({'url': dash.url, 'pid': os.getpid()})}", flush=True)
         stop.wait()

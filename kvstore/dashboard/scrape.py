@@ -1,6 +1,6 @@
 """Reading one node's ``/metrics`` into plain numbers (the dashboard's only input).
 
-Pure except :func:`fetch` (one HTTP or HTTPS GET; for ``https://`` endpoints with the
+Pure except :func:`get` and :func:`fetch` (one HTTP or HTTPS GET; for ``https://`` endpoints with the
 dashboard's :class:`~kvstore.tls.ClientTLS`: its CA, its client certificate under mutual TLS,
 its ``server_name``).  The dashboard reads exactly what Prometheus reads, so the page and
 ``/metrics`` can never disagree.  Bounded against a misbehaving
@@ -111,20 +111,26 @@ class Scrape:
     latency: dict[str, tuple[list[float], list[float]]] = dataclasses.field(default_factory=dict)
 
 
+def get(url: str, *, token: str = "", timeout: float = 1.5, tls: ClientTLS | None = None) -> bytes:
+    """One GET of at most ``MAX_BODY`` bytes (``https://`` with ``tls`` when given); raises
+    what urllib raises, and ``ValueError`` for a larger body."""
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    open_url = urllib.request.build_opener(_HTTPSHandler(tls)).open if tls is not None else urllib.request.urlopen
+    with open_url(req, timeout=timeout) as resp:  # noqa: S310 - operator-given URL
+        body: bytes = resp.read(MAX_BODY + 1)
+    if len(body) > MAX_BODY:
+        raise ValueError(f"answer larger than {MAX_BODY >> 20} MiB")
+    return body
+
+
 def fetch(url: str, *, token: str = "", timeout: float = 1.5, tls: ClientTLS | None = None) -> Scrape:
     """GET ``url`` and parse it; never raises (an unreachable node is a result).
 
     ``https://`` URLs use ``tls`` when given (else the system's trust roots); ``http://``
     URLs ignore it."""
     start = time.monotonic()
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-    open_url = urllib.request.build_opener(_HTTPSHandler(tls)).open if tls is not None else urllib.request.urlopen
     try:
-        with open_url(req, timeout=timeout) as resp:  # noqa: S310 - operator-given URL
-            body = resp.read(MAX_BODY + 1)
-        if len(body) > MAX_BODY:
-            raise ValueError(f"metrics larger than {MAX_BODY >> 20} MiB")
-        s = parse(body.decode("utf-8", "replace"))
+        s = parse(get(url, token=token, timeout=timeout, tls=tls).decode("utf-8", "replace"))
     except urllib.error.HTTPError as e:
         detail = ""
         if e.code == 400:

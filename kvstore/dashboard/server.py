@@ -1,7 +1,10 @@
-"""``kvstore dashboard``: a live cache-hit page for one node or a whole cluster.
+"""``kvstore dashboard``: a live cache-hit page for one node or a whole cluster, and for the
+engines of the conductors in front of them.
 
-Threads: a poller scrapes every node's ``/metrics`` each ``interval`` (in parallel, each
-with a deadline) and feeds :class:`~kvstore.dashboard.model.ClusterModel`; an HTTP server
+Threads: a poller scrapes every node's ``/metrics`` and every conductor's
+``/conductor/state`` each ``interval`` (in parallel, each with a deadline) and feeds
+:class:`~kvstore.dashboard.model.ClusterModel` and
+:class:`~kvstore.dashboard.conductors.FleetModel`; an HTTP server
 (stdlib, threaded) serves the page, its static assets (in the package: no CDN, works
 offline) and ``GET /api/cluster``.  Read-only: anything but GET/HEAD is refused.  With a
 token (the nodes' token, ``--token-file``) every request must carry it, as
@@ -12,6 +15,7 @@ Node sources: a fixed list of metrics endpoints (``--nodes``), or a cluster's me
 in etcd (``--etcd``): each record's ``metrics`` URL when it has one (its scheme says whether
 the node serves ``/metrics`` over HTTPS), else the node's gRPC host with ``--metrics-port``.
 HTTPS endpoints are scraped with the dashboard's :class:`~kvstore.tls.ClientTLS` (``tls``).
+Conductors (``conductors``): fixed ``HOST:PORT`` or URLs; never sent the nodes' token.
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ import logging
 import mimetypes
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
+from kvstore.dashboard.conductors import ConductorScrape, FleetModel, conductor_url, fetch_state
 from kvstore.dashboard.model import ClusterModel
 from kvstore.dashboard.scrape import Scrape, fetch, metrics_url
 from kvstore.node.metrics import http_server
@@ -66,6 +72,24 @@ class StaticNodes:
 
     def targets(self) -> dict[str, tuple[str | None, str]]:
         return dict(self._targets)
+
+    def names(self) -> dict[str, str] | None:
+        return None
+
+    def status(self) -> str:
+        return ""
+
+    def close(self) -> None:
+        pass
+
+
+class NoNodes:
+    """Only conductors (``--conductor`` without ``--nodes`` or ``--etcd``): no node to scrape."""
+
+    description = ""
+
+    def targets(self) -> dict[str, tuple[str | None, str]]:
+        return {}
 
     def names(self) -> dict[str, str] | None:
         return None
@@ -142,6 +166,7 @@ class Dashboard:
         interval: float = 1.0,
         title: str = "",
         tls: ClientTLS | None = None,
+        conductors: Sequence[str] = (),
     ) -> None:
         if not 0.1 <= interval <= 2.0:
             raise ValueError(f"interval must be between 0.1 and 2 s, got {interval}")
@@ -149,8 +174,15 @@ class Dashboard:
         self.token = token
         self.tls = tls  # for https:// endpoints; None: the system's trust roots
         self.interval = interval
-        self.title = title or f"kvstore — {source.description}"
+        # conductor (as given) -> its state URL; several may run side by side
+        self.conductors = {c.strip(): conductor_url(c) for c in conductors if c.strip()}
+        n = len(self.conductors)
+        self.description = ", ".join(
+            x for x in (source.description, f"{n} conductor{'s' if n != 1 else ''}" if n else "") if x
+        )
+        self.title = title or f"kvstore — {self.description}"
         self.model = ClusterModel()
+        self.fleet = FleetModel(self.conductors)
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvstore-dashboard-scrape")
         self.httpd = http_server(host, port, self._handler())
@@ -196,6 +228,10 @@ class Dashboard:
             for name, (url, _) in targets.items()
             if url
         }
+        asked = {
+            name: self._pool.submit(fetch_state, url, timeout=timeout, tls=self.tls)
+            for name, url in self.conductors.items()
+        }
         results: dict[str, tuple[str | None, Scrape | None, str]] = {}
         for name, (url, why) in targets.items():
             fut = futures.get(name)
@@ -207,6 +243,9 @@ class Dashboard:
             source_status=self.source.status(),
             replication=replication() if replication is not None else None,
         )
+        if asked:
+            states: dict[str, ConductorScrape] = {name: fut.result() for name, fut in asked.items()}
+            self.fleet.update(states)
 
     def _poll_forever(self) -> None:
         next_at = time.monotonic() + self.interval  # start() already polled once
@@ -219,6 +258,7 @@ class Dashboard:
 
     def api(self, since: int) -> dict[str, Any]:
         v = self.model.view(since)
+        v.update(self.fleet.view())
         v.update({"title": self.title, "source": self.source.description, "interval": self.interval})
         return v
 

@@ -1,6 +1,8 @@
 """``kvstore dashboard`` against real nodes: the JSON the page draws equals the nodes'
 ``/metrics``; unreachable nodes show as down; read-only; the nodes' token is required and
-passed on; the node list can come from etcd membership; assets are served offline."""
+passed on; the node list can come from etcd membership; assets are served offline;
+conductors (``--conductor``) that do not answer, or answer something else, are shown as
+such (their engines against real conductors: test_dashboard_browser.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +28,7 @@ from conftest import ROOT, NodeProcess, wait_for
 from client import KVClient
 from kvstore.cluster.local_etcd import LocalEtcd, free_port
 from kvstore.dashboard.scrape import fetch
-from kvstore.dashboard.server import Dashboard, EtcdNodes, StaticNodes
+from kvstore.dashboard.server import Dashboard, EtcdNodes, NoNodes, StaticNodes
 
 BLOCK = 256 << 10
 
@@ -188,6 +192,43 @@ def test_node_list_from_etcd_membership(etcd: LocalEtcd, tmp_path: Path, dashboa
     wait_for(lambda: [x["status"] for x in api(d)["nodes"]] == ["left"], 15, "the node to leave")
 
 
+class NotAConductor(BaseHTTPRequestHandler):
+    """JSON that is not a conductor's state, an HTML page, and 404s."""
+
+    def do_GET(self) -> None:
+        body, ctype, code = {
+            "/conductor/state": (b'{"status": "ok"}', "application/json", 200),
+            "/html": (b"<html>a proxy's page</html>", "text/html", 200),
+        }.get(self.path, (b"not found", "text/plain", 404))
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+def test_conductors_that_do_not_answer_or_answer_garbage_are_shown_never_crash(dashboard: Any) -> None:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), NotAConductor)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        d = dashboard(NoNodes(), conductors=["127.0.0.1:1", base, base + "/html", base + "/nope"])
+        v = api(d)
+        assert v["title"] == "kvstore — 4 conductors" and v["nodes"] == [] and v["engines"] == []
+        errors = {c["name"]: (c["status"], c["error"]) for c in v["conductors"]}
+        assert errors["127.0.0.1:1"][0] == "down" and errors["127.0.0.1:1"][1].startswith("unreachable")
+        assert errors[base] == ("down", "bad answer: not a conductor's state (no engines list)")
+        assert errors[base + "/html"][0] == "down" and errors[base + "/html"][1].startswith("bad answer")
+        assert errors[base + "/nope"] == ("down", "HTTP 404 Not Found")
+        assert get(d.url)[0] == 200  # the page itself is served
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 def test_cli_serves_until_sigterm(node: NodeProcess) -> None:
     proc = subprocess.Popen(
         [
@@ -222,6 +263,33 @@ def test_cli_serves_until_sigterm(node: NodeProcess) -> None:
             proc.wait()
 
 
+def test_cli_shows_conductors_alone() -> None:
+    """``--conductor`` without ``--nodes`` or ``--etcd``: the page serves, the conductor that is
+    not there is shown as such."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore", "dashboard", "--conductor", "127.0.0.1:1", "--listen", "127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert proc.stdout is not None
+        line = wait_for(
+            lambda: next((x for x in iter(proc.stdout.readline, "") if x.startswith("READY ")), None), 30, "READY"
+        )
+        code, body, _ = get(json.loads(line[len("READY ") :])["url"] + "api/cluster")
+        v = json.loads(body)
+        assert code == 200 and v["title"] == "kvstore — 1 conductor"
+        assert [(c["name"], c["status"]) for c in v["conductors"]] == [("127.0.0.1:1", "down")]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_cli_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     from kvstore.cli import main
 
@@ -229,6 +297,9 @@ def test_cli_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
         ((), "--nodes"),
         (("--nodes", "nohost"), "HOST:PORT"),
         (("--nodes", "127.0.0.1:1", "--interval", "5"), "interval"),
+        (("--nodes", "127.0.0.1:1", "--etcd", "127.0.0.1:2"), "one of the two"),
+        (("--conductor", "nohost"), "--conductor"),
+        (("--conductor", "127.0.0.1:1", "--listen", "nope"), "--listen"),
     ):
         assert main(["dashboard", *args]) == 2
         assert needle in capsys.readouterr().err

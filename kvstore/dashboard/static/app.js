@@ -12,6 +12,9 @@ const PATHS = [["local", "local (shm)", "#38bdf8"], ["tcp", "TCP", "#f472b6"], [
 const MOVES = [["evictions/dram", "DRAM evictions", "#f97316"], ["evictions/nvme", "NVMe evictions", "#ef4444"],
   ["promotions", "promotions", "#38bdf8"], ["demotions", "demotions", "#a78bfa"]];
 const COLOR = { hbm: "#a78bfa", dram: "#38bdf8", nvme: "#34d399", remote: "#fbbf24" };
+// where the conductor expected a routed prompt's tokens to come from
+const SOURCES = [["engine", "engine cache", COLOR.hbm], ["pool_dram", "pool DRAM", COLOR.dram], ["pool_nvme", "NVMe", COLOR.nvme],
+  ["pool_remote", "remote", COLOR.remote], ["compute", "computed", "#64748b"]];
 const WINDOW_S = 300;
 const MAX_POINTS = 900;
 
@@ -254,7 +257,7 @@ function renderCapacity(d) {
   $("capacity").innerHTML = rows.join("") || `<div class="note">no node answering</div>`;
 }
 
-function address(url) { return url ? url.replace(/^https?:\/\//, "").replace(/\/metrics$/, "") : ""; }
+function address(url) { return url ? url.replace(/^https?:\/\//, "").replace(/\/(metrics|conductor\/state)$/, "") : ""; }
 
 function renderReplication(r) {
   const el = $("replication");
@@ -283,6 +286,68 @@ function renderNodes(d) {
       `<span class="note">${n.status === "up" ? n.scrape_ms.toFixed(0) + " ms" : n.status}</span></div><div class="meta">${meta}</div>${mini}` +
       (n.error ? `<div class="err">${esc(n.error)}</div>` : "") + `</div>`;
   }).join("") || `<div class="note">no nodes</div>`;
+}
+
+function us(x) { return x == null ? "—" : dur(x / 1e6); }
+
+function renderConductors(d) {
+  const now = d.now;
+  $("conductors").innerHTML = d.conductors.map((c) => {
+    const rejected = Object.values(c.rejected).reduce((s, v) => s + v, 0);
+    const why = Object.entries(c.rejected).filter(([, v]) => v > 0).map(([k, v]) => `${esc(k)} ${num(v)}`).join(", ");
+    const figures = c.decision_us == null ? "" :
+      `<div class="meta"><span data-k="decision_p50" data-value="${c.decision_us.p50 ?? ""}">decision ${us(c.decision_us.p50)}</span>` +
+      ` <small>p50</small> · <span data-k="decision_p99" data-value="${c.decision_us.p99 ?? ""}">${us(c.decision_us.p99)}</span> <small>p99</small></div>` +
+      `<div class="meta"><span data-k="ttft_err" data-value="${c.ttft_err_median ?? ""}" title="median of |predicted − measured| / measured TTFT">` +
+      `TTFT prediction error ${pct(c.ttft_err_median, 0)}</span></div>` +
+      `<div class="meta"><span data-k="routed" data-value="${c.routed}">${num(c.routed)} routed</span> · ` +
+      `<span data-k="rejected" data-value="${rejected}" class="${rejected ? "warn" : ""}">${num(rejected)} rejected${why ? ` (${why})` : ""}</span>` +
+      (c.pool_errors ? ` · <span data-k="pool_errors" data-value="${c.pool_errors}" class="warn">${num(c.pool_errors)} pool errors</span>` : "") + `</div>`;
+    const head = c.status === "up" ? `${c.alive} / ${c.engines} engines alive${c.pd ? " · P/D" : ""}`
+      : c.last_seen ? `last seen ${ago(now - c.last_seen)} ago` : "never answered";
+    return `<div class="node" data-conductor="${esc(c.name)}" data-status="${c.status}"><div class="head"><span class="dot"></span>` +
+      `<span class="name" title="conductor ${esc(c.url)}">${esc(address(c.name))}</span><span class="note">${c.status === "up" ? c.scrape_ms.toFixed(0) + " ms" : esc(c.status)}</span></div>` +
+      `<div class="meta">${head}</div>${figures}` + (c.error ? `<div class="err">${esc(c.error)}</div>` : "") + `</div>`;
+  }).join("");
+}
+
+const ENGINE_STATUS = { up: "alive", down: "dead", partial: "dead for some", unknown: "unknown", left: "left" };
+
+function renderEngines(d) {
+  const card = $("engines-card");
+  card.hidden = !d.conductors || d.conductors.length === 0;
+  card.classList.toggle("first", !card.hidden && d.nodes.length === 0);  // only conductors: their engines lead
+  if (card.hidden) return;
+  renderConductors(d);
+  const answering = d.conductors.filter((c) => c.status === "up").length;
+  $("engines-note").textContent = `${d.engines.length} engine${d.engines.length === 1 ? "" : "s"} · ${answering} of ${d.conductors.length} conductor${d.conductors.length === 1 ? "" : "s"} answering`;
+  const head = `<div class="erow head"><span>engine</span><span>state</span><span class="n">routed</span><span class="n">running / queued</span>` +
+    `<span>hit ratio</span><span>prompt tokens by source</span><span class="n">KV view</span></div>`;
+  const rows = d.engines.map((e) => {
+    const total = SOURCES.reduce((s, [k]) => s + (e.tokens[k] || 0), 0);
+    const segs = SOURCES.map(([k, label, color]) => {
+      const v = e.tokens[k] || 0;
+      return v > 0 ? `<span data-source="${k}" data-value="${v}" style="width:${((100 * v) / total).toFixed(2)}%;background:${color}" title="${label}: ${num(v)} tokens (${pct(v / total, 0)})"></span>` : "";
+    }).join("");
+    const split = total ? SOURCES.filter(([k]) => e.tokens[k] > 0).map(([k, label]) => `${label} ${pct(e.tokens[k] / total, 0)}`).join(" · ") : "none yet";
+    const v = e.view;
+    const view = v == null ? `<span data-k="staleness" data-value="" class="note" title="no conductor follows this engine's KV events: its cache gets no credit">no KV events</span>`
+      : v.staleness_s == null ? `<span data-k="staleness" data-value="" class="note">no event yet</span>`
+      : `<span data-k="staleness" data-value="${v.staleness_s}" class="${v.connected ? "" : "warn"}" title="${num(v.events)} events, ${num(v.resyncs)} resyncs${v.connected ? "" : ", not connected"}">${dur(v.staleness_s)} old</span>`;
+    const live = e.running != null;
+    return `<div class="erow" data-engine="${esc(e.engine_id)}" data-status="${e.status}">` +
+      `<span class="name"><span class="dot"></span><span><b title="${esc(e.url)}">${esc(e.engine_id)}</b> <small>${esc(e.role)}${e.models.length ? " · " + e.models.map(esc).join(", ") : ""}</small>` +
+      (e.errors.length ? `<span class="err">${e.errors.map(esc).join("; ")}</span>` : "") + `</span></span>` +
+      `<span data-k="status">${ENGINE_STATUS[e.status] || esc(e.status)}</span>` +
+      `<span class="n" data-k="routed" data-value="${e.routed}" title="requests routed here, summed over conductors; ${num(e.served)} served">${num(e.routed)}</span>` +
+      `<span class="n"><span data-k="running" data-value="${live ? e.running : ""}">${live ? num(e.running) : "—"}</span> / ` +
+      `<span data-k="queued" data-value="${live ? e.queued : ""}">${live ? num(e.queued) : "—"}</span></span>` +
+      `<span class="ratio"><span class="track"><span style="width:${((e.hit_ratio || 0) * 100).toFixed(1)}%;background:var(--good)"></span></span>` +
+      `<span data-k="hit_ratio" data-value="${e.hit_ratio ?? ""}">${pct(e.hit_ratio, 0)}</span></span>` +
+      `<span class="sources"><span class="track stack" data-k="tokens" data-value="${total}">${segs}</span><small>${num(total)} · ${split}</small></span>` +
+      `<span class="n">${view}</span></div>`;
+  });
+  $("engines").innerHTML = rows.length ? head + rows.join("") : `<div class="note">no engine reported yet</div>`;
 }
 
 function renderNamespaces(d) {
@@ -326,6 +391,7 @@ function render() {
   lineChart($("moves-chart"), MOVES.map(([k, label, color]) => [(c) => get(c, k), label, color]), (v) => num(v) + "/s", false);
   lineChart($("bw-chart"), PATHS.map(([k, label, color]) => [(c) => bytesMoved(c, k), label, color]), (v) => axisBytes(v) + "/s", true);
   renderNodes(d);
+  renderEngines(d);
   renderNamespaces(d);
   renderLatency(d);
   const banner = $("banner");
@@ -372,4 +438,5 @@ window.addEventListener("resize", render);
 legend($("tier-legend"), TIERS.map(([k, l]) => [k, l, COLOR[k]]));
 legend($("moves-legend"), MOVES);
 legend($("bw-legend"), PATHS);
+legend($("source-legend"), SOURCES);
 poll();
