@@ -7,7 +7,11 @@ down or speeds up is followed within a few dozen requests):
 
 * **TTFT** (seconds) of a request on an engine::
 
-      ttft = base + compute · tokens to compute + queued · prefill tokens queued ahead on the engine
+      ttft = base + compute · tokens to compute
+                  + queue · seconds of work queued ahead on the engine (the requests sent
+                            there with no first token yet: what their own estimates said
+                            their work would take, less what has passed, see
+                            :meth:`EngineState.queued_s`)
                   + dram · tokens loaded from the engine's node's DRAM
                   + nvme · tokens loaded from its NVMe
                   + remote · tokens pulled from another node
@@ -33,9 +37,11 @@ import dataclasses
 
 import numpy as np
 
-TTFT_FEATURES = ("base", "compute", "queued", "dram", "nvme", "remote", "decodes")
+TTFT_FEATURES = ("base", "compute", "queue", "dram", "nvme", "remote", "decodes")
 TIERS = ("dram", "nvme", "remote")
 TBT_FEATURES = ("base", "per_decode")
+QUEUE_FLOOR = 0.5
+"""The least weight queued work ahead has in an estimate, whatever the fit says."""
 OWN_FIT_SAMPLES = 20
 """Measurements of an engine before its own fit replaces the fleet's in its estimates."""
 
@@ -58,7 +64,7 @@ class Priors:
     def ttft_weights(self) -> np.ndarray:
         per_ktok = [1000 * self.bytes_per_token / (g * 1e9) for g in self.load_gbps]
         per_compute = 1000.0 / self.prefill_tokens_per_s
-        return np.array([self.base_s, per_compute, per_compute, *per_ktok, self.per_decode_s], dtype=np.float64)
+        return np.array([self.base_s, per_compute, 1.0, *per_ktok, self.per_decode_s], dtype=np.float64)
 
     def tbt_weights(self) -> np.ndarray:
         return np.array([self.tbt_base_s, self.tbt_per_decode_s], dtype=np.float64)
@@ -98,7 +104,7 @@ class Load:
     """What one request would cost an engine, in tokens (the TTFT model's inputs)."""
 
     compute: int  # prompt tokens the engine computes (neither its cache nor the pool has them)
-    queued: float  # prefill tokens queued ahead of it on the engine
+    queued_s: float  # seconds of work queued ahead of it on the engine
     dram: int = 0
     nvme: int = 0
     remote: int = 0
@@ -109,7 +115,7 @@ class Load:
             [
                 1.0,
                 self.compute / 1000,
-                self.queued / 1000,
+                self.queued_s,
                 self.dram / 1000,
                 self.nvme / 1000,
                 self.remote / 1000,
@@ -146,8 +152,16 @@ class CostModel:
     def ttft(self, engine_id: str, load: Load) -> float:
         # the decision asks this once per engine and request: plain arithmetic, no numpy call
         b, c, q, d, n, r, k = self._engine(engine_id).wp
-        work = c * load.compute + q * load.queued + d * load.dram + n * load.nvme + r * load.remote
-        return b + work / 1000 + k * load.running
+        work = c * load.compute + d * load.dram + n * load.nvme + r * load.remote
+        # queued work is done before this request's (FCFS): however noisy the fit, it counts
+        # at least half (a fit that lost it would pile every request on one engine)
+        return b + work / 1000 + max(q, QUEUE_FLOOR) * load.queued_s + k * load.running
+
+    def work(self, engine_id: str, load: Load) -> float:
+        """The request's own work on the engine, in seconds: its compute and loads, no queue
+        (what it adds to the queue of the requests sent after it)."""
+        _, c, _, d, n, r, _ = self._engine(engine_id).wp
+        return (c * load.compute + d * load.dram + n * load.nvme + r * load.remote) / 1000
 
     def prefill_rate(self, engine_id: str) -> float:
         """The engine's fitted prefill rate in tokens/s."""

@@ -42,6 +42,7 @@ class Inflight:
 
     compute_tokens: int  # prompt tokens the engine computes (the estimate's)
     sent_at: float  # monotonic
+    work_s: float = 0.0  # its own work, as estimated when it was sent (compute and loads)
     first_at: float | None = None
 
 
@@ -80,17 +81,23 @@ class EngineState:
         total = sum(self.tokens.values())
         return None if not total else round(1 - self.tokens.get("compute", 0) / total, 4)
 
-    def queued_tokens(self, now: float, tokens_per_s: float, mean_prompt: float) -> float:
-        """Prefill tokens queued ahead of a new request: those of the requests sent here
-        that have no first token yet, at most half done at the fitted rate (the fit has
-        its own coefficient for them), plus requests the engine reports waiting beyond
-        ours, at the fleet's mean prompt."""
-        mine = sum(
-            max(0.5 * f.compute_tokens, f.compute_tokens - (now - f.sent_at) * tokens_per_s)
-            for f in self.prefilling.values()
-        )
-        others = max(0, self.scraped_waiting - len(self.prefilling)) if now - self.scraped_at < 5 else 0
-        return mine + others * mean_prompt
+    def _others(self, now: float) -> int:
+        """Requests the engine reports waiting beyond the ones this conductor sent."""
+        return max(0, self.scraped_waiting - len(self.prefilling)) if now - self.scraped_at < 5 else 0
+
+    def queued_tokens(self, now: float, mean_prompt: float) -> float:
+        """Prompt tokens still to compute ahead of a new request (for ties and ``/metrics``):
+        the requests sent here with no first token yet, plus the others the engine
+        reports waiting, at the fleet's mean prompt."""
+        return sum(f.compute_tokens for f in self.prefilling.values()) + self._others(now) * mean_prompt
+
+    def queued_s(self, now: float, mean_work_s: float) -> float:
+        """Seconds of work queued ahead of a new request: each request sent here with no
+        first token yet, its estimated work less the time since it was sent (at least a
+        quarter of it: a request past its estimate is late, not done), plus the others the
+        engine reports waiting, at the fleet's mean work."""
+        mine = sum(max(0.25 * f.work_s, f.work_s - (now - f.sent_at)) for f in self.prefilling.values())
+        return mine + self._others(now) * mean_work_s
 
     def running(self, now: float) -> int:
         fresh = now - self.scraped_at < 5

@@ -105,7 +105,7 @@ def _route_header(d: Decision, prompt_tokens: int, tokenized: bool) -> str:
         return (
             f"{tag}={x.engine_id}; local={x.local_tokens}; pool={x.pool_tokens}"
             f"(dram={x.load.dram},nvme={x.load.nvme},remote={x.load.remote}); compute={x.load.compute}; "
-            f"queued={int(x.load.queued)}; decodes={x.load.running}; ttft_ms={x.ttft_s * 1e3:.0f}"
+            f"queued_ms={x.load.queued_s * 1e3:.0f}; decodes={x.load.running}; ttft_ms={x.ttft_s * 1e3:.0f}"
         )
 
     parts = [f"prompt={prompt_tokens}" + ("" if tokenized else "(estimated: no token ids)")]
@@ -410,7 +410,7 @@ async def metrics(request: web.Request) -> web.Response:
     now = time.monotonic()
     for e in c.engines.by_id.values():
         c.metrics.engine_up.labels(e.engine_id).set(1 if e.alive else 0)
-        c.metrics.queued.labels(e.engine_id).set(e.queued_tokens(now, c.model.prefill_rate(e.engine_id), c.mean_prompt))
+        c.metrics.queued.labels(e.engine_id).set(e.queued_tokens(now, c.mean_prompt))
         c.metrics.running.labels(e.engine_id).set(e.running(now))
         c.metrics.staleness.labels(e.engine_id).set(c.local.staleness(e.engine_id))
     return web.Response(body=generate_latest(c.metrics.registry), content_type="text/plain", charset="utf-8")

@@ -42,9 +42,10 @@ class EngineLoad:
     role: str  # "both", "prefill" or "decode"
     node_id: str  # the kvstore node it loads through ("": none known: every pool chunk is remote)
     local_tokens: int  # leading prompt tokens its own prefix cache holds
-    queued_tokens: float  # prefill tokens queued ahead of a new request
+    queued_tokens: float  # prompt tokens queued ahead of a new request
     running: int  # decodes it runs
     sent: int = 0  # requests sent to it so far (exact ties spread over the engines)
+    queued_s: float = 0.0  # seconds of work queued ahead of a new request
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -168,7 +169,7 @@ def estimate(
     if pooled > local:
         dram, nvme, remote = (splitter or _Splitter(pool)).split(local, pooled, e.node_id)
     compute = prompt_tokens - max(local, pooled)
-    load = Load(compute=compute, queued=e.queued_tokens, dram=dram, nvme=nvme, remote=remote, running=e.running)
+    load = Load(compute=compute, queued_s=e.queued_s, dram=dram, nvme=nvme, remote=remote, running=e.running)
     return Estimate(
         e.engine_id,
         load,
@@ -185,6 +186,7 @@ def _pick(cands: Sequence[Estimate], loads: dict[str, EngineLoad], slo: Slo, key
     return min(
         near,
         key=lambda c: (
+            loads[c.engine_id].queued_s,
             loads[c.engine_id].queued_tokens,
             loads[c.engine_id].running,
             getattr(c, key),
@@ -254,7 +256,7 @@ def handoff_load(prefill: EngineLoad, decode: EngineLoad, prompt_tokens: int, ch
     same = bool(prefill.node_id) and prefill.node_id == decode.node_id
     return Load(
         compute=prompt_tokens - stored,
-        queued=decode.queued_tokens,
+        queued_s=decode.queued_s,
         running=decode.running,
         dram=stored if same else 0,
         remote=0 if same else stored,

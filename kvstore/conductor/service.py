@@ -92,6 +92,7 @@ class Conductor:
         self.decision_us: collections.deque[float] = collections.deque(maxlen=10_000)
         self.ttft_err: collections.deque[float] = collections.deque(maxlen=10_000)
         self.mean_prompt = 0.0
+        self.mean_work_s = 0.0
         self.pool_down_until = 0.0
         self.pool_errors = 0
         self.rejected: collections.Counter[str] = collections.Counter()
@@ -263,16 +264,16 @@ class Conductor:
         now = time.monotonic()
         loads = []
         for e in live:
-            rate = self.model.prefill_rate(e.engine_id)
             loads.append(
                 EngineLoad(
                     e.engine_id,
                     e.role,
                     e.node_id,
                     local.get(e.engine_id, 0),
-                    e.queued_tokens(now, rate, self.mean_prompt),
+                    e.queued_tokens(now, self.mean_prompt),
                     e.running(now),
                     self.decisions[e.engine_id],
+                    e.queued_s(now, self.mean_work_s),
                 )
             )
         # one pool view per request: engines of several namespaces each get their own
@@ -293,7 +294,9 @@ class Conductor:
     def dispatched(self, e: EngineState, rid: str, load: Load) -> None:
         from kvstore.conductor.engines import Inflight
 
-        e.prefilling[rid] = Inflight(load.compute, time.monotonic())
+        work = self.model.work(e.engine_id, load)
+        self.mean_work_s = work if self.mean_work_s == 0 else 0.95 * self.mean_work_s + 0.05 * work
+        e.prefilling[rid] = Inflight(load.compute, time.monotonic(), work)
         self.decisions[e.engine_id] += 1
         self.metrics.requests.labels(e.engine_id).inc()
 

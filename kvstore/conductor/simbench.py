@@ -65,8 +65,8 @@ def conductor_sim(engines: int = 64, prompt_tokens: int = 32768, requests: int =
     fill_s = time.perf_counter() - t0
     model = CostModel()
     for _ in range(64):
-        load = Load(int(rng.integers(1, 8000)), float(rng.integers(0, 8000)), int(rng.integers(0, 8000)))
-        model.observe_ttft(ids[int(rng.integers(engines))], load, 0.05 + 0.0004 * (load.compute + load.queued))
+        load = Load(int(rng.integers(1, 8000)), float(rng.uniform(0, 4)), int(rng.integers(0, 8000)))
+        model.observe_ttft(ids[int(rng.integers(engines))], load, 0.05 + 0.0004 * load.compute + load.queued_s)
     nodes = [f"node{i}" for i in range(max(1, engines // 4))]
     keys_us, match_us, decide_us, total_us = [], [], [], []
     fp = b"\x01" * 8
@@ -84,7 +84,7 @@ def conductor_sim(engines: int = 64, prompt_tokens: int = 32768, requests: int =
         local = index.match(tokens)
         t3 = time.perf_counter()
         loads = [
-            EngineLoad(eid, "both", nodes[i % len(nodes)], local.get(eid, 0), float(i * 97 % 5000), i % 17, i)
+            EngineLoad(eid, "both", nodes[i % len(nodes)], local.get(eid, 0), float(i * 97 % 5000), i % 17, i, i * 0.03)
             for i, eid in enumerate(ids)
         ]
         dec = decide(model, loads, len(tokens), PoolMatch(CHUNK, where))

@@ -21,7 +21,8 @@ def model() -> CostModel:
 def eng(
     eid: str, *, local: int = 0, queued: float = 0, running: int = 0, node: str = "n1", role: str = "both"
 ) -> EngineLoad:
-    return EngineLoad(eid, role, node, local, queued, running)
+    # queued: prompt tokens ahead, whose work is 1 ms a token (PRIORS' prefill rate)
+    return EngineLoad(eid, role, node, local, queued, running, queued_s=queued / 1000)
 
 
 def test_the_estimate_counts_compute_queue_and_each_tier() -> None:
@@ -85,7 +86,7 @@ def test_an_uncalibrated_model_refuses_nothing_a_calibrated_one_refuses_what_mis
     busy = [eng("a", queued=5000)]
     assert not decide(m, busy, 1000, slo=slo).refused
     for _ in range(3):
-        m.observe_ttft("a", Load(compute=1000, queued=0), 1.0)
+        m.observe_ttft("a", Load(compute=1000, queued_s=0), 1.0)
     d = decide(m, busy, 1000, slo=slo)
     assert d.refused == "ttft" and d.engine is None and d.retry_after_s >= 1
     assert d.predicted_ttft_s > 0.5
@@ -125,11 +126,11 @@ def test_the_model_learns_an_engine_speed_it_was_not_told() -> None:
     rng = np.random.default_rng(0)
     for _ in range(60):  # the real engine: 50 ms + 4 ms per token, 1 ms per DRAM token
         load = Load(
-            compute=int(rng.integers(50, 2000)), queued=float(rng.integers(0, 3000)), dram=int(rng.integers(0, 2000))
+            compute=int(rng.integers(50, 2000)), queued_s=float(rng.uniform(0, 3)), dram=int(rng.integers(0, 2000))
         )
-        m.observe_ttft("e", load, 0.05 + 0.004 * (load.compute + load.queued) + 0.001 * load.dram)
+        m.observe_ttft("e", load, 0.05 + 0.004 * load.compute + 1.2 * load.queued_s + 0.001 * load.dram)
     assert m.prefill_rate("e") == pytest.approx(250, rel=0.05)
-    probe = Load(compute=700, queued=300, dram=500)
-    assert m.ttft("e", probe) == pytest.approx(0.05 + 4.0 + 0.5, rel=0.05)
+    probe = Load(compute=700, queued_s=0.3, dram=500)
+    assert m.ttft("e", probe) == pytest.approx(0.05 + 2.8 + 0.36 + 0.5, rel=0.05)
     # a new engine starts from what the fleet learned
     assert m.ttft("new", probe) == pytest.approx(m.ttft("e", probe), rel=0.01)
