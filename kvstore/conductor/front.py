@@ -342,7 +342,10 @@ async def _relay(
         )
     try:
         async for line in up.content:
-            kind = _is_token_event(line)
+            if sent.first_token_at is None:
+                kind = _is_token_event(line)
+            else:  # past the first token the events are not parsed again: a data line is a token
+                kind = line.startswith(b"data:") and line[5:].strip() != b"[DONE]"
             if kind is None:
                 c.metrics.outcomes.labels("engine_error").inc()
                 if resp is None:

@@ -240,6 +240,7 @@ class Conductor:
             if not keys:
                 out[(fp, chunk)] = PoolMatch(chunk)
                 continue
+            before = _owner_misses(self._pool)
             try:
                 n, where = await asyncio.wait_for(self._pool.match_prefix_locations(keys), self.cfg.pool_timeout_s * 2)
             except Exception as err:  # noqa: BLE001 - the pool is a hint: route without it for a while
@@ -248,6 +249,11 @@ class Conductor:
                 self.pool_down_until = time.monotonic() + POOL_RETRY_S
                 log.warning("pool lookup failed (%s): routing by load and engine caches for %.0f s", err, POOL_RETRY_S)
                 return {}
+            if _owner_misses(self._pool) > before:
+                # an owner was down or late: the cluster client answered a miss for its chunks
+                # (and routes around the node itself), so this lookup went without them
+                self.pool_errors += 1
+                self.metrics.pool_errors.inc()
             out[(fp, chunk)] = PoolMatch(chunk, tuple((str(w), str(t)) for w, t in where[:n]))
         return out
 
@@ -353,3 +359,10 @@ class Conductor:
             "pd": self.cfg.pd,
             "slo": {"ttft_s": self.cfg.slo.ttft_s, "tbt_s": self.cfg.slo.tbt_s},
         }
+
+
+def _owner_misses(pool: Any) -> int:
+    """Keys the cluster client found missing because their owner was down or past its
+    deadline (``miss_counts()``: node_down, deadline); 0 for a client that counts none."""
+    counts = getattr(pool, "miss_counts", None)
+    return sum(counts().values()) if counts is not None else 0
