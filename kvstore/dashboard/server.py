@@ -83,22 +83,12 @@ class StaticNodes:
         pass
 
 
-class NoNodes:
+class NoNodes(StaticNodes):
     """Only conductors (``--conductor`` without ``--nodes`` or ``--etcd``): no node to scrape."""
 
-    description = ""
-
-    def targets(self) -> dict[str, tuple[str | None, str]]:
-        return {}
-
-    def names(self) -> dict[str, str] | None:
-        return None
-
-    def status(self) -> str:
-        return ""
-
-    def close(self) -> None:
-        pass
+    def __init__(self) -> None:
+        self._targets = {}
+        self.description = ""
 
 
 class EtcdNodes:
