@@ -11,7 +11,9 @@ loaded engine (fewer queued prefill tokens, then fewer running decodes).  With S
 an engine whose predicted time between tokens misses ``slo_tbt_s`` is no candidate, and a
 request whose best estimated TTFT misses ``slo_ttft_s`` is refused before any engine
 spends time on it; both only once the model has ``min_samples`` measurements (an
-uncalibrated model refuses nothing).
+uncalibrated model refuses nothing), and the TBT target only while an idle engine would
+meet it (when even one decode alone misses it, load is not the cause and refusing
+requests would only idle the fleet).
 
 Prefill/decode: the prefill engine is picked by estimated TTFT among ``prefill`` engines
 and the decode engine by predicted TBT among ``decode`` engines (ties: fewer running); the
@@ -217,7 +219,7 @@ def decide(
             return Decision(None, refused="no live prefill and decode engines", retry_after_s=1)
         p = _pick(pre, loads, slo, "ttft_s")
         d = _pick(dec, loads, slo, "tbt_s")
-        if calibrated and slo.tbt_s and d.tbt_s > slo.tbt_s:
+        if calibrated and slo.tbt_s and d.tbt_s > slo.tbt_s and model.tbt(1) <= slo.tbt_s:
             return Decision(None, refused="tbt", retry_after_s=1, candidates=tuple(pre + dec))
         handoff = handoff_load(loads[p.engine_id], loads[d.engine_id], prompt_tokens, pool.chunk_tokens)
         handoff_s = model.ttft(d.engine_id, handoff)
@@ -237,7 +239,7 @@ def decide(
     if not cands:
         return Decision(None, refused="no live engine", retry_after_s=1)
     ok = cands
-    if calibrated and slo.tbt_s:
+    if calibrated and slo.tbt_s and model.tbt(1) <= slo.tbt_s:  # (missed even when idle: load is not why)
         ok = [c for c in cands if c.tbt_s <= slo.tbt_s]
         if not ok:
             return Decision(None, refused="tbt", retry_after_s=1, candidates=tuple(cands))

@@ -102,6 +102,9 @@ def test_the_tbt_target_excludes_engines_running_too_many_decodes() -> None:
     assert d.engine is not None and d.engine.engine_id == "b"
     d = decide(m, [eng("a", running=25)], 100, slo=slo)
     assert d.refused == "tbt"
+    # a target an idle engine misses too is not the load's doing: refusing would only idle the fleet
+    d = decide(m, [eng("a", running=25)], 100, slo=Slo(tbt_s=0.011, min_samples=0))
+    assert not d.refused and d.engine is not None
 
 
 def test_prefill_decode_picks_each_half_by_its_own_measure() -> None:

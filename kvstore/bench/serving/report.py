@@ -114,7 +114,12 @@ def summarise(
     itl = [x for r in ok for x in r.itl_ms]
     e2e = [r.e2e_ms for r in ok if r.e2e_ms is not None]
     start = min((r.arrival_s for r in records), default=0.0)
-    end = max((r.arrival_s + (r.e2e_ms or r.ttft_ms or 0.0) / 1e3 for r in ok), default=start)
+    # the makespan runs to the last answer of any kind: a front that refuses the second half
+    # of a trace has not served its first half in a shorter time
+    end = max(
+        (r.arrival_s + (r.e2e_ms or r.ttft_ms or r.reject_ms or 0.0) / 1e3 for r in records),
+        default=start,
+    )
     span = max(end - start, 1e-9)
     good = [r for r in ok if (r.ttft_ms or 0.0) <= slo_ttft_ms and (r.tbt_ms is None or r.tbt_ms <= slo_tbt_ms)]
     out_tokens = sum(len(r.tokens) for r in ok)
