@@ -34,12 +34,15 @@ tier, a load rate in GB/s with the engine's KV bytes per token; ``kvstore bench
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
 TTFT_FEATURES = ("base", "compute", "queue", "dram", "nvme", "remote", "decodes")
 TIERS = ("dram", "nvme", "remote")
 TBT_FEATURES = ("base", "per_decode")
+BIAS_ALPHA = 0.15
+BIAS_LIMIT = math.log(8.0)  # the bias stays within 1/8 .. 8
 QUEUE_FLOOR = 0.5
 """The least weight queued work ahead has in an estimate, whatever the fit says."""
 OWN_FIT_SAMPLES = 20
@@ -91,7 +94,7 @@ class RLS:
         self.w = self.w + k * (y - float(x @ self.w))
         self.P = (self.P - np.outer(k, px)) / self.forget
         # keep P symmetric and bounded: features that never vary would otherwise blow it up
-        self.P = np.clip((self.P + self.P.T) / 2, -1e3, 1e3)
+        self.P = np.clip((self.P + self.P.T) / 2, -1e6, 1e6)
         self.samples += 1
         self.wp = tuple(float(x) for x in np.maximum(self.w, 0.0))
 
@@ -130,8 +133,9 @@ class CostModel:
     def __init__(self, priors: Priors | None = None, *, forget: float = 0.98) -> None:
         self.priors = priors or Priors()
         w = self.priors.ttft_weights()
-        self.fleet = RLS(w, np.maximum(w, 0.1) ** 2 * 100, forget)  # weak priors: measurements win fast
+        self.fleet = RLS(w, np.maximum(w, 0.1) ** 2 * 1e4, forget)  # weak priors: measurements win fast
         self.engines: dict[str, RLS] = {}
+        self.bias: dict[str, float] = {}  # engine → measured / fitted, recent (see observe_ttft)
         t = self.priors.tbt_weights()
         self.tbt_fit = RLS(t, np.maximum(t, 0.01) ** 2 * 100, forget)
 
@@ -150,6 +154,10 @@ class CostModel:
         return self.fleet.samples
 
     def ttft(self, engine_id: str, load: Load) -> float:
+        """The estimate: the fit's, times the engine's recent bias (see :meth:`observe_ttft`)."""
+        return self._fitted(engine_id, load) * self.bias.get(engine_id, 1.0)
+
+    def _fitted(self, engine_id: str, load: Load) -> float:
         # the decision asks this once per engine and request: plain arithmetic, no numpy call
         b, c, q, d, n, r, k = self._engine(engine_id).wp
         work = c * load.compute + d * load.dram + n * load.nvme + r * load.remote
@@ -169,6 +177,19 @@ class CostModel:
         return 1000.0 / per_ktok
 
     def observe_ttft(self, engine_id: str, load: Load, seconds: float) -> None:
+        """A measured first token.  Two things learn from it: the fit (slowly: it forgets
+        with ``forget``), and the engine's bias, the moving geometric mean of measured
+        over fitted (fast: ``BIAS_ALPHA``), which follows what the features do not see
+        (an engine that falls behind under overload took 3-5 x its fitted estimate in one
+        run; the fit alone took a hundred requests to catch up)."""
+        fitted = self._fitted(engine_id, load)
+        if fitted > 0 and seconds > 0:
+            old = math.log(self.bias.get(engine_id, 1.0))
+            new = (1 - BIAS_ALPHA) * old + BIAS_ALPHA * math.log(seconds / fitted)
+            self.bias[engine_id] = math.exp(min(max(new, -BIAS_LIMIT), BIAS_LIMIT))
+        self._fit_ttft(engine_id, load, seconds)
+
+    def _fit_ttft(self, engine_id: str, load: Load, seconds: float) -> None:
         # weighted by 1/TTFT: the fit minimises relative error (a 50 ms miss on a 100 ms
         # request matters as much as a 500 ms miss on a second), which measured 0.47-0.55
         # median relative error where plain least squares gave 0.61-0.67 (a 2-core fleet)
@@ -195,6 +216,7 @@ class CostModel:
             "engines": {
                 e: {
                     "samples": f.samples,
+                    "bias": round(self.bias.get(e, 1.0), 3),
                     "prefill_tokens_per_s": round(self.prefill_rate(e), 1),
                     **dict(zip(TTFT_FEATURES, np.round(np.maximum(f.w, 0), 6).tolist())),
                 }

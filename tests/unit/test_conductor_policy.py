@@ -137,3 +137,18 @@ def test_the_model_learns_an_engine_speed_it_was_not_told() -> None:
     assert m.ttft("e", probe) == pytest.approx(0.05 + 2.8 + 0.36 + 0.5, rel=0.05)
     # a new engine starts from what the fleet learned
     assert m.ttft("new", probe) == pytest.approx(m.ttft("e", probe), rel=0.01)
+
+
+def test_an_engine_that_falls_behind_is_followed_within_a_few_requests() -> None:
+    """Overload makes an engine slower than any feature says: its recent bias follows
+    within a dozen requests, long before the fit itself would."""
+    m = CostModel(Priors(prefill_tokens_per_s=1000))
+    rng = np.random.default_rng(1)
+    loads = [Load(compute=int(rng.integers(100, 1000)), queued_s=0.0) for _ in range(80)]
+    for load in loads[:40]:
+        m.observe_ttft("e", load, 0.05 + 0.001 * load.compute)
+    probe = Load(compute=500, queued_s=0.0)
+    assert m.ttft("e", probe) == pytest.approx(0.55, rel=0.05)
+    for load in loads[40:52]:  # now everything takes three times as long
+        m.observe_ttft("e", load, 3 * (0.05 + 0.001 * load.compute))
+    assert m.ttft("e", probe) == pytest.approx(1.65, rel=0.25)
