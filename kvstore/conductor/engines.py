@@ -67,6 +67,7 @@ class EngineState:
     alive: bool = True
     last_error: str = ""
     failures: int = 0
+    slow_probes: int = 0  # probes in a row that timed out
     prefilling: dict[str, Inflight] = dataclasses.field(default_factory=dict)
     decoding: set[str] = dataclasses.field(default_factory=set)
     scraped_waiting: int = 0

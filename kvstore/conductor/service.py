@@ -42,6 +42,9 @@ from kvstore.conductor.policy import NO_POOL, Decision, EngineLoad, PoolMatch, S
 
 log = logging.getLogger("kvstore.conductor")
 
+SLOW_PROBES = 3
+"""Probes in a row an engine may leave unanswered (timed out) before it is taken out;
+a refused connection or a failed health check takes it out at once."""
 POOL_RETRY_S = 2.0
 """After a failed pool lookup, how long requests are routed without the pool."""
 
@@ -193,7 +196,7 @@ class Conductor:
 
     async def _probe(self, e: EngineState) -> None:
         assert self.http is not None
-        timeout = aiohttp.ClientTimeout(total=max(self.cfg.probe_s, 1.0))
+        timeout = aiohttp.ClientTimeout(total=max(self.cfg.probe_s, 2.0))
         try:
             async with self.http.get(e.url + "/health", timeout=timeout) as r:
                 ok = r.status == 200
@@ -207,11 +210,21 @@ class Conductor:
                         if r.status == 200:
                             data = await r.json()
                             e.models = tuple(str(m["id"]) for m in data.get("data", []) if "id" in m)
-        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError) as err:
+        except TimeoutError:
+            # a busy engine answers late (its API server shares the cores with the model):
+            # slow is not dead until it has been slow SLOW_PROBES times in a row
+            e.slow_probes += 1
+            if e.slow_probes >= SLOW_PROBES and self.engines.mark_dead(
+                e, f"no answer to {SLOW_PROBES} probes of {timeout.total:.0f} s in a row"
+            ):
+                self.local.clear(e.engine_id)
+            return
+        except (aiohttp.ClientError, ValueError, KeyError, TypeError) as err:
             ok = False
             why = f"probe failed: {type(err).__name__}: {err}"
         else:
             why = "health check failed"
+        e.slow_probes = 0
         if ok:
             self.engines.mark_alive(e)
         elif self.engines.mark_dead(e, why):
