@@ -56,8 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pool-timeout-ms",
         type=float,
-        default=250.0,
-        help="most a pool lookup may take before routing goes on without it",
+        default=50.0,
+        help="most a pool lookup may take (it is on every request's path) before routing goes on without the "
+        "pool for 2 s (default 50)",
     )
     p.add_argument(
         "--prefill-tokens-per-s", type=float, default=2000.0, help="prior prefill rate before any measurement"

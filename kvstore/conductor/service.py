@@ -59,7 +59,7 @@ class ConductorConfig:
     slo: Slo = Slo()
     priors: Priors = Priors()
     probe_s: float = 1.0
-    pool_timeout_s: float = 0.25
+    pool_timeout_s: float = 0.05  # the lookup is on every request's path: a slow pool is skipped
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 2.0
     tokenizer: str = ""
@@ -255,7 +255,7 @@ class Conductor:
                 continue
             before = _owner_misses(self._pool)
             try:
-                n, where = await asyncio.wait_for(self._pool.match_prefix_locations(keys), self.cfg.pool_timeout_s * 2)
+                n, where = await asyncio.wait_for(self._pool.match_prefix_locations(keys), self.cfg.pool_timeout_s)
             except Exception as err:  # noqa: BLE001 - the pool is a hint: route without it for a while
                 self.pool_errors += 1
                 self.metrics.pool_errors.inc()

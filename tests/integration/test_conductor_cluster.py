@@ -80,7 +80,8 @@ class Rig:
         """``kvstore conductor --etcd`` (no ``--engine``), answering HTTP (its engines may come later)."""
         port = port or free_port("127.0.0.1")
         args = [sys.executable, "-m", "kvstore", "conductor", "--port", str(port), "--probe-s", "0.2"]
-        args += ["--etcd", self.cluster.target, *extra]
+        # a generous pool budget: the default (50 ms) is for serving, not for a loaded test machine
+        args += ["--etcd", self.cluster.target, "--pool-timeout-ms", "2000", *extra]
         c = Proc(args, f"http://127.0.0.1:{port}", self.tmp / f"{name}.log").start()
         self.conductors.append(c)
         wait_http(c.url + "/conductor/state")
