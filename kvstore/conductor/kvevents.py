@@ -63,7 +63,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
@@ -146,6 +146,14 @@ def _chain(buf: bytes, blocks: int, step: int, prev: bytes) -> list[bytes]:
         prev = digest(prev + buf[off : off + step])
         add(prev)
     return out
+
+
+def _lazy_chain(buf: bytes, blocks: int, step: int, prev: bytes) -> Iterator[bytes]:
+    """:func:`_chain`, one key at a time."""
+    digest = xxhash.xxh3_128_digest
+    for off in range(0, blocks * step, step):
+        prev = digest(prev + buf[off : off + step])
+        yield prev
 
 
 def prefix_block_keys(tokens: Sequence[int] | np.ndarray, block_size: int, lora: str = "") -> list[bytes]:
@@ -378,15 +386,10 @@ class FleetCacheIndex:
         block size).  ``lora``: the adapter's name the request runs with ("" the base model)."""
         buf = _token_bytes(tokens)
         only = None if engines is None else set(engines)
-        with self._lock:
-            sizes = {
-                s.block_size
-                for eid, eng in self._engines.items()
-                if only is None or eid in only
-                for s in eng.slots.values()
-            }
         seed = _seed(lora)
-        chains = {bs: _chain(buf, len(buf) // (4 * bs), 4 * bs, seed) for bs in sizes}
+        # the prompt's keys are hashed as the walk needs them: past the first block no engine
+        # holds, no engine holds any later one (a key names its whole prefix), so a prompt
+        # costs the hashing of its longest cached prefix, not of all its blocks
         with self._lock:
             want = set(self._engines) if only is None else only
             out = dict.fromkeys(want, 0)
@@ -398,9 +401,7 @@ class FleetCacheIndex:
                         alive |= 1 << bit
                 if not alive:
                     continue
-                keys = chains.get(bs)
-                if keys is None:  # a size that appeared since
-                    keys = _chain(buf, len(buf) // (4 * bs), 4 * bs, seed)
+                keys = _lazy_chain(buf, len(buf) // (4 * bs), 4 * bs, seed)
                 for bit, got in _walk(size.index, keys, alive).items():
                     eid = size.slots[bit].engine_id
                     best[eid] = min(best.get(eid, got * bs), got * bs)
@@ -479,7 +480,7 @@ def _plain(extra: Any, i: int, lora: str) -> bool:
     return bool(lora) and len(e) == 1 and e[0] == lora
 
 
-def _walk(index: dict[bytes, int], keys: list[bytes], alive: int) -> dict[int, int]:
+def _walk(index: dict[bytes, int], keys: Iterable[bytes], alive: int) -> dict[int, int]:
     """Blocks of ``keys`` each slot of ``alive`` holds from the first: bit → blocks."""
     got: dict[int, int] = {}
     i = 0
