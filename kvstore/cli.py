@@ -296,7 +296,11 @@ _PLUGINS: list[tuple[str, str, str]] = [
         "kvstore.conductor.cli",
         "KV-cache-aware request scheduler: an OpenAI-compatible front over vLLM engines using the connector",
     ),
-    ("dashboard", "kvstore.dashboard.cli", "live cache-hit dashboard (web page) for one node, a whole cluster, and conductors' engines"),
+    (
+        "dashboard",
+        "kvstore.dashboard.cli",
+        "live cache-hit dashboard (web page) for one node, a whole cluster, and conductors' engines",
+    ),
     ("health", "kvstore.node.health", "one gRPC health check of a node (exit 0: SERVING), for container probes"),
     ("certs", "kvstore.local.ca", "a throwaway CA and node certificate for trying TLS (needs the 'tls' extra)"),
     (
