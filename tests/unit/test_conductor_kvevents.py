@@ -2,7 +2,7 @@
 
 Events are encoded here with msgspec in vLLM's wire shape (the struct *shapes* of
 ``vllm/distributed/kv_events.py``, copied: tagged maps inside an array-like batch); vLLM's
-own publisher is exercised in ``tests/vllm/test_conductor_kvevents.py``.  Block hashes are
+own publisher is exercised in ``tests/vllm/test_vllm_kvevents.py``.  Block hashes are
 made the way vLLM makes them (a chain over parent and tokens), with another hash function:
 the index must key by content whatever hashes the engine uses.
 
