@@ -43,6 +43,7 @@ TIERS = ("dram", "nvme", "remote")
 TBT_FEATURES = ("base", "per_decode")
 BIAS_ALPHA = 0.15
 BIAS_LIMIT = math.log(8.0)  # the bias stays within 1/8 .. 8
+BIAS_MIN_SAMPLES = 5
 QUEUE_FLOOR = 0.5
 """The least weight queued work ahead has in an estimate, whatever the fit says."""
 OWN_FIT_SAMPLES = 20
@@ -136,6 +137,7 @@ class CostModel:
         self.fleet = RLS(w, np.maximum(w, 0.1) ** 2 * 1e4, forget)  # weak priors: measurements win fast
         self.engines: dict[str, RLS] = {}
         self.bias: dict[str, float] = {}  # engine → measured / fitted, recent (see observe_ttft)
+        self.fleet_bias = 1.0  # the same over every engine's measurements
         t = self.priors.tbt_weights()
         self.tbt_fit = RLS(t, np.maximum(t, 0.01) ** 2 * 100, forget)
 
@@ -154,8 +156,12 @@ class CostModel:
         return self.fleet.samples
 
     def ttft(self, engine_id: str, load: Load) -> float:
-        """The estimate: the fit's, times the engine's recent bias (see :meth:`observe_ttft`)."""
-        return self._fitted(engine_id, load) * self.bias.get(engine_id, 1.0)
+        """The estimate: the fit's, times the engine's recent bias (see :meth:`observe_ttft`):
+        its own once it has ``BIAS_MIN_SAMPLES`` measurements, the fleet's until then (one
+        lucky first token must not make an engine look faster than the rest)."""
+        fit = self.engines.get(engine_id)
+        own = fit is not None and fit.samples >= BIAS_MIN_SAMPLES
+        return self._fitted(engine_id, load) * (self.bias.get(engine_id, 1.0) if own else self.fleet_bias)
 
     def _fitted(self, engine_id: str, load: Load) -> float:
         # the decision asks this once per engine and request: plain arithmetic, no numpy call
@@ -187,6 +193,8 @@ class CostModel:
             old = math.log(self.bias.get(engine_id, 1.0))
             new = (1 - BIAS_ALPHA) * old + BIAS_ALPHA * math.log(seconds / fitted)
             self.bias[engine_id] = math.exp(min(max(new, -BIAS_LIMIT), BIAS_LIMIT))
+            fleet = (1 - BIAS_ALPHA) * math.log(self.fleet_bias) + BIAS_ALPHA * math.log(seconds / fitted)
+            self.fleet_bias = math.exp(min(max(fleet, -BIAS_LIMIT), BIAS_LIMIT))
         self._fit_ttft(engine_id, load, seconds)
 
     def _fit_ttft(self, engine_id: str, load: Load, seconds: float) -> None:
