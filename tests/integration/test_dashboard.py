@@ -7,6 +7,7 @@ such (their engines against real conductors: test_dashboard_browser.py)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import re
 import signal
@@ -229,20 +230,12 @@ def test_conductors_that_do_not_answer_or_answer_garbage_are_shown_never_crash(d
         srv.server_close()
 
 
-def test_cli_serves_until_sigterm(node: NodeProcess) -> None:
+@contextlib.contextmanager
+def dashboard_process(*args: str) -> Iterator[str]:
+    """``kvstore dashboard ARGS --listen 127.0.0.1:0`` as a process; yields its URL once it
+    is READY, then SIGTERMs it and checks it exits 0."""
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvstore",
-            "dashboard",
-            "--nodes",
-            host_port(node.endpoints["metrics"]),
-            "--listen",
-            "127.0.0.1:0",
-            "--interval",
-            "0.5",
-        ],
+        [sys.executable, "-m", "kvstore", "dashboard", *args, "--listen", "127.0.0.1:0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -253,41 +246,28 @@ def test_cli_serves_until_sigterm(node: NodeProcess) -> None:
         line = wait_for(
             lambda: next((x for x in iter(proc.stdout.readline, "") if x.startswith("READY ")), None), 30, "READY"
         )
-        url = json.loads(line[len("READY ") :])["url"]
-        assert get(url + "healthz")[0] == 200
+        yield json.loads(line[len("READY ") :])["url"]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_cli_serves_until_sigterm(node: NodeProcess) -> None:
+    with dashboard_process("--nodes", host_port(node.endpoints["metrics"]), "--interval", "0.5") as url:
+        assert get(url + "healthz")[0] == 200
 
 
 def test_cli_shows_conductors_alone() -> None:
     """``--conductor`` without ``--nodes`` or ``--etcd``: the page serves, the conductor that is
     not there is shown as such."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstore", "dashboard", "--conductor", "127.0.0.1:1", "--listen", "127.0.0.1:0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-    )
-    try:
-        assert proc.stdout is not None
-        line = wait_for(
-            lambda: next((x for x in iter(proc.stdout.readline, "") if x.startswith("READY ")), None), 30, "READY"
-        )
-        code, body, _ = get(json.loads(line[len("READY ") :])["url"] + "api/cluster")
+    with dashboard_process("--conductor", "127.0.0.1:1") as url:
+        code, body, _ = get(url + "api/cluster")
         v = json.loads(body)
         assert code == 200 and v["title"] == "kvstore — 1 conductor"
         assert [(c["name"], c["status"]) for c in v["conductors"]] == [("127.0.0.1:1", "down")]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=15) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_cli_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
