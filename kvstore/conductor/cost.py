@@ -140,6 +140,7 @@ class CostModel:
         self.fleet_bias = 1.0  # the same over every engine's measurements
         t = self.priors.tbt_weights()
         self.tbt_fit = RLS(t, np.maximum(t, 0.01) ** 2 * 100, forget)
+        self._coef: dict[str, tuple[float, ...]] = {}  # engine → coefficients(), until the next measurement
 
     def _engine(self, engine_id: str) -> RLS:
         """The fit to predict ``engine_id`` with: its own once it has ``OWN_FIT_SAMPLES``
@@ -154,6 +155,20 @@ class CostModel:
     def samples(self) -> int:
         """TTFT measurements seen (fleet-wide)."""
         return self.fleet.samples
+
+    def coefficients(self, engine_id: str) -> tuple[float, ...]:
+        """``(base, compute, queue, dram, nvme, remote, decodes, times)``: :meth:`ttft` is
+        ``(base + (compute·tokens + dram·… + nvme·… + remote·…) / 1000 + queue·queued_s +
+        decodes·running) · times``, with ``queue`` at least ``QUEUE_FLOOR``.  Cached per
+        engine until the next measurement: the decision asks for every engine per request."""
+        c = self._coef.get(engine_id)
+        if c is None:
+            fit = self.engines.get(engine_id)
+            own = fit is not None and fit.samples >= BIAS_MIN_SAMPLES
+            b, k, q, d, n, r, dec = self._engine(engine_id).wp
+            times = self.bias.get(engine_id, 1.0) if own else self.fleet_bias
+            c = self._coef[engine_id] = (b, k, max(q, QUEUE_FLOOR), d, n, r, dec, times)
+        return c
 
     def ttft(self, engine_id: str, load: Load) -> float:
         """The estimate: the fit's, times the engine's recent bias (see :meth:`observe_ttft`):
@@ -196,6 +211,7 @@ class CostModel:
             fleet = (1 - BIAS_ALPHA) * math.log(self.fleet_bias) + BIAS_ALPHA * math.log(seconds / fitted)
             self.fleet_bias = math.exp(min(max(fleet, -BIAS_LIMIT), BIAS_LIMIT))
         self._fit_ttft(engine_id, load, seconds)
+        self._coef.clear()  # the fleet's fit and bias moved: every engine's may have
 
     def _fit_ttft(self, engine_id: str, load: Load, seconds: float) -> None:
         # weighted by 1/TTFT: the fit minimises relative error (a 50 ms miss on a 100 ms

@@ -19,8 +19,9 @@ from ``start_seq`` on, as ``[b"", topic, seq, payload]``, then ``[b"", b"", -1, 
 
 :class:`FleetCacheIndex` keys blocks by their content, not by vLLM's hashes (which depend
 on the engine's hash function and seed): :func:`prefix_block_keys` chains full blocks of
-tokens from a seed of the LoRA name, so a request's chain is computed once per block size
-and walked once against every engine.  A ``BlockStored`` is placed by its parent: each
+tokens from a seed of the LoRA name (:mod:`~kvstore.conductor.prefixhash`: a universal
+hash of each prefix, vectorised over the prompt's blocks), so a request's chain is
+computed once per block size and walked once against every engine.  A ``BlockStored`` is placed by its parent: each
 engine's vLLM hash → our key map resolves ``parent_block_hash`` and later removals.
 
 What counts (never credit KV that is not there; every doubt makes the credit smaller):
@@ -60,7 +61,6 @@ from __future__ import annotations
 import array
 import functools
 import logging
-import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -68,9 +68,9 @@ from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
-import xxhash
 import zmq
 
+from kvstore.conductor.prefixhash import HASH
 from kvstore.errors import InvalidArgument
 
 log = logging.getLogger("kvstore.conductor")
@@ -109,61 +109,51 @@ _END_SEQ = b"\xff" * 8  # the replay's end marker: -1 as 8 signed big-endian byt
 
 # -- keys -------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=256)
-def _seed(lora: str) -> bytes:
-    return xxhash.xxh3_128_digest(KEY_DOMAIN + lora.encode())
+def _seed(lora: str) -> int:
+    return HASH.seed(KEY_DOMAIN + lora.encode())
 
 
-def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
-    """``tokens`` as little-endian uint32 bytes; InvalidArgument for anything else."""
+def _token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``tokens`` as a little-endian uint32 array; InvalidArgument for anything else."""
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1:
             raise InvalidArgument(f"tokens must be one-dimensional, got shape {tokens.shape}")
         if tokens.size == 0:
-            return b""
+            return np.empty(0, dtype="<u4")
         if tokens.dtype.kind not in "iu":
             raise InvalidArgument(f"token ids must be integers, got dtype {tokens.dtype}")
         if tokens.dtype != np.dtype("<u4"):
             if int(tokens.min()) < 0 or int(tokens.max()) > 0xFFFFFFFF:
                 raise InvalidArgument("token ids must lie in [0, 2**32)")
             tokens = tokens.astype("<u4")
-        return tokens.tobytes()
+        return np.ascontiguousarray(tokens)
     try:
         a = array.array("I", tokens)  # a list converts ~3x faster this way than through numpy
     except (OverflowError, TypeError) as e:
         raise InvalidArgument(f"token ids must be integers in [0, 2**32): {e}") from None
     if a.itemsize != 4:  # pragma: no cover - no mainstream platform
-        return np.asarray(a, dtype="<u4").tobytes()
-    if sys.byteorder == "big":  # pragma: no cover
-        a.byteswap()
-    return a.tobytes()
+        return np.asarray(a, dtype="<u4")
+    return np.frombuffer(a, dtype=np.uint32).astype("<u4", copy=False)
 
 
-def _chain(buf: bytes, blocks: int, step: int, prev: bytes) -> list[bytes]:
-    digest = xxhash.xxh3_128_digest
-    out: list[bytes] = []
-    add = out.append
-    for off in range(0, blocks * step, step):
-        prev = digest(prev + buf[off : off + step])
-        add(prev)
-    return out
+_SEGMENT = 128  # keys turned into Python ints at a time by a walk (most walks stop early)
 
 
-def _lazy_chain(buf: bytes, blocks: int, step: int, prev: bytes) -> Iterator[bytes]:
-    """:func:`_chain`, one key at a time."""
-    digest = xxhash.xxh3_128_digest
-    for off in range(0, blocks * step, step):
-        prev = digest(prev + buf[off : off + step])
-        yield prev
+def _lazy_keys(tokens: np.ndarray, block_size: int, seed: int) -> Iterator[int]:
+    """:func:`prefix_block_keys` of ``tokens`` (already an array), as a walk takes them:
+    hashed at once (vectorised), handed out as ints a segment at a time."""
+    packed = HASH.packed(tokens, block_size, seed)
+    for i in range(0, len(packed), _SEGMENT):
+        yield from packed[i : i + _SEGMENT].tolist()
 
 
-def prefix_block_keys(tokens: Sequence[int] | np.ndarray, block_size: int, lora: str = "") -> list[bytes]:
-    """One 16-byte key per full block of ``block_size`` tokens (a trailing partial block gets
-    none): ``key_i = xxh3_128(key_{i-1} || block i as little-endian uint32)``, ``key_{-1} =
-    xxh3_128(KEY_DOMAIN || lora)``.  A key names its whole prefix."""
+def prefix_block_keys(tokens: Sequence[int] | np.ndarray, block_size: int, lora: str = "") -> list[int]:
+    """One key per full block of ``block_size`` tokens (a trailing partial block gets none),
+    naming the block's whole prefix and the LoRA adapter's name: :mod:`prefixhash`'s chain,
+    seeded by ``KEY_DOMAIN || lora``.  Keys are this process's own (random parameters)."""
     if block_size <= 0:
         raise InvalidArgument(f"block_size must be positive, got {block_size}")
-    buf = _token_bytes(tokens)
-    return _chain(buf, len(buf) // (4 * block_size), 4 * block_size, _seed(lora))
+    return HASH.keys(_token_array(tokens), block_size, _seed(lora))
 
 
 # -- the wire -----------------------------------------------------------------------------------
@@ -199,14 +189,23 @@ def _as_map(ev: Any) -> dict[str, Any]:
 
 # -- the index ----------------------------------------------------------------------------------
 class _Slot:
-    """One KV cache group of one engine: the blocks it holds, one bit of its size's index."""
+    """One KV cache group of one engine: the blocks it holds, one bit of its size's index.
 
-    __slots__ = ("engine_id", "group", "block_size", "bit", "held", "refs")
+    Invariant (kept by ``_hold``/``_unref``/``_clear``): ``orphans`` is the number of
+    indexed keys whose parent block is not indexed in this slot.  While it is 0 the slot's
+    blocks are closed under "parent of" (vLLM evicts a request's blocks last-first, so its
+    cache always is), and along any prompt's chain the slot holds exactly a leading run:
+    ``match`` may then bisect instead of walking every block."""
+
+    __slots__ = ("engine_id", "group", "block_size", "bit", "held", "refs", "parent", "kids", "orphans")
 
     def __init__(self, engine_id: str, group: int, block_size: int, bit: int) -> None:
         self.engine_id, self.group, self.block_size, self.bit = engine_id, group, block_size, bit
-        self.held: dict[tuple[str | None, BlockHash], bytes] = {}  # (medium, vLLM hash) → our key
-        self.refs: dict[bytes, int] = {}  # our key → entries of `held` naming it
+        self.held: dict[tuple[str | None, BlockHash], int] = {}  # (medium, vLLM hash) → our key
+        self.refs: dict[int, int] = {}  # our key → entries of `held` naming it (indexed iff > 0)
+        self.parent: dict[int, int | None] = {}  # indexed key → its parent's key (None: first block)
+        self.kids: dict[int, int] = {}  # key → indexed keys whose parent it is
+        self.orphans = 0
 
 
 class _Size:
@@ -216,7 +215,7 @@ class _Size:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.index: dict[bytes, int] = {}
+        self.index: dict[int, int] = {}  # our key → bitmask of the slots holding it
         self.mask = 0
         self.slots: dict[int, _Slot] = {}  # bit → slot
 
@@ -342,20 +341,23 @@ class FleetCacheIndex:
             eng.counts["orphan"] += len(hashes)
             return
         try:
-            buf = _token_bytes(tokens)
+            arr = _token_array(tokens)
         except InvalidArgument:
             eng.counts["malformed"] += len(hashes)
             return
         medium = ev.get("medium")
         extra = ev.get("extra_keys")
-        step = 4 * bs
-        for i, h in enumerate(hashes):
-            if extra and not _plain(extra, i, lora):
-                eng.counts["extra_keys"] += len(hashes) - i
-                return
-            prev = xxhash.xxh3_128_digest(prev + buf[i * step : (i + 1) * step])
-            self._hold(slot, (medium, h), prev)
-            eng.counts["stored"] += 1
+        plain = len(hashes)
+        if extra:
+            plain = next((i for i in range(len(hashes)) if not _plain(extra, i, lora)), plain)
+        keys = HASH.keys(arr[: plain * bs], bs, prev) if plain else []
+        up: int | None = None if parent is None else prev
+        for h, key in zip(hashes, keys):
+            self._hold(slot, (medium, h), key, up)
+            up = key
+        eng.counts["stored"] += plain
+        if plain < len(hashes):
+            eng.counts["extra_keys"] += len(hashes) - plain
 
     def _removed(self, eng: _Engine, ev: dict[str, Any]) -> None:
         if not self._local(ev):
@@ -370,7 +372,7 @@ class FleetCacheIndex:
                 self._unref(slot, key)
                 eng.counts["removed"] += 1
 
-    def _key_of(self, slot: _Slot, h: Any) -> bytes | None:
+    def _key_of(self, slot: _Slot, h: Any) -> int | None:
         for medium in (*self._media, None):
             key = slot.held.get((medium, h))
             if key is not None:
@@ -384,7 +386,7 @@ class FleetCacheIndex:
         """For every engine (or those of ``engines``; unknown ones get 0): how many leading
         tokens of ``tokens`` its cache holds, whole blocks from token 0 (a multiple of its
         block size).  ``lora``: the adapter's name the request runs with ("" the base model)."""
-        buf = _token_bytes(tokens)
+        arr = _token_array(tokens)
         only = None if engines is None else set(engines)
         seed = _seed(lora)
         # the prompt's keys are hashed as the walk needs them: past the first block no engine
@@ -401,8 +403,13 @@ class FleetCacheIndex:
                         alive |= 1 << bit
                 if not alive:
                     continue
-                keys = _lazy_chain(buf, len(buf) // (4 * bs), 4 * bs, seed)
-                for bit, got in _walk(size.index, keys, alive).items():
+                exact = all(size.slots[b].orphans == 0 for b in _bits(alive))
+                found = (
+                    _bisect(size.index, HASH.packed(arr, bs, seed), alive)
+                    if exact
+                    else _walk(size.index, _lazy_keys(arr, bs, seed), alive)
+                )
+                for bit, got in found.items():
                     eid = size.slots[bit].engine_id
                     best[eid] = min(best.get(eid, got * bs), got * bs)
             for eid, tok in best.items():
@@ -419,7 +426,7 @@ class FleetCacheIndex:
         size.mask |= 1 << bit
         return slot
 
-    def _hold(self, slot: _Slot, where: tuple[str | None, BlockHash], key: bytes) -> None:
+    def _hold(self, slot: _Slot, where: tuple[str | None, BlockHash], key: int, parent: int | None) -> None:
         old = slot.held.get(where)
         if old == key:  # stored again (vLLM reports prefix-cache hits as stores too)
             return
@@ -431,8 +438,14 @@ class FleetCacheIndex:
         if n == 0:
             index = self._sizes[slot.block_size].index
             index[key] = index.get(key, 0) | (1 << slot.bit)
+            slot.parent[key] = parent
+            if parent is not None:
+                slot.kids[parent] = slot.kids.get(parent, 0) + 1
+                if parent not in slot.refs:
+                    slot.orphans += 1
+            slot.orphans -= slot.kids.get(key, 0)  # its children have their parent again
 
-    def _unref(self, slot: _Slot, key: bytes) -> None:
+    def _unref(self, slot: _Slot, key: int) -> None:
         n = slot.refs[key] - 1
         if n:
             slot.refs[key] = n
@@ -444,6 +457,16 @@ class FleetCacheIndex:
             index[key] = m
         else:
             del index[key]
+        parent = slot.parent.pop(key)
+        if parent is not None:
+            left = slot.kids[parent] - 1
+            if left:
+                slot.kids[parent] = left
+            else:
+                del slot.kids[parent]
+            if parent not in slot.refs:
+                slot.orphans -= 1
+        slot.orphans += slot.kids.get(key, 0)  # its children lost their parent
 
     def _clear(self, eng: _Engine) -> None:
         eng.counts["cleared"] += 1
@@ -457,6 +480,9 @@ class FleetCacheIndex:
                     del index[key]
             slot.held.clear()
             slot.refs.clear()
+            slot.parent.clear()
+            slot.kids.clear()
+            slot.orphans = 0
 
     def _drop(self, engine_id: str, eng: _Engine) -> None:
         self._clear(eng)
@@ -480,7 +506,41 @@ def _plain(extra: Any, i: int, lora: str) -> bool:
     return bool(lora) and len(e) == 1 and e[0] == lora
 
 
-def _walk(index: dict[bytes, int], keys: Iterable[bytes], alive: int) -> dict[int, int]:
+def _bits(mask: int) -> Iterator[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def _bisect(index: dict[int, int], keys: np.ndarray, alive: int) -> dict[int, int]:
+    """:func:`_walk` for slots without orphans (see :class:`_Slot`): along the chain the
+    slots holding block ``i`` only shrink as ``i`` grows, so the blocks between two probes
+    with the same holders need no probe; a prompt costs about log2(blocks) dictionary
+    lookups per distinct cached length, not one per block."""
+    got: dict[int, int] = {}
+    n = len(keys)
+    first = index.get(int(keys[0]), 0) & alive if n else 0
+    for bit in _bits(alive & ~first):
+        got[bit] = 0
+    # (lo, hi, a, b): blocks lo..hi-1 not probed; a holds block lo-1, b block hi (0 past the end)
+    todo = [(1, n, first, 0)] if first else []
+    while todo:
+        lo, hi, a, b = todo.pop()
+        if a == b:
+            continue
+        if lo == hi:  # the slots of a that b lacks hold blocks 0..lo-1
+            for bit in _bits(a & ~b):
+                got[bit] = lo
+            continue
+        mid = (lo + hi) // 2
+        v = index.get(int(keys[mid]), 0) & a
+        todo.append((lo, mid, a, v))
+        todo.append((mid + 1, hi, v, b))
+    return got
+
+
+def _walk(index: dict[int, int], keys: Iterable[int], alive: int) -> dict[int, int]:
     """Blocks of ``keys`` each slot of ``alive`` holds from the first: bit → blocks."""
     got: dict[int, int] = {}
     i = 0

@@ -32,13 +32,14 @@ import bisect
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from kvstore.conductor.cost import CostModel, Load
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)  # not frozen: one per engine per request (frozen init costs 3 x)
 class EngineLoad:
-    """One candidate engine at decision time."""
+    """One candidate engine at decision time (the decision reads it, never changes it)."""
 
     engine_id: str
     role: str  # "both", "prefill" or "decode"
@@ -91,16 +92,17 @@ class Decision:
     prefill: Estimate | None = None
     refused: str = ""
     retry_after_s: int = 0
-    candidates: tuple[Estimate, ...] = ()
     reason: str = ""
     handoff: Load | None = None  # prefill/decode: what the decode engine loads from the pool
     handoff_s: float = 0.0
+    best_ttft_s: float = math.inf  # refused: the best candidate's estimate
+    considered: int = 0  # engines estimated
 
     @property
     def predicted_ttft_s(self) -> float:
         first = self.prefill or self.engine
         if first is None:  # refused: the best candidate's
-            return min((c.ttft_s for c in self.candidates), default=math.inf) + self.handoff_s
+            return self.best_ttft_s + self.handoff_s
         return first.ttft_s + self.handoff_s
 
 
@@ -164,36 +166,78 @@ class _Splitter:
 def estimate(
     model: CostModel, e: EngineLoad, prompt_tokens: int, pool: PoolMatch, splitter: _Splitter | None = None
 ) -> Estimate:
-    cap = max(prompt_tokens - 1, 0)
-    local = min(e.local_tokens, cap)
-    pooled = min(pool.tokens, cap)
-    dram = nvme = remote = 0
-    if pooled > local:
-        dram, nvme, remote = (splitter or _Splitter(pool)).split(local, pooled, e.node_id)
-    compute = prompt_tokens - max(local, pooled)
-    load = Load(compute=compute, queued_s=e.queued_s, dram=dram, nvme=nvme, remote=remote, running=e.running)
-    return Estimate(
-        e.engine_id,
-        load,
-        local,
-        max(pooled - local, 0),
-        model.ttft(e.engine_id, load),
-        model.tbt(e.running + 1),
-    )
+    """One candidate's estimate (what :func:`decide` computes for every engine)."""
+    return _Estimator(model, prompt_tokens, pool, splitter).estimate(e)
 
 
-def _pick(cands: Sequence[Estimate], loads: dict[str, EngineLoad], slo: Slo, key: str) -> Estimate:
+class _Estimator:
+    """Estimates for one request, engine by engine, as plain floats: the decision runs this
+    for every engine per request (64 engines in ``kvstore bench --conductor-sim``), so only
+    the engines it picks become :class:`Estimate` objects."""
+
+    __slots__ = ("model", "prompt_tokens", "pool", "split", "cap", "pooled", "_tbt")
+
+    def __init__(self, model: CostModel, prompt_tokens: int, pool: PoolMatch, splitter: _Splitter | None = None):
+        self.model, self.prompt_tokens, self.pool = model, prompt_tokens, pool
+        self.cap = max(prompt_tokens - 1, 0)
+        self.pooled = min(pool.tokens, self.cap)
+        self.split = (splitter or _Splitter(pool)).split
+        self._tbt: dict[int, float] = {}
+
+    def ttft(self, e: EngineLoad) -> float:
+        local = min(e.local_tokens, self.cap)
+        pooled = self.pooled
+        b, c, q, d, n, r, k, times = self.model.coefficients(e.engine_id)
+        if pooled > local:
+            dram, nvme, remote = self.split(local, pooled, e.node_id)
+            work = c * (self.prompt_tokens - pooled) + d * dram + n * nvme + r * remote
+        else:
+            work = c * (self.prompt_tokens - local)
+        return (b + work / 1000 + q * e.queued_s + k * e.running) * times
+
+    def tbt(self, e: EngineLoad) -> float:
+        t = self._tbt.get(e.running)
+        if t is None:
+            t = self._tbt[e.running] = self.model.tbt(e.running + 1)
+        return t
+
+    def estimate(self, e: EngineLoad) -> Estimate:
+        local = min(e.local_tokens, self.cap)
+        pooled = self.pooled
+        dram = nvme = remote = 0
+        if pooled > local:
+            dram, nvme, remote = self.split(local, pooled, e.node_id)
+        load = Load(
+            compute=self.prompt_tokens - max(local, pooled),
+            queued_s=e.queued_s,
+            dram=dram,
+            nvme=nvme,
+            remote=remote,
+            running=e.running,
+        )
+        return Estimate(e.engine_id, load, local, max(pooled - local, 0), self.ttft(e), self.tbt(e))
+
+
+class _Cand(NamedTuple):
+    """One engine's figures, before it is picked (cheap: one per engine per request)."""
+
+    ttft_s: float
+    tbt_s: float
+    engine: EngineLoad
+
+
+def _pick(cands: Sequence[_Cand], slo: Slo, key: str) -> _Cand:
     best = min(getattr(c, key) for c in cands)
     near = [c for c in cands if getattr(c, key) <= best * (1 + slo.tie) + slo.tie_s]
     return min(
         near,
         key=lambda c: (
-            loads[c.engine_id].queued_s,
-            loads[c.engine_id].queued_tokens,
-            loads[c.engine_id].running,
+            c.engine.queued_s,
+            c.engine.queued_tokens,
+            c.engine.running,
             getattr(c, key),
-            loads[c.engine_id].sent,
-            c.engine_id,
+            c.engine.sent,
+            c.engine.engine_id,
         ),
     )
 
@@ -210,45 +254,49 @@ def decide(
     """The decision for one request of ``prompt_tokens`` tokens (see the module docstring)."""
     slo = slo or Slo()
     calibrated = model.samples >= slo.min_samples
-    loads = {e.engine_id: e for e in engines}
-    splitter = _Splitter(pool)
+    est = _Estimator(model, prompt_tokens, pool)
     if pd:
-        pre = [estimate(model, e, prompt_tokens, pool, splitter) for e in engines if e.role == "prefill"]
-        dec = [estimate(model, e, prompt_tokens, pool, splitter) for e in engines if e.role == "decode"]
+        pre = [_Cand(est.ttft(e), est.tbt(e), e) for e in engines if e.role == "prefill"]
+        dec = [_Cand(est.ttft(e), est.tbt(e), e) for e in engines if e.role == "decode"]
         if not pre or not dec:
             return Decision(None, refused="no live prefill and decode engines", retry_after_s=1)
-        p = _pick(pre, loads, slo, "ttft_s")
-        d = _pick(dec, loads, slo, "tbt_s")
+        p = _pick(pre, slo, "ttft_s")
+        d = _pick(dec, slo, "tbt_s")
         if calibrated and slo.tbt_s and d.tbt_s > slo.tbt_s and model.tbt(1) <= slo.tbt_s:
-            return Decision(None, refused="tbt", retry_after_s=1, candidates=tuple(pre + dec))
-        handoff = handoff_load(loads[p.engine_id], loads[d.engine_id], prompt_tokens, pool.chunk_tokens)
-        handoff_s = model.ttft(d.engine_id, handoff)
+            return Decision(None, refused="tbt", retry_after_s=1, best_ttft_s=p.ttft_s)
+        handoff = handoff_load(p.engine, d.engine, prompt_tokens, pool.chunk_tokens)
+        handoff_s = model.ttft(d.engine.engine_id, handoff)
         if calibrated and slo.ttft_s and p.ttft_s + handoff_s > slo.ttft_s:
             return Decision(
-                None, refused="ttft", retry_after_s=_retry(p.ttft_s + handoff_s, slo.ttft_s), candidates=tuple(pre)
+                None,
+                refused="ttft",
+                retry_after_s=_retry(p.ttft_s + handoff_s, slo.ttft_s),
+                best_ttft_s=p.ttft_s,
+                handoff_s=handoff_s,
             )
         return Decision(
-            d,
-            prefill=p,
-            candidates=tuple(pre + dec),
+            est.estimate(d.engine),
+            prefill=est.estimate(p.engine),
             reason="prefill by ttft, decode by tbt",
             handoff=handoff,
             handoff_s=handoff_s,
+            considered=len(pre) + len(dec),
         )
-    cands = [estimate(model, e, prompt_tokens, pool, splitter) for e in engines if e.role != "prefill"]
+    cands = [_Cand(est.ttft(e), est.tbt(e), e) for e in engines if e.role != "prefill"]
     if not cands:
         return Decision(None, refused="no live engine", retry_after_s=1)
+    lowest_any = min(c.ttft_s for c in cands)
     ok = cands
     if calibrated and slo.tbt_s and model.tbt(1) <= slo.tbt_s:  # (missed even when idle: load is not why)
         ok = [c for c in cands if c.tbt_s <= slo.tbt_s]
         if not ok:
-            return Decision(None, refused="tbt", retry_after_s=1, candidates=tuple(cands))
-    best = _pick(ok, loads, slo, "ttft_s")
+            return Decision(None, refused="tbt", retry_after_s=1, best_ttft_s=lowest_any)
+    best = _pick(ok, slo, "ttft_s")
     if calibrated and slo.ttft_s and best.ttft_s > slo.ttft_s:
-        return Decision(None, refused="ttft", retry_after_s=_retry(best.ttft_s, slo.ttft_s), candidates=tuple(cands))
+        return Decision(None, refused="ttft", retry_after_s=_retry(best.ttft_s, slo.ttft_s), best_ttft_s=lowest_any)
     lowest = min(c.ttft_s for c in ok)
     reason = "lowest ttft" if best.ttft_s == lowest else "near-tie, less loaded"
-    return Decision(best, candidates=tuple(cands), reason=reason)
+    return Decision(est.estimate(best.engine), reason=reason, considered=len(cands))
 
 
 def handoff_load(prefill: EngineLoad, decode: EngineLoad, prompt_tokens: int, chunk_tokens: int) -> Load:

@@ -38,7 +38,7 @@ CHUNK = 256
 def _stored(tokens: np.ndarray, upto: int) -> dict[str, Any]:
     """One ``BlockStored`` event (vLLM's shape) for the first ``upto`` tokens' full blocks."""
     n = upto // BLOCK
-    hashes = [k[:8] for k in prefix_block_keys(tokens[: n * BLOCK], BLOCK)]
+    hashes = prefix_block_keys(tokens[: n * BLOCK], BLOCK)  # as vLLM hashes: any distinct ids do
     return {
         "type": "BlockStored",
         "block_hashes": hashes,

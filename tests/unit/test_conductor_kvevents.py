@@ -22,7 +22,6 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-import xxhash
 import zmq
 
 from kvstore.conductor.kvevents import (
@@ -32,6 +31,7 @@ from kvstore.conductor.kvevents import (
     decode_batch,
     prefix_block_keys,
 )
+from kvstore.conductor.prefixhash import HASH, LANES, P, PrefixHash
 from kvstore.errors import InvalidArgument
 
 
@@ -125,23 +125,57 @@ def index() -> FleetCacheIndex:
 
 
 # -- keys -----------------------------------------------------------------------------------------
-def test_keys_golden_and_independently_computed() -> None:
-    toks = list(range(40))
+def _reference_keys(h: PrefixHash, toks: list[int], bs: int, seed: int) -> list[int]:
+    """The documented chain, in plain Python ints: 16-bit halves, a multilinear hash of each
+    block, a polynomial over the blocks, two lanes modulo 2**31 - 1."""
+    coef = h.coefficients(bs)
+    lanes, out = [seed & P, seed >> 31], []
+    for i in range(len(toks) // bs):
+        x = [v for t in toks[i * bs : (i + 1) * bs] for v in (t & 0xFFFF, t >> 16)]
+        for ln in range(LANES):
+            hb = (1 + sum(int(coef[k, ln]) * x[k] for k in range(2 * bs))) % P
+            lanes[ln] = (int(h.base[ln]) * lanes[ln] + hb) % P
+        out.append(lanes[0] | lanes[1] << 31)
+    return out
+
+
+def test_keys_follow_the_documented_chain_for_every_block_size() -> None:
+    toks = [int(t) for t in np.random.default_rng(5).integers(0, 2**32, 700, dtype=np.uint64)]
+    toks[:4] = [0, 2**32 - 1, 2**31 - 1, 2**16]  # the ends of the halves and the modulus
+    for bs in (1, 16, 17, 128):
+        assert prefix_block_keys(toks, bs) == _reference_keys(HASH, toks, bs, HASH.seed(KEY_DOMAIN)), bs
+    assert prefix_block_keys(toks[:32], 16, "adapter-a") == _reference_keys(
+        HASH, toks[:32], 16, HASH.seed(KEY_DOMAIN + b"adapter-a")
+    )
+    # a chain continues from any of its keys (how a BlockStored is placed under its parent)
     keys = prefix_block_keys(toks, 16)
-    assert [k.hex() for k in keys] == ["0497b53087e2d63fe7c6c43830631e56", "3cd774745f7434f593935de880d53362"]
-    prev = xxhash.xxh3_128_digest(KEY_DOMAIN)
-    for i, k in enumerate(keys):
-        prev = xxhash.xxh3_128_digest(prev + struct.pack("<16I", *toks[i * 16 : (i + 1) * 16]))
-        assert k == prev
-    assert [k.hex() for k in prefix_block_keys(list(range(16)), 16, "adapter-a")] == [
-        "834fa687b66f610f38c9ee58c00bf2f8"
-    ]
+    assert HASH.keys(np.asarray(toks[160:], dtype="<u4"), 16, keys[9]) == keys[10:]
+    # blocks wider than one exact float64 product (32 halves) are summed in parts, exactly
+    big = [2**32 - 1] * 1024
+    assert HASH.keys(np.asarray(big, dtype="<u4"), 512, 7) == _reference_keys(HASH, big, 512, 7)
+
+
+def test_keys_are_this_processs_own_and_spread() -> None:
+    toks = np.arange(4096, dtype="<u4")
+    mine, other = PrefixHash(secret=1), PrefixHash(secret=2)
+    assert mine.keys(toks, 16, 0) == PrefixHash(secret=1).keys(toks, 16, 0)  # parameters, not state
+    assert not set(mine.keys(toks, 16, 0)) & set(other.keys(toks, 16, 0))
+    keys = HASH.keys(toks, 16, HASH.seed(KEY_DOMAIN))
+    assert len(set(keys)) == len(keys) and all(0 <= k < 2**62 for k in keys)
+    # one token changed anywhere changes every key from its block on
+    for pos in (0, 15, 16, 4000):
+        t2 = toks.copy()
+        t2[pos] ^= 1 << 20
+        got = HASH.keys(t2, 16, HASH.seed(KEY_DOMAIN))
+        assert got[: pos // 16] == keys[: pos // 16] and all(
+            a != b for a, b in zip(got[pos // 16 :], keys[pos // 16 :])
+        )
 
 
 def test_keys_prefix_property_partial_block_and_input_types() -> None:
     toks = prompt(1, 1000)
     keys = prefix_block_keys(toks, BS)
-    assert len(keys) == 1000 // BS and all(len(k) == 16 for k in keys)
+    assert len(keys) == 1000 // BS and all(isinstance(k, int) for k in keys)
     assert prefix_block_keys(toks[:100], BS) == keys[: 100 // BS]  # the partial block gets no key
     assert prefix_block_keys(toks[:15], BS) == []
     assert prefix_block_keys(np.asarray(toks, dtype=np.int64), BS) == keys
@@ -187,6 +221,40 @@ def test_parents_resolve_through_the_engines_hashes_and_removals_cut_the_prefix(
     index.apply("a", wire(removed(toks, BS, 5, 4, 3)))
     assert index.match(toks) == {"a": 3 * BS}
     assert index.counts("a")["removed"] == 4
+
+
+def test_match_equals_a_block_by_block_reference_through_random_stores_and_removals() -> None:
+    """Engines store prefixes of a few shared prompts and remove random blocks (holes
+    included); after every batch ``match`` (bisecting where no slot has a hole, walking
+    where one does) equals the first missing block of each engine, counted block by block."""
+    rng = np.random.default_rng(11)
+    docs = [prompt(100 + d, 40 * BS) for d in range(3)]
+    ix = FleetCacheIndex()
+    have: dict[str, list[set[int]]] = {}
+    for e in range(6):
+        ix.add_engine(f"e{e}", BS)
+        have[f"e{e}"] = [set() for _ in docs]
+    for _ in range(300):
+        eid, d = f"e{rng.integers(6)}", int(rng.integers(len(docs)))
+        held = have[eid][d]
+        if rng.random() < 0.6:  # store a run that extends the held leading run
+            lo = next(i for i in range(41) if i not in held)
+            if lo < 40:
+                hi = int(rng.integers(lo + 1, 41))
+                ix.apply(eid, wire(stored(docs[d], BS, lo, hi)))
+                held.update(range(lo, hi))
+        elif held:  # remove a random held block: often a hole, sometimes the tail
+            b = int(rng.choice(sorted(held)))
+            ix.apply(eid, wire(removed(docs[d], BS, b)))
+            held.discard(b)
+        for q, doc in enumerate(docs):
+            want = {e: next(i for i in range(41) if i not in have[e][q]) * BS for e in have}
+            assert ix.match(doc) == want
+    for e in have:  # every hole closed again: no orphans left where the runs are whole
+        for doc in docs:
+            ix.apply(e, wire(stored(doc, BS, 0, 40)))
+    assert all(slot.orphans == 0 for size in ix._sizes.values() for slot in size.slots.values())
+    assert ix.match(docs[0]) == dict.fromkeys(have, 40 * BS)
 
 
 def test_a_store_whose_parent_is_unknown_is_skipped_with_its_descendants(index: FleetCacheIndex) -> None:
