@@ -170,10 +170,15 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     c.note_prompt(n)
     path = "/v1/chat/completions" if chat else "/v1/completions"
     excluded: set[str] = set()
+    early = c.refuse_early(n, model)  # under overload: the 429 without the pool's RPC or the cache walk
+    engines: dict[str, EngineState]
     for _attempt in range(c.cfg.attempts):
-        live = [e for e in c.engines.live(model) if e.engine_id not in excluded]
-        pools = await c.pool_match(tokens, live)
-        d, engines = c.decide(tokens, n, model, pools)
+        if early is not None:
+            d, engines = early, {}
+        else:
+            live = [e for e in c.engines.live(model) if e.engine_id not in excluded]
+            pools = await c.pool_match(tokens, live)
+            d, engines = c.decide(tokens, n, model, pools)
         for eid in excluded:
             engines.pop(eid, None)
         if d.refused:

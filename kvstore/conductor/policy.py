@@ -16,8 +16,12 @@ meet it (when even one decode alone misses it, load is not the cause and refusin
 requests would only idle the fleet).
 
 Prefill/decode: the prefill engine is picked by estimated TTFT among ``prefill`` engines
-and the decode engine by predicted TBT among ``decode`` engines (ties: fewer running); the
-KV goes through the store.
+and the decode engine by predicted TBT among the ``decode`` engines that meet the TBT
+target (ties: fewer running); the KV goes through the store.
+
+:func:`early_refusal` gives, before the pool lookup and the cache walk, the refusals
+:func:`decide` is certain to give whatever the caches hold (a 429 under overload then
+costs no RPC).
 
 What an engine holds comes in two parts, both as leading tokens of the prompt:
 ``local_tokens`` (its own prefix cache, from its KV events) and the pool's chunks
@@ -261,9 +265,11 @@ def decide(
         if not pre or not dec:
             return Decision(None, refused="no live prefill and decode engines", retry_after_s=1)
         p = _pick(pre, slo, "ttft_s")
+        if calibrated and slo.tbt_s and model.tbt(1) <= slo.tbt_s:  # (as below: only what load causes)
+            dec = [c for c in dec if c.tbt_s <= slo.tbt_s]
+            if not dec:
+                return Decision(None, refused="tbt", retry_after_s=1, best_ttft_s=p.ttft_s)
         d = _pick(dec, slo, "tbt_s")
-        if calibrated and slo.tbt_s and d.tbt_s > slo.tbt_s and model.tbt(1) <= slo.tbt_s:
-            return Decision(None, refused="tbt", retry_after_s=1, best_ttft_s=p.ttft_s)
         handoff = handoff_load(p.engine, d.engine, prompt_tokens, pool.chunk_tokens)
         handoff_s = model.ttft(d.engine.engine_id, handoff)
         if calibrated and slo.ttft_s and p.ttft_s + handoff_s > slo.ttft_s:
@@ -297,6 +303,42 @@ def decide(
     lowest = min(c.ttft_s for c in ok)
     reason = "lowest ttft" if best.ttft_s == lowest else "near-tie, less loaded"
     return Decision(est.estimate(best.engine), reason=reason, considered=len(cands))
+
+
+def early_refusal(
+    model: CostModel, engines: Sequence[EngineLoad], prompt_tokens: int, slo: Slo, *, pd: bool = False
+) -> Decision | None:
+    """A refusal :func:`decide` is certain to give whatever the engines' caches and the pool
+    hold, or None (then ask :func:`decide`).
+
+    Each engine is credited with the whole prompt in its own cache: every coefficient of the
+    estimate is non-negative, so that is its least possible estimate, and when even the
+    least of those misses ``slo.ttft_s`` every full estimate does too (and so the engine
+    :func:`decide` picks).  The TBT test does not depend on caches: it is :func:`decide`'s.
+    Prefill/decode: the prefill engines' least estimate alone (the handoff only adds)."""
+    if model.samples < slo.min_samples or not (slo.ttft_s or slo.tbt_s):
+        return None
+    full = [dataclasses.replace(e, local_tokens=prompt_tokens) for e in engines]
+    est = _Estimator(model, prompt_tokens, NO_POOL)
+    if pd:
+        first = [e for e in full if e.role == "prefill"]
+        dec = [e for e in full if e.role == "decode"]
+        if not first or not dec:
+            return None
+        if slo.tbt_s and model.tbt(1) <= slo.tbt_s and min(est.tbt(e) for e in dec) > slo.tbt_s:
+            return Decision(None, refused="tbt", retry_after_s=1)
+    else:
+        first = [e for e in full if e.role != "prefill"]
+        if not first:
+            return None
+        if slo.tbt_s and model.tbt(1) <= slo.tbt_s and all(est.tbt(e) > slo.tbt_s for e in first):
+            return Decision(None, refused="tbt", retry_after_s=1)
+        if slo.tbt_s and model.tbt(1) <= slo.tbt_s:
+            first = [e for e in first if est.tbt(e) <= slo.tbt_s]
+    least = min(est.ttft(e) for e in first)
+    if slo.ttft_s and least > slo.ttft_s:
+        return Decision(None, refused="ttft", retry_after_s=_retry(least, slo.ttft_s), best_ttft_s=least)
+    return None
 
 
 def handoff_load(prefill: EngineLoad, decode: EngineLoad, prompt_tokens: int, chunk_tokens: int) -> Load:

@@ -38,7 +38,7 @@ import numpy as np
 from kvstore.conductor.cost import CostModel, Load, Priors
 from kvstore.conductor.engines import Engines, EngineState, scrape_counts
 from kvstore.conductor.metrics import ConductorMetrics
-from kvstore.conductor.policy import NO_POOL, Decision, EngineLoad, PoolMatch, Slo, decide
+from kvstore.conductor.policy import NO_POOL, Decision, EngineLoad, PoolMatch, Slo, decide, early_refusal
 
 log = logging.getLogger("kvstore.conductor")
 
@@ -270,6 +270,32 @@ class Conductor:
             out[(fp, chunk)] = PoolMatch(chunk, tuple((str(w), str(t)) for w, t in where[:n]))
         return out
 
+    def _loads(self, live: list[EngineState], local: dict[str, int]) -> list[EngineLoad]:
+        now = time.monotonic()
+        return [
+            EngineLoad(
+                e.engine_id,
+                e.role,
+                e.node_id,
+                local.get(e.engine_id, 0),
+                e.queued_tokens(now, self.mean_prompt),
+                e.running(now),
+                self.decisions[e.engine_id],
+                e.queued_s(now, self.mean_work_s),
+            )
+            for e in live
+        ]
+
+    def refuse_early(self, prompt_tokens: int, model_name: str | None) -> Decision | None:
+        """The refusal :meth:`decide` would give, known before any lookup (see
+        :func:`~kvstore.conductor.policy.early_refusal`), or None.  Under overload, when
+        refusals happen, the 429 then costs no pool RPC and no cache walk."""
+        slo = self.cfg.slo
+        if not (slo.ttft_s or slo.tbt_s) or self.model.samples < slo.min_samples:
+            return None
+        live = self.engines.live(model_name)
+        return early_refusal(self.model, self._loads(live, {}), prompt_tokens, slo, pd=self.cfg.pd)
+
     def decide(
         self,
         tokens: list[int] | None,
@@ -280,21 +306,7 @@ class Conductor:
         t0 = time.perf_counter()
         live = self.engines.live(model_name)
         local = self.local.match(tokens, [e.engine_id for e in live]) if tokens is not None else {}
-        now = time.monotonic()
-        loads = []
-        for e in live:
-            loads.append(
-                EngineLoad(
-                    e.engine_id,
-                    e.role,
-                    e.node_id,
-                    local.get(e.engine_id, 0),
-                    e.queued_tokens(now, self.mean_prompt),
-                    e.running(now),
-                    self.decisions[e.engine_id],
-                    e.queued_s(now, self.mean_work_s),
-                )
-            )
+        loads = self._loads(live, local)
         # one pool view per request: engines of several namespaces each get their own
         pool = NO_POOL
         if pools:

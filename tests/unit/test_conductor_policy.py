@@ -3,11 +3,22 @@ ties, prefill/decode, early rejection, and a model that learns the fleet's speed
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from kvstore.conductor.cost import CostModel, Load, Priors
-from kvstore.conductor.policy import EngineLoad, PoolMatch, Slo, _pool_split, _Splitter, decide, estimate
+from kvstore.conductor.policy import (
+    EngineLoad,
+    PoolMatch,
+    Slo,
+    _pool_split,
+    _Splitter,
+    decide,
+    early_refusal,
+    estimate,
+)
 
 # a model with exact, easy numbers: 1 ms per computed token, 0.1 ms per DRAM token,
 # 0.3 ms per NVMe token, 0.5 ms per remote token, no base cost
@@ -105,6 +116,46 @@ def test_the_tbt_target_excludes_engines_running_too_many_decodes() -> None:
     # a target an idle engine misses too is not the load's doing: refusing would only idle the fleet
     d = decide(m, [eng("a", running=25)], 100, slo=Slo(tbt_s=0.011, min_samples=0))
     assert not d.refused and d.engine is not None
+
+
+def test_an_early_refusal_is_one_the_full_decision_gives_whatever_the_caches_hold() -> None:
+    """``early_refusal`` answers before the pool lookup and the cache walk: it may refuse
+    only what ``decide`` refuses for every cache and pool state, and must refuse the
+    overloaded fleet (every queue alone past the target) without them."""
+    rng = np.random.default_rng(3)
+    m = model()
+    for r in range(1, 30):
+        m.observe_tbt(r, 0.010 + 0.002 * r)
+    slo = Slo(ttft_s=0.5, tbt_s=0.05, min_samples=0)
+    early_count = 0
+    for _ in range(400):
+        pd = bool(rng.random() < 0.3)
+        roles = ["prefill", "decode"] if pd else ["both"]
+        engines = [
+            eng(
+                f"e{i}",
+                queued=float(rng.integers(0, 900)),
+                running=int(rng.integers(0, 30)),
+                node=f"n{rng.integers(2)}",
+                role=roles[i % len(roles)],
+            )
+            for i in range(4)
+        ]
+        n = int(rng.integers(2, 1000))
+        early = early_refusal(m, engines, n, slo, pd=pd)
+        if early is None:
+            continue
+        early_count += 1
+        for _ in range(5):  # any cache and pool state: the full decision refuses too, for the same target
+            cached = [dataclasses.replace(e, local_tokens=int(rng.integers(0, n + 1))) for e in engines]
+            where = tuple(("n0", "dram") for _ in range(int(rng.integers(0, n // 100 + 1))))
+            d = decide(m, cached, n, PoolMatch(100, where), slo, pd=pd)
+            assert d.refused == early.refused, (early, d)
+    assert early_count > 50  # the case was exercised
+    overloaded = [eng("a", queued=900), eng("b", queued=700)]  # 0.7 s of queue or more on each
+    assert early_refusal(m, overloaded, 100, slo) is not None
+    assert early_refusal(m, [eng("a", queued=900), eng("b")], 100, slo) is None  # b is free
+    assert early_refusal(model(), overloaded, 100, Slo(ttft_s=0.5)) is None  # uncalibrated: never
 
 
 def test_prefill_decode_picks_each_half_by_its_own_measure() -> None:
