@@ -183,9 +183,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
             engines.pop(eid, None)
         if d.refused:
             if d.refused in ("ttft", "tbt"):
-                c.rejected[d.refused] += 1
-                c.metrics.rejected.labels(d.refused).inc()
-                c.metrics.outcomes.labels("rejected").inc()
+                c.refused(d.refused, time.monotonic() - arrived)
                 log.info("refused a %d-token prompt: predicted %s misses its target", n, d.refused)
                 return error(
                     429,

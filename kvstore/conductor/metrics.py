@@ -51,6 +51,12 @@ class ConductorMetrics:
             buckets=(25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05),
             registry=r,
         )
+        self.refusal_seconds = Histogram(
+            "kvstore_conductor_refusal_seconds",
+            "From a refused request's arrival to its 429",
+            buckets=(1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=r,
+        )
         self.pool_errors = Counter(
             "kvstore_conductor_pool_errors", "Pool lookups that failed (routed without the pool)", registry=r
         )

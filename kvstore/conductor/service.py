@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import statistics
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import aiohttp
@@ -93,6 +94,10 @@ class Conductor:
         self.metrics = ConductorMetrics()
         self.decisions: collections.Counter[str] = collections.Counter()
         self.decision_us: collections.deque[float] = collections.deque(maxlen=10_000)
+        # the same decisions in this thread's CPU time: wall above CPU is time the process
+        # was not scheduled (a conductor sharing its cores with busy engines)
+        self.decision_cpu_us: collections.deque[float] = collections.deque(maxlen=10_000)
+        self.refusal_s: collections.deque[float] = collections.deque(maxlen=10_000)
         self.ttft_err: collections.deque[float] = collections.deque(maxlen=10_000)
         self.mean_prompt = 0.0
         self.mean_work_s = 0.0
@@ -303,7 +308,7 @@ class Conductor:
         model_name: str | None,
         pools: dict[tuple[bytes, int], PoolMatch],
     ) -> tuple[Decision, dict[str, EngineState]]:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         live = self.engines.live(model_name)
         local = self.local.match(tokens, [e.engine_id for e in live]) if tokens is not None else {}
         loads = self._loads(live, local)
@@ -314,6 +319,7 @@ class Conductor:
         d = decide(self.model, loads, prompt_tokens, pool, self.cfg.slo, pd=self.cfg.pd)
         us = (time.perf_counter() - t0) * 1e6
         self.decision_us.append(us)
+        self.decision_cpu_us.append((time.thread_time() - c0) * 1e6)
         self.metrics.decision_seconds.observe(us / 1e6)
         return d, {e.engine_id: e for e in live}
 
@@ -357,20 +363,26 @@ class Conductor:
             if tbt_s is not None:
                 self.model.observe_tbt(running, tbt_s)
 
+    def refused(self, why: str, seconds: float) -> None:
+        """A request was answered 429 (``why``: the target it would miss) ``seconds`` after it arrived."""
+        self.rejected[why] += 1
+        self.metrics.rejected.labels(why).inc()
+        self.metrics.outcomes.labels("rejected").inc()
+        self.metrics.refusal_seconds.observe(seconds)
+        self.refusal_s.append(seconds)
+
     def note_prompt(self, n: int) -> None:
         self.mean_prompt = n if self.mean_prompt == 0 else 0.95 * self.mean_prompt + 0.05 * n
 
     # -- reports ------------------------------------------------------------------------------
     def routing(self) -> dict[str, Any]:
-        us = sorted(self.decision_us)
         return {
             "predicted_ttft_abs_err_median": round(statistics.median(self.ttft_err), 4) if self.ttft_err else None,
             "decisions_per_engine": dict(sorted(self.decisions.items())),
-            "decision_us": {
-                "p50": round(us[len(us) // 2], 1) if us else None,
-                "p99": round(us[min(len(us) - 1, int(len(us) * 0.99))], 1) if us else None,
-            },
+            "decision_us": _pcts(self.decision_us),
+            "decision_cpu_us": _pcts(self.decision_cpu_us),
             "rejected": dict(self.rejected),
+            "refusal_ms": _pcts([s * 1e3 for s in self.refusal_s]),
             "pool_errors": self.pool_errors,
         }
 
@@ -391,3 +403,11 @@ def _owner_misses(pool: Any) -> int:
     deadline (``miss_counts()``: node_down, deadline); 0 for a client that counts none."""
     counts = getattr(pool, "miss_counts", None)
     return sum(counts().values()) if counts is not None else 0
+
+
+def _pcts(xs: Iterable[float]) -> dict[str, float | None]:
+    s = sorted(xs)
+    return {
+        "p50": round(s[len(s) // 2], 1) if s else None,
+        "p99": round(s[min(len(s) - 1, int(len(s) * 0.99))], 1) if s else None,
+    }

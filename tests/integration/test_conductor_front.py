@@ -158,6 +158,7 @@ def test_routes_streaming_and_plain_requests_and_says_where_they_went(tmp_path: 
     st = state(c)
     assert sum(st["routing"]["decisions_per_engine"].values()) == 2
     assert st["routing"]["decision_us"]["p50"] is not None
+    assert st["routing"]["decision_cpu_us"]["p50"] is not None and st["routing"]["refusal_ms"]["p50"] is None
 
 
 def test_bad_requests_get_openai_errors_and_the_conductor_serves_on(tmp_path: Path, procs: list[Proc]) -> None:
@@ -295,6 +296,8 @@ def test_requests_that_would_miss_the_ttft_target_are_refused_early(tmp_path: Pa
     assert seen(a)["requests"] == 4 + len(served)  # refused requests never reached the engine
     _, text, _ = _get(c.url + "/metrics")
     assert f'kvstore_conductor_rejected_total{{slo="ttft"}} {float(len(refused))}' in text
+    assert f"kvstore_conductor_refusal_seconds_count {float(len(refused))}" in text
+    assert state(c)["routing"]["refusal_ms"]["p99"] is not None
 
 
 def test_load_goes_to_the_engine_with_the_shorter_queue(tmp_path: Path, procs: list[Proc]) -> None:

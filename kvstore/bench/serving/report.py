@@ -13,7 +13,10 @@ its prefill and on its decode engine), ``store_blocks`` (DRAM and NVMe reads, re
 pulls, from the nodes' and the connector's counters) and ``tokens_equal_baseline``;
 ``reject_ms`` (p50/p99/p100 of how soon a refused request was answered).  The conductor
 configurations add ``routing``: the conductor's ``predicted_ttft_abs_err_median``,
-``decisions_per_engine`` and ``decision_us`` (p50, p99).
+``decisions_per_engine`` and ``decision_us`` (p50, p99), and beside them
+``decision_cpu_us`` (the same decisions in the conductor thread's CPU time: the rest is
+time the process waited for a core), ``refusal_ms`` (arrival to 429, inside the
+conductor), ``rejected`` and ``pool_errors``.
 """
 
 from __future__ import annotations
