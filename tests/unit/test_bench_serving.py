@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from kvstore.bench.serving import report
-from kvstore.bench.serving.fleet import Engine, engine_cpus
+from kvstore.bench.serving.fleet import Engine, engine_cpus, renice
 from kvstore.bench.serving.front import PrefillDecode, RoundRobin
 from kvstore.bench.serving.runner import Record, Replay, tbt
 from kvstore.bench.serving.workload import Scaling, build, shared_block_ratio
@@ -425,3 +426,18 @@ def test_sessions_reach_the_connector_and_their_closes_are_sent(server: Streamin
     assert all(r.ok for r in recs) and closed == ["s1"]
     sent = [b.get("kv_transfer_params") for b in server.seen]
     assert sent == [{"session_id": "s1"}, {"session_id": "s1"}, None]
+
+
+def test_renice_sets_every_thread_of_a_process() -> None:
+    """The front's priority (``--front-nice``): Linux keeps a nice value per thread, so
+    every thread a process already has is set, not only its first."""
+    code = "import threading, time\n[threading.Thread(target=time.sleep, args=(30,), daemon=True).start() for _ in range(3)]\nprint('up', flush=True)\ntime.sleep(30)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+        assert renice(proc.pid, 7)
+        tids = [int(t.name) for t in Path(f"/proc/{proc.pid}/task").iterdir()]
+        assert len(tids) == 4 and {os.getpriority(os.PRIO_PROCESS, t) for t in tids} == {7}
+    finally:
+        proc.kill()
+        proc.wait()
