@@ -42,7 +42,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="refuse (429) requests whose best estimated TTFT misses this (0: off)",
     )
     p.add_argument(
-        "--slo-tbt-ms", type=float, default=0.0, help="refuse requests no engine can decode within this TBT (0: off)"
+        "--slo-tbt-ms",
+        type=float,
+        default=0.0,
+        help="refuse requests no engine can decode within this TBT (0: off); with it set, a request also goes "
+        "where it costs the fewest requests their targets (its prefill stalls the engine's decodes)",
+    )
+    p.add_argument(
+        "--no-reject",
+        action="store_true",
+        help="never refuse: the SLO targets only guide where requests go",
     )
     p.add_argument(
         "--min-samples", type=int, default=8, help="measurements before the model may refuse requests (default 8)"
@@ -104,7 +113,9 @@ def config_from(a: argparse.Namespace) -> ConductorConfig:
         engines=engines,
         etcd=a.etcd,
         pd=a.pd,
-        slo=Slo(ttft_s=a.slo_ttft_ms / 1e3, tbt_s=a.slo_tbt_ms / 1e3, min_samples=a.min_samples),
+        slo=Slo(
+            ttft_s=a.slo_ttft_ms / 1e3, tbt_s=a.slo_tbt_ms / 1e3, min_samples=a.min_samples, reject=not a.no_reject
+        ),
         priors=Priors(prefill_tokens_per_s=a.prefill_tokens_per_s, load_gbps=gbps, bytes_per_token=a.bytes_per_token),
         probe_s=a.probe_s,
         pool_timeout_s=a.pool_timeout_ms / 1e3,

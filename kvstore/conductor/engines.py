@@ -36,6 +36,33 @@ log = logging.getLogger("kvstore.conductor")
 ROLES = ("both", "prefill", "decode")
 
 
+@dataclasses.dataclass(slots=True)
+class Stream:
+    """A decoding request's gaps between tokens, as the conductor relays them (the loop's;
+    ``intervals`` is the request's own list, appended as tokens pass).
+
+    Mooncake's TBT is the mean of the slowest tenth of a request's gaps (at least one), so a
+    single stall can decide it: :meth:`headroom` is the longest stall the request can still
+    take and meet ``slo_s`` (negative: it misses already)."""
+
+    max_tokens: int  # what it asked for (16 when it did not say)
+    intervals: list[float]
+    started: float  # its first token
+
+    def headroom(self, slo_s: float) -> float:
+        k = max(1, -(-max(self.max_tokens - 1, 1) // 10))
+        worst = sorted(self.intervals, reverse=True)[:k]
+        if sum(worst) > k * slo_s:
+            return -1.0
+        return k * slo_s - sum(worst[: k - 1])
+
+    def remaining_s(self, now: float) -> float:
+        """Seconds of decoding it likely has left, at its own pace so far."""
+        done = len(self.intervals)
+        pace = (now - self.started) / done if done else 0.05
+        return max(0, self.max_tokens - 1 - done) * pace
+
+
 @dataclasses.dataclass
 class Inflight:
     """A request the conductor sent to an engine."""
@@ -69,7 +96,7 @@ class EngineState:
     failures: int = 0
     slow_probes: int = 0  # probes in a row that timed out
     prefilling: dict[str, Inflight] = dataclasses.field(default_factory=dict)
-    decoding: set[str] = dataclasses.field(default_factory=set)
+    decoding: dict[str, Stream] = dataclasses.field(default_factory=dict)
     scraped_waiting: int = 0
     scraped_running: int = 0
     scraped_at: float = 0.0

@@ -195,7 +195,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
             c.metrics.outcomes.labels("engine_error").inc()
             return error(503, f"no engine can take the request: {d.refused}", "ServiceUnavailableError")
         assert d.engine is not None
-        sent = Sent(c.next_id(), d, n, arrived, tokenized=tokens is not None)
+        sent = Sent(c.next_id(), d, n, arrived, tokenized=tokens is not None, max_tokens=_max_tokens(body))
         try:
             return await _dispatch(request, c, body, path, sent, engines)
         except _Unreachable as u:
@@ -204,6 +204,15 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
             log.warning("request %s: engine %s unreachable (%s); trying another", sent.rid, u.engine.engine_id, u.why)
     c.metrics.outcomes.labels("engine_error").inc()
     return error(503, f"no engine could be reached after {c.cfg.attempts} attempts", "ServiceUnavailableError")
+
+
+def _max_tokens(body: dict[str, Any]) -> int:
+    """The output the request asks for (16, vLLM's completions default, when it does not say)."""
+    for k in ("max_completion_tokens", "max_tokens"):
+        v = body.get(k)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return 16
 
 
 class _Unreachable(Exception):
@@ -271,7 +280,7 @@ async def _dispatch(
             c.ended(pre, sent.rid, ok=False)
             c.metrics.outcomes.labels("engine_error").inc()
             return error(502, f"prefill engine {pre.engine_id} answered garbage", "BadGatewayError", headers=headers)
-        c.first_token(pre, sent.rid, d.prefill.load, time.monotonic() - t0)
+        c.first_token(pre, sent, d.prefill.load, time.monotonic() - t0)
         c.ended(pre, sent.rid, ok=True)
         body = {**body, "kv_transfer_params": kvp}
     else:
@@ -303,7 +312,7 @@ async def _dispatch(
                 return error(502, f"engine {dec.engine_id} answered garbage", "BadGatewayError", headers=headers)
             took = time.monotonic() - t_sent
             if (body.get("max_tokens") or body.get("max_completion_tokens")) == 1:
-                c.first_token(dec, sent.rid, load, took)
+                c.first_token(dec, sent, load, took)
                 c.ttft_seen(sent, time.monotonic() - sent.arrived)
             ok = True
             c.metrics.outcomes.labels("served").inc()
@@ -371,7 +380,7 @@ async def _relay(
                 now = time.monotonic()
                 if sent.first_token_at is None:
                     sent.first_token_at = now
-                    c.first_token(dec, sent.rid, load, now - t_sent)
+                    c.first_token(dec, sent, load, now - t_sent)
                     c.ttft_seen(sent, now - sent.arrived)
                 elif sent.last_token_at is not None:
                     sent.intervals.append(now - sent.last_token_at)

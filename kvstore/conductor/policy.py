@@ -53,6 +53,9 @@ class EngineLoad:
     running: int  # decodes it runs
     sent: int = 0  # requests sent to it so far (exact ties spread over the engines)
     queued_s: float = 0.0  # seconds of work queued ahead of a new request
+    # its decodes that still meet the TBT target: (the longest stall each can take, seconds
+    # of decoding it has left); filled only with a TBT target set
+    at_risk: tuple[tuple[float, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -115,6 +118,7 @@ class Slo:
     ttft_s: float = 0.0  # 0: no target
     tbt_s: float = 0.0
     min_samples: int = 8  # measurements before the model may refuse or exclude anyone
+    reject: bool = True  # refuse early what misses; False: the targets only guide placement
     tie: float = 0.05  # estimates within this share (or tie_s) of the best are ties
     tie_s: float = 0.02
 
@@ -189,6 +193,11 @@ class _Estimator:
         self._tbt: dict[int, float] = {}
 
     def ttft(self, e: EngineLoad) -> float:
+        return self.ttft_and_work(e)[0]
+
+    def ttft_and_work(self, e: EngineLoad) -> tuple[float, float]:
+        """The estimate, and the request's own work in seconds (its prefill and loads: how
+        long the engine's decodes stall while it runs)."""
         local = min(e.local_tokens, self.cap)
         pooled = self.pooled
         b, c, q, d, n, r, k, times = self.model.coefficients(e.engine_id)
@@ -197,7 +206,7 @@ class _Estimator:
             work = c * (self.prompt_tokens - pooled) + d * dram + n * nvme + r * remote
         else:
             work = c * (self.prompt_tokens - local)
-        return (b + work / 1000 + q * e.queued_s + k * e.running) * times
+        return (b + work / 1000 + q * e.queued_s + k * e.running) * times, work / 1000 * times
 
     def tbt(self, e: EngineLoad) -> float:
         t = self._tbt.get(e.running)
@@ -228,6 +237,19 @@ class _Cand(NamedTuple):
     ttft_s: float
     tbt_s: float
     engine: EngineLoad
+    lost: int = 0  # requests sending it here would likely lose their SLO (see _lost)
+
+
+def _lost(e: EngineLoad, ttft_s: float, stall_s: float, slo: Slo) -> int:
+    """Goodput a placement costs: 1 if the request itself would miss the TTFT target, plus
+    each of the engine's decodes that meets the TBT target now and would not after a stall
+    of ``stall_s`` (the request's prefill runs in the engine's steps and holds its decodes
+    back), counting only decodes still running once the queue ahead of it has drained."""
+    n = 1 if slo.ttft_s and ttft_s > slo.ttft_s else 0
+    for headroom, left in e.at_risk:
+        if stall_s > headroom and left > e.queued_s:
+            n += 1
+    return n
 
 
 def _pick(cands: Sequence[_Cand], slo: Slo, key: str) -> _Cand:
@@ -266,13 +288,14 @@ def decide(
             return Decision(None, refused="no live prefill and decode engines", retry_after_s=1)
         p = _pick(pre, slo, "ttft_s")
         if calibrated and slo.tbt_s and model.tbt(1) <= slo.tbt_s:  # (as below: only what load causes)
-            dec = [c for c in dec if c.tbt_s <= slo.tbt_s]
-            if not dec:
+            meet = [c for c in dec if c.tbt_s <= slo.tbt_s]
+            if not meet and slo.reject:
                 return Decision(None, refused="tbt", retry_after_s=1, best_ttft_s=p.ttft_s)
+            dec = meet or dec
         d = _pick(dec, slo, "tbt_s")
         handoff = handoff_load(p.engine, d.engine, prompt_tokens, pool.chunk_tokens)
         handoff_s = model.ttft(d.engine.engine_id, handoff)
-        if calibrated and slo.ttft_s and p.ttft_s + handoff_s > slo.ttft_s:
+        if calibrated and slo.reject and slo.ttft_s and p.ttft_s + handoff_s > slo.ttft_s:
             return Decision(
                 None,
                 refused="ttft",
@@ -288,7 +311,14 @@ def decide(
             handoff_s=handoff_s,
             considered=len(pre) + len(dec),
         )
-    cands = [_Cand(est.ttft(e), est.tbt(e), e) for e in engines if e.role != "prefill"]
+    if calibrated and slo.tbt_s:  # targets known: count what each placement costs in goodput
+        cands = []
+        for e in engines:
+            if e.role != "prefill":
+                ttft, work = est.ttft_and_work(e)
+                cands.append(_Cand(ttft, est.tbt(e), e, _lost(e, ttft, work, slo)))
+    else:
+        cands = [_Cand(est.ttft(e), est.tbt(e), e) for e in engines if e.role != "prefill"]
     if not cands:
         return Decision(None, refused="no live engine", retry_after_s=1)
     lowest_any = min(c.ttft_s for c in cands)
@@ -296,12 +326,21 @@ def decide(
     if calibrated and slo.tbt_s and model.tbt(1) <= slo.tbt_s:  # (missed even when idle: load is not why)
         ok = [c for c in cands if c.tbt_s <= slo.tbt_s]
         if not ok:
-            return Decision(None, refused="tbt", retry_after_s=1, best_ttft_s=lowest_any)
-    best = _pick(ok, slo, "ttft_s")
-    if calibrated and slo.ttft_s and best.ttft_s > slo.ttft_s:
-        return Decision(None, refused="ttft", retry_after_s=_retry(best.ttft_s, slo.ttft_s), best_ttft_s=lowest_any)
+            if slo.reject:
+                return Decision(None, refused="tbt", retry_after_s=1, best_ttft_s=lowest_any)
+            ok = cands
     lowest = min(c.ttft_s for c in ok)
-    reason = "lowest ttft" if best.ttft_s == lowest else "near-tie, less loaded"
+    if calibrated and slo.reject and slo.ttft_s and lowest > slo.ttft_s:  # no engine meets it
+        return Decision(None, refused="ttft", retry_after_s=_retry(lowest, slo.ttft_s), best_ttft_s=lowest_any)
+    least_lost = min(c.lost for c in ok)
+    fewest = [c for c in ok if c.lost == least_lost]
+    best = _pick(fewest, slo, "ttft_s")
+    if best.ttft_s == lowest:
+        reason = "lowest ttft"
+    elif len(fewest) < len(ok):
+        reason = f"fewest SLOs lost ({least_lost})"
+    else:
+        reason = "near-tie, less loaded"
     return Decision(est.estimate(best.engine), reason=reason, considered=len(cands))
 
 
@@ -316,7 +355,7 @@ def early_refusal(
     least of those misses ``slo.ttft_s`` every full estimate does too (and so the engine
     :func:`decide` picks).  The TBT test does not depend on caches: it is :func:`decide`'s.
     Prefill/decode: the prefill engines' least estimate alone (the handoff only adds)."""
-    if model.samples < slo.min_samples or not (slo.ttft_s or slo.tbt_s):
+    if model.samples < slo.min_samples or not slo.reject or not (slo.ttft_s or slo.tbt_s):
         return None
     full = [dataclasses.replace(e, local_tokens=prompt_tokens) for e in engines]
     est = _Estimator(model, prompt_tokens, NO_POOL)

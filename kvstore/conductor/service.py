@@ -37,7 +37,7 @@ import aiohttp
 import numpy as np
 
 from kvstore.conductor.cost import CostModel, Load, Priors
-from kvstore.conductor.engines import Engines, EngineState, scrape_counts
+from kvstore.conductor.engines import Engines, EngineState, Stream, scrape_counts
 from kvstore.conductor.metrics import ConductorMetrics
 from kvstore.conductor.policy import NO_POOL, Decision, EngineLoad, PoolMatch, Slo, decide, early_refusal
 
@@ -78,6 +78,7 @@ class Sent:
     arrived: float
     tokenized: bool = True  # the prompt's token ids are known (else its length is estimated)
     running_at_start: int = 0
+    max_tokens: int = 16  # the tokens it asked for (its TBT counts the slowest tenth of their gaps)
     first_token_at: float | None = None
     last_token_at: float | None = None
     intervals: list[float] = dataclasses.field(default_factory=list)
@@ -277,6 +278,7 @@ class Conductor:
 
     def _loads(self, live: list[EngineState], local: dict[str, int]) -> list[EngineLoad]:
         now = time.monotonic()
+        slo_tbt = self.cfg.slo.tbt_s
         return [
             EngineLoad(
                 e.engine_id,
@@ -287,6 +289,7 @@ class Conductor:
                 e.running(now),
                 self.decisions[e.engine_id],
                 e.queued_s(now, self.mean_work_s),
+                _at_risk(e, now, slo_tbt) if slo_tbt else (),
             )
             for e in live
         ]
@@ -296,7 +299,7 @@ class Conductor:
         :func:`~kvstore.conductor.policy.early_refusal`), or None.  Under overload, when
         refusals happen, the 429 then costs no pool RPC and no cache walk."""
         slo = self.cfg.slo
-        if not (slo.ttft_s or slo.tbt_s) or self.model.samples < slo.min_samples:
+        if not slo.reject or not (slo.ttft_s or slo.tbt_s) or self.model.samples < slo.min_samples:
             return None
         live = self.engines.live(model_name)
         return early_refusal(self.model, self._loads(live, {}), prompt_tokens, slo, pd=self.cfg.pd)
@@ -337,11 +340,11 @@ class Conductor:
         self.decisions[e.engine_id] += 1
         self.metrics.requests.labels(e.engine_id).inc()
 
-    def first_token(self, e: EngineState, rid: str, load: Load, measured_s: float) -> None:
+    def first_token(self, e: EngineState, sent: Sent, load: Load, measured_s: float) -> None:
         """The first token of what ``e`` was sent came (for a prefill engine: its answer):
         the request decodes now, and the TTFT model learns from the engine's part."""
-        e.prefilling.pop(rid, None)
-        e.decoding.add(rid)
+        e.prefilling.pop(sent.rid, None)
+        e.decoding[sent.rid] = Stream(sent.max_tokens, sent.intervals, time.monotonic())
         self.model.observe_ttft(e.engine_id, load, measured_s)
 
     def ttft_seen(self, sent: Sent, measured_s: float) -> None:
@@ -357,7 +360,7 @@ class Conductor:
 
     def ended(self, e: EngineState, rid: str, *, ok: bool, tbt_s: float | None = None, running: float = 0) -> None:
         e.prefilling.pop(rid, None)
-        e.decoding.discard(rid)
+        e.decoding.pop(rid, None)
         if ok:
             e.served += 1
             if tbt_s is not None:
@@ -411,3 +414,13 @@ def _pcts(xs: Iterable[float]) -> dict[str, float | None]:
         "p50": round(s[len(s) // 2], 1) if s else None,
         "p99": round(s[min(len(s) - 1, int(len(s) * 0.99))], 1) if s else None,
     }
+
+
+def _at_risk(e: EngineState, now: float, slo_tbt_s: float) -> tuple[tuple[float, float], ...]:
+    """(headroom, seconds left) of each of ``e``'s decodes that still meets ``slo_tbt_s``."""
+    out = []
+    for st in e.decoding.values():
+        h = st.headroom(slo_tbt_s)
+        if h >= 0:
+            out.append((h, st.remaining_s(now)))
+    return tuple(out)

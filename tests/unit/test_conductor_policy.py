@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvstore.conductor.cost import CostModel, Load, Priors
+from kvstore.conductor.engines import Stream
 from kvstore.conductor.policy import (
     EngineLoad,
     PoolMatch,
@@ -156,6 +157,60 @@ def test_an_early_refusal_is_one_the_full_decision_gives_whatever_the_caches_hol
     assert early_refusal(m, overloaded, 100, slo) is not None
     assert early_refusal(m, [eng("a", queued=900), eng("b")], 100, slo) is None  # b is free
     assert early_refusal(model(), overloaded, 100, Slo(ttft_s=0.5)) is None  # uncalibrated: never
+
+
+def test_a_decode_stream_knows_the_longest_stall_its_tbt_can_take() -> None:
+    slo = 0.2
+    short = Stream(max_tokens=10, intervals=[0.05, 0.12], started=0.0)  # TBT: its single slowest gap
+    assert short.headroom(slo) == pytest.approx(0.2)
+    assert Stream(10, [0.05, 0.25], 0.0).headroom(slo) == -1.0  # it misses already
+    longer = Stream(max_tokens=20, intervals=[0.05, 0.12, 0.03], started=0.0)  # the mean of its slowest 2
+    assert longer.headroom(slo) == pytest.approx(0.4 - 0.12)
+    assert longer.remaining_s(now=0.3) == pytest.approx(16 * 0.1)  # 19 gaps in all, 3 done in 0.3 s
+
+
+def test_with_targets_a_long_prefill_goes_where_it_stalls_no_decode_that_meets_its_tbt() -> None:
+    """Goodput placement: a 1,000-token prefill (1 s here) on engine a would stall a's three
+    decodes past a 200 ms TBT; b's decodes miss their target already.  The request goes to
+    b though its estimate is longer, as long as it meets its own TTFT target; a short
+    prompt, whose prefill every decode can take, goes to the lowest estimate as before."""
+    m = model()
+    for r in range(1, 30):
+        m.observe_tbt(r, 0.010 + 0.001 * r)
+    healthy = ((0.15, 5.0),) * 3  # each can take a 150 ms stall, and decodes 5 s more
+    a = dataclasses.replace(eng("a"), at_risk=healthy)
+    b = eng("b", queued=300)  # 0.3 s of queue, no decode at risk
+    slo = Slo(ttft_s=2.0, tbt_s=0.2, min_samples=0, reject=False)
+    d = decide(m, [a, b], 1000, slo=slo)
+    assert d.engine is not None and d.engine.engine_id == "b" and d.reason == "fewest SLOs lost (0)"
+    d = decide(m, [a, b], 100, slo=slo)  # 100 ms of prefill: no decode loses its target
+    assert d.engine is not None and d.engine.engine_id == "a" and d.reason == "lowest ttft"
+    # b's queue would make the request miss its own TTFT: one lost there, three on a
+    late_b = dataclasses.replace(b, queued_s=3.0)
+    d = decide(m, [a, late_b], 1000, slo=slo)
+    assert d.engine is not None and d.engine.engine_id == "b" and d.reason == "fewest SLOs lost (1)"
+    # with one decode at risk on a, the request's own target weighs as much: the quicker engine
+    one = dataclasses.replace(a, at_risk=healthy[:1])
+    d = decide(m, [one, late_b], 1000, slo=slo)
+    assert d.engine is not None and d.engine.engine_id == "a"
+    # decodes that finish before the queue ahead of the prefill drains cannot be stalled by it
+    a_done_soon = dataclasses.replace(a, at_risk=((0.15, 0.01),) * 3, queued_s=0.1)
+    d = decide(m, [a_done_soon, b], 1000, slo=slo)
+    assert d.engine is not None and d.engine.engine_id == "a"
+    # without targets, placement is by estimate alone
+    assert decide(m, [a, b], 1000).engine.engine_id == "a"  # type: ignore[union-attr]
+
+
+def test_targets_without_rejection_refuse_nothing() -> None:
+    m = model()
+    for _ in range(3):
+        m.observe_ttft("a", Load(compute=1000, queued_s=0), 1.0)
+    busy = [eng("a", queued=5000)]
+    assert decide(m, busy, 1000, slo=Slo(ttft_s=0.5, min_samples=3)).refused == "ttft"
+    quiet = Slo(ttft_s=0.5, tbt_s=0.01, min_samples=3, reject=False)
+    d = decide(m, busy, 1000, slo=quiet)
+    assert not d.refused and d.engine is not None
+    assert early_refusal(m, busy, 1000, quiet) is None
 
 
 def test_prefill_decode_picks_each_half_by_its_own_measure() -> None:

@@ -309,8 +309,11 @@ def _conductor_args(a: argparse.Namespace) -> tuple[str, ...]:
     import shlex
 
     args = shlex.split(a.conductor_args)
-    if a.conductor_reject:
-        args += ["--slo-ttft-ms", str(a.slo_ttft_ms), "--slo-tbt-ms", str(a.slo_tbt_ms)]
+    # the conductor is told the targets the benchmark grades by (as an operator would set
+    # them): they guide placement always, and refuse requests only with --conductor-reject
+    args += ["--slo-ttft-ms", str(a.slo_ttft_ms), "--slo-tbt-ms", str(a.slo_tbt_ms)]
+    if not a.conductor_reject:
+        args += ["--no-reject"]
     return tuple(args)
 
 
