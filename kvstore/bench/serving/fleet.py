@@ -405,7 +405,7 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
         """CPU time (user + system) each process of the fleet has used so far: per engine its
         server (``NAME/api``), engine core (``NAME/core``: vLLM's scheduler, the connector's
         lookups) and workers (``NAME/worker``: the model, the connector's loads and saves);
-        every node; etcd."""
+        every node; etcd; the conductor."""
         import psutil
 
         def times(p: Any) -> float:
@@ -439,6 +439,9 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
         if self._etcd is not None and self._etcd.pid is not None:
             with contextlib.suppress(psutil.Error):
                 out["etcd"] = times(psutil.Process(self._etcd.pid))
+        if self.conductor is not None and self.conductor.proc is not None:
+            with contextlib.suppress(psutil.Error):
+                out["conductor"] = times(psutil.Process(self.conductor.proc.pid))
         return out
 
     def close(self) -> None:
