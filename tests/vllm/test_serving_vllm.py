@@ -106,6 +106,9 @@ def test_short_serving_run(tmp_path: Path) -> None:
         routing = c["routing"]
         assert len(routing["decisions_per_engine"]) == 2, routing
         assert routing["decision_us"]["p50"] is not None and routing["predicted_ttft_abs_err_median"] is not None
+        assert routing["decision_cpu_us"]["p50"] is not None and routing["rejected"] == {}  # targets, no refusals
+        assert c["cpu_s"]["conductor"] > 0, c["cpu_s"]
         assert c["prompt_tokens"]["store"] + c["prompt_tokens"]["engine_cache"] > 0, c["prompt_tokens"]
+    assert r["front_nice"] == -10  # root here: the client and the conductors ran ahead of the engines
     assert _servers() <= servers, "a vLLM server outlived the benchmark"
     assert _arenas() <= arenas, "a node's arena was left in /dev/shm"
