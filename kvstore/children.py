@@ -141,6 +141,59 @@ def stop(proc: subprocess.Popen[Any] | None, *, timeout: float = 30.0, sig: int 
     return proc.returncode
 
 
+SHM = Path("/dev/shm")
+VLLM_SHM_PREFIXES = ("psm_", "sem.mp-", "vllm_dist_")
+"""What a vLLM server leaves in /dev/shm when it is killed rather than shut down: Python's
+shared memory and semaphores (its message queues) and its CPU workers' tensor-parallel
+buffers.  None is removed while any process still has it open or mapped."""
+
+
+def shm_names() -> set[str]:
+    """The entries of /dev/shm now (empty where there is none)."""
+    try:
+        return set(os.listdir(SHM))
+    except OSError:
+        return set()
+
+
+def _held_shm() -> set[str]:
+    """Names in /dev/shm some process has open or mapped (every process this one can read)."""
+    held: set[str] = set()
+    prefix = str(SHM) + "/"
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith(prefix):
+                        held.add(target[len(prefix) :].split(" ", 1)[0])
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+            for line in maps:
+                at = line.find(prefix)
+                if at >= 0:
+                    held.add(line[at + len(prefix) :].rstrip("\n").split(" ", 1)[0])
+    return held
+
+
+def reclaim_shm(before: set[str], prefixes: Sequence[str] = VLLM_SHM_PREFIXES) -> list[str]:
+    """Unlink the /dev/shm entries named with one of ``prefixes`` that appeared since
+    ``before`` (:func:`shm_names` taken before the children started) and that no process
+    has open or mapped: what children killed mid-run left behind.  The names removed."""
+    new = [n for n in shm_names() - before if n.startswith(tuple(prefixes))]
+    if not new:
+        return []
+    held = _held_shm()
+    gone = []
+    for n in new:
+        if n not in held:
+            with contextlib.suppress(FileNotFoundError):
+                (SHM / n).unlink()
+                gone.append(n)
+    return gone
+
+
 def exit_on_sigterm() -> None:
     """From now on SIGTERM raises ``SystemExit(143)`` in the main thread, which unwinds it
     (``finally`` blocks and context managers stop children and remove temporary files)."""

@@ -67,7 +67,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvstore.children import log_tail, spawn, stop
+from kvstore.children import log_tail, reclaim_shm, shm_names, spawn, stop
 
 HEAD_DIM = 64
 
@@ -378,6 +378,7 @@ class EngineProcess:
         }
         self.log_path = log_path
         self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
+        self._shm_before = shm_names()  # close() removes what the engine left there
         self.proc = spawn(
             [sys.executable, "-m", "gpu_agent.vllm.engine", json.dumps(spec)],
             stdin=subprocess.PIPE,
@@ -492,6 +493,7 @@ class EngineProcess:
             except subprocess.TimeoutExpired:
                 pass
         stop(self.proc, timeout=10)
+        reclaim_shm(self._shm_before)
         if not isinstance(self._log, int):  # a file we opened, not subprocess.DEVNULL
             self._log.close()
 

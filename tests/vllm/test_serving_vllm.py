@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.children import VLLM_SHM_PREFIXES, shm_names
+
 pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +36,10 @@ def _arenas() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if "kvstore" in n} if os.path.isdir("/dev/shm") else set()
 
 
+def _vllm_shm() -> set[str]:
+    return {n for n in shm_names() if n.startswith(VLLM_SHM_PREFIXES)}
+
+
 @pytest.mark.timeout(2400)  # five fleets start one after another: minutes, not the suite's 300 s
 def test_short_serving_run(tmp_path: Path) -> None:
     trace = tmp_path / "conversations.jsonl"
@@ -44,7 +50,7 @@ def test_short_serving_run(tmp_path: Path) -> None:
         capture_output=True,
         timeout=120,
     )
-    servers, arenas = _servers(), _arenas()
+    servers, arenas, vllm_shm = _servers(), _arenas(), _vllm_shm()
     out = subprocess.run(
         [
             sys.executable,
@@ -112,3 +118,4 @@ def test_short_serving_run(tmp_path: Path) -> None:
     assert r["front_nice"] == -10  # root here: the client and the conductors ran ahead of the engines
     assert _servers() <= servers, "a vLLM server outlived the benchmark"
     assert _arenas() <= arenas, "a node's arena was left in /dev/shm"
+    assert _vllm_shm() <= vllm_shm, "a vLLM server's shared memory was left in /dev/shm"

@@ -44,7 +44,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvstore.children import log_tail, spawn, stop
+from kvstore.children import log_tail, reclaim_shm, shm_names, spawn, stop
 from kvstore.errors import InvalidArgument
 
 CONFIGS = ("baseline", "pool", "pd", "conductor", "conductor-pd")
@@ -180,6 +180,8 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
 
     def start(self) -> Fleet:
         t0 = time.perf_counter()
+        # last on the way out: what killed vLLM servers left in /dev/shm (not held by anyone)
+        self._stack.callback(reclaim_shm, shm_names())
         try:
             if self.uses_store:
                 self._start_store()
@@ -475,3 +477,7 @@ def _stop_engine(e: Engine) -> None:
     stop(e.proc, timeout=30)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(e.proc.pid, signal.SIGKILL)  # spawn() made it a session (and group) leader
+        deadline = time.monotonic() + 5  # gone, mappings and all, before /dev/shm is swept
+        while time.monotonic() < deadline:
+            os.killpg(e.proc.pid, 0)
+            time.sleep(0.05)
