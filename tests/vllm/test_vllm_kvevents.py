@@ -190,7 +190,7 @@ def events_engine(model: Path, log: Path, events: dict[str, Any]) -> Any:
     """An :class:`EngineProcess` whose engine publishes KV events (``kv_events_config``,
     which EngineProcess does not pass): the same child protocol, started through a wrapper."""
     from gpu_agent.vllm.engine import EngineProcess
-    from kvstore.children import spawn
+    from kvstore.children import shm_names, spawn
 
     spec = {
         "model": str(model),
@@ -202,9 +202,10 @@ def events_engine(model: Path, log: Path, events: dict[str, Any]) -> Any:
         "tp": 1,
         "max_batched_tokens": None,
     }
-    e = EngineProcess.__new__(EngineProcess)
+    e = EngineProcess.__new__(EngineProcess)  # EngineProcess.__init__'s fields, another command
     e.log_path = log
     e._log = open(log, "w")
+    e._shm_before = shm_names()
     e.proc = spawn(
         [sys.executable, "-c", WRAPPER, json.dumps(spec), json.dumps(events)],
         stdin=subprocess.PIPE,
