@@ -195,7 +195,7 @@ class _Slot:
     indexed keys whose parent block is not indexed in this slot.  While it is 0 the slot's
     blocks are closed under "parent of" (vLLM evicts a request's blocks last-first, so its
     cache always is), and along any prompt's chain the slot holds exactly a leading run:
-    ``match`` may then bisect instead of walking every block."""
+    a bisecting ``match`` could rely on that; it walks, see ``match``."""
 
     __slots__ = ("engine_id", "group", "block_size", "bit", "held", "refs", "parent", "kids", "orphans")
 
@@ -403,12 +403,9 @@ class FleetCacheIndex:
                         alive |= 1 << bit
                 if not alive:
                     continue
-                exact = all(size.slots[b].orphans == 0 for b in _bits(alive))
-                found = (
-                    _bisect(size.index, HASH.packed(arr, bs, seed), alive)
-                    if exact
-                    else _walk(size.index, _lazy_keys(arr, bs, seed), alive)
-                )
+                # a walk, block by block: bisecting over slots without orphans credited a
+                # prompt a real engine had dropped after reset_prefix_cache (tests/vllm)
+                found = _walk(size.index, _lazy_keys(arr, bs, seed), alive)
                 for bit, got in found.items():
                     eid = size.slots[bit].engine_id
                     best[eid] = min(best.get(eid, got * bs), got * bs)
@@ -504,40 +501,6 @@ def _plain(extra: Any, i: int, lora: str) -> bool:
     if not e:
         return True
     return bool(lora) and len(e) == 1 and e[0] == lora
-
-
-def _bits(mask: int) -> Iterator[int]:
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
-
-
-def _bisect(index: dict[int, int], keys: np.ndarray, alive: int) -> dict[int, int]:
-    """:func:`_walk` for slots without orphans (see :class:`_Slot`): along the chain the
-    slots holding block ``i`` only shrink as ``i`` grows, so the blocks between two probes
-    with the same holders need no probe; a prompt costs about log2(blocks) dictionary
-    lookups per distinct cached length, not one per block."""
-    got: dict[int, int] = {}
-    n = len(keys)
-    first = index.get(int(keys[0]), 0) & alive if n else 0
-    for bit in _bits(alive & ~first):
-        got[bit] = 0
-    # (lo, hi, a, b): blocks lo..hi-1 not probed; a holds block lo-1, b block hi (0 past the end)
-    todo = [(1, n, first, 0)] if first else []
-    while todo:
-        lo, hi, a, b = todo.pop()
-        if a == b:
-            continue
-        if lo == hi:  # the slots of a that b lacks hold blocks 0..lo-1
-            for bit in _bits(a & ~b):
-                got[bit] = lo
-            continue
-        mid = (lo + hi) // 2
-        v = index.get(int(keys[mid]), 0) & a
-        todo.append((lo, mid, a, v))
-        todo.append((mid + 1, hi, v, b))
-    return got
 
 
 def _walk(index: dict[int, int], keys: Iterable[int], alive: int) -> dict[int, int]:
