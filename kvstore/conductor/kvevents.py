@@ -189,23 +189,14 @@ def _as_map(ev: Any) -> dict[str, Any]:
 
 # -- the index ----------------------------------------------------------------------------------
 class _Slot:
-    """One KV cache group of one engine: the blocks it holds, one bit of its size's index.
+    """One KV cache group of one engine: the blocks it holds, one bit of its size's index."""
 
-    Invariant (kept by ``_hold``/``_unref``/``_clear``): ``orphans`` is the number of
-    indexed keys whose parent block is not indexed in this slot.  While it is 0 the slot's
-    blocks are closed under "parent of" (vLLM evicts a request's blocks last-first, so its
-    cache always is), and along any prompt's chain the slot holds exactly a leading run:
-    a bisecting ``match`` could rely on that; it walks, see ``match``."""
-
-    __slots__ = ("engine_id", "group", "block_size", "bit", "held", "refs", "parent", "kids", "orphans")
+    __slots__ = ("engine_id", "group", "block_size", "bit", "held", "refs")
 
     def __init__(self, engine_id: str, group: int, block_size: int, bit: int) -> None:
         self.engine_id, self.group, self.block_size, self.bit = engine_id, group, block_size, bit
         self.held: dict[tuple[str | None, BlockHash], int] = {}  # (medium, vLLM hash) → our key
         self.refs: dict[int, int] = {}  # our key → entries of `held` naming it (indexed iff > 0)
-        self.parent: dict[int, int | None] = {}  # indexed key → its parent's key (None: first block)
-        self.kids: dict[int, int] = {}  # key → indexed keys whose parent it is
-        self.orphans = 0
 
 
 class _Size:
@@ -351,10 +342,8 @@ class FleetCacheIndex:
         if extra:
             plain = next((i for i in range(len(hashes)) if not _plain(extra, i, lora)), plain)
         keys = HASH.keys(arr[: plain * bs], bs, prev) if plain else []
-        up: int | None = None if parent is None else prev
         for h, key in zip(hashes, keys):
-            self._hold(slot, (medium, h), key, up)
-            up = key
+            self._hold(slot, (medium, h), key)
         eng.counts["stored"] += plain
         if plain < len(hashes):
             eng.counts["extra_keys"] += len(hashes) - plain
@@ -403,10 +392,7 @@ class FleetCacheIndex:
                         alive |= 1 << bit
                 if not alive:
                     continue
-                # a walk, block by block: bisecting over slots without orphans credited a
-                # prompt a real engine had dropped after reset_prefix_cache (tests/vllm)
-                found = _walk(size.index, _lazy_keys(arr, bs, seed), alive)
-                for bit, got in found.items():
+                for bit, got in _walk(size.index, _lazy_keys(arr, bs, seed), alive).items():
                     eid = size.slots[bit].engine_id
                     best[eid] = min(best.get(eid, got * bs), got * bs)
             for eid, tok in best.items():
@@ -423,7 +409,7 @@ class FleetCacheIndex:
         size.mask |= 1 << bit
         return slot
 
-    def _hold(self, slot: _Slot, where: tuple[str | None, BlockHash], key: int, parent: int | None) -> None:
+    def _hold(self, slot: _Slot, where: tuple[str | None, BlockHash], key: int) -> None:
         old = slot.held.get(where)
         if old == key:  # stored again (vLLM reports prefix-cache hits as stores too)
             return
@@ -435,12 +421,6 @@ class FleetCacheIndex:
         if n == 0:
             index = self._sizes[slot.block_size].index
             index[key] = index.get(key, 0) | (1 << slot.bit)
-            slot.parent[key] = parent
-            if parent is not None:
-                slot.kids[parent] = slot.kids.get(parent, 0) + 1
-                if parent not in slot.refs:
-                    slot.orphans += 1
-            slot.orphans -= slot.kids.get(key, 0)  # its children have their parent again
 
     def _unref(self, slot: _Slot, key: int) -> None:
         n = slot.refs[key] - 1
@@ -454,16 +434,6 @@ class FleetCacheIndex:
             index[key] = m
         else:
             del index[key]
-        parent = slot.parent.pop(key)
-        if parent is not None:
-            left = slot.kids[parent] - 1
-            if left:
-                slot.kids[parent] = left
-            else:
-                del slot.kids[parent]
-            if parent not in slot.refs:
-                slot.orphans -= 1
-        slot.orphans += slot.kids.get(key, 0)  # its children lost their parent
 
     def _clear(self, eng: _Engine) -> None:
         eng.counts["cleared"] += 1
@@ -477,9 +447,6 @@ class FleetCacheIndex:
                     del index[key]
             slot.held.clear()
             slot.refs.clear()
-            slot.parent.clear()
-            slot.kids.clear()
-            slot.orphans = 0
 
     def _drop(self, engine_id: str, eng: _Engine) -> None:
         self._clear(eng)
