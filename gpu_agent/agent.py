@@ -69,7 +69,7 @@ from gpu_agent.pool import HBMPool
 from gpu_agent.prefetch import Bandwidths, plan_prefetch, usable_prefix
 from gpu_agent.transfer import BatchedLoad, BatchedSave
 from kvstore.block import BlockMeta, checksum
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.errors import DeadlineExceeded, InvalidArgument, KVStoreError
 from kvstore.keys import ChunkKey, Namespace, chunk_keys, parent_keys, tail_key
 
 log = logging.getLogger(__name__)
@@ -140,13 +140,19 @@ class ReservedAhead:
             pass
         return True
 
-    def batches(self) -> list[tuple[int, Any]]:
-        """(first index, ``ReservedBlocks`` or the error) per batch, once the node answered."""
-        self._taken = True
+    def batches(self, timeout: float | None = None) -> list[tuple[int, Any]]:
+        """(first index, ``ReservedBlocks`` or the error) per batch, once the node answered;
+        past ``timeout`` one ``DeadlineExceeded`` (what the node reserves later is given back)."""
         try:
-            return self._fut.result()
+            out = self._fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            self._fut.add_done_callback(_abort_batches)
+            self._taken = True
+            return [(0, DeadlineExceeded(f"the node did not answer Reserve in {timeout} s"))]
         except KVStoreError as e:
-            return [(0, e)]
+            out = [(0, e)]
+        self._taken = True
+        return out
 
     def abort(self) -> None:
         """Give back what was reserved and not yet used (no-op for reservations committed)."""
@@ -167,6 +173,30 @@ def _abort_batches(fut: concurrent.futures.Future[list[tuple[int, Any]]]) -> Non
                 res.abort()
             except BaseException:  # noqa: BLE001 - it lapses at the node's TTL anyway
                 pass
+
+
+class SaveGuard:
+    """Lets the engine cancel a save whose pages it is about to rewrite (a preempted
+    request's) while the save runs on another thread: each batch's copy is checked after it
+    ends (:meth:`copied`); a batch whose check comes after :meth:`cancel` is aborted, never
+    committed, so no block is stored from pages that may have changed under its copy."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cancelled = False
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def copied(self) -> bool:
+        """After a batch's copy: True to commit it (the copy ended before any cancel)."""
+        with self._lock:
+            return not self._cancelled
 
 
 class LoadHandle:
@@ -283,6 +313,12 @@ class GPUAgent:
     def _count(self, name: str, n: int = 1) -> None:
         with self._counters_lock:
             self.counters[name] += n
+
+    @property
+    def copies_on_host(self) -> bool:
+        """Saves and loads are copied by the calling thread (CPU engines), not on a stream:
+        a save may then run off the engine's thread, with a :class:`SaveGuard`."""
+        return self._host is not None
 
     @property
     def pinned(self) -> bool:
@@ -701,10 +737,14 @@ class GPUAgent:
         session_id: str | None = None,
         tail: bool = False,
         ahead: ReservedAhead | None = None,
+        ahead_timeout: float | None = None,
+        guard: SaveGuard | None = None,
     ) -> SaveHandle:
         """Offload ``tokens``' full chunks (their KV in pages ``block_ids``) to the store.
         ``ahead``: the same save's :meth:`reserve_ahead` (its arena space reserved while the
-        engine computed; the save then makes no Reserve call of its own).
+        engine computed; the save then makes no Reserve call of its own), waited on for at
+        most ``ahead_timeout`` seconds.  ``guard``: a save run off the engine's thread (host
+        copies only) that the engine may cancel (:class:`SaveGuard`).
 
         Returns once the device-to-host copies are ordered before anything the caller
         queues next (see :meth:`_fence`): the engine may overwrite or free those pages
@@ -723,10 +763,14 @@ class GPUAgent:
         if ahead is not None and ahead.keys != [m.key for m in metas]:
             ahead.abort()  # reserved for other blocks: not these
             ahead = None
-        batches = ahead.batches() if ahead is not None else self._reserve_batches(metas, session_id)
+        batches = ahead.batches(ahead_timeout) if ahead is not None else self._reserve_batches(metas, session_id)
         parts: list[concurrent.futures.Future[SaveResult]] = []
         base = SaveResult()
         for lo, res in batches:
+            if guard is not None and guard.cancelled and not isinstance(res, BaseException):
+                res.abort()
+                base = base + SaveResult(failed=len(res.views))
+                continue
             if isinstance(res, KVStoreError):
                 self._count("store_errors", 1)
                 log.warning("kvstore reserve failed (%s); %d blocks not saved", res, len(metas) - lo)
@@ -756,6 +800,11 @@ class GPUAgent:
                     res.abort()
                     raise
                 failed = next((e for e in sums if isinstance(e, Exception)), None)
+                if failed is None and guard is not None and not guard.copied():
+                    res.abort()  # its pages may have been rewritten under the copy
+                    self._count("saves_cancelled", 1)
+                    base = base + SaveResult(existed=existed, failed=len(jobs) + no_room)
+                    continue
                 if failed is not None:
                     res.abort()
                     self._count("save_errors", 1)
@@ -775,6 +824,9 @@ class GPUAgent:
                     )
                 )
                 continue
+            if guard is not None:
+                res.abort()
+                raise InvalidArgument("a cancellable save (guard) copies on the host; this agent copies on a stream")
             deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # staged blocks the save completer drains
             try:
                 self._check_pinned([j[1] for j in jobs])

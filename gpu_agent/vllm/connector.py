@@ -99,8 +99,12 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        if self._worker is not None and isinstance(connector_metadata, KVStoreMeta) and connector_metadata.saves:
-            self._worker.reserve_ahead(connector_metadata)  # the node answers while the step computes
+        if self._worker is not None:
+            self._worker.begin_step(connector_metadata)  # timed from here; CUDA saves reserve ahead
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self._worker is not None:
+            self._worker.handle_preemptions(kv_connector_metadata)  # saves off the step: cancel before reuse
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

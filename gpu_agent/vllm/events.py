@@ -140,15 +140,26 @@ class StoredChunks:
     def resync(self, lookup: Callable[[list[ChunkKey]], list[str | None]], now: float) -> list[KVCacheEvent]:
         """Ask where every tracked chunk is now (``lookup``: the SDK's, one call); the events
         for what changed.  Raises what ``lookup`` raises (nothing is changed then)."""
+        held, keys = self.begin_resync(now)
+        return self.finish_resync(held, lookup(keys))
+
+    def begin_resync(self, now: float) -> tuple[list[tuple[ChunkKey, _Held]], list[ChunkKey]]:
+        """The chunks tracked now and every rank key of theirs, to look up (possibly on
+        another thread) and hand to :meth:`finish_resync`."""
         self._next = now + self.resync_s
         held = list(self._held.items())
-        flat = [k for _, h in held for k in h.rank_keys]
-        tiers = lookup(flat)
+        return held, [k for _, h in held for k in h.rank_keys]
+
+    def finish_resync(self, held: list[tuple[ChunkKey, _Held]], tiers: list[str | None]) -> list[KVCacheEvent]:
+        """The events for what changed, from ``tiers`` of :meth:`begin_resync`'s keys; chunks
+        no longer tracked since are left alone."""
         out: list[KVCacheEvent] = []
         pos = 0
         for key, h in held:
             where = tiers[pos : pos + len(h.rank_keys)]
             pos += len(h.rank_keys)
+            if self._held.get(key) is not h:
+                continue
             if any(t is None for t in where):
                 out.append(BlockRemoved(block_hashes=[key], medium=h.medium))
                 del self._held[key]

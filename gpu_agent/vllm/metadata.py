@@ -31,6 +31,7 @@ class LoadSpec:
     session_id: str | None = None
     tail: bool = False  # the last chunk of ``tokens`` is partial: keyed by its exact tokens
     async_load: bool = False  # loaded in the background; the worker reports it in ``get_finished``
+    kind: str = "local"  # where its chunks are (the load gate's kinds: local, nvme, remote)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,5 +50,13 @@ class SaveSpec:
 
 @dataclasses.dataclass
 class KVStoreMeta(KVConnectorMetadata):
+    """One step's loads and saves, the requests vLLM preempted before it (their pages may be
+    rewritten by this step: saves still copying them are cancelled first), and the step's
+    scheduled tokens (``step_tokens``, ``prefill_tokens`` of them prompt tokens): what the
+    load gate's recompute rate is measured by."""
+
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
     saves: list[SaveSpec] = dataclasses.field(default_factory=list)
+    preempted: set[str] = dataclasses.field(default_factory=set)
+    step_tokens: int = 0
+    prefill_tokens: int = 0

@@ -12,16 +12,24 @@ three counts, each in tokens or leading chunks of the request's tokens:
   the chunks the step completes (prompt chunks as chunked prefill computes them and,
   with ``save_decode``, chunks the decode fills) are saved from ``saved_chunks`` on.
 
+Nothing slow runs on vLLM's scheduler thread: every store call goes through
+:class:`~gpu_agent.vllm.storelink.StoreLink`'s own thread.  A request's lookup is asked
+once and its answer kept until vLLM allocates for it (vLLM asks again on every step a
+request waits; for at most ``ANSWER_TTL_S``); the scheduler waits at most ``lookup_wait_ms`` for a fresh answer, then
+answers vLLM ``None`` ("not yet") and takes the answer at the next ask, giving up (a
+miss) after ``deadline_s``.  What is saved follows ``save_policy``
+(:mod:`gpu_agent.vllm.admission`), what is loaded the load gate (:mod:`gpu_agent.vllm.gate`).
+
 Invariants: a chunk counts as stored only when every tensor/pipeline rank's shard is
 (lookups ask for each rank's keys and take the shortest run); a request held for its
 saves (``request_finished`` → True) is one every worker reports finished (the workers
 record every save, started or not); a store that fails is not asked again for
-``RETRY_S``, and no call here waits longer than ``deadline_s``.
+``RETRY_S``, and no call here waits longer than ``lookup_wait_ms``.
 """
 
 from __future__ import annotations
 
-import contextlib
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -31,12 +39,15 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from gpu_agent.vllm import admission
 from gpu_agent.vllm.events import KVStoreEvents, StoredChunks
+from gpu_agent.vllm.gate import LoadGate
 from gpu_agent.vllm.metadata import KVStoreMeta, LoadSpec, SaveSpec
 from gpu_agent.vllm.settings import RETRY_S, ConnectorSettings, EngineSpec
 from gpu_agent.vllm.spec import all_ranks, rank_namespace, request_namespace, request_session, unkeyable
-from gpu_agent.vllm.stats import SCHEDULER_KEYS, KVStoreStats, delta
-from kvstore.errors import KVStoreError
+from gpu_agent.vllm.stats import SCHEDULER_KEYS, SCHEDULER_PHASES, KVStoreStats, Timings, delta
+from gpu_agent.vllm.storelink import LookupAnswer, StoreLink
+from kvstore.errors import DeadlineExceeded, KVStoreError
 from kvstore.keys import Namespace, chunk_keys, tail_key
 
 if TYPE_CHECKING:
@@ -50,6 +61,9 @@ log = logging.getLogger(__name__)
 TIER_SOURCE = {"dram": CacheHitSource.HOST, "nvme": CacheHitSource.DISK, "hbm": CacheHitSource.HOST}
 HANDOFF_POLL_S = 0.01
 """How often a request waiting for its producer's chunks asks the store again."""
+ANSWER_TTL_S = 1.0
+"""How long a request's lookup answer is reused while vLLM keeps asking (it waits for
+space or budget): the store may have gained its chunks since."""
 
 
 @dataclasses.dataclass
@@ -69,6 +83,16 @@ class _Req:
     wait_until: float = 0.0  # the handoff's deadline (0: not waiting)
     next_ask: float = 0.0
     async_load: bool = False  # the last hit loads in the background (vLLM's load_kv_async)
+    plan: admission.SavePlan = admission.SavePlan()  # what it may store (save_policy)
+    sighted: bool = False  # its chunks were counted in the sightings sketch
+    answer: LookupAnswer | None = None  # the last lookup's answer, kept until vLLM allocates
+    answer_key: tuple[int, int] = (-1, -1)  # (first chunk asked, tokens) it answers
+    answer_at: float = 0.0
+    pending: concurrent.futures.Future[LookupAnswer] | None = None  # a lookup in flight
+    pending_key: tuple[int, int] = (-1, -1)
+    pending_since: float = 0.0
+    sched_s: float = 0.0  # the scheduler thread's connector time for it
+    kind: str = "local"  # where the last hit's chunks are: local, nvme, remote (the load gate's kinds)
 
 
 class SchedulerSide:
@@ -87,59 +111,55 @@ class SchedulerSide:
         self.spec, self.settings, self.chunk = spec, settings, chunk
         self.produce, self.consume = produce, consume
         self.ranks = all_ranks(spec)
-        self._client: Any = None
+        self.link = StoreLink(settings, self.ranks)  # every store call, on its own thread
         self._reqs: dict[str, _Req] = {}
         self._loads: dict[str, LoadSpec] = {}
         self._events: KVStoreEvents | None = None
         self.stored = StoredChunks(settings.events_resync_s if events and produce else 0.0)
+        self._resync: tuple[Any, concurrent.futures.Future[list[str | None]]] | None = None
         self._down_until = 0.0  # lookups resume then (a store call failed)
-        self._reporter: Any = None  # the engine's own node, for the prefix-cache hits it reports
-        self._local: Any = None  # the engine's own node, asked which chunks it holds (async_loads=auto)
-        self._report_down_until = 0.0
+        self.sightings = admission.Sightings()
+        self.gate = LoadGate(settings.load_gate)
         self.counters: dict[str, int] = {k: 0 for k in SCHEDULER_KEYS}
+        self.timings = Timings(SCHEDULER_PHASES)
         self._reported: dict[str, int] = {}
 
     # -- the store ----------------------------------------------------------------------
-    def client(self) -> Any:
-        if self._client is None:
-            self._client = self.settings.client(self.settings.lookup_target or None)
-        return self._client
-
-    def _drop_client(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.close()
-            except Exception:  # closing a broken client is best effort
-                pass
-
     def _store_failed(self, e: Exception, what: str) -> None:
         self.counters["lookup_errors"] += 1
         if isinstance(e, KVStoreError):
             log.warning("kvstore %s failed (%s); serving without the store for %.0f s", what, e, RETRY_S)
         else:  # not the store's answer: a bug here or in the SDK; the engine goes on without the store
-            log.exception("kvstore %s raised; serving without the store for %.0f s", what, RETRY_S)
+            log.error("kvstore %s raised; serving without the store for %.0f s", what, RETRY_S, exc_info=e)
         self._down_until = time.monotonic() + RETRY_S
-        self._drop_client()  # a fresh channel then, not one parked in reconnect back-off
 
-    def _lookup(self, tokens: list[int], ns: Namespace, first: int, session: str | None) -> tuple[int, list[str]]:
-        """Leading chunks from ``first`` on (the trailing partial one last) that every rank's
-        shard holds, and rank 0's tiers."""
-        n, tiers = -1, []
-        for t, p in self.ranks:
-            rns = rank_namespace(ns, t, p)
-            chain = chunk_keys(tokens, rns)
-            keys = chain[first:]
-            tail = tail_key(tokens, rns, chain)
-            if tail is not None:
-                keys.append(tail)
-            got, where = self.client().match_prefix_tiers(keys, session_id=session)
-            if n < 0:
-                tiers = list(where)
-            n = got if n < 0 else min(n, got)
-            if n == 0:
-                break
-        return max(n, 0), tiers[: max(n, 0)]
+    def _answer(self, r: _Req, tokens: list[int], first: int) -> LookupAnswer | None:
+        """The lookup of ``tokens`` from chunk ``first`` on: kept from an earlier ask, or
+        asked now (waited on for at most ``lookup_wait_ms``); None: not answered yet."""
+        key = (first, len(tokens))
+        now = time.monotonic()
+        if r.answer is not None and r.answer_key == key and now < r.answer_at + ANSWER_TTL_S:
+            self.counters["lookups_cached"] += 1
+            return r.answer
+        wait = 0.0
+        if r.pending is None or r.pending_key != key:
+            r.pending = self.link.lookup(tokens, r.namespace, first, r.session_id)
+            r.pending_key, r.pending_since = key, now
+            self.counters["lookups"] += 1
+            wait = min(self.settings.lookup_wait_ms / 1e3, self.settings.deadline_s)
+        try:
+            ans = r.pending.result(timeout=wait)
+        except concurrent.futures.TimeoutError:
+            if now - r.pending_since < self.settings.deadline_s:
+                self.counters["lookup_pending"] += 1
+                return None
+            r.pending.cancel()
+            self.counters["lookup_timeouts"] += 1
+            ans = LookupAnswer(error=DeadlineExceeded(f"lookup not answered in {self.settings.deadline_s} s"))
+        r.pending = None
+        self.counters["lookup_us"] += int(ans.seconds * 1e6)
+        r.answer, r.answer_key, r.answer_at = ans, key, now
+        return ans
 
     # -- vLLM's calls -------------------------------------------------------------------
     def _track(self, request: Request) -> _Req:
@@ -171,15 +191,42 @@ class SchedulerSide:
             return 0  # malformed params are no reason to wait
 
     def matched(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
-        """Tokens beyond vLLM's ``num_computed`` the store supplies (None: ask again next step,
-        a producer's chunks are still being committed)."""
+        """Tokens beyond vLLM's ``num_computed`` the store supplies (None: ask again next step:
+        the lookup is not answered yet, or a producer's chunks are still being committed)."""
         if not self.consume:
             return 0, False
+        t0 = time.perf_counter()
         r = self._track(request)
+        try:
+            return self._matched(r, request, num_computed)
+        finally:
+            dt = time.perf_counter() - t0
+            self.timings.add("lookup", dt)
+            r.sched_s += dt
+
+    def _sight(self, r: _Req, tokens: list[int]) -> None:
+        """Count the request's chunks as looked up once more, and plan its saves by it."""
+        r.sighted = True
+        prompt = int(r.request.num_prompt_tokens)
+        chain = chunk_keys(tokens[:prompt], r.namespace)
+        tail = tail_key(tokens[:prompt], r.namespace, chain)
+        counts = self.sightings.sight(chain + ([tail] if tail is not None else []))
+        r.plan = admission.plan(
+            self.settings.save_policy,
+            counts=counts[: len(chain)],
+            tail_count=counts[-1] if tail is not None else None,
+            hint=admission.hinted(r.request),
+            producer_only=self.produce and not self.consume,
+            save_decode=self.settings.save_decode,
+        )
+
+    def _matched(self, r: _Req, request: Request, num_computed: int) -> tuple[int | None, bool]:
         r.local_tokens = num_computed
         if r.skip is not None:
             return 0, False
         tokens = list(request.all_token_ids)
+        if not r.sighted and self.produce:
+            self._sight(r, tokens)
         full, partial = divmod(len(tokens), self.chunk)
         first = num_computed // self.chunk
         if (full <= first and not partial) or time.monotonic() < self._down_until:
@@ -189,14 +236,14 @@ class SchedulerSide:
         if r.wait_until and now < r.next_ask and now < r.wait_until:
             self.counters["handoff_waits"] += 1
             return None, False
-        t0 = time.perf_counter()
-        try:
-            n, tiers = self._lookup(tokens, r.namespace, first, r.session_id)
-        except Exception as e:  # noqa: BLE001 - the engine must outlive any store failure: it recomputes
-            self._store_failed(e, f"lookup for request {request.request_id}")
+        ans = self._answer(r, tokens, first)
+        if ans is None:
+            return None, False
+        if ans.error is not None:
+            r.answer = None
+            self._store_failed(ans.error, f"lookup for request {request.request_id}")
             return 0, False
-        self.counters["lookups"] += 1
-        self.counters["lookup_us"] += int((time.perf_counter() - t0) * 1e6)
+        n, tiers = ans.found, list(ans.tiers)
         found = first + n  # chunks, the tail counted as one
         found_tokens = len(tokens) if partial and found > full else found * self.chunk
         if want > found_tokens:
@@ -205,6 +252,7 @@ class SchedulerSide:
                 r.wait_until = now + self.settings.deadline_s
             if now < r.wait_until:
                 r.next_ask = now + HANDOFF_POLL_S
+                r.answer = None  # asked afresh at next_ask
                 self.counters["handoff_waits"] += 1
                 return None, False
             if r.next_ask >= 0:
@@ -218,46 +266,38 @@ class SchedulerSide:
                     self.settings.deadline_s,
                 )
             r.next_ask = -1.0
-        r.found_chunks, r.tiers = min(found, full), tiers
+        if first == 0:
+            r.saved_chunks = max(r.saved_chunks, min(found, full))  # stored already: never saved again
         if partial and found > full and len(tokens) == int(request.num_prompt_tokens):
             r.tail_saved = True  # the whole prompt is stored, its tail too: nothing to save again
-        if first == 0:
-            r.saved_chunks = max(r.saved_chunks, r.found_chunks)  # stored already: never saved again
+        kinds = [
+            "nvme" if t == "nvme" and loc else "local" if loc else "remote"
+            for t, loc in zip(tiers, ans.local or [True] * n)
+        ]
+        pay = self.gate.leading(kinds) if n else 0
+        if pay < n:
+            skipped_tokens = found_tokens - (first + pay) * self.chunk
+            self.counters["gated_tokens"] += max(0, min(skipped_tokens, request.num_tokens - 1 - num_computed))
+            n, tiers, kinds = pay, tiers[:pay], kinds[:pay]
+            found = first + n
+            found_tokens = len(tokens) if partial and found > full else found * self.chunk
+        r.found_chunks, r.tiers = min(found, full), tiers
         # vLLM computes at least the last token: a prompt stored whole loads all but that one
         end = min(found_tokens, request.num_tokens - 1)
-        n = max(0, end - num_computed)
-        r.async_load = n > 0 and self._load_async(tokens, r.namespace, first, found, tiers)
+        n_tokens = max(0, end - num_computed)
+        r.async_load = n_tokens > 0 and self._load_async(kinds)
         if r.async_load:
             self.counters["async_loads"] += 1
-        return n, r.async_load
+        r.kind = "remote" if "remote" in kinds else "nvme" if "nvme" in kinds else "local"
+        return n_tokens, r.async_load
 
-    def _load_async(self, tokens: list[int], ns: Namespace, first: int, found: int, tiers: list[str]) -> bool:
-        """Whether chunks ``[first, found)`` load in the background (``async_loads``): with
-        ``auto``, when any is on NVMe, or not on this engine's own node (a remote pull)."""
+    def _load_async(self, kinds: list[str]) -> bool:
+        """Whether the hit loads in the background (``async_loads``): with ``auto``, when any
+        chunk is on NVMe or not on this engine's own node (a remote pull)."""
         mode = self.settings.async_loads
         if mode != "auto":
             return mode == "always"
-        if "nvme" in tiers:
-            return True
-        if not self.settings.lookup_target:
-            return False  # the lookup asked this engine's own node: its tiers say it all
-        try:
-            if self._local is None:
-                self._local = self.settings.client(self.settings.target or None)
-            chain = chunk_keys(tokens, ns)
-            tail = tail_key(tokens, ns, chain)
-            keys = (chain + ([tail] if tail is not None else []))[first:found]
-            return any(t != "dram" for t in self._local.lookup(keys))
-        except Exception as e:  # noqa: BLE001 - unknown: the background load is right either way
-            log.debug("kvstore: asking the local node which chunks it holds failed (%s)", e)
-            self._drop_local()
-            return True
-
-    def _drop_local(self) -> None:
-        client, self._local = self._local, None
-        if client is not None:
-            with contextlib.suppress(Exception):
-                client.close()
+        return any(k != "local" for k in kinds)
 
     def hit_sources(self, request: Request, num_external: int) -> dict[CacheHitSource, int]:
         r = self._reqs.get(request.request_id)
@@ -277,7 +317,15 @@ class SchedulerSide:
         return out
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
+        t0 = time.perf_counter()
         r = self._track(request)
+        r.answer = None  # allocated: a later ask (after a preemption) is a new lookup
+        try:
+            self._after_alloc(r, request, blocks, num_external)
+        finally:
+            r.sched_s += time.perf_counter() - t0
+
+    def _after_alloc(self, r: _Req, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         if num_external <= 0 or r.skip is not None:
             return
         start = r.local_tokens  # not request.num_computed_tokens: vLLM sets it after this call
@@ -295,43 +343,34 @@ class SchedulerSide:
             r.session_id,
             tail,
             async_load=r.async_load,
+            kind=r.kind,
         )
         r.external_tokens = num_external
         self.counters["hit_tokens"] += num_external
         self.counters["local_hit_tokens"] += start
-        self._report_local_hits(r.namespace, start)
-
-    def _report_local_hits(self, ns: Namespace, tokens: int) -> None:
-        """vLLM's own prefix-cache hits never reach the store: report them (tier HBM) to the
-        engine's own node (``target``; the lookup client may be a cluster's, which has no
-        node of its own to count them).  Metrics only: a failure pauses reporting for
-        ``RETRY_S``, never lookups or loads."""
-        now = time.monotonic()
-        if tokens <= 0 or now < self._report_down_until:
-            return
-        try:
-            if self._reporter is None:
-                self._reporter = self.settings.client(self.settings.target or None)
-                if not hasattr(self._reporter, "report_hits"):  # a cluster target: no node of its own
-                    self._report_down_until = float("inf")
-                    return
-            self._reporter.report_hits(
-                max(1, tokens // self.chunk), tokens, tier="hbm", op="match_prefix", namespace=ns
-            )
-        except Exception as e:  # noqa: BLE001 - metrics only: never worth an engine, nor its lookups
-            log.warning("kvstore: reporting prefix-cache hits failed (%s); not reporting for %.0f s", e, RETRY_S)
-            self._report_down_until = now + RETRY_S
-            self._drop_reporter()
+        self.link.report_hits(r.namespace, start, self.chunk)
 
     def build_meta(self, out: SchedulerOutput) -> KVStoreMeta:
-        meta = KVStoreMeta()
+        t0 = time.perf_counter()
+        try:
+            return self._build_meta(out)
+        finally:
+            self.timings.add("sched_step", time.perf_counter() - t0)
+
+    def _build_meta(self, out: SchedulerOutput) -> KVStoreMeta:
+        meta = KVStoreMeta(
+            preempted=set(getattr(out, "preempted_req_ids", None) or ()),
+            step_tokens=int(out.total_num_scheduled_tokens),
+        )
         for req in out.scheduled_new_reqs:
             r = self._reqs.get(req.req_id)
             if r is None:
                 continue
             r.block_ids = list(req.block_ids[0])
             self._take_load(meta, req.req_id, r)
-            self._maybe_save(meta, req.req_id, r, req.num_computed_tokens + out.num_scheduled_tokens.get(req.req_id, 0))
+            done = req.num_computed_tokens + out.num_scheduled_tokens.get(req.req_id, 0)
+            meta.prefill_tokens += out.num_scheduled_tokens.get(req.req_id, 0)
+            self._maybe_save(meta, req.req_id, r, done)
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             r = self._reqs.get(rid)
@@ -343,6 +382,8 @@ class SchedulerSide:
                 self._take_load(meta, rid, r)
             elif new is not None:
                 r.block_ids.extend(new[0])
+            if cached.num_computed_tokens[i] < int(r.request.num_prompt_tokens):  # still prefilling
+                meta.prefill_tokens += out.num_scheduled_tokens.get(rid, 0)
             self._maybe_save(meta, rid, r, cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(rid, 0))
         for rid, load in self._loads.items():  # waiting for their KV: not scheduled, loaded now
             if load.async_load and rid in self._reqs:
@@ -359,17 +400,20 @@ class SchedulerSide:
     def _maybe_save(self, meta: KVStoreMeta, rid: str, r: _Req, done: int) -> None:
         """Save the full chunks this step completes (their KV is written once it ran), and
         when it completes the prompt, the prompt's trailing partial chunk (keyed by its
-        exact tokens, so a repeated prompt of any length loads all but its last token)."""
+        exact tokens, so a repeated prompt of any length loads all but its last token):
+        as far as the request's :class:`~gpu_agent.vllm.admission.SavePlan` admits."""
         if not self.produce or r.skip is not None:
             return
         tokens = r.request.all_token_ids
         prompt = int(r.request.num_prompt_tokens)
         bs = self.spec.block_size
+        plan = r.plan
+        full_p, partial = divmod(prompt, self.chunk)
         if not r.tail_saved and done >= prompt and len(tokens) >= prompt:
             r.tail_saved = True
-            full_p, partial = divmod(prompt, self.chunk)
             pages = -(-prompt // bs)
-            if partial and r.saved_chunks <= full_p and len(r.block_ids) >= pages:
+            admitted = plan.tail and plan.prompt_chunks >= full_p
+            if admitted and partial and r.saved_chunks <= full_p and len(r.block_ids) >= pages:
                 # the tail's chunk spans whole pages: those past the prompt repeat its last page
                 ids = r.block_ids[:pages]
                 ids = ids + [ids[-1]] * ((full_p + 1) * (self.chunk // bs) - pages)
@@ -380,8 +424,10 @@ class SchedulerSide:
                 r.saved_chunks = full_p
                 r.saves += 1
                 return
-        limit = done if self.settings.save_decode else min(done, int(r.request.num_prompt_tokens))
+        limit = done if self.settings.save_decode and plan.decode else min(done, prompt)
         full = min(limit, len(tokens)) // self.chunk  # only chunks whose every token is known
+        if plan.prompt_chunks < full_p:
+            full = min(full, plan.prompt_chunks)  # the run ends at the first chunk not admitted
         pages = full * self.chunk // bs
         if full <= r.saved_chunks or len(r.block_ids) < pages:
             return
@@ -411,6 +457,12 @@ class SchedulerSide:
         self._loads.pop(rid, None)
         if r is None:
             return False, None
+        if r.pending is not None:
+            r.pending.cancel()
+        self.timings.add("request_sched", r.sched_s)
+        if self.produce and r.plan.limited and r.skip is None:
+            n = len(request.all_token_ids) if self.settings.save_decode else int(request.num_prompt_tokens)
+            self.counters["skipped_save_chunks"] += max(0, n // self.chunk - r.saved_chunks)
         hold = r.saves > 0 and self.settings.defer_free
         params = {
             "kvstore": {
@@ -433,6 +485,9 @@ class SchedulerSide:
         return hold, params
 
     def worker_output(self, out: KVConnectorOutput) -> None:
+        stats = out.kv_connector_stats
+        if stats is not None and isinstance(getattr(stats, "data", None), dict):
+            self.gate.observe(stats.data)  # the workers' step and load times: what a load must beat
         ev = out.kv_cache_events
         if not isinstance(ev, KVStoreEvents):
             return
@@ -443,7 +498,8 @@ class SchedulerSide:
             self._events.increment_workers(ev.get_number_of_workers())
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        """The workers' events every worker reported, then what the store changed on its own."""
+        """The workers' events every worker reported, then what the store changed on its own
+        (the resync's lookup runs on the store link's thread; its events come a call later)."""
         events: list[KVCacheEvent] = []
         if self._events is not None:
             self._events.aggregate()
@@ -452,23 +508,20 @@ class SchedulerSide:
             for ev in events:
                 self.stored.stored(ev)
         now = time.monotonic()
-        if self.stored.due(now) and now >= self._down_until:
+        if self._resync is not None and self._resync[1].done():
+            held, fut = self._resync
+            self._resync = None
             try:
-                events.extend(self.stored.resync(self.client().lookup, now))
+                events.extend(self.stored.finish_resync(held, fut.result()))
             except Exception as e:  # noqa: BLE001 - events are advice: the engine goes on
                 self._store_failed(e, "event resync")
+        if self._resync is None and self.stored.due(now) and now >= self._down_until:
+            held, keys = self.stored.begin_resync(now)
+            self._resync = held, self.link.tiers(keys)
         return events
 
     def take_stats(self) -> KVStoreStats | None:
-        return delta(self.counters, self._reported, SCHEDULER_KEYS)
-
-    def _drop_reporter(self) -> None:
-        reporter, self._reporter = self._reporter, None
-        if reporter is not None:
-            with contextlib.suppress(Exception):  # closing a broken client is best effort
-                reporter.close()
+        return delta(self.counters, self._reported, SCHEDULER_KEYS, self.timings)
 
     def close(self) -> None:
-        self._drop_client()
-        self._drop_reporter()
-        self._drop_local()
+        self.link.close()

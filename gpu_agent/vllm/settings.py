@@ -27,6 +27,7 @@ RETRY_S = 5.0
 
 
 ASYNC_LOADS = ("auto", "always", "never")
+SAVE_POLICIES = ("auto", "always", "second-sighting", "hinted")  # gpu_agent.vllm.admission
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -62,7 +63,22 @@ class ConnectorSettings:
     """Extra isolation folded into every key (e.g. a deployment's secret)."""
     save_decode: bool = True
     """Also save the full chunks decoding fills, so a conversation's next turn (prompt,
-    answer and a new message) loads the answer's KV too."""
+    answer and a new message) loads the answer's KV too (where ``save_policy`` saves the
+    request's decode KV)."""
+    save_policy: str = "auto"
+    """Which computed chunks are stored (``gpu_agent.vllm.admission``): ``always``;
+    ``second-sighting`` (a chunk this engine has looked up before: a shared prefix is
+    stored by its second request); ``hinted`` (requests with a session id or
+    ``kv_transfer_params["retain"]``, decode KV included; nothing else); ``auto``:
+    ``hinted`` for requests with a hint, ``second-sighting`` for the rest.  An engine that
+    only produces (``kv_producer``) stores everything."""
+    load_gate: bool = True
+    """Load a hit only where its measured load time beats recomputing its tokens (per kind:
+    the node's DRAM, its NVMe, another node); ``gpu_agent.vllm.gate``."""
+    lookup_wait_ms: float = 2.0
+    """Most milliseconds vLLM's scheduler thread waits for a fresh lookup's answer; past it
+    the request waits a step ("not yet") while the lookup runs on the connector's own thread
+    (never longer than ``deadline_s``)."""
     events_resync_s: float = 1.0
     """How often the chunks this engine reported stored (KV events) are checked against the
     store, so the node's own evictions and demotions reach KV events too (0: never).  Only
@@ -110,6 +126,12 @@ class ConnectorSettings:
                 raise InvalidArgument(f"kv_connector_extra_config.{f.name} must be a string, got {v!r}")
             kw[f.name] = want(v) if v is not None and want in (int, float) else v
         s = cls(**kw)
+        if s.save_policy not in SAVE_POLICIES:
+            raise InvalidArgument(
+                f"kv_connector_extra_config.save_policy must be one of {list(SAVE_POLICIES)}, got {s.save_policy!r}"
+            )
+        if s.lookup_wait_ms < 0:
+            raise InvalidArgument(f"kv_connector_extra_config.lookup_wait_ms must be >= 0, got {s.lookup_wait_ms!r}")
         if s.async_loads not in ASYNC_LOADS:
             raise InvalidArgument(
                 f"kv_connector_extra_config.async_loads must be one of {list(ASYNC_LOADS)}, got {s.async_loads!r}"

@@ -11,6 +11,21 @@ reported by ``get_finished`` once it ended, its failed blocks in the same step.
 A block that is gone, fails its checksum or whose lease lapsed is reported through
 ``get_block_ids_with_load_errors``, so vLLM recomputes it: wrong KV is never kept.
 
+Saves never hold a step where the agent copies on the host (CPU engines): ``wait_for_save``
+hands each save to the saver thread (``kvstore-save``: Reserve, copy and checksum, then
+the agent's commit) and returns.  vLLM's contract needs the pages unchanged only until
+they are copied: a finished request's pages are held (``request_finished`` → True) until
+``get_finished`` reports its saves ended, and a preempted request's, which vLLM frees at
+once, are protected by cancelling its saves in ``handle_preemptions`` before the step
+that may rewrite them (:class:`~gpu_agent.agent.SaveGuard`: a copy not ended by then is
+aborted, never committed).  At most ``MAX_QUEUED_SAVES`` wait for the saver; past that a
+save is dropped (a future miss, counted), never a step held.  On CUDA the agent's save
+only queues copies on its stream, so it is called on the step as before.
+
+Every connector call of a step is timed (``gpu_agent.vllm.stats``: ``load_wait``,
+``save_wait``, ``step_wait``), and so is the forward pass of steps that prefill, with
+every load per kind of chunk: the scheduler's load gate compares the two.
+
 State it owns: the agent (dropped after a store failure and attached afresh after
 ``RETRY_S``), the loads of the current step, and per request the saves in flight.
 Invariant: every save the scheduler sent is recorded, started or not (a node that is down
@@ -23,6 +38,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +49,7 @@ from gpu_agent.vllm.events import KVStoreEvents, stored_event
 from gpu_agent.vllm.metadata import KVStoreMeta, LoadSpec, SaveSpec
 from gpu_agent.vllm.settings import RETRY_S, ConnectorSettings, EngineSpec
 from gpu_agent.vllm.spec import engine_spec, rank_namespace, worker_ranks
-from gpu_agent.vllm.stats import WORKER_KEYS, KVStoreStats, delta
+from gpu_agent.vllm.stats import WORKER_KEYS, WORKER_PHASES, KVStoreStats, Timings, delta
 from kvstore.errors import Incompatible, InvalidArgument, KVStoreError
 from kvstore.keys import Namespace, chunk_keys, tail_key
 
@@ -42,6 +58,42 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger(__name__)
+
+MAX_QUEUED_SAVES = 64
+"""Saves waiting for the saver thread beyond which a new one is dropped (a future miss)."""
+PREFILL_STEP_TOKENS = 32
+"""A step that prefills at least this many tokens measures the engine's recompute rate."""
+
+
+class _BackgroundSave:
+    """A save handed to the saver thread: the agent's ``SaveHandle`` once it is issued."""
+
+    def __init__(self, fut: concurrent.futures.Future[Any], guard: Any) -> None:
+        self.fut, self.guard = fut, guard
+
+    def done(self) -> bool:
+        if not self.fut.done():
+            return False
+        h = self._handle()
+        return h is None or h.done()
+
+    def _handle(self) -> Any:
+        try:
+            return self.fut.result(0)
+        except Exception:  # noqa: BLE001 - the save failed before it was issued: nothing to wait for
+            return None
+
+    def wait(self, timeout: float | None = None) -> Any:
+        from gpu_agent.agent import SaveResult
+
+        try:
+            h = self.fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported as a failed save
+            log.warning("kvstore background save failed (%s)", e)
+            return SaveResult(failed=1)
+        return h.wait(timeout) if h is not None else SaveResult(failed=1)
 
 
 class WorkerSide:
@@ -73,6 +125,15 @@ class WorkerSide:
         self._async: dict[str, tuple[LoadSpec, concurrent.futures.Future[tuple[int, int]]]] = {}
         self._async_failed: list[LoadSpec] = []  # could not start (no node): reported at the next get_finished
         self._ahead: dict[int, tuple[Any, Any]] = {}  # id(SaveSpec) → (agent, its reservations), asked before the step
+        self._saver: concurrent.futures.ThreadPoolExecutor | None = None  # runs host-copied saves off the step
+        self._queued = 0  # saves handed to the saver and not yet issued (its thread decrements)
+        self._queued_lock = threading.Lock()
+        self.timings = Timings(WORKER_PHASES)
+        self._step_t0: float | None = None  # when this step's first connector call came
+        self._step_in = 0.0  # seconds of this step spent in connector calls
+        self._step_meta: KVStoreMeta | None = None
+        self._load_s = 0.0  # seconds of this step spent issuing and waiting for its (step) loads
+        self._step_loaded: dict[str, int] = {}  # tokens this step's loads brought, per kind of chunk
 
     @property
     def _bs(self) -> int:
@@ -202,6 +263,15 @@ class WorkerSide:
             self.counters["pull_us"] += int((time.perf_counter() - t0) * 1e6)
 
     def start_load(self, meta: KVStoreMeta) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._start_load(meta)
+        finally:
+            dt = time.perf_counter() - t0
+            self._step_in += dt
+            self._load_s += dt
+
+    def _start_load(self, meta: KVStoreMeta) -> None:
         if not self._connect():
             for spec in meta.loads:  # no node: every promised block is recomputed
                 if spec.async_load:
@@ -225,7 +295,9 @@ class WorkerSide:
                 self._fail(spec, got)
             self._loads.append((spec, h))
             self.counters["loads"] += 1
-            self.counters["load_tokens"] += max(0, min(got, spec.num_tokens) - spec.first_token)
+            loaded = max(0, min(got, spec.num_tokens) - spec.first_token)
+            self.counters["load_tokens"] += loaded
+            self._step_loaded[spec.kind] = self._step_loaded.get(spec.kind, 0) + loaded
         self._check_agent()
 
     def _issue_load(self, agent: Any, spec: LoadSpec, ns: Namespace) -> tuple[Any, int]:
@@ -292,6 +364,9 @@ class WorkerSide:
             self.counters["load_us"] += us
             self.counters["load_tokens"] += loaded
             self.counters["async_load_tokens"] += loaded
+            if loaded > 0 and spec.kind in ("local", "nvme", "remote"):
+                self.counters[f"load_{spec.kind}_us"] += us
+                self.counters[f"load_{spec.kind}_tokens"] += loaded
             out.add(rid)
         return out
 
@@ -305,11 +380,15 @@ class WorkerSide:
 
     def wait_layer(self, layer_name: str) -> None:
         i = self.layer_index.get(layer_name)
-        if i is None:
+        if i is None or not self._loads:
             return
+        t0 = time.perf_counter()
         for _, h in self._loads:
             if h is not None:
                 h.wait_layer(i)
+        dt = time.perf_counter() - t0
+        self._step_in += dt
+        self._load_s += dt
 
     def _finish_loads(self) -> None:
         loads, self._loads = self._loads, []
@@ -324,12 +403,55 @@ class WorkerSide:
             if not ok:
                 self._fail(spec, spec.first_token)
 
+    # -- the step -------------------------------------------------------------------------
+    def begin_step(self, meta: Any) -> None:
+        """vLLM bound this step's metadata: the step starts (and, on CUDA, its saves' arena
+        space is asked for while it computes)."""
+        self._step_t0, self._step_in, self._load_s = time.perf_counter(), 0.0, 0.0
+        self._step_meta = meta if isinstance(meta, KVStoreMeta) else None
+        if self._step_meta is not None and self._step_meta.saves:
+            t0 = time.perf_counter()
+            self.reserve_ahead(self._step_meta)
+            self._step_in += time.perf_counter() - t0
+
+    def _end_step(self, meta: KVStoreMeta, save_s: float) -> None:
+        """The step's timings: its connector calls and, if it prefilled, its forward pass."""
+        now = time.perf_counter()
+        if meta.saves:
+            self.timings.add("save_wait", save_s)
+        if meta.loads:
+            self.timings.add("load_wait", self._load_s)
+        total = sum(self._step_loaded.values())
+        for kind, tokens in self._step_loaded.items():  # the step's load time, shared by tokens
+            if tokens > 0 and kind in ("local", "nvme", "remote"):
+                self.counters[f"load_{kind}_us"] += int(self._load_s * 1e6 * tokens / total)
+                self.counters[f"load_{kind}_tokens"] += tokens
+        self._step_loaded = {}
+        self.timings.add("step_wait", self._step_in)
+        if self._step_t0 is not None and meta.prefill_tokens >= PREFILL_STEP_TOKENS and meta.step_tokens > 0:
+            forward = max(0.0, now - self._step_t0 - self._step_in)
+            self.counters["prefill_step_us"] += int(forward * 1e6)
+            self.counters["prefill_step_tokens"] += meta.step_tokens
+        self._step_t0, self._step_in, self._load_s, self._step_meta = None, 0.0, 0.0, None
+
+    def handle_preemptions(self, meta: Any) -> None:
+        """Before the step: vLLM freed the pages of the requests it preempted, and this step
+        may rewrite them.  Their saves still copying are cancelled (never committed)."""
+        if not isinstance(meta, KVStoreMeta) or not meta.preempted:
+            return
+        for rid in meta.preempted:
+            for h, _ in self._saving.get(rid, ()):
+                if isinstance(h, _BackgroundSave) and not h.done():
+                    h.guard.cancel()
+                    self.counters["saves_cancelled"] += 1
+
     # -- saves ----------------------------------------------------------------------------
     def reserve_ahead(self, meta: KVStoreMeta) -> None:
         """Before the step runs: ask the node for the arena space of its saves (on the agent's
         reserver thread), so ``wait_for_save`` copies at once.  Best effort: a save without
-        its reservation reserves for itself."""
-        if self.agent is None or self.spec is None:
+        its reservation reserves for itself.  Not where saves run off the step (host copies):
+        the saver thread reserves as it goes."""
+        if self.agent is None or self.spec is None or self.agent.copies_on_host:
             return
         for s in meta.saves:
             try:
@@ -347,20 +469,42 @@ class WorkerSide:
         }
 
     def wait_for_save(self, meta: KVStoreMeta) -> None:
-        self._finish_loads()
-        if not meta.saves:
-            return
+        t0 = time.perf_counter()
+        save_s = 0.0
+        try:
+            self._finish_loads()
+            t1 = time.perf_counter()
+            self._load_s += t1 - t0
+            if meta.saves:
+                self._issue_saves(meta)
+                save_s = time.perf_counter() - t1
+        finally:
+            self._step_in += time.perf_counter() - t0
+            self._end_step(meta, save_s)
+
+    def _issue_saves(self, meta: KVStoreMeta) -> None:
         connected = self._connect()
+        background = connected and bool(self.agent.copies_on_host)
         for s in meta.saves:
-            handle = None
+            handle: Any = None
             owner, ahead = self._ahead.pop(id(s), (None, None))
             if ahead is not None and owner is not self.agent:  # reserved through an agent since retired
                 ahead.abort()
                 ahead = None
-            if connected:
+            if connected and background:
+                handle = self._submit_save(self.agent, s)
+                self.counters["saves"] += 1
+            elif connected:
                 t0 = time.perf_counter()
                 try:
-                    handle = self.agent.save(s.tokens, self.buffers, s.block_ids, ahead=ahead, **self._save_kw(s))
+                    handle = self.agent.save(
+                        s.tokens,
+                        self.buffers,
+                        s.block_ids,
+                        ahead=ahead,
+                        ahead_timeout=self.settings.wait_s,
+                        **self._save_kw(s),
+                    )
                 except Exception as e:  # a save that cannot run is a future miss, never a failed step
                     log.warning("kvstore save for %s failed (%s)", s.req_id, e)
                 self.counters["save_us"] += int((time.perf_counter() - t0) * 1e6)
@@ -373,6 +517,36 @@ class WorkerSide:
         self._ahead.clear()
         if connected:
             self._check_agent()
+
+    def _submit_save(self, agent: Any, s: SaveSpec) -> _BackgroundSave | None:
+        """Hand a save to the saver thread (None: dropped, the saver is ``MAX_QUEUED_SAVES`` behind)."""
+        from gpu_agent.agent import SaveGuard
+
+        with self._queued_lock:
+            if self._queued >= MAX_QUEUED_SAVES:
+                self.counters["saves_dropped"] += 1
+                return None
+            self._queued += 1
+        if self._saver is None:
+            self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvstore-save")
+        guard = SaveGuard()
+        return _BackgroundSave(self._saver.submit(self._save_in_background, agent, s, guard), guard)
+
+    def _save_in_background(self, agent: Any, s: SaveSpec, guard: Any) -> Any:
+        """The saver thread: one save (Reserve, copy, checksum; the agent commits it)."""
+        with self._queued_lock:
+            self._queued -= 1
+        if guard.cancelled:
+            return None
+        t0 = time.perf_counter()
+        try:
+            return agent.save(s.tokens, self.buffers, s.block_ids, guard=guard, **self._save_kw(s))
+        except Exception as e:  # a save that cannot run is a future miss
+            log.warning("kvstore save for %s failed (%s)", s.req_id, e)
+            return None
+        finally:
+            with self._queued_lock:
+                self.counters["save_us"] += int((time.perf_counter() - t0) * 1e6)
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests vLLM has finished whose saves all ended (each reported once), and
@@ -455,8 +629,9 @@ class WorkerSide:
 
     # -- what vLLM collects -------------------------------------------------------------------
     def take_stats(self) -> KVStoreStats | None:
-        """The counters since the last call (None when nothing happened)."""
-        return delta(self.counters, self._reported, WORKER_KEYS)
+        """The counters and timings since the last call (None when nothing happened)."""
+        with self._queued_lock:  # the saver thread adds its save_us
+            return delta(self.counters, self._reported, WORKER_KEYS, self.timings)
 
     def take_errors(self) -> set[int]:
         out, self._errors = self._errors, set()
@@ -471,6 +646,9 @@ class WorkerSide:
         return ev
 
     def close(self) -> None:
+        if self._saver is not None:
+            self._saver.shutdown(wait=True)  # queued saves run (bounded by the clients' deadlines)
+            self._saver = None
         for saves in self._saving.values():
             for handle, _ in saves:
                 if handle is not None:

@@ -66,8 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--pool-timeout-ms",
         type=float,
         default=50.0,
-        help="most a pool lookup may take (it is on every request's path) before routing goes on without the "
-        "pool for 2 s (default 50)",
+        help="most a request waits for its pool lookup (it is on every request's path) before it is routed "
+        "without the pool; the lookup is not cancelled, nor counted an error (default 50)",
     )
     p.add_argument(
         "--prefill-tokens-per-s", type=float, default=2000.0, help="prior prefill rate before any measurement"

@@ -60,6 +60,11 @@ class ConductorMetrics:
         self.pool_errors = Counter(
             "kvstore_conductor_pool_errors", "Pool lookups that failed (routed without the pool)", registry=r
         )
+        self.pool_late = Counter(
+            "kvstore_conductor_pool_late",
+            "Pool lookups not answered within the decision's budget (routed without the pool; not errors)",
+            registry=r,
+        )
         self.engine_up = Gauge("kvstore_conductor_engine_up", "1 if the engine answers", ["engine"], registry=r)
         self.queued = Gauge(
             "kvstore_conductor_engine_queued_tokens",

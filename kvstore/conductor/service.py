@@ -8,17 +8,55 @@ and written there, so nothing here takes a lock.  The pieces it owns:
   - each engine's own prefix cache, from its vLLM KV events
     (:class:`~kvstore.conductor.kvevents.FleetCacheIndex`, fed by one subscriber thread
     per engine: the only state shared with other threads, behind the index's own lock);
-  - the pool's chunks, node and tier (``match_prefix_locations`` on the cluster: one call
-    per distinct namespace, bounded by ``pool_timeout_s``; a pool that fails is not asked
-    again for ``POOL_RETRY_S``: routing goes on by load and engine caches alone);
+  - the pool's chunks, node and tier (``match_prefix_locations`` on the cluster: one
+    lookup per distinct namespace; see "Pool lookups" below);
 * the :class:`~kvstore.conductor.cost.CostModel` fitted from the requests it served;
 * the routing record (decisions per engine, decision time, predicted against measured
-  TTFT) that ``/conductor/state`` and ``/metrics`` report.
+  TTFT, pool lookups late or failed) that ``/conductor/state`` and ``/metrics`` report.
 
 Background tasks (started by :meth:`Conductor.start`): the etcd registry (engines and
-nodes), a probe of every engine each ``probe_s`` (``/health``, ``/metrics`` for its
-load, ``/v1/models`` once), all best effort: a failure marks an engine dead, never the
-conductor.
+nodes), the pool client (made off the loop, retried while etcd is out), a probe of every
+engine each ``probe_s`` (``/health``, ``/metrics`` for its load, ``/v1/models`` once), all
+best effort: a failure marks an engine dead, never the conductor.
+
+Pool lookups.  Two budgets, never one:
+
+* ``pool_timeout_s`` (``--pool-timeout-ms``, 50 ms) is how long a *decision* waits for the
+  pool.  A lookup not answered by then is *late*: the decision goes on without pool
+  information (``pool_late`` in the routing record, ``kvstore_conductor_pool_late_total``)
+  and the lookup is not cancelled: it ends in the background, within the client's own
+  deadlines, and nothing about the pool or its nodes is concluded from its lateness.  At
+  most ``POOL_INFLIGHT`` lookups run at once; past that, requests are routed without
+  asking (counted late too), so a hung pool costs bounded work and never a decision more
+  than ``pool_timeout_s``.  The lookup is a coroutine on the loop (gRPC aio): nothing
+  here blocks the loop, and the client itself is made in a worker thread (its
+  constructor waits for etcd's first answer).
+* ``POOL_RPC_S`` (2 s) is the pool client's deadline for one node call (its connect
+  deadline half of it, its membership's etcd calls the same): past it a node is late or
+  down, the cluster client routes around it (*suspect*, with back-off), and the lookups
+  that miss chunks because of it count as ``pool_errors``, as do lookups that raise
+  (the pool is then not asked for ``POOL_RETRY_S``).
+
+Why (the ``pool_errors`` bug): the conductor used to build its cluster client with
+``Timeouts(rpc=pool_timeout_s, data=pool_timeout_s, connect=pool_timeout_s)`` and wait for
+each lookup with ``asyncio.wait_for(..., pool_timeout_s)``: one 50 ms figure was the
+decision's budget, the wait's cancellation point, every node RPC's gRPC deadline and
+connect deadline, and (``min(2, rpc)``) the client's etcd deadline.  On a loaded 2-core
+machine (two vLLM engines busy-waiting, the nodes saving and loading their KV) a
+lookup's answer takes over 50 ms now and then: against real nodes and etcd with four
+busy loops beside them, lookups took 6 ms at the median and 52 ms at the worst, and with
+two processes saving and loading through the nodes a lookup failed about every 2 s.  Each
+such lookup was counted an error, whichever deadline fired first: the
+``wait_for`` (a ``TimeoutError``, logged as "pool lookup failed ()", after which *no*
+request asked the pool for ``POOL_RETRY_S``), or the node RPC's (``DeadlineExceeded``: the
+cluster client marked a healthy node suspect for 2 s, doubling while it stayed slow, and
+every lookup of a chunk it owns counted a ``node_down`` miss, so one slow answer became
+an error on every decision of the next seconds).  Slow was taken for down.  The fix gives
+the nodes a real deadline (``POOL_RPC_S``), makes the decision's budget a wait that
+cancels nothing (a late lookup is late, not an error), and moves the client's
+construction off the loop (it blocked the loop up to 10 s while etcd did not answer, and
+raised out of :meth:`Conductor.start`).  Regression test:
+tests/integration/test_conductor_pool_errors_under_load.py.
 """
 
 from __future__ import annotations
@@ -30,7 +68,7 @@ import dataclasses
 import logging
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import aiohttp
@@ -48,6 +86,11 @@ SLOW_PROBES = 3
 a refused connection or a failed health check takes it out at once."""
 POOL_RETRY_S = 2.0
 """After a failed pool lookup, how long requests are routed without the pool."""
+POOL_RPC_S = 2.0
+"""The pool client's deadline for one node call: past it the node is late or down (and
+routed around).  Not the decision's budget, ``pool_timeout_s`` (see the module docstring)."""
+POOL_INFLIGHT = 16
+"""Pool lookups that may run at once, late ones included; past that the pool is not asked."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +147,8 @@ class Conductor:
         self.mean_work_s = 0.0
         self.pool_down_until = 0.0
         self.pool_errors = 0
+        self.pool_late = 0  # decisions that went on without a pool lookup that had not answered in time
+        self._pool_inflight: set[asyncio.Task[PoolMatch | None]] = set()
         self.rejected: collections.Counter[str] = collections.Counter()
         self.http: aiohttp.ClientSession | None = None
         self.tokenizer: Any = None
@@ -124,10 +169,7 @@ class Conductor:
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
         )
         if self.cfg.etcd:
-            from client import Timeouts, connect_async
-
-            t = self.cfg.pool_timeout_s
-            self._pool = connect_async(self.cfg.etcd, timeouts=Timeouts(rpc=t, data=t, connect=t))
+            self._tasks.append(asyncio.create_task(self._connect_pool(), name="conductor-pool"))
             self._tasks.append(asyncio.create_task(self._follow_registry(), name="conductor-registry"))
         self._tasks.append(asyncio.create_task(self._probe_loop(), name="conductor-probes"))
         if self.cfg.tokenizer:
@@ -136,9 +178,10 @@ class Conductor:
             self.local.follow(e)
 
     async def close(self) -> None:
-        for t in self._tasks:
+        tasks = [*self._tasks, *self._pool_inflight]
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self.local.close()
@@ -158,6 +201,24 @@ class Conductor:
             log.info("tokenizer %s loaded", self.cfg.tokenizer)
         except Exception as e:  # noqa: BLE001 - text prompts then route by load alone
             log.warning("tokenizer %s did not load (%s): text prompts are routed by load only", self.cfg.tokenizer, e)
+
+    async def _connect_pool(self) -> None:
+        """Make the pool's cluster client, in a worker thread: its constructor waits for etcd's
+        first answer (up to its ``wait_s``), which must not stall the loop; retried while etcd is out."""
+        from client import Timeouts, connect_async
+
+        timeouts = Timeouts(rpc=POOL_RPC_S, data=POOL_RPC_S, connect=POOL_RPC_S / 2)
+        warned = False
+        while self._pool is None:
+            try:
+                self._pool = await asyncio.to_thread(connect_async, self.cfg.etcd, timeouts=timeouts, wait_s=3.0)
+            except Exception as e:  # noqa: BLE001 - routing goes on without the pool meanwhile
+                if not warned:
+                    log.warning(
+                        "the pool at %s is unreachable (%s): routing without it until it answers", self.cfg.etcd, e
+                    )
+                warned = True
+                await asyncio.sleep(POOL_RETRY_S)
 
     # -- the registry -------------------------------------------------------------------------
     async def _follow_registry(self) -> None:
@@ -245,7 +306,9 @@ class Conductor:
     async def pool_match(
         self, tokens: list[int] | None, engines: list[EngineState]
     ) -> dict[tuple[bytes, int], PoolMatch]:
-        """The pool's leading chunks per (fingerprint, chunk size) the engines key by."""
+        """The pool's leading chunks per (fingerprint, chunk size) the engines key by; {} (no
+        pool information) when the pool is unknown, down, or not answered within
+        ``pool_timeout_s`` (see the module docstring).  Never raises, never waits longer."""
         out: dict[tuple[bytes, int], PoolMatch] = {}
         if tokens is None or self._pool is None or time.monotonic() < self.pool_down_until:
             return out
@@ -253,28 +316,59 @@ class Conductor:
 
         spaces = {(e.fingerprint, e.chunk_tokens) for e in engines if e.fingerprint and e.chunk_tokens}
         arr = np.asarray(tokens, dtype=np.uint32)
+        asked: dict[tuple[bytes, int], asyncio.Task[PoolMatch | None]] = {}
         for fp, chunk in spaces:
             assert fp is not None
             keys = chunk_keys_from(arr, fp, chunk)
             if not keys:
                 out[(fp, chunk)] = PoolMatch(chunk)
                 continue
-            before = _owner_misses(self._pool)
-            try:
-                n, where = await asyncio.wait_for(self._pool.match_prefix_locations(keys), self.cfg.pool_timeout_s)
-            except Exception as err:  # noqa: BLE001 - the pool is a hint: route without it for a while
-                self.pool_errors += 1
-                self.metrics.pool_errors.inc()
-                self.pool_down_until = time.monotonic() + POOL_RETRY_S
-                log.warning("pool lookup failed (%s): routing by load and engine caches for %.0f s", err, POOL_RETRY_S)
+            if len(self._pool_inflight) >= POOL_INFLIGHT:  # earlier lookups still running: do not pile up
+                self._late()
                 return {}
-            if _owner_misses(self._pool) > before:
-                # an owner was down or late: the cluster client answered a miss for its chunks
-                # (and routes around the node itself), so this lookup went without them
-                self.pool_errors += 1
-                self.metrics.pool_errors.inc()
-            out[(fp, chunk)] = PoolMatch(chunk, tuple((str(w), str(t)) for w, t in where[:n]))
+            task = asyncio.ensure_future(self._ask_pool(keys, chunk))
+            self._pool_inflight.add(task)
+            task.add_done_callback(self._pool_inflight.discard)
+            asked[(fp, chunk)] = task
+        if not asked:
+            return out
+        # a wait, not wait_for: a lookup past the budget is left to end by itself, not cancelled
+        _, pending = await asyncio.wait(asked.values(), timeout=self.cfg.pool_timeout_s)
+        if pending:
+            self._late()
+            return {}
+        for space, task in asked.items():
+            got = task.result()
+            if got is None:  # failed (counted where it failed)
+                return {}
+            out[space] = got
         return out
+
+    def _late(self) -> None:
+        """This decision goes on without the pool (its lookups, if any, end in the background)."""
+        self.pool_late += 1
+        self.metrics.pool_late.inc()
+        log.debug("pool lookup not answered within %.0f ms: routing without it", self.cfg.pool_timeout_s * 1e3)
+
+    async def _ask_pool(self, keys: Sequence[bytes], chunk: int) -> PoolMatch | None:
+        """One lookup, to its end; its failures are counted here (whether or not a decision
+        still waits for it).  None if it failed."""
+        pool = self._pool
+        before = _owner_misses(pool)
+        try:
+            n, where = await pool.match_prefix_locations(keys)
+        except Exception as err:  # noqa: BLE001 - the pool is a hint: route without it for a while
+            self.pool_errors += 1
+            self.metrics.pool_errors.inc()
+            self.pool_down_until = time.monotonic() + POOL_RETRY_S
+            log.warning("pool lookup failed (%r): routing by load and engine caches for %.0f s", err, POOL_RETRY_S)
+            return None
+        if _owner_misses(pool) > before:
+            # an owner was down or past POOL_RPC_S: the cluster client answered a miss for its
+            # chunks (and routes around the node itself), so this lookup went without them
+            self.pool_errors += 1
+            self.metrics.pool_errors.inc()
+        return PoolMatch(chunk, tuple((str(w), str(t)) for w, t in where[:n]))
 
     def _loads(self, live: list[EngineState], local: dict[str, int]) -> list[EngineLoad]:
         now = time.monotonic()
@@ -387,6 +481,7 @@ class Conductor:
             "rejected": dict(self.rejected),
             "refusal_ms": _pcts([s * 1e3 for s in self.refusal_s]),
             "pool_errors": self.pool_errors,
+            "pool_late": self.pool_late,
         }
 
     def state(self) -> dict[str, Any]:

@@ -169,11 +169,12 @@ def test_prompt_sources_from_engine_counters() -> None:
             "vllm:external_prefix_cache_hits_total": 500.0,
         }
     }
-    assert report.prompt_sources(before, after) == {
+    assert report.prompt_sources(before, after) == {  # vLLM without prompt_tokens_by_source
         "engine_cache": 200,
         "store": 500,
         "recomputed": 300,
         "total": 1000,
+        "store_failed": 0,
     }
     assert report.prompt_sources({}, {"e0": {}})["store"] is None  # an engine that did not answer
     counters = report.connector_counters(
@@ -201,6 +202,7 @@ class StreamingServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.prompt_tokens = 0
         self.seen: list[dict[str, object]] = []
+        self.extra_metrics = ""  # more exposition text for /metrics
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -214,7 +216,7 @@ class StreamingServer:
             return web.json_response({"data": [{"id": "fake-model"}]})
 
         async def metrics(_: web.Request) -> web.Response:
-            return web.Response(text=f"vllm:request_prompt_tokens_sum {self.prompt_tokens}\n")
+            return web.Response(text=f"vllm:request_prompt_tokens_sum {self.prompt_tokens}\n" + self.extra_metrics)
 
         async def completions(req: web.Request) -> web.StreamResponse:
             body = await req.json()
@@ -362,6 +364,11 @@ def test_bad_options_are_clear_errors() -> None:
         (["--sweep-rate", "1,x"], "--sweep-rate"),
         (["--trace", "/nonexistent/trace.jsonl"], "cannot read trace"),
         (["--connector-extra", "[1]"], "--connector-extra"),
+        (["--repeat", "0"], "--repeat must be at least 1"),
+        (["--fault", "explode:node0@1"], "unknown action"),
+        (["--fault", "kill:node5@1"], "the fleet has 2 node(s)"),
+        (["--fault", "kill:node0@1", "--sweep-rate", "1,2"], "not with --sweep-rate"),
+        (["--fault", "kill:node0@1", "--target", "http://127.0.0.1:9"], "not with --target"),
     ):
         out = subprocess.run(
             [sys.executable, "-m", "kvstore", "bench", "serving", *args],
@@ -441,3 +448,330 @@ def test_renice_sets_every_thread_of_a_process() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+# -- the connector's histograms: scrape, percentiles, connector_ms ------------------------
+
+# the connector's bounds (gpu_agent/vllm/stats.py BUCKETS, which imports vLLM): seconds, 50 µs to 10 s
+BUCKETS = tuple(m * 10.0**e for e in range(-5, 1) for m in (1, 1.5, 2, 3, 5, 7) if 5e-5 <= m * 10.0**e <= 7) + (10.0,)
+LABELS = ["model_name", "engine"]
+
+
+def _registry() -> tuple[object, dict[str, object]]:
+    from prometheus_client import CollectorRegistry, Counter, Histogram
+
+    reg = CollectorRegistry()
+    metrics: dict[str, object] = {
+        p: Histogram(f"vllm:kvstore_{p}_seconds", p, LABELS, buckets=BUCKETS, registry=reg)
+        for p in ("lookup", "load_wait")
+    }
+    metrics["load_tokens"] = Counter("vllm:kvstore_load_tokens", "tokens", LABELS, registry=reg)
+    metrics["by_source"] = Counter("vllm:prompt_tokens_by_source", "by source", [*LABELS, "source"], registry=reg)
+    return reg, metrics
+
+
+def _text(reg: object) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(reg).decode()  # type: ignore[arg-type]
+
+
+def test_scrape_keeps_histogram_buckets_apart(server: StreamingServer) -> None:
+    """A real prometheus_client exposition (two engines' label sets) through fleet.scrape:
+    buckets by bound, counters and everything else summed over labels as before."""
+    from kvstore.bench.serving.fleet import parse_metrics, scrape
+
+    reg, m = _registry()
+    for engine, xs in (("0", [0.0012, 0.004]), ("1", [0.0012, 20.0])):
+        for x in xs:
+            m["lookup"].labels("kvstore-bench", engine).observe(x)  # type: ignore[attr-defined]
+        m["load_tokens"].labels("kvstore-bench", engine).inc(100)  # type: ignore[attr-defined]
+        m["by_source"].labels("kvstore-bench", engine, "local_cache_hit").inc(7)  # type: ignore[attr-defined]
+        m["by_source"].labels("kvstore-bench", engine, "local_compute").inc(3)  # type: ignore[attr-defined]
+    server.extra_metrics = _text(reg)
+    got = scrape(server.url)
+    assert got == parse_metrics(server.extra_metrics) | {"vllm:request_prompt_tokens_sum": 0.0}
+    fam = "vllm:kvstore_lookup_seconds"
+    assert f"{fam}_bucket" not in got  # never merged over bounds
+    assert got[f'{fam}_bucket{{le="0.001"}}'] == 0
+    assert got[f'{fam}_bucket{{le="0.0015"}}'] == 2  # both engines' 1.2 ms
+    assert got[f'{fam}_bucket{{le="0.005"}}'] == 3
+    assert got[f'{fam}_bucket{{le="10.0"}}'] == 3 and got[f'{fam}_bucket{{le="+Inf"}}'] == 4
+    assert len([k for k in got if k.startswith(f"{fam}_bucket")]) == len(BUCKETS) + 1
+    assert got[f"{fam}_count"] == 4 and got[f"{fam}_sum"] == pytest.approx(0.0012 * 2 + 0.004 + 20.0)
+    assert got["vllm:kvstore_load_tokens_total"] == 200  # a counter: summed over engines, as before
+    assert got["vllm:prompt_tokens_by_source_total"] == 20  # the sum over sources stays
+    assert got['vllm:prompt_tokens_by_source_total{source="local_cache_hit"}'] == 14
+    assert got['vllm:prompt_tokens_by_source_total{source="local_compute"}'] == 6
+
+
+def test_histogram_quantile_by_hand() -> None:
+    inf = float("inf")
+    b = [(0.001, 2.0), (0.002, 6.0), (0.005, 10.0), (inf, 10.0)]
+    # rank 5 of 10: in (1 ms, 2 ms], 3 of its 4 observations in: 1 + 1 * 3/4 ms
+    assert report.histogram_quantile(0.5, b) == pytest.approx(0.00175)
+    assert report.histogram_quantile(0.99, b) == pytest.approx(0.002 + 0.003 * 3.9 / 4)
+    assert report.histogram_quantile(0.1, b) == pytest.approx(0.0005)  # first bucket: from 0
+    assert report.histogram_quantile(0.9, [(0.001, 1.0), (inf, 3.0)]) == 0.001  # in +Inf: the top finite bound
+    assert report.histogram_quantile(0.5, [(0.001, 0.0), (inf, 0.0)]) is None  # empty
+    assert report.histogram_quantile(0.5, [(0.001, 4.0), (0.002, 3.0), (inf, 4.0)]) == pytest.approx(0.0005)
+    with pytest.raises(ValueError):
+        report.histogram_quantile(0.5, [(0.001, 1.0)])
+
+
+def test_connector_ms_over_the_run_from_prometheus_client_histograms() -> None:
+    """Two engines' histograms made by prometheus_client from known samples; only what
+    was observed between the two scrapes counts, summed over the engines."""
+    from kvstore.bench.serving.fleet import parse_metrics
+
+    regs = [_registry() for _ in range(2)]
+    for _, m in regs:  # before the run: slow samples that must not count
+        for _ in range(10):
+            m["lookup"].labels("kvstore-bench", "0").observe(0.5)  # type: ignore[attr-defined]
+    before = {f"e{i}": parse_metrics(_text(reg)) for i, (reg, _) in enumerate(regs)}
+    run = {0: [0.0012] * 30 + [0.004] * 20, 1: [0.0012] * 30 + [0.004] * 19 + [20.0]}
+    for i, (_, m) in enumerate(regs):
+        for x in run[i]:
+            m["lookup"].labels("kvstore-bench", "0").observe(x)  # type: ignore[attr-defined]
+        m["load_wait"].labels("kvstore-bench", "0")  # a family present without samples in the run
+    after = {f"e{i}": parse_metrics(_text(reg)) for i, (reg, _) in enumerate(regs)}
+    got = report.connector_ms(before, after)
+    assert got is not None and set(got) == {"lookup", "load_wait"}
+    samples = run[0] + run[1]
+    lookup = got["lookup"]
+    assert lookup["count"] == 100
+    assert lookup["mean"] == pytest.approx(float(np.mean(samples)) * 1e3, abs=1e-3)
+    # rank 50 of 100: 60 samples in (1 ms, 1.5 ms], none below: 1 + 0.5 * 50/60 ms
+    assert lookup["p50"] == pytest.approx(1 + 0.5 * 50 / 60, abs=1e-3)
+    # rank 99: 60 up to 3 ms, 99 up to 5 ms: the top of (3 ms, 5 ms]
+    assert lookup["p99"] == pytest.approx(5.0, abs=1e-3)
+    # the samples' own median lies in the bucket the estimate came from
+    assert 1.0 < float(np.median(samples)) * 1e3 <= 1.5
+    assert got["load_wait"] == {"count": 0, "mean": None, "p50": None, "p99": None}
+    assert report.connector_ms({"b": {}}, {"b": {"vllm:request_prompt_tokens_sum": 5.0}}) is None  # baseline
+
+
+# -- prompt tokens by where they finally came from ----------------------------------------
+
+
+def _engine(**counters: float) -> dict[str, float]:
+    names = {
+        "total": "vllm:request_prompt_tokens_sum",
+        "computed": "vllm:request_prefill_kv_computed_tokens_sum",
+        "external": "vllm:external_prefix_cache_hits_total",
+        "local": 'vllm:prompt_tokens_by_source_total{source="local_cache_hit"}',
+        "promised": 'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}',
+        "compute": 'vllm:prompt_tokens_by_source_total{source="local_compute"}',
+        "loaded": "vllm:kvstore_load_tokens_total",
+    }
+    return {names[k]: v for k, v in counters.items()}
+
+
+def test_prompt_tokens_count_each_token_once_when_loads_fail() -> None:
+    """The fault run: vLLM's external hits counted 157,505 tokens for 41,061 prompt tokens
+    (at allocation, and again at each re-admission); the connector loaded 20,000 of the
+    30,000 it promised, so 10,000 were recomputed."""
+    after = {
+        "e0": _engine(
+            total=41_061, computed=10_661, external=157_505, local=400, promised=30_000, compute=10_661, loaded=20_000
+        )
+    }
+    got = report.prompt_sources({"e0": {}}, after)
+    assert got == {"engine_cache": 400, "store": 20_000, "recomputed": 20_661, "total": 41_061, "store_failed": 10_000}
+    # a tensor-parallel engine's workers each count the tokens they loaded
+    got = report.prompt_sources({"e0": {}}, after, tp=2)
+    assert (got["store"], got["recomputed"], got["store_failed"]) == (10_000, 30_661, 20_000)
+    # before the connector exports its loads: what vLLM promised, counted once per request
+    no_loads = {"e0": {k: v for k, v in after["e0"].items() if "kvstore" not in k}}
+    assert report.prompt_sources({"e0": {}}, no_loads)["store"] == 30_000
+
+
+def test_prompt_token_sources_always_add_up() -> None:
+    rng = np.random.default_rng(5)
+    for _ in range(500):
+        total = float(rng.integers(0, 5000))
+        counters = {
+            k: float(rng.integers(0, 2 * int(total) + 2))
+            for k in ("computed", "external", "local", "promised", "loaded")
+            if rng.random() < 0.8
+        }
+        before = {"e0": _engine(total=float(rng.integers(0, 100)))}
+        after = {"e0": _engine(total=before["e0"]["vllm:request_prompt_tokens_sum"] + total, **counters)}
+        got = report.prompt_sources(before, after)
+        assert got["engine_cache"] + got["store"] + got["recomputed"] == got["total"] == total, (counters, got)
+        assert min(got["engine_cache"], got["store"], got["recomputed"], got["store_failed"]) >= 0, (counters, got)
+
+
+# -- repeats ---------------------------------------------------------------------------
+
+
+def test_repeated_runs_report_medians_ranges_and_pair_with_baselines_runs() -> None:
+    def run(tokens: list[list[int]], ttft: float) -> list[Record]:
+        return [_rec(i, ttft + i, [10, 10], t) for i, t in enumerate(tokens)]
+
+    a, b = [[1, 2, 3], [4, 5, 6]], [[1, 2, 9], [4, 5, 9]]  # two baseline runs that differ (drift)
+    runs = {"baseline": [run(a, 100), run(b, 300), run(a, 200)], "pool": [run(a, 50), run(b, 70), run(a, 60)]}
+    extras = {"pool": [{"prompt_tokens": {"store": s}, "label": f"run{s}"} for s in (10, 30, 20)]}
+    got = report.summarise_runs(runs, extras, slo_ttft_ms=2000, slo_tbt_ms=200, greedy=True)
+    pool, base = got["pool"], got["baseline"]
+    assert [r["tokens_equal_baseline"] for r in pool["runs"]] == [1.0, 1.0, 1.0]  # run i with baseline's run i
+    assert [r["tokens_equal_baseline"] for r in base["runs"]] == [1.0, 0.0, 1.0]  # baseline's with its first
+    assert pool["ttft_ms"]["p50"] == 60.5 and base["ttft_ms"]["p50"] == 200.5  # the medians, same keys
+    assert pool["repeats"]["n"] == 3
+    assert pool["repeats"]["ranges"]["ttft_ms.p50"] == [50.5, 70.5]
+    assert pool["repeats"]["ranges"]["prompt_tokens.store"] == [10, 30]
+    assert pool["prompt_tokens"]["store"] == 20 and isinstance(pool["prompt_tokens"]["store"], int)
+    assert pool["label"] == "run10"  # not a number: the first run's
+    assert {
+        "ttft_ms.p90",
+        "ttft_ms.p99",
+        "tbt_ms.p50",
+        "tbt_ms.p90",
+        "tbt_ms.p99",
+        "throughput_tok_s",
+        "goodput_rps",
+    } <= set(pool["repeats"]["ranges"])
+    single = report.summarise_runs({"pool": runs["pool"][:1]}, {}, slo_ttft_ms=2000, slo_tbt_ms=200, greedy=True)
+    assert "repeats" not in single["pool"] and "runs" not in single["pool"]
+
+
+def test_the_command_repeats_each_configuration(server: StreamingServer, tmp_path: Path) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "bench",
+            "serving",
+            "--target",
+            server.url,
+            "--requests",
+            "3",
+            "--rate",
+            "50",
+            "--warmup",
+            "0",
+            "--repeat",
+            "3",
+            "--json",
+            "--records",
+            str(tmp_path / "r.jsonl"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr
+    c = json.loads(out.stdout)["configs"]["target"]
+    assert c["repeats"]["n"] == 3 and len(c["runs"]) == 3
+    assert all(r["completed"] == 3 for r in c["runs"]) and c["completed"] == 3
+    p50s = [r["ttft_ms"]["p50"] for r in c["runs"]]
+    assert c["ttft_ms"]["p50"] == pytest.approx(float(np.median(p50s)), abs=1e-3)
+    assert c["repeats"]["ranges"]["ttft_ms.p50"] == [min(p50s), max(p50s)]
+    recs = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert sorted({r["repeat"] for r in recs}) == [0, 1, 2] and len(recs) == 9
+    assert "median of 3 runs" in out.stderr
+
+
+# -- --sample on a conversation trace ---------------------------------------------------
+
+
+def _generate(path: Path, *more: str) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "kvstore", "replay", "--generate", str(path), "--requests", "600", "--seed", "7"]
+        + ["--system-prompts", "1", "--reuse", "1", "--one-shot", "0", *more],
+        check=True,
+        capture_output=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+
+
+def test_a_sample_of_a_conversation_trace_keeps_whole_conversations(tmp_path: Path) -> None:
+    """`kvstore replay --generate` with one shared system prompt: every request is in one
+    prefix tree, so --sample keeps sessions (conversations) below it, or, without session
+    ids, the subtrees below the shared prompt, which are the same conversations."""
+    _generate(tmp_path / "conv.jsonl")
+    _generate(tmp_path / "bare.jsonl", "--no-sessions")
+    full = build(tmp_path / "conv.jsonl", Scaling(block_tokens=16))
+    assert len({x.hash_ids[0] for x in full.items}) == 1  # the premise: one tree holds everything
+    session_of = {x.hash_ids: x.session_id for x in full.items}
+    sizes: dict[str | None, int] = {}
+    for x in full.items:
+        sizes[x.session_id] = sizes.get(x.session_id, 0) + 1
+    for trace in ("conv.jsonl", "bare.jsonl"):
+        for share in (0.1, 0.3, 0.6):
+            w = build(tmp_path / trace, Scaling(block_tokens=16, sample=share))
+            assert abs(len(w.items) / len(full.items) - share) < 0.1, (trace, share, len(w.items))
+            assert w.summary()["sampled_by"] == "sessions and subtrees below a shared root"
+            kept: dict[str | None, int] = {}
+            for x in w.items:
+                sid = session_of[x.hash_ids]
+                kept[sid] = kept.get(sid, 0) + 1
+            assert all(kept[sid] == sizes[sid] for sid in kept), (trace, share)  # whole conversations
+            assert shared_block_ratio([x.hash_ids for x in w.items]) > 0.5  # with their reuse
+        tiny = build(tmp_path / trace, Scaling(block_tokens=16, sample=1e-9))  # never empty, never an error
+        assert 0 < len(tiny.items) < 20
+    assert build(TRACE, Scaling(sample=0.05)).summary()["sampled_by"] == "prefix trees"
+
+
+# -- faults ----------------------------------------------------------------------------
+
+
+def test_fault_specs_parse_into_a_plan_and_bad_ones_are_clear_errors() -> None:
+    from kvstore.bench.serving.fleet import Fault, parse_faults
+
+    plan = parse_faults(["restart:node1@40,kill:node1@20", "kill:0@5.5"], nodes=2)
+    assert plan == (Fault(5.5, 0, "kill"), Fault(20.0, 1, "kill"), Fault(40.0, 1, "restart"))
+    assert plan[0].to_json() == {"action": "kill", "node": 0, "at_s": 5.5}
+    assert parse_faults(["restart:node0@3"]) == (Fault(3.0, 0, "restart"),)  # a live node: stopped, started
+    for spec, want in (
+        ("explode:node1@2", "unknown action 'explode'"),
+        ("kill:node1", "is not ACTION:NODE@SECONDS"),
+        ("kill@3", "is not ACTION:NODE@SECONDS"),
+        ("kill:nodeX@3", "must be nodeN or N"),
+        ("kill:node1@soon", "is not a number"),
+        ("kill:node1@-1", "zero or more seconds"),
+        ("kill:node1@inf", "zero or more seconds"),
+        ("kill:node2@1", "the fleet has 2 node(s)"),
+        ("kill:node1@1,kill:node1@3", "while down"),
+        ("kill:node1@1,restart:node1@1", "two actions on node1"),
+        (",", "empty spec"),
+    ):
+        with pytest.raises(InvalidArgument, match=None) as e:
+            parse_faults([spec], nodes=2)
+        assert want in str(e.value), (spec, str(e.value))
+
+
+def test_the_fault_scheduler_kills_and_restarts_a_fleets_node(tmp_path: Path) -> None:
+    """A real `kvstore serve` started by the fleet's own node code (one node in a cluster
+    over a private etcd): killed, then back on the same socket, arena and ports."""
+    import time
+
+    from client import KVClient
+    from kvstore.bench.serving.fleet import FaultScheduler, Fleet, FleetSpec, parse_faults
+
+    with Fleet("pool", FleetSpec(model="", engines=1), log_dir=tmp_path) as fleet:
+        fleet._start_store()
+        node = fleet.nodes[0]
+        first = dict(node.endpoints)
+        pid = node.proc.pid
+        sched = FaultScheduler(fleet.nodes, parse_faults(["kill:node0@0,restart:node0@0.2"], nodes=1))
+        sched.start(time.monotonic())
+        assert sched.wait(120)
+        res = sched.finish()
+        assert [(r["action"], r["error"]) for r in res] == [("kill", None), ("restart", None)], res
+        assert 0 <= res[0]["done_at_s"] <= res[1]["done_at_s"] and res[1]["at_s"] == 0.2
+        assert node.proc.pid != pid and node.running()
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # the old process is gone (reaped)
+        for k in ("unix", "grpc", "data", "arena", "node_id"):
+            assert node.endpoints.get(k) == first.get(k), k
+        with KVClient(node.target) as c:
+            assert "counters" in c.stats()
+        # an action the replay did not reach is reported, not carried out
+        late = FaultScheduler(fleet.nodes, parse_faults(["kill:node0@3600"]))
+        late.start(time.monotonic())
+        (r,) = late.finish()
+        assert r["done_at_s"] is None and "not carried out" in r["error"] and node.running()

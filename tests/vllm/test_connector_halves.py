@@ -40,6 +40,9 @@ def scheduler(node: Any, *, tp: int = 1, **extra: Any) -> Any:
     from gpu_agent.vllm.scheduler import SchedulerSide
     from gpu_agent.vllm.settings import ConnectorSettings
 
+    # the scheduler waits for each lookup's answer here (up to deadline_s): these tests pin
+    # what it answers; "not yet" while a lookup runs has tests of its own
+    extra = {"lookup_wait_ms": 2000.0, "save_policy": "always", **extra}
     settings = ConnectorSettings.from_extra({"target": node.target, "salt": str(time.monotonic_ns()), **extra})
     return SchedulerSide(spec(tp), settings, CHUNK, produce=True, consume=True)
 
@@ -100,7 +103,8 @@ def test_a_chunk_counts_only_when_every_tensor_parallel_rank_holds_its_shard(nod
     store(node, side, req, 3, ranks=[(0, 0)])
     assert side.matched(req, 0) == (0, False)  # rank 1's shards are missing
     store(node, side, req, 2, ranks=[(1, 0)])
-    assert side.matched(req, 0) == (512, False)  # both ranks hold two chunks
+    again = request(prompt(1000, seed=1), rid="again")  # a new request: `req`'s answer is kept for it
+    assert side.matched(again, 0) == (512, False)  # both ranks hold two chunks
 
 
 def test_a_whole_stored_prompt_loads_all_but_its_last_token(node: Any) -> None:
@@ -117,7 +121,7 @@ def test_a_whole_stored_prompt_loads_all_but_its_last_token(node: Any) -> None:
     assert tail is not None
     with KVClient(node.target) as c:
         assert c.put(tail, b"x" * 64, namespace=ns)
-    assert side.matched(req, 0) == (999, False)
+    assert side.matched(request(prompt(1000, seed=2), rid="again"), 0) == (999, False)
     exact = request(prompt(1024, seed=3), rid="exact")  # ends on a chunk boundary: no tail
     store(node, side, exact, 4)
     assert side.matched(exact, 0) == (1023, False)
@@ -336,5 +340,6 @@ def test_a_local_prefix_cache_hit_never_stops_the_next_requests_lookups(tmp_path
         store(n, side, second, 2)
         assert side.matched(second, 0) == (2 * CHUNK, False)
         assert side.counters["lookups"] == 2 and side.counters["lookup_errors"] == 0
-        assert side._reporter is not None and side._report_down_until == 0.0  # reported to the node, no failure
+        side.link.flush()
+        assert side.link.reporting  # reported to the node, no failure
         side.close()

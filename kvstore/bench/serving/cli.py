@@ -12,7 +12,15 @@ the same CPUs per engine, to itself.  ``--target URL`` replays through a fleet s
 else started (any OpenAI-compatible endpoint) as configuration ``target``.
 ``--sweep-rate R1,R2,...`` replays the workload at each offered rate (requests/s), with
 other tokens at each step so no step reuses another's KV, and reports goodput per step
-(the capacity curve).
+(the capacity curve).  ``--repeat N`` runs every configuration N times, each on a fleet
+of its own, interleaved (``baseline, pool, baseline, pool, ...``: drift over the session
+hits every configuration alike), and reports the medians, their ranges and every run
+(:func:`kvstore.bench.serving.report.combine_runs`); run *i* of a configuration is
+compared token for token with ``baseline``'s run *i*.  ``--fault kill:node1@20,restart:node1@40``
+kills (SIGKILL) and restarts kvstore nodes at those seconds of the replay
+(:class:`kvstore.bench.serving.fleet.FaultScheduler`), in the configurations that have
+nodes (the others run unchanged, and the JSON's ``faults.not_applied`` says so); each
+such configuration reports what was done and when in ``faults``.
 
 The model is made locally (the random-weight Llama of ``kvstore demo vllm``;
 ``--layers``, ``--hidden``) unless ``--model PATH``; prompts are token ids
@@ -38,7 +46,16 @@ from typing import Any
 
 from kvstore.bench.serving import fleet as fleetmod
 from kvstore.bench.serving import report
-from kvstore.bench.serving.fleet import CONFIGS, Engine, Fleet, FleetSpec, renice
+from kvstore.bench.serving.fleet import (
+    CONFIGS,
+    Engine,
+    Fault,
+    FaultScheduler,
+    Fleet,
+    FleetSpec,
+    parse_faults,
+    renice,
+)
 from kvstore.bench.serving.front import front_for
 from kvstore.bench.serving.runner import Record, Replay
 from kvstore.bench.serving.workload import Scaling, Workload, build, parse_window
@@ -85,6 +102,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time-scale", type=float, default=1.0, help="multiply the trace's timestamps (2: half the load)")
     g.add_argument("--rate", type=float, help="offered load in requests/s (rescales the trace's arrival times)")
     g.add_argument("--sweep-rate", metavar="R1,R2,...", help="replay at each offered rate and report goodput per step")
+    g.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run every configuration N times, interleaved, and report medians and ranges (default 1)",
+    )
+    g.add_argument(
+        "--fault",
+        action="append",
+        metavar="SPEC",
+        help="kill (SIGKILL) or restart kvstore nodes during the replay: ACTION:NODE@SECONDS[,...], e.g. "
+        "kill:node1@20,restart:node1@40 (NODE: the node's index, node0 = the first engine's; seconds from the "
+        "replay's start); configurations without nodes run unchanged",
+    )
     g.add_argument("--unique-prompts", action="store_true", help="no shared prefixes (the no-reuse overhead run)")
     g.add_argument("--salt", default="kvstore-bench-serving", help="seed of the synthesised token ids")
     g = p.add_argument_group("SLO")
@@ -223,6 +255,15 @@ def run(a: argparse.Namespace) -> tuple[dict[str, Any], list[Record]]:
             raise ValueError("not an object")
     except ValueError as e:
         raise InvalidArgument(f"--connector-extra must be a JSON object: {e}") from None
+    if a.repeat < 1:
+        raise InvalidArgument(f"--repeat must be at least 1, got {a.repeat}")
+    plan: tuple[Fault, ...] = ()
+    if a.fault:
+        if a.target:
+            raise InvalidArgument("--fault needs the benchmark's own fleet of kvstore nodes: not with --target")
+        if rates != [None]:
+            raise InvalidArgument("--fault: not with --sweep-rate (a fault plan is timed from one replay's start)")
+        plan = parse_faults(a.fault, nodes=a.engines)
     base = build(a.trace, _scaling(a, _vocab(a.model)))
     steps = []
     for k, rate in enumerate(rates):
@@ -243,8 +284,14 @@ def run(a: argparse.Namespace) -> tuple[dict[str, Any], list[Record]]:
     }
     if len(steps) > 1:
         result["steps"] = [{"offered_rps": round(w.offered_rps, 4), "configs": {}} for w in steps]
+    if plan:
+        result["faults"] = {
+            "plan": [f.to_json() for f in plan],
+            "applied_to": [n for n in configs if n != "baseline"],
+            "not_applied": {n: "no kvstore nodes: it ran without faults" for n in configs if n == "baseline"},
+        }
     records: list[Record] = []
-    by_step: list[dict[str, list[Record]]] = [{} for _ in steps]
+    by_step: list[dict[str, list[list[Record]]]] = [{} for _ in steps]  # step -> config -> one list per run
     with contextlib.ExitStack() as stack:
         model = a.model
         if a.target:
@@ -278,26 +325,24 @@ def run(a: argparse.Namespace) -> tuple[dict[str, Any], list[Record]]:
         log_dir = Path(a.log_dir) if a.log_dir else None
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
-        for name in configs:
-            _run_config(name, a, spec, served, steps, log_dir, result, by_step, records)
+        for r in range(a.repeat):  # interleaved: baseline, pool, baseline, pool, ...
+            for name in configs:
+                _run_config(name, a, spec, served, steps, log_dir, result, by_step, records, repeat=r, plan=plan)
     greedy = True
+    counters = result.pop("_counters", {})
     for k, step_records in enumerate(by_step):
-        base_recs = step_records.get("baseline")
-        for name, recs in step_records.items():
-            summary = report.summarise(
-                recs,
-                slo_ttft_ms=a.slo_ttft_ms,
-                slo_tbt_ms=a.slo_tbt_ms,
-                baseline=base_recs,
-                greedy=greedy,
-            )
-            extra_fields = result.setdefault("_counters", {}).get((k, name), {})
-            summary.update(extra_fields)
+        summaries = report.summarise_runs(
+            step_records,
+            {name: counters.get((k, name), []) for name in step_records},
+            slo_ttft_ms=a.slo_ttft_ms,
+            slo_tbt_ms=a.slo_tbt_ms,
+            greedy=greedy,
+        )
+        for name, summary in summaries.items():
             if "steps" in result:
                 result["steps"][k]["configs"][name] = summary
             if k == len(steps) - 1:
                 result["configs"][name] = summary
-    result.pop("_counters", None)
     if "steps" in result:
         result["capacity_goodput_rps"] = {
             n: max(s["configs"][n]["goodput_rps"] for s in result["steps"] if n in s["configs"]) for n in configs
@@ -330,8 +375,11 @@ def _run_config(
     steps: list[Workload],
     log_dir: Path | None,
     result: dict[str, Any],
-    by_step: list[dict[str, list[Record]]],
+    by_step: list[dict[str, list[list[Record]]]],
     records: list[Record],
+    *,
+    repeat: int = 0,
+    plan: tuple[Fault, ...] = (),
 ) -> None:
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -357,7 +405,12 @@ def _run_config(
             before = _engine_metrics(fleet.engines if fleet is not None else engines)
             nodes_before = fleet.node_counters() if fleet is not None else {}
             cpu_before = fleet.cpu_seconds() if fleet is not None else {}
-            label = f"serving: {name}" + (f" at {wl.offered_rps:.2f} req/s" if len(steps) > 1 else "")
+            label = (
+                f"serving: {name}"
+                + (f" at {wl.offered_rps:.2f} req/s" if len(steps) > 1 else "")
+                + (f" (run {repeat + 1} of {a.repeat})" if a.repeat > 1 else "")
+            )
+            faults = FaultScheduler(fleet.nodes, plan) if plan and fleet is not None and fleet.nodes else None
             with Progress(label, total=len(wl.items), unit="requests") as p:
                 errors = [0]
 
@@ -375,6 +428,8 @@ def _run_config(
                     on_done=done,
                     on_close=fleet.close_session if fleet is not None and fleet.uses_store else None,
                     sessions=name != "baseline",
+                    repeat=repeat,
+                    on_start=faults.start if faults is not None else None,
                 )
                 was = os.getpriority(os.PRIO_PROCESS, 0)
                 niced = bool(a.front_nice) and fleet is not None and renice(0, a.front_nice)
@@ -385,13 +440,15 @@ def _run_config(
                 finally:
                     if niced:
                         renice(0, was)
+                    fault_results = faults.finish() if faults is not None else None
             for why in [*rep.dead.values(), *rep.closes_failed]:
                 result["failures"].append(f"{name}: {why}")
             after = _engine_metrics(fleet.engines if fleet is not None else engines)
             nodes_after = fleet.node_counters() if fleet is not None else {}
             cpu_after = fleet.cpu_seconds() if fleet is not None else {}
-            result.setdefault("_counters", {})[(k, name)] = {
+            counters: dict[str, Any] = {
                 "prompt_tokens": report.prompt_sources(before, after),
+                "connector_ms": report.connector_ms(before, after),
                 "store_blocks": report.store_blocks(nodes_before, nodes_after, before, after)
                 if fleet is not None and fleet.uses_store
                 else None,
@@ -401,9 +458,12 @@ def _run_config(
                 "offered_rps": round(wl.offered_rps, 4),
                 "wall_s": round(rep.wall_s, 2),
             }
+            if plan:
+                counters["faults"] = fault_results  # None: a configuration without nodes
             if fleet is not None and fleet.conductor is not None:
-                result["_counters"][(k, name)]["routing"] = fleet.routing()
-            by_step[k][name] = recs
+                counters["routing"] = fleet.routing()
+            result.setdefault("_counters", {}).setdefault((k, name), []).append(counters)
+            by_step[k].setdefault(name, []).append(recs)
             records.extend(recs)
     if name in result["fleets"]:
         result["fleets"][name]["total_s"] = round(time.perf_counter() - t0, 1)

@@ -33,14 +33,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -453,21 +456,207 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
         self.close()
 
 
-def scrape(url: str) -> dict[str, float]:
-    """An engine's ``/metrics`` as {name: value}, summed over labels ({} when it does not answer)."""
+SPLIT_LABELS = ("source",)
+"""Labels whose values are kept apart (as ``name{label="value"}``) besides the sum over labels."""
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """A Prometheus exposition as {sample name: value}, summed over labels (an engine's
+    ``model_name`` and ``engine``, ...), with two exceptions, so that what is summed still
+    means something:
+
+    * a histogram's ``_bucket`` samples are keyed by their bound, ``name{le="0.005"}``
+      (summed over the other labels), never merged into one ``name_bucket``: the bounds
+      are kept as the exposition writes them (``+Inf`` included), and
+      :func:`kvstore.bench.serving.report.histogram` reads them back;
+    * a sample with a label of :data:`SPLIT_LABELS` (vLLM's ``source`` of
+      ``vllm:prompt_tokens_by_source``) also counts under ``name{source="..."}``, beside
+      the unchanged sum under its plain name.
+
+    Every other sample is keyed by its name alone, as before."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    out: dict[str, float] = {}
+
+    def add(key: str, v: float) -> None:
+        out[key] = out.get(key, 0.0) + v
+
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            v = float(s.value)
+            if s.name.endswith("_bucket") and "le" in s.labels:
+                add(f'{s.name}{{le="{s.labels["le"]}"}}', v)
+                continue
+            add(s.name, v)
+            for label in SPLIT_LABELS:
+                if label in s.labels:
+                    add(f'{s.name}{{{label}="{s.labels[label]}"}}', v)
+    return out
+
+
+def scrape(url: str) -> dict[str, float]:
+    """An engine's ``/metrics`` as :func:`parse_metrics` reads it ({} when it does not answer)."""
     try:
         code, text = _get(url + "/metrics", timeout=10.0)
     except OSError:
         return {}
     if code != 200:
         return {}
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[s.name] = out.get(s.name, 0.0) + float(s.value)
-    return out
+    return parse_metrics(text)
+
+
+# -- faults: kvstore nodes killed and restarted during a replay ----------------------------
+
+FAULT_ACTIONS = ("kill", "restart")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Fault:
+    """One action of ``--fault``: at ``at_s`` seconds after the replay's start, ``kill``
+    (SIGKILL to the node's process group, as a crash) or ``restart`` (start it again on the
+    same data directory, node id, tiers, arena file, Unix socket and TCP ports; a node
+    that is still running is stopped first, gracefully) the fleet's node ``node`` (its
+    index: ``node0`` is the first engine's)."""
+
+    at_s: float
+    node: int
+    action: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"action": self.action, "node": self.node, "at_s": self.at_s}
+
+
+def parse_faults(specs: Sequence[str], *, nodes: int | None = None) -> tuple[Fault, ...]:
+    """``--fault`` values (each ``ACTION:NODE@SECONDS[,...]``, ``NODE`` as ``node1`` or
+    ``1``) as a plan sorted by time.  A clear :class:`InvalidArgument` for an unknown
+    action, a malformed item, a negative or infinite time, a node index outside
+    ``0..nodes-1``, two actions on one node at one time, or a kill of a node an earlier
+    kill left down (restart it first)."""
+    plan: list[Fault] = []
+    for spec in specs:
+        items = [x.strip() for x in spec.split(",")]
+        if not any(items):
+            raise InvalidArgument(f"--fault: empty spec {spec!r} (e.g. kill:node1@20,restart:node1@40)")
+        for item in items:
+            action, sep, rest = item.partition(":")
+            node, at_sep, at = rest.partition("@")
+            if not sep or not at_sep or not node or not at:
+                raise InvalidArgument(
+                    f"--fault: {item!r} is not ACTION:NODE@SECONDS (e.g. kill:node1@20,restart:node1@40)"
+                )
+            if action not in FAULT_ACTIONS:
+                raise InvalidArgument(
+                    f"--fault: unknown action {action!r} in {item!r} (known: {', '.join(FAULT_ACTIONS)})"
+                )
+            digits = node[len("node") :] if node.startswith("node") else node
+            if not digits.isdigit():
+                raise InvalidArgument(f"--fault: node {node!r} in {item!r} must be nodeN or N (N: the node's index)")
+            try:
+                at_s = float(at)
+            except ValueError:
+                raise InvalidArgument(f"--fault: time {at!r} in {item!r} is not a number of seconds") from None
+            if not math.isfinite(at_s) or at_s < 0:
+                raise InvalidArgument(f"--fault: time {at!r} in {item!r} must be zero or more seconds")
+            index = int(digits)
+            if nodes is not None and index >= nodes:
+                raise InvalidArgument(
+                    f"--fault: node {node!r} in {item!r}: the fleet has {nodes} node(s), node0..node{nodes - 1}"
+                )
+            plan.append(Fault(at_s, index, action))
+    plan.sort()
+    down: set[int] = set()
+    seen: set[tuple[int, float]] = set()
+    for f in plan:
+        if (f.node, f.at_s) in seen:
+            raise InvalidArgument(f"--fault: two actions on node{f.node} at {f.at_s:g} s (give them different times)")
+        seen.add((f.node, f.at_s))
+        if f.action == "kill":
+            if f.node in down:
+                raise InvalidArgument(f"--fault: node{f.node} is killed at {f.at_s:g} s while down (restart it first)")
+            down.add(f.node)
+        else:
+            down.discard(f.node)
+    return tuple(plan)
+
+
+class FaultScheduler:
+    """Carries out a fault plan against a fleet's nodes, on a thread of its own, timed
+    from the replay's start (``start(t0)``, ``t0`` on :func:`time.monotonic`, the runner's
+    clock).  ``finish()`` stops it: an action in progress completes (a restart waits for
+    its READY), the ones not reached are reported as such.  Owns ``results``: one
+    ``{"action", "node", "at_s", "done_at_s", "error"}`` per planned action, written by
+    its thread and read after ``finish``; ``done_at_s`` is when the action completed
+    (None: it did not), ``error`` why it failed (None: it did not)."""
+
+    def __init__(self, nodes: Sequence[Any], plan: Sequence[Fault], *, ready_timeout_s: float = 60.0) -> None:
+        self.nodes = list(nodes)  # kvstore.children.ServeProcess
+        self.plan = list(plan)
+        self.ready_timeout_s = ready_timeout_s
+        self.results = [{**f.to_json(), "done_at_s": None, "error": None} for f in self.plan]
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = 0.0
+
+    def start(self, t0: float) -> None:
+        self._t0 = t0
+        self._thread = threading.Thread(target=self._run, name="kvstore-bench-faults", daemon=True)
+        self._thread.start()
+
+    def finish(self) -> list[dict[str, Any]]:
+        """Stop (see the class docstring) and return ``results``."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return self.results
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for every action to be carried out; True if they were."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self._thread is not None and not self._thread.is_alive()
+
+    def _now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def _run(self) -> None:
+        for f, res in zip(self.plan, self.results, strict=True):
+            if self._stop.wait(max(0.0, f.at_s - self._now())):
+                res["error"] = f"not carried out: the replay ended at {self._now():.1f} s"
+                continue
+            try:
+                node = self.nodes[f.node]
+                if f.action == "kill":
+                    self._kill(node)
+                else:
+                    self._restart(node)
+                res["done_at_s"] = round(self._now(), 3)
+            except Exception as e:  # noqa: BLE001 - a fault that fails is reported, never fatal
+                res["error"] = f"{type(e).__name__}: {e}"
+
+    @staticmethod
+    def _kill(node: Any) -> None:
+        proc = node.proc
+        if proc is None or proc.poll() is not None:
+            raise RuntimeError("the node is not running")
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # spawn() made it a session (and group) leader
+        except (ProcessLookupError, PermissionError):
+            proc.kill()
+        proc.wait()
+
+    def _restart(self, node: Any) -> None:
+        old = dict(node.endpoints)
+        if node.running():
+            rc = node.stop()
+            if rc != 0:
+                raise RuntimeError(f"the node exited with {rc} on SIGTERM before its restart")
+        # the same command as before (data directory, node id, tiers, arena, cluster) and the
+        # same TCP ports, so engines and peers find it where they left it
+        if old.get("grpc"):
+            node.listen = old["grpc"]
+        if old.get("data") and "--data-listen" not in node.args:
+            node.args += ["--data-listen", old["data"]]
+        node.spawn().wait_ready(self.ready_timeout_s)
 
 
 def _stop_engine(e: Engine) -> None:

@@ -6,23 +6,30 @@ p50/p90/p99 of TTFT and TBT (Mooncake's: the mean of a request's slowest 10 % of
 inter-token intervals), ITL p50/p99 over every interval, end-to-end p50/p99;
 ``throughput_tok_s`` (output tokens over the makespan: first arrival to last token);
 ``goodput_rps``: requests that met both ``slo.ttft_ms`` and ``slo.tbt_ms``, per second of
-makespan; ``prompt_tokens`` by source (``engine_cache``: vLLM's own prefix cache,
-``store``: the connector, ``recomputed``: the rest; from the engines' ``/metrics``
-counters over the run, summed over the fleet's engines, so in ``pd`` a prompt counts on
-its prefill and on its decode engine), ``store_blocks`` (DRAM and NVMe reads, remote
-pulls, from the nodes' and the connector's counters) and ``tokens_equal_baseline``;
+makespan; ``prompt_tokens`` by source, each token once by where its KV finally came from
+(``engine_cache`` + ``store`` + ``recomputed`` == ``total``, see :func:`prompt_sources`;
+from the engines' ``/metrics`` counters over the run, summed over the fleet's engines, so
+in ``pd`` a prompt counts on its prefill and on its decode engine), ``store_blocks`` (DRAM
+and NVMe reads, remote pulls, from the nodes' and the connector's counters),
+``connector_ms`` (count, mean, p50, p99 of each phase of the connector's time, from its
+histograms: :func:`connector_ms`) and ``tokens_equal_baseline``;
 ``reject_ms`` (p50/p99/p100 of how soon a refused request was answered).  The conductor
 configurations add ``routing``: the conductor's ``predicted_ttft_abs_err_median``,
 ``decisions_per_engine`` and ``decision_us`` (p50, p99), and beside them
 ``decision_cpu_us`` (the same decisions in the conductor thread's CPU time: the rest is
 time the process waited for a core), ``refusal_ms`` (arrival to 429, inside the
 conductor), ``rejected`` and ``pool_errors``.
+
+Repeated runs (``--repeat N``, :func:`combine_runs`): every numeric figure of a
+configuration's summary is the median over its runs (the keys stay where they are),
+``repeats`` gives ``n`` and the ``[min, max]`` of the figures of :data:`RANGE_KEYS`, and
+``runs`` every run's own summary.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 import numpy as np
@@ -41,14 +48,38 @@ def delta(after: dict[str, float], before: dict[str, float], name: str) -> float
     return after.get(name, 0.0) - before.get(name, 0.0)
 
 
-def prompt_sources(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """Prompt tokens by source over the run, from every engine's ``/metrics``, per finished
-    request: ``total`` (``vllm:request_prompt_tokens``), ``recomputed`` (vLLM's
-    ``vllm:request_prefill_kv_computed_tokens``: the prompt less its cached tokens),
-    ``store`` (the connector's hits, ``vllm:external_prefix_cache_hits``) and
-    ``engine_cache`` (the rest: vLLM's own prefix cache)."""
-    total = computed = external = 0.0
-    have = False
+BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+LOAD_TOKENS = "vllm:kvstore_load_tokens_total"
+
+
+def prompt_sources(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], *, tp: int = 1
+) -> dict[str, Any]:
+    """Prompt tokens over the run by where their KV finally came from, each token once,
+    summed over the engines' ``/metrics``: ``engine_cache + store + recomputed == total``,
+    each at least 0.
+
+    What vLLM's counters mean (``vllm/v1/metrics``): ``vllm:request_prompt_tokens`` sums
+    the prompts of finished requests (``total``).  ``vllm:external_prefix_cache_hits``
+    counts the connector's hits when the scheduler allocates for them, before any load,
+    and again each time a request is admitted anew (an asynchronous load that failed
+    sends it back), so where loads fail it counts tokens that were recomputed, some more
+    than once; ``vllm:request_prefill_kv_computed_tokens`` is the prompt less the tokens
+    cached at the request's first scheduling, so it misses the same recomputations.
+    ``vllm:prompt_tokens_by_source{source}`` counts each request once (at its first
+    output, from its last scheduling): ``local_cache_hit`` (vLLM's own prefix cache),
+    ``external_kv_transfer`` (what the connector promised) and ``local_compute``.  The
+    connector's ``vllm:kvstore_load_tokens_total`` counts the tokens its workers did
+    load (summed over a tensor-parallel engine's ``tp`` workers).
+
+    So: ``engine_cache`` = ``local_cache_hit``; ``store`` = the least of what was promised
+    and what was loaded (``load_tokens / tp``, where the connector exports it), and of what
+    the prompts left beside the engine cache; ``recomputed`` = the rest, failed loads
+    included; ``store_failed`` = promised but not loaded (so recomputed).  Without
+    ``prompt_tokens_by_source`` (older vLLM) the promise is the external-hits counter and
+    the engine cache what the prompts left after ``prefill_kv_computed`` and it."""
+    total = computed = external = local = promised = loaded = 0.0
+    have = by_source = have_loads = False
     for name, a in after.items():
         b = before.get(name, {})
         if "vllm:request_prompt_tokens_sum" not in a:
@@ -57,14 +88,135 @@ def prompt_sources(before: dict[str, dict[str, float]], after: dict[str, dict[st
         total += delta(a, b, "vllm:request_prompt_tokens_sum")
         computed += delta(a, b, "vllm:request_prefill_kv_computed_tokens_sum")
         external += delta(a, b, "vllm:external_prefix_cache_hits_total")
+        if f'{BY_SOURCE}{{source="local_cache_hit"}}' in a:
+            by_source = True
+            local += delta(a, b, f'{BY_SOURCE}{{source="local_cache_hit"}}')
+            promised += delta(a, b, f'{BY_SOURCE}{{source="external_kv_transfer"}}')
+        if LOAD_TOKENS in a:
+            have_loads = True
+            loaded += delta(a, b, LOAD_TOKENS) / max(1, tp)
     if not have:
-        return {"engine_cache": None, "store": None, "recomputed": None, "total": None}
+        return {"engine_cache": None, "store": None, "recomputed": None, "total": None, "store_failed": None}
+    if not by_source:
+        promised = external
+        local = total - computed - external
+    engine_cache = min(max(0.0, local), max(0.0, total))
+    store = min(promised, loaded) if have_loads else promised
+    store = max(0.0, min(store, total - engine_cache))
+    e, st, t = int(round(engine_cache)), int(round(store)), int(round(total))
     return {
-        "engine_cache": int(max(0.0, total - computed - external)),
-        "store": int(external),
-        "recomputed": int(computed),
-        "total": int(total),
+        "engine_cache": e,
+        "store": st,
+        "recomputed": max(0, t - e - st),
+        "total": t,
+        "store_failed": max(0, int(round(promised)) - st),
     }
+
+
+# -- the connector's histograms ------------------------------------------------------------
+
+CONNECTOR_PHASES = ("lookup", "request_sched", "sched_step", "load_wait", "save_wait", "step_wait")
+"""The connector's ``vllm:kvstore_<phase>_seconds`` histograms: one sample per scheduler
+lookup, per request (its scheduler-thread time), per scheduler step, per worker step with
+loads (its wait), per worker step with saves (``wait_for_save``), per worker step (every
+connector call of its forward pass)."""
+
+
+def histogram(metrics: dict[str, float], family: str) -> tuple[list[tuple[float, float]], float, float] | None:
+    """``family``'s buckets in ``metrics`` (as :func:`kvstore.bench.serving.fleet.parse_metrics`
+    keys them: ``family_bucket{le="..."}``) as sorted ``[(upper bound, cumulative count)]``
+    (the last bound ``inf``), with its ``_count`` and ``_sum``; None when it has no bucket."""
+    prefix = f'{family}_bucket{{le="'
+    buckets = [(float(k[len(prefix) : -2]), v) for k, v in metrics.items() if k.startswith(prefix)]
+    if not buckets:
+        return None
+    buckets.sort()
+    count = metrics.get(f"{family}_count", buckets[-1][1])
+    return buckets, count, metrics.get(f"{family}_sum", 0.0)
+
+
+def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
+    """The ``q`` quantile of a histogram by Prometheus's ``histogram_quantile`` rule:
+    ``buckets`` are (upper bound, cumulative count), sorted, the last ``+Inf``.  The rank
+    ``q * total`` falls in the first bucket whose cumulative count reaches it; the value
+    is interpolated linearly between that bucket's lower bound (the previous bucket's
+    upper bound, 0 for the first) and its upper bound, as if its observations were spread
+    evenly over it.  A rank in the ``+Inf`` bucket gives the highest finite bound; an
+    empty histogram None (Prometheus: NaN)."""
+    if not buckets or not buckets[-1][0] == math.inf:
+        raise ValueError("a histogram's last bucket must be +Inf")
+    if not 0 <= q <= 1:
+        raise ValueError(f"a quantile is in [0, 1], got {q}")
+    counts = [c for _, c in buckets]
+    for i in range(1, len(counts)):  # as Prometheus: a non-monotonic scrape is made monotonic
+        counts[i] = max(counts[i], counts[i - 1])
+    total = counts[-1]
+    if total <= 0:
+        return None
+    if len(buckets) < 2:
+        return None
+    rank = q * total
+    b = next((i for i in range(len(buckets) - 1) if counts[i] >= rank), len(buckets) - 1)
+    if b == len(buckets) - 1:
+        return buckets[-2][0]
+    upper = buckets[b][0]
+    if b == 0 and upper <= 0:
+        return upper
+    lower = buckets[b - 1][0] if b > 0 else 0.0
+    below = counts[b - 1] if b > 0 else 0.0
+    inside = counts[b] - below
+    if inside <= 0:
+        return lower
+    return lower + (upper - lower) * (rank - below) / inside
+
+
+def _hist_delta(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], family: str
+) -> tuple[list[tuple[float, float]], float, float] | None:
+    """``family`` over the run: after minus before, per bucket, summed over the engines."""
+    by_le: dict[float, float] = {}
+    count = total = 0.0
+    found = False
+    for name, a in after.items():
+        h = histogram(a, family)
+        if h is None:
+            continue
+        found = True
+        hb = histogram(before.get(name, {}), family)
+        was = dict(hb[0]) if hb else {}
+        for le, c in h[0]:
+            by_le[le] = by_le.get(le, 0.0) + c - was.get(le, 0.0)
+        count += h[1] - (hb[1] if hb else 0.0)
+        total += h[2] - (hb[2] if hb else 0.0)
+    if not found:
+        return None
+    return sorted(by_le.items()), count, total
+
+
+def connector_ms(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any] | None:
+    """Per phase of :data:`CONNECTOR_PHASES` the engines export: ``{"count", "mean",
+    "p50", "p99"}`` over the run (after minus before, summed over the fleet's engines),
+    in milliseconds, the percentiles by :func:`histogram_quantile` (so within a bucket's
+    resolution: 1-1.5-2-3-5-7 steps a decade); ``mean`` is ``_sum / _count``.  None
+    where no engine exports any (``baseline``, a connector without them)."""
+    out: dict[str, Any] = {}
+    for phase in CONNECTOR_PHASES:
+        h = _hist_delta(before, after, f"vllm:kvstore_{phase}_seconds")
+        if h is None:
+            continue
+        buckets, count, total = h
+        n = int(round(count))
+
+        def ms(x: float | None) -> float | None:
+            return None if x is None else round(x * 1e3, 4)
+
+        out[phase] = {
+            "count": n,
+            "mean": ms(total / count) if count > 0 else None,
+            "p50": ms(histogram_quantile(0.5, buckets)) if n else None,
+            "p99": ms(histogram_quantile(0.99, buckets)) if n else None,
+        }
+    return out or None
 
 
 def store_blocks(
@@ -80,12 +232,18 @@ def store_blocks(
         return None
 
     def reads(name: str) -> int:
-        return sum(after[n].get(name, 0) - before.get(n, {}).get(name, 0) for n in after)
+        # a node restarted during the run (--fault) starts its counters again from 0
+        return sum(_counter_delta(after[n].get(name, 0), before.get(n, {}).get(name, 0)) for n in after)
 
     pulled = sum(
         delta(engines_after[e], engines_before.get(e, {}), "vllm:kvstore_pulled_blocks_total") for e in engines_after
     )
     return {"dram_reads": reads("get_hits_dram"), "nvme_reads": reads("get_hits_nvme"), "remote_pulls": int(pulled)}
+
+
+def _counter_delta(after: int, before: int) -> int:
+    """A counter's increase; one that went down was reset (its process restarted): all of it."""
+    return after - before if after >= before else after
 
 
 def connector_counters(
@@ -149,6 +307,108 @@ def summarise(
     }
 
 
+RANGE_KEYS = (
+    "ttft_ms.p50",
+    "ttft_ms.p90",
+    "ttft_ms.p99",
+    "tbt_ms.p50",
+    "tbt_ms.p90",
+    "tbt_ms.p99",
+    "itl_ms.p50",
+    "itl_ms.p99",
+    "e2e_ms.p50",
+    "e2e_ms.p99",
+    "throughput_tok_s",
+    "goodput_rps",
+    "slo_met",
+    "makespan_s",
+    "tokens_equal_baseline",
+    "prompt_tokens.engine_cache",
+    "prompt_tokens.store",
+    "prompt_tokens.recomputed",
+)
+"""The figures whose spread over repeated runs ``repeats.ranges`` gives (dotted paths)."""
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _median_tree(values: Sequence[Any]) -> Any:
+    """The runs' values of one key combined: dicts key by key, numbers by their median
+    (over the runs that have one; an int where every run's is and the median is whole),
+    anything else (strings, lists, flags) as the first run that has it gives it."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    if all(isinstance(v, dict) for v in present):
+        keys: list[str] = []
+        for v in present:
+            keys += [k for k in v if k not in keys]
+        return {k: _median_tree([v.get(k) for v in present]) for k in keys}
+    if all(_is_number(v) for v in present):
+        m = float(np.median(np.asarray(present, dtype=float)))
+        if all(isinstance(v, int) for v in present) and m.is_integer():
+            return int(m)
+        return round(m, 4)
+    return present[0]
+
+
+def _at(d: dict[str, Any], path: str) -> Any:
+    for part in path.split("."):
+        if not isinstance(d, dict):
+            return None
+        d = d.get(part)  # type: ignore[assignment]
+    return d
+
+
+def combine_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's summary over repeated runs (``--repeat``): each numeric figure
+    the median of the runs' (same keys), with ``repeats`` ``{"n", "ranges": {path: [min,
+    max]}}`` for :data:`RANGE_KEYS` (those some run has) and ``runs``, every run's summary."""
+    out = _median_tree(list(runs))
+    ranges: dict[str, list[float]] = {}
+    for path in RANGE_KEYS:
+        xs = [v for r in runs if _is_number(v := _at(r, path))]
+        if xs:
+            ranges[path] = [min(xs), max(xs)]
+    out["repeats"] = {"n": len(runs), "ranges": ranges}
+    out["runs"] = list(runs)
+    return dict(out)
+
+
+def summarise_runs(
+    runs: Mapping[str, Sequence[Sequence[Record]]],
+    extras: Mapping[str, Sequence[dict[str, Any]]],
+    *,
+    slo_ttft_ms: float,
+    slo_tbt_ms: float,
+    greedy: bool,
+) -> dict[str, dict[str, Any]]:
+    """Each configuration's summary from its runs' records (``runs[name][i]``: run ``i``) and
+    counters (``extras[name][i]``, merged in): run ``i`` is compared with ``baseline``'s run
+    ``i`` (``baseline``'s own runs with its first); one run is its summary, several are
+    combined (:func:`combine_runs`)."""
+    base_runs = runs.get("baseline") or []
+    out: dict[str, dict[str, Any]] = {}
+    for name, recs_by_run in runs.items():
+        per_run = []
+        more = extras.get(name) or []
+        for i, recs in enumerate(recs_by_run):
+            j = 0 if name == "baseline" else i
+            one = summarise(
+                recs,
+                slo_ttft_ms=slo_ttft_ms,
+                slo_tbt_ms=slo_tbt_ms,
+                baseline=base_runs[j] if j < len(base_runs) else None,
+                greedy=greedy,
+            )
+            one.update(more[i] if i < len(more) else {})
+            per_run.append(one)
+        out[name] = per_run[0] if len(per_run) == 1 else combine_runs(per_run)
+    return out
+
+
 def _ratio(x: float | None, y: float | None) -> str:
     if x is None or y is None or y == 0 or (isinstance(y, float) and math.isnan(y)):
         return ""
@@ -204,11 +464,45 @@ def print_table(result: dict[str, Any], f: TextIO) -> None:
                 + (f"; greedy tokens equal to baseline: {eq:.0%}" if eq is not None else ""),
                 file=f,
             )
+            for line in _detail_lines(c):
+                print(f"    {line}", file=f)
     for n, info in (result.get("fleets") or {}).items():
         cpus = ", ".join(f"{e['name']} on CPU {e['cpus']}" for e in info["engines"])
         print(f"  {n} fleet: {cpus}; started in {info['started_s']:.0f} s", file=f)
+    faults = result.get("faults")
+    if faults:
+        plan = ", ".join(f"{x['action']} node{x['node']} at {x['at_s']:g} s" for x in faults["plan"])
+        skipped = "; ".join(f"{n}: {why}" for n, why in faults["not_applied"].items())
+        print(f"  faults: {plan}" + (f" (not applied to {skipped})" if skipped else ""), file=f)
     for msg in result.get("failures") or []:
         print(f"  failure: {msg}", file=f)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def _detail_lines(c: dict[str, Any]) -> list[str]:
+    """The compact extra lines of one configuration: connector time, spread over repeats, faults."""
+    lines = []
+    cms = c.get("connector_ms")
+    if cms:
+        parts = [
+            f"{phase} {h['count']}× {_fmt(h['mean'])}/{_fmt(h['p50'])}/{_fmt(h['p99'])}" for phase, h in cms.items()
+        ]
+        lines.append("connector ms (samples× mean/p50/p99): " + ", ".join(parts))
+    rep = c.get("repeats")
+    if rep:
+        rg = rep["ranges"]
+        shown = [k for k in ("ttft_ms.p50", "ttft_ms.p99", "tbt_ms.p99", "goodput_rps") if k in rg]
+        lines.append(
+            f"median of {rep['n']} runs; ranges: " + ", ".join(f"{k} {_fmt(rg[k][0])}..{_fmt(rg[k][1])}" for k in shown)
+        )
+    for fault in c.get("faults") or []:
+        done = f"done at {fault['done_at_s']:.1f} s" if fault["done_at_s"] is not None else "not done"
+        err = f" ({fault['error']})" if fault["error"] else ""
+        lines.append(f"fault: {fault['action']} node{fault['node']} at {fault['at_s']:g} s: {done}{err}")
+    return lines
 
 
 def plot(result: dict[str, Any], records: Sequence[Record], path: str) -> None:

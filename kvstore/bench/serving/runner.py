@@ -10,7 +10,9 @@ between streamed chunks that carry tokens, end-to-end to the last token.
 Failures never stop the run: a non-200 answer is recorded with its status and body
 (429 and 503 count as rejections), a connection that fails names the engine, and an
 engine that refuses connections (or whose process has exited) is marked dead, so the
-front stops sending it requests.  Owned by the asyncio loop of :func:`replay`.
+front stops sending it requests.  ``on_start`` hears the replay's start (the time its
+arrivals count from), so a fault plan (:class:`kvstore.bench.serving.fleet.FaultScheduler`)
+runs on the same clock.  Owned by the asyncio loop of :func:`replay`.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class Record:
     rejected: bool = False
     reject_ms: float | None = None  # a rejected request: how soon the answer came
     step: int = 0
+    repeat: int = 0  # which run of its configuration (--repeat), from 0
 
     @property
     def ok(self) -> bool:
@@ -115,6 +118,8 @@ class Replay:
         on_done: Callable[[Record], None] | None = None,
         on_close: Callable[[str], None] | None = None,
         sessions: bool = True,
+        repeat: int = 0,
+        on_start: Callable[[float], None] | None = None,
     ) -> None:
         self.config = config
         self.workload = workload
@@ -129,6 +134,8 @@ class Replay:
         self.sessions = sessions  # pass session ids on (False: engines without the connector, which warn)
         self.dead: dict[str, str] = {}  # engine name -> why it was taken out
         self.wall_s = 0.0
+        self.repeat = repeat
+        self.on_start = on_start  # called with the start time (time.monotonic) before the first request
 
     def run(self) -> list[Record]:
         return asyncio.run(self._run())
@@ -140,6 +147,8 @@ class Replay:
         conn = aiohttp.TCPConnector(limit=0, force_close=False)
         async with aiohttp.ClientSession(timeout=timeout, connector=conn) as http:
             t0 = time.monotonic()
+            if self.on_start is not None:
+                self.on_start(t0)
             tasks = [asyncio.create_task(self._one(http, w, t0)) for w in self.workload.items]
             closing = [asyncio.create_task(self._close(at, sid, t0)) for at, sid in self.workload.closes]
             records = list(await asyncio.gather(*tasks))
@@ -148,7 +157,9 @@ class Replay:
         return records
 
     async def _one(self, http: Any, w: Work, t0: float) -> Record:
-        rec = Record(self.config, w.index, w.arrival_s, len(w.tokens), w.output_tokens, step=self.step)
+        rec = Record(
+            self.config, w.index, w.arrival_s, len(w.tokens), w.output_tokens, step=self.step, repeat=self.repeat
+        )
         delay = t0 + w.arrival_s - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)

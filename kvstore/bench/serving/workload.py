@@ -15,12 +15,19 @@ the file and the options (no clock, no randomness beyond seeded generators):
   ``min_output_tokens`` (so a request has inter-token intervals to measure).
 * **arrivals** (open loop): the trace's timestamps, from the slice's first request, times
   ``time_scale``; or rescaled so the mean rate is ``rate`` requests/s.
-* **slice**: ``sample`` F keeps the requests of a share F of the trace's prefix trees
-  (requests grouped by their first hash id; a tree is kept when a hash of its root id,
-  seeded, falls below F), so a thinned trace keeps the reuse its requests have with each
-  other (on Mooncake's trace a 10 % sample keeps ~0.6 of blocks shared, as the whole
-  trace has, where its first 200 requests share 0.06); then ``window`` (seconds of the
-  trace, ``"A:B"``), then the first ``requests``.
+* **slice**: ``sample`` F keeps the requests of a share F of the trace's sampling units
+  (:func:`sample_units`; a unit is kept when a hash of its key falls below F), so a
+  thinned trace keeps the reuse its requests have with each other (on Mooncake's trace a
+  10 % sample keeps ~0.6 of blocks shared, as the whole trace has, where its first 200
+  requests share 0.06).  The units are the trace's prefix trees (requests grouped by
+  their first hash id), except that a tree holding more than half the requests (a
+  conversation trace under one shared system prompt: every request is in it) is split
+  below its shared prefix: into its sessions (``session_id``: a conversation, kept
+  whole with its branches) and, for requests without one, into the subtrees under the
+  prefix all of them share (split again while one holds more than half the trace).  A
+  sample that no unit's hash falls into keeps the unit of the lowest hash, so a sample
+  is never empty; ``Workload.sampled_by`` says which units it took.  Then ``window``
+  (seconds of the trace, ``"A:B"``), then the first ``requests``.
 * ``unique``: every request gets hash ids of its own (no prefix is shared: the no-reuse
   overhead run).
 * **sessions**: a request's ``session_id`` is kept (the runner passes it to the connector
@@ -43,7 +50,7 @@ import numpy as np
 import xxhash
 
 from kvstore.errors import InvalidArgument
-from kvstore.traces.format import DEFAULT_BLOCK_TOKENS, Trace
+from kvstore.traces.format import DEFAULT_BLOCK_TOKENS, Request, Trace
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -156,6 +163,7 @@ class Workload:
     items: tuple[Work, ...]
     skipped: tuple[str, ...]  # bad trace lines, each naming its line
     closes: tuple[tuple[float, str], ...] = ()  # (seconds after the start, session id): close_session events
+    sampled_by: str | None = None  # with a sample: "prefix trees", or "sessions and subtrees below a shared root"
 
     @property
     def duration_s(self) -> float:
@@ -183,6 +191,7 @@ class Workload:
             "prompt_tokens": {"mean": round(float(np.mean(n_in)), 1), "max": max(n_in), "total": sum(n_in)},
             "output_tokens": {"mean": round(float(np.mean(n_out)), 1), "max": max(n_out), "total": sum(n_out)},
             "shared_block_ratio": round(shared_block_ratio([w.hash_ids for w in self.items]), 4),
+            "sampled_by": self.sampled_by,
         }
 
     def resalted(self, salt: str) -> Workload:
@@ -206,13 +215,106 @@ def shared_block_ratio(chains: Sequence[Sequence[int]]) -> float:
     return hits / total if total else 0.0
 
 
+DOMINANT_SHARE = 0.5
+"""A prefix tree holding more than this share of a trace's requests is split for sampling."""
+
+
+def _key_hash(key: bytes) -> int:
+    return int(xxhash.xxh64_intdigest(key))
+
+
+def _id_bytes(h: int) -> bytes:
+    """A hash id as the 8 bytes its key hashes (ids past 64 bits wrap, never raise)."""
+    return (h & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "little")
+
+
+def _common_prefix(chains: Sequence[Sequence[int]]) -> int:
+    """How many leading hash ids every chain of ``chains`` shares."""
+    first = chains[0]
+    n = min(len(c) for c in chains)
+    for c in chains[1:]:
+        k = 0
+        while k < n and c[k] == first[k]:
+            k += 1
+        n = k
+        if n == 0:
+            break
+    return n
+
+
+def sample_units(reqs: Sequence[Request]) -> tuple[list[tuple[bytes, list[int]]], bool]:
+    """The units ``--sample`` keeps or drops whole, as (key, indices into ``reqs``), and
+    whether a dominant tree was split (see the module docstring).  Keys: a prefix tree's
+    root id as 8 little-endian bytes (as ever, so samples of traces without a dominant
+    tree are unchanged), ``session:<id>``, ``tree:<ids of the subtree's path>``, and
+    ``request:<index>`` for a request without hash ids."""
+    trees: dict[int, list[int]] = {}
+    units: list[tuple[bytes, list[int]]] = []
+    for i, r in enumerate(reqs):
+        if r.hash_ids:
+            trees.setdefault(r.hash_ids[0], []).append(i)
+        else:
+            units.append((b"request:%d" % i, [i]))
+    limit = DOMINANT_SHARE * len(reqs)
+    split = False
+    for root, members in trees.items():
+        if len(members) <= limit or len(members) < 2:
+            units.append((_id_bytes(root), members))
+            continue
+        split = True
+        sessions: dict[str, list[int]] = {}
+        rest: list[int] = []
+        for i in members:
+            sid = reqs[i].session_id
+            if sid is not None:
+                sessions.setdefault(sid, []).append(i)
+            else:
+                rest.append(i)
+        units.extend((b"session:" + sid.encode(), idx) for sid, idx in sessions.items())
+        units.extend(_subtrees(reqs, rest, limit))
+    return units, split
+
+
+def _subtrees(reqs: Sequence[Request], members: list[int], limit: float) -> list[tuple[bytes, list[int]]]:
+    """``members`` (requests of one tree) grouped by the hash id just below the prefix they
+    all share; a group still over ``limit`` requests is split again below its own."""
+    out: list[tuple[bytes, list[int]]] = []
+    todo = [members] if members else []
+    while todo:
+        group = todo.pop()
+        depth = _common_prefix([reqs[i].hash_ids for i in group])
+        children: dict[tuple[int, ...], list[int]] = {}
+        for i in group:
+            ids = reqs[i].hash_ids
+            children.setdefault(tuple(ids[: depth + 1]), []).append(i)  # the shared prefix itself: its own
+        for path, idx in children.items():
+            if len(idx) > limit and len(children) > 1:
+                todo.append(idx)
+            else:
+                out.append((b"tree:" + b"".join(_id_bytes(h) for h in path), idx))
+    return out
+
+
+def sample(reqs: Sequence[Request], share: float) -> tuple[list[Request], str]:
+    """The requests of the units (:func:`sample_units`) whose key hashes below ``share``
+    of the hash range, in trace order (at least one unit), and what the units were."""
+    units, split = sample_units(reqs)
+    cut = share * 2**64
+    hashed = [(_key_hash(key), idx) for key, idx in units]
+    keep = [idx for h, idx in hashed if h < cut]
+    if not keep and hashed:
+        keep = [min(hashed, key=lambda u: u[0])[1]]
+    chosen = sorted(i for idx in keep for i in idx)
+    return [reqs[i] for i in chosen], "sessions and subtrees below a shared root" if split else "prefix trees"
+
+
 def build(path: str | Path, s: Scaling) -> Workload:
     """Load ``path`` and make the requests of ``s`` (see the module docstring)."""
     trace = Trace.load(path, block_tokens=s.trace_block_tokens, bad_lines="skip")
     reqs = list(trace.requests)
-    if s.sample is not None:
-        cut = s.sample * 2**64
-        reqs = [r for r in reqs if r.hash_ids and xxhash.xxh64_intdigest(r.hash_ids[0].to_bytes(8, "little")) < cut]
+    sampled_by = None
+    if s.sample is not None and reqs:
+        reqs, sampled_by = sample(reqs, s.sample)
     if s.window is not None:
         t0 = reqs[0].timestamp
         reqs = [r for r in reqs if s.window[0] * 1e3 <= r.timestamp - t0 < s.window[1] * 1e3]
@@ -246,4 +348,4 @@ def build(path: str | Path, s: Scaling) -> Workload:
         if s.max_output_tokens is not None:
             out = min(out, s.max_output_tokens)
         items.append(Work(i, arrivals[i], synth.prompt(ids, length), out, ids, r.session_id))
-    return Workload(str(path), s, tuple(items), trace.skipped, closes if not s.unique else ())
+    return Workload(str(path), s, tuple(items), trace.skipped, closes if not s.unique else (), sampled_by)
