@@ -171,6 +171,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.hit_sources(request, num_external_tokens)
 
+    def on_new_request(self, request: Request) -> None:
+        if self._scheduler is not None:
+            self._scheduler.arrived(request)  # its lookup starts now, off the scheduler thread
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None
         self._scheduler.after_alloc(request, blocks, num_external_tokens)

@@ -88,9 +88,11 @@ class _Req:
     answer: LookupAnswer | None = None  # the last lookup's answer, kept until vLLM allocates
     answer_key: tuple[int, int] = (-1, -1)  # (first chunk asked, tokens) it answers
     answer_at: float = 0.0
+    answer_fresh: bool = False  # collected and not yet used by an ask
     pending: concurrent.futures.Future[LookupAnswer] | None = None  # a lookup in flight
     pending_key: tuple[int, int] = (-1, -1)
     pending_since: float = 0.0
+    waited: bool = False  # an ask already waited lookup_wait_ms for the pending lookup
     sched_s: float = 0.0  # the scheduler thread's connector time for it
     kind: str = "local"  # where the last hit's chunks are: local, nvme, remote (the load gate's kinds)
 
@@ -134,32 +136,80 @@ class SchedulerSide:
         self._down_until = time.monotonic() + RETRY_S
 
     def _answer(self, r: _Req, tokens: list[int], first: int) -> LookupAnswer | None:
-        """The lookup of ``tokens`` from chunk ``first`` on: kept from an earlier ask, or
-        asked now (waited on for at most ``lookup_wait_ms``); None: not answered yet."""
-        key = (first, len(tokens))
-        now = time.monotonic()
-        if r.answer is not None and r.answer_key == key and now < r.answer_at + ANSWER_TTL_S:
-            self.counters["lookups_cached"] += 1
-            return r.answer
-        wait = 0.0
-        if r.pending is None or r.pending_key != key:
-            r.pending = self.link.lookup(tokens, r.namespace, first, r.session_id)
-            r.pending_key, r.pending_since = key, now
-            self.counters["lookups"] += 1
-            wait = min(self.settings.lookup_wait_ms / 1e3, self.settings.deadline_s)
+        """The lookup of ``tokens`` from chunk ``first`` on: kept from an earlier ask (or the
+        one :meth:`arrived` started from chunk 0, when it covers ``first``), or asked now and
+        waited on for at most ``lookup_wait_ms``; None: not answered yet."""
+        n = len(tokens)
+        wait = min(self.settings.lookup_wait_ms / 1e3, self.settings.deadline_s)
+        if r.pending is not None and r.pending_key[1] == n and r.pending_key[0] in (0, first):
+            waited, r.waited = r.waited, True  # one ask per lookup may wait for it, the next do not
+            if not self._collect(r, 0.0 if waited else wait):
+                return None
+        ans = self._usable(r, first, n)
+        if ans is not None:
+            return ans
+        r.pending = self.link.lookup(tokens, r.namespace, first, r.session_id)
+        r.pending_key, r.pending_since, r.waited = (first, n), time.monotonic(), True
+        self.counters["lookups"] += 1
+        if not self._collect(r, wait):
+            return None
+        return self._usable(r, first, n)
+
+    def _collect(self, r: _Req, wait: float) -> bool:
+        """Take the pending lookup's answer (True), or count it still pending (False); past
+        ``deadline_s`` it is given up and answered as a failure."""
+        assert r.pending is not None
         try:
             ans = r.pending.result(timeout=wait)
         except concurrent.futures.TimeoutError:
-            if now - r.pending_since < self.settings.deadline_s:
+            if time.monotonic() - r.pending_since < self.settings.deadline_s:
                 self.counters["lookup_pending"] += 1
-                return None
+                return False
             r.pending.cancel()
             self.counters["lookup_timeouts"] += 1
             ans = LookupAnswer(error=DeadlineExceeded(f"lookup not answered in {self.settings.deadline_s} s"))
-        r.pending = None
         self.counters["lookup_us"] += int(ans.seconds * 1e6)
-        r.answer, r.answer_key, r.answer_at = ans, key, now
-        return ans
+        if ans.error is None:
+            self.timings.add("store_lookup", ans.seconds)
+        r.answer, r.answer_key, r.answer_at, r.answer_fresh = ans, r.pending_key, time.monotonic(), True
+        r.pending = None
+        return True
+
+    def _usable(self, r: _Req, first: int, n: int) -> LookupAnswer | None:
+        """The kept answer, if it answers an ask from chunk ``first`` of ``n`` tokens: its own,
+        or one from chunk 0 that found at least ``first`` chunks (its suffix)."""
+        ans = r.answer
+        if ans is None or r.answer_key[1] != n or time.monotonic() >= r.answer_at + ANSWER_TTL_S:
+            return None
+        asked = r.answer_key[0]
+        if asked != first and not (asked == 0 and ans.error is None and ans.found >= first):
+            return None
+        if not r.answer_fresh:
+            self.counters["lookups_cached"] += 1
+        r.answer_fresh = False
+        if asked == first or ans.error is not None:
+            return ans
+        return LookupAnswer(ans.found - first, ans.tiers[first:], ans.local[first:], ans.seconds)
+
+    def arrived(self, request: Request) -> None:
+        """vLLM added a request: its chunks are sighted and its lookup (from chunk 0: vLLM's
+        own cache is not asked yet) starts now, so it is answered by the time it is scheduled."""
+        if not self.consume:
+            return
+        t0 = time.perf_counter()
+        r = self._track(request)
+        try:
+            if r.skip is not None or time.monotonic() < self._down_until:
+                return
+            tokens = list(request.all_token_ids)
+            if self.produce and not r.sighted:
+                self._sight(r, tokens)
+            if tokens:
+                r.pending = self.link.lookup(tokens, r.namespace, 0, r.session_id)
+                r.pending_key, r.pending_since, r.waited = (0, len(tokens)), time.monotonic(), False
+                self.counters["lookups"] += 1
+        finally:
+            r.sched_s += time.perf_counter() - t0
 
     # -- vLLM's calls -------------------------------------------------------------------
     def _track(self, request: Request) -> _Req:

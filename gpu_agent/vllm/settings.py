@@ -72,6 +72,9 @@ class ConnectorSettings:
     ``kv_transfer_params["retain"]``, decode KV included; nothing else); ``auto``:
     ``hinted`` for requests with a hint, ``second-sighting`` for the rest.  An engine that
     only produces (``kv_producer``) stores everything."""
+    background_saves: bool = True
+    """Where the agent copies on the host (CPU engines), run saves on the worker's saver
+    thread, off the step (false: inside ``wait_for_save``, the step waits for the copy)."""
     load_gate: bool = True
     """Load a hit only where its measured load time beats recomputing its tokens (per kind:
     the node's DRAM, its NVMe, another node); ``gpu_agent.vllm.gate``."""

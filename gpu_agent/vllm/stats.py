@@ -12,7 +12,9 @@ that :meth:`KVStoreStats.aggregate` concatenates), exported as the Prometheus hi
 (one ``get_num_new_matched_tokens`` call), ``request_sched`` (a request's scheduler-thread
 connector time, observed when it finishes) and ``sched_step`` (``build_connector_meta``);
 the workers': ``load_wait`` (a step's wait for its loads), ``save_wait`` (``wait_for_save``)
-and ``step_wait`` (every connector call of one forward pass, summed).
+and ``step_wait`` (every connector call of one forward pass, summed).  Off the engine's
+threads: ``store_lookup`` (the store's answer to one lookup, on the scheduler half's store
+link) and ``background_save`` (one save on the worker's saver thread).
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ SCHEDULER_KEYS = (
 )
 STAT_KEYS = WORKER_KEYS + SCHEDULER_KEYS
 
-SCHEDULER_PHASES = ("lookup", "request_sched", "sched_step")
-WORKER_PHASES = ("load_wait", "save_wait", "step_wait")
+SCHEDULER_PHASES = ("lookup", "request_sched", "sched_step", "store_lookup")
+WORKER_PHASES = ("load_wait", "save_wait", "step_wait", "background_save")
 PHASES = SCHEDULER_PHASES + WORKER_PHASES
 BUCKETS = tuple(
     round(m * 10.0**e, 6) for e in range(-5, 1) for m in (1, 1.5, 2, 3, 5, 7) if 5e-5 <= m * 10.0**e <= 7
@@ -79,6 +81,8 @@ PHASE_HELP = {
     "load_wait": "Seconds one forward pass waited for the connector's loads.",
     "save_wait": "Seconds wait_for_save held one forward pass.",
     "step_wait": "Seconds one forward pass spent in connector calls, all of them.",
+    "store_lookup": "Seconds the store took to answer one lookup (on the connector's own thread).",
+    "background_save": "Seconds one save took on the saver thread (Reserve, copy, checksum), off the step.",
 }
 
 

@@ -451,7 +451,7 @@ class WorkerSide:
         reserver thread), so ``wait_for_save`` copies at once.  Best effort: a save without
         its reservation reserves for itself.  Not where saves run off the step (host copies):
         the saver thread reserves as it goes."""
-        if self.agent is None or self.spec is None or self.agent.copies_on_host:
+        if self.agent is None or self.spec is None or (self.agent.copies_on_host and self.settings.background_saves):
             return
         for s in meta.saves:
             try:
@@ -484,7 +484,7 @@ class WorkerSide:
 
     def _issue_saves(self, meta: KVStoreMeta) -> None:
         connected = self._connect()
-        background = connected and bool(self.agent.copies_on_host)
+        background = connected and self.settings.background_saves and bool(self.agent.copies_on_host)
         for s in meta.saves:
             handle: Any = None
             owner, ahead = self._ahead.pop(id(s), (None, None))
@@ -545,8 +545,10 @@ class WorkerSide:
             log.warning("kvstore save for %s failed (%s)", s.req_id, e)
             return None
         finally:
+            dt = time.perf_counter() - t0
             with self._queued_lock:
-                self.counters["save_us"] += int((time.perf_counter() - t0) * 1e6)
+                self.counters["save_us"] += int(dt * 1e6)
+                self.timings.add("background_save", dt)
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests vLLM has finished whose saves all ended (each reported once), and

@@ -343,3 +343,110 @@ def test_a_local_prefix_cache_hit_never_stops_the_next_requests_lookups(tmp_path
         side.link.flush()
         assert side.link.reporting  # reported to the node, no failure
         side.close()
+
+
+def test_a_lookup_runs_off_the_scheduler_thread_and_vllm_hears_not_yet_until_it_answers(node: Any) -> None:
+    """With no wait allowed (``lookup_wait_ms`` 0) the first ask of a request is "not yet"
+    (vLLM's ``None``) while its lookup runs on the store link's thread; a later ask takes
+    the answer, and asks after that reuse it: one lookup per request, however often vLLM
+    asks while the request waits."""
+    side = scheduler(node, lookup_wait_ms=0.0)
+    req = request(prompt(1000, seed=11), rid="patient")
+    store(node, side, req, 2)
+    assert side.matched(req, 0) == (None, False)
+    t0 = time.monotonic()
+    while (got := side.matched(req, 0))[0] is None:
+        assert time.monotonic() - t0 < 5, "the lookup was never answered"
+        time.sleep(0.005)
+    assert got == (512, False)
+    assert side.matched(req, 0) == (512, False)
+    assert side.counters["lookups"] == 1 and side.counters["lookups_cached"] >= 1
+    assert side.counters["lookup_pending"] >= 1
+    side.close()
+
+
+def test_a_lookup_started_at_arrival_answers_the_ask_after_vllms_own_cache_hit(node: Any) -> None:
+    """``on_new_request`` starts the lookup from chunk 0; vLLM then asks from where its own
+    prefix cache ends (chunk 1 here) and the arrival's answer covers it: no second lookup."""
+    side = scheduler(node)
+    req = request(prompt(1000, seed=12), rid="early")
+    store(node, side, req, 3)
+    side.arrived(req)
+    assert side.matched(req, CHUNK) == (2 * CHUNK, False)
+    assert side.counters["lookups"] == 1
+    side.close()
+
+
+def test_a_lookup_that_never_answers_is_a_miss_after_the_deadline() -> None:
+    """A store that accepts the connection and never answers (a hung node): the request
+    hears "not yet" until ``deadline_s``, then recomputes; the scheduler never blocks."""
+    import socket
+    import tempfile
+
+    from gpu_agent.vllm.scheduler import SchedulerSide
+    from gpu_agent.vllm.settings import ConnectorSettings
+
+    with tempfile.TemporaryDirectory() as d, socket.socket(socket.AF_UNIX) as hung:
+        path = f"{d}/hung.sock"
+        hung.bind(path)
+        hung.listen(8)  # accepted by the kernel, never served
+        settings = ConnectorSettings.from_extra({"target": f"unix://{path}", "deadline_s": 0.5, "lookup_wait_ms": 1.0})
+        side = SchedulerSide(spec(), settings, CHUNK, produce=True, consume=True)
+        req = request(prompt(600, seed=13), rid="hung")
+        t0 = time.monotonic()
+        asks = 0
+        while (got := side.matched(req, 0))[0] is None:
+            asks += 1
+            assert time.monotonic() - t0 < 5, "the ask outlived the deadline"
+            time.sleep(0.01)
+        assert got == (0, False) and asks >= 1
+        assert side.counters["lookup_timeouts"] + side.counters["lookup_errors"] >= 1
+        side.close()
+
+
+def _saves_after_prefill(side: Any, req: Any) -> list[Any]:
+    """What the scheduler saves once ``req``'s prompt ran (its block table room for two more chunks)."""
+    from gpu_agent.vllm.metadata import KVStoreMeta
+
+    r = side._reqs[req.request_id]
+    r.block_ids = list(range(-(-(req.num_tokens + 2 * CHUNK) // 16)))
+    meta = KVStoreMeta()
+    side._maybe_save(meta, req.request_id, r, req.num_tokens)
+    return meta.saves
+
+
+def test_auto_stores_a_prefix_from_its_second_sighting_and_a_sessions_turn_whole(node: Any) -> None:
+    """``save_policy`` auto: a prompt seen once is not stored (nobody may read it again); its
+    second request stores it (the third loads it); a request of a session (its next turn
+    extends it) stores its prompt and its decode chunks at once.  ``always`` stores all."""
+    side = scheduler(node, save_policy="auto")
+    toks = prompt(3 * CHUNK + 40, seed=14)
+    first = request(toks, rid="one")
+    assert side.matched(first, 0) == (0, False)
+    assert _saves_after_prefill(side, first) == []
+    side.finished(first)
+    assert side.counters["skipped_save_chunks"] == 3
+    second = request(toks, rid="two")
+    assert side.matched(second, 0) == (0, False)
+    saves = _saves_after_prefill(side, second)
+    assert [(s.skip_chunks, len(s.tokens), s.tail) for s in saves] == [
+        (0, len(toks), True)
+    ]  # an exact repeat: tail too
+    session = request(prompt(2 * CHUNK + 10, seed=15), rid="turn1", params={"session_id": "conv"})
+    assert side.matched(session, 0) == (0, False)
+    prefill = _saves_after_prefill(side, session)
+    assert [len(s.tokens) for s in prefill] == [2 * CHUNK]  # the prompt's full chunks, not its tail
+    r = side._reqs["turn1"]
+    from gpu_agent.vllm.metadata import KVStoreMeta
+
+    for t in range(CHUNK):
+        session.append_output_token_ids(7 + t)
+    meta = KVStoreMeta()
+    side._maybe_save(meta, "turn1", r, session.num_tokens)  # decoding filled a third chunk
+    assert [(s.skip_chunks, len(s.tokens)) for s in meta.saves] == [(2, 3 * CHUNK)]
+    always = scheduler(node, save_policy="always", salt=side.settings.salt + "-always")
+    once = request(prompt(2 * CHUNK + 5, seed=16), rid="once")
+    assert always.matched(once, 0) == (0, False)
+    assert [s.tail for s in _saves_after_prefill(always, once)] == [True]
+    side.close()
+    always.close()

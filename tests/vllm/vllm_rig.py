@@ -129,7 +129,10 @@ class Rig:
         stack.callback(self.node.close)
         self.other_node = private_node(d / "other", *member, dram="256MiB", nvme="256MiB")
         stack.callback(self.other_node.close)
-        extra = {"target": self.node.target, "deadline_s": 2.0}
+        # these engines pin the data path: every prompt they compute is stored (save_policy
+        # always), so one request is enough to test a load; what `auto` stores is tested in
+        # test_connector_halves.py and measured by `kvstore bench serving`
+        extra = {"target": self.node.target, "deadline_s": 2.0, "save_policy": "always"}
         remote_extra = {"target": self.other_node.target, "lookup_target": cluster_target, "deadline_s": 2.0}
 
         def engine(name: str, **kw: Any) -> EngineProcess:

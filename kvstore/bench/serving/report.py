@@ -115,7 +115,16 @@ def prompt_sources(
 
 # -- the connector's histograms ------------------------------------------------------------
 
-CONNECTOR_PHASES = ("lookup", "request_sched", "sched_step", "load_wait", "save_wait", "step_wait")
+CONNECTOR_PHASES = (
+    "lookup",
+    "request_sched",
+    "sched_step",
+    "store_lookup",
+    "load_wait",
+    "save_wait",
+    "step_wait",
+    "background_save",
+)
 """The connector's ``vllm:kvstore_<phase>_seconds`` histograms: one sample per scheduler
 lookup, per request (its scheduler-thread time), per scheduler step, per worker step with
 loads (its wait), per worker step with saves (``wait_for_save``), per worker step (every

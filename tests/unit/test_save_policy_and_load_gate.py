@@ -1,0 +1,109 @@
+"""The connector's save policy (what is stored) and load gate (what is loaded): pure rules,
+no engine.  The serving benchmark measures what they buy; these pin what they decide."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from gpu_agent.vllm.admission import EVERYTHING, NOTHING, SavePlan, Sightings, hinted, plan
+from gpu_agent.vllm.gate import LoadGate, Rate
+
+
+def _plan(policy: str, counts: list[int], tail: int | None = None, **kw: bool) -> SavePlan:
+    return plan(
+        policy,
+        counts=counts,
+        tail_count=tail,
+        hint=kw.get("hint", False),
+        producer_only=kw.get("producer_only", False),
+        save_decode=kw.get("save_decode", True),
+    )
+
+
+def test_second_sighting_stores_the_leading_run_of_chunks_looked_up_before() -> None:
+    assert _plan("second-sighting", [1, 1, 1]) == SavePlan(0, False, False)  # a one-off prompt: nothing
+    assert _plan("second-sighting", [3, 2, 1, 2]) == SavePlan(2, False, False)  # the run ends at the new chunk
+    assert _plan("second-sighting", [2, 2], tail=2) == SavePlan(2, True, False)  # an exact repeat: its tail too
+    assert _plan("second-sighting", [2, 2], tail=1) == SavePlan(2, False, False)
+    assert not _plan("second-sighting", [2, 2]).decode  # nobody has looked decode chunks up
+
+
+def test_hinted_stores_everything_of_a_hinted_request_and_nothing_else() -> None:
+    assert _plan("hinted", [1, 1], hint=True) == SavePlan(EVERYTHING, False, True)
+    assert _plan("hinted", [5, 5], tail=5) == NOTHING
+    assert _plan("hinted", [1], hint=True, save_decode=False).decode is False
+
+
+def test_auto_is_hinted_for_hinted_requests_and_second_sighting_for_the_rest() -> None:
+    assert _plan("auto", [1, 1], hint=True) == _plan("hinted", [1, 1], hint=True)
+    assert _plan("auto", [2, 1]) == _plan("second-sighting", [2, 1])
+
+
+def test_always_and_producers_store_every_chunk_whatever_was_seen() -> None:
+    for p in ("always",):
+        assert _plan(p, [1, 1], tail=1) == SavePlan(EVERYTHING, True, True)
+    for p in ("auto", "second-sighting", "hinted"):  # a prefill engine's consumer reads them next
+        assert _plan(p, [1, 1], tail=1, producer_only=True) == SavePlan(EVERYTHING, True, True)
+    assert not SavePlan().limited and NOTHING.limited
+
+
+def test_sightings_count_each_lookup_of_a_key() -> None:
+    s = Sightings(width=1 << 10)
+    a, b = b"a" * 16, b"b" * 16
+    assert s.sight([a, b]) == [1, 1]
+    assert s.sight([a]) == [2]
+    assert s.sight([a, b]) == [3, 2]
+
+
+@pytest.mark.parametrize(
+    ("params", "want"),
+    [
+        ({"session_id": "conv-1"}, True),
+        ({"retain": True}, True),
+        ({"session_id": ""}, False),
+        ({"retain": "yes"}, False),  # only a JSON true is a hint
+        (None, False),
+        ("not a dict", False),
+    ],
+)
+def test_a_hint_is_a_session_or_retain(params: object, want: bool) -> None:
+    assert hinted(types.SimpleNamespace(kv_transfer_params=params)) is want
+
+
+def test_the_gate_loads_until_it_has_measured_then_only_what_beats_recompute() -> None:
+    g = LoadGate(min_samples=2, explore=0)
+    assert g.leading(["local", "remote"]) == 2  # nothing measured: load and learn
+    for _ in range(2):  # recompute: 1 ms a token; local loads 10 µs a token; remote pulls 5 ms a token
+        g.observe({"prefill_step_us": 512_000, "prefill_step_tokens": 512})
+        g.observe(
+            {"load_local_us": 2_560, "load_local_tokens": 256, "load_remote_us": 1_280_000, "load_remote_tokens": 256}
+        )
+    assert g.pays("local") and not g.pays("remote") and g.pays("nvme")  # nvme: not measured yet
+    assert g.leading(["local", "local", "remote", "local"]) == 2  # stops at the first that does not pay
+    assert g.leading(["remote"]) == 0
+    assert LoadGate(enabled=False).leading(["remote"]) == 1
+
+
+def test_a_gated_kind_is_tried_again_now_and_then_so_a_recovered_tier_is_found() -> None:
+    g = LoadGate(min_samples=1, explore=3)
+    g.observe(
+        {"prefill_step_us": 1000, "prefill_step_tokens": 1000, "load_remote_us": 10_000, "load_remote_tokens": 100}
+    )
+    got = [g.leading(["remote"]) for _ in range(6)]
+    assert got == [0, 0, 1, 0, 0, 1]
+    for _ in range(40):  # the remote node recovered: pulls now cost a tenth of recompute
+        g.observe({"load_remote_us": 10, "load_remote_tokens": 100})
+    assert g.pays("remote")
+
+
+def test_rates_are_decayed_ratios_and_ignore_empty_samples() -> None:
+    r = Rate(decay=0.5)
+    assert r.per_token() is None
+    r.add(1.0, 0)  # no tokens: nothing learnt
+    r.add(-1.0, 10)
+    assert r.samples == 0
+    r.add(1.0, 100)
+    r.add(3.0, 100)  # recent weighs more: (0.5 + 3) / (50 + 100)
+    assert r.per_token() == pytest.approx(3.5 / 150)
