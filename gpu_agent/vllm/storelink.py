@@ -67,7 +67,6 @@ class StoreLink:
         self._report_at = 0.0
         self._report_down_until = 0.0
         self._closed = False
-        self._pool.submit(self._warm)  # the first request's lookup finds the channel up
 
     # -- the scheduler thread's calls ----------------------------------------------------
     def lookup(
@@ -109,13 +108,6 @@ class StoreLink:
         self._drop()
 
     # -- the lookup thread ------------------------------------------------------------------
-    def _warm(self) -> None:
-        try:
-            self._lookup_client()
-        except Exception as e:  # noqa: BLE001 - the first lookup dials again and reports it
-            log.debug("kvstore: dialling %s failed (%s)", self.settings.lookup_target or self.settings.target, e)
-            self._drop()
-
     def _lookup_client(self) -> Any:
         if self._client is None:
             self._client = self.settings.client(self.settings.lookup_target or None)
