@@ -29,6 +29,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from gpu_agent.vllm.spec import request_session
 from kvstore.keys import ChunkKey
 from tiers.sketch import FrequencySketch
 
@@ -67,11 +68,10 @@ class Sightings:
 
 def hinted(request: Any) -> bool:
     """Whether a request says its KV will be read again (a session, or ``retain``)."""
+    if request_session(request) is not None:
+        return True
     params = getattr(request, "kv_transfer_params", None)
-    if not isinstance(params, dict):
-        return False
-    sid = params.get("session_id")
-    return (isinstance(sid, str) and bool(sid)) or params.get("retain") is True
+    return isinstance(params, dict) and params.get("retain") is True
 
 
 def plan(

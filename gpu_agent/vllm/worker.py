@@ -87,7 +87,7 @@ class _BackgroundSave:
         from gpu_agent.agent import SaveResult
 
         try:
-            h = self.fut.result(timeout)
+            h = self.fut.result(timeout)  # a TimeoutError goes to the caller
         except concurrent.futures.TimeoutError:
             raise
         except Exception as e:  # noqa: BLE001 - reported as a failed save
