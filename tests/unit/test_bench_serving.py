@@ -306,14 +306,13 @@ def test_an_engine_that_stops_answering_is_named_and_skipped(server: StreamingSe
     assert "gone" in rep.dead["gone"]
 
 
+BENCH_SERVING = (sys.executable, "-m", "kvstore", "bench", "serving")
+
+
 def test_the_command_against_a_target(server: StreamingServer, tmp_path: Path) -> None:
     out = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "kvstore",
-            "bench",
-            "serving",
+            *BENCH_SERVING,
             "--target",
             server.url,
             "--requests",
@@ -637,26 +636,8 @@ def test_repeated_runs_report_medians_ranges_and_pair_with_baselines_runs() -> N
 
 def test_the_command_repeats_each_configuration(server: StreamingServer, tmp_path: Path) -> None:
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvstore",
-            "bench",
-            "serving",
-            "--target",
-            server.url,
-            "--requests",
-            "3",
-            "--rate",
-            "50",
-            "--warmup",
-            "0",
-            "--repeat",
-            "3",
-            "--json",
-            "--records",
-            str(tmp_path / "r.jsonl"),
-        ],
+        [*BENCH_SERVING, "--target", server.url, "--requests", "3", "--rate", "50", "--warmup", "0"]
+        + ["--repeat", "3", "--json", "--records", str(tmp_path / "r.jsonl")],
         capture_output=True,
         text=True,
         timeout=120,
