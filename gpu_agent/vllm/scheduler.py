@@ -15,16 +15,17 @@ three counts, each in tokens or leading chunks of the request's tokens:
 Nothing slow runs on vLLM's scheduler thread: every store call goes through
 :class:`~gpu_agent.vllm.storelink.StoreLink`'s own thread.  A request's lookup is asked
 once and its answer kept until vLLM allocates for it (vLLM asks again on every step a
-request waits; for at most ``ANSWER_TTL_S``); the scheduler waits at most ``lookup_wait_ms`` for a fresh answer, then
-answers vLLM ``None`` ("not yet") and takes the answer at the next ask, giving up (a
-miss) after ``deadline_s``.  What is saved follows ``save_policy``
+request waits; for at most ``ANSWER_TTL_S``).  A scheduling pass waits for answers within
+one budget that follows the engine's step time (:mod:`gpu_agent.vllm.pacing`: hidden under
+the forward pass, longer on an idle engine); past it the scheduler answers vLLM ``None``
+("not yet") and takes the answer at a later ask, giving up (a miss) after ``deadline_s``.  What is saved follows ``save_policy``
 (:mod:`gpu_agent.vllm.admission`), what is loaded the load gate (:mod:`gpu_agent.vllm.gate`).
 
 Invariants: a chunk counts as stored only when every tensor/pipeline rank's shard is
 (lookups ask for each rank's keys and take the shortest run); a request held for its
 saves (``request_finished`` → True) is one every worker reports finished (the workers
 record every save, started or not); a store that fails is not asked again for
-``RETRY_S``, and no call here waits longer than ``lookup_wait_ms``.
+``RETRY_S``, and the waits of one scheduling pass add up to at most its budget.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from gpu_agent.vllm import admission
 from gpu_agent.vllm.events import KVStoreEvents, StoredChunks
 from gpu_agent.vllm.gate import LoadGate
 from gpu_agent.vllm.metadata import KVStoreMeta, LoadSpec, SaveSpec
+from gpu_agent.vllm.pacing import WaitBudget
 from gpu_agent.vllm.settings import RETRY_S, ConnectorSettings, EngineSpec
 from gpu_agent.vllm.spec import all_ranks, rank_namespace, request_namespace, request_session, unkeyable
 from gpu_agent.vllm.stats import SCHEDULER_KEYS, SCHEDULER_PHASES, KVStoreStats, Timings, delta
@@ -92,7 +94,6 @@ class _Req:
     pending: concurrent.futures.Future[LookupAnswer] | None = None  # a lookup in flight
     pending_key: tuple[int, int] = (-1, -1)
     pending_since: float = 0.0
-    waited: bool = False  # an ask already waited lookup_wait_ms for the pending lookup
     sched_s: float = 0.0  # the scheduler thread's connector time for it
     kind: str = "local"  # where the last hit's chunks are: local, nvme, remote (the load gate's kinds)
 
@@ -122,6 +123,9 @@ class SchedulerSide:
         self._down_until = 0.0  # lookups resume then (a store call failed)
         self.sightings = admission.Sightings()
         self.gate = LoadGate(settings.load_gate)
+        self.budget = WaitBudget(
+            settings.lookup_wait_ms / 1e3, settings.lookup_wait_step, settings.lookup_idle_wait_ms / 1e3
+        )
         self.counters: dict[str, int] = {k: 0 for k in SCHEDULER_KEYS}
         self.timings = Timings(SCHEDULER_PHASES)
         self._reported: dict[str, int] = {}
@@ -138,36 +142,41 @@ class SchedulerSide:
     def _answer(self, r: _Req, tokens: list[int], first: int) -> LookupAnswer | None:
         """The lookup of ``tokens`` from chunk ``first`` on: kept from an earlier ask (or the
         one :meth:`arrived` started from chunk 0, when it covers ``first``), or asked now and
-        waited on for at most ``lookup_wait_ms``; None: not answered yet."""
+        waited on within the pass's budget; None: not answered yet."""
         n = len(tokens)
-        wait = min(self.settings.lookup_wait_ms / 1e3, self.settings.deadline_s)
         if r.pending is not None and r.pending_key[1] == n and r.pending_key[0] in (0, first):
-            waited, r.waited = r.waited, True  # one ask per lookup may wait for it, the next do not
-            if not self._collect(r, 0.0 if waited else wait):
+            if not self._collect(r):
                 return None
         ans = self._usable(r, first, n)
         if ans is not None:
             return ans
         r.pending = self.link.lookup(tokens, r.namespace, first, r.session_id)
-        r.pending_key, r.pending_since, r.waited = (first, n), time.monotonic(), True
+        r.pending_key, r.pending_since = (first, n), time.monotonic()
         self.counters["lookups"] += 1
-        if not self._collect(r, wait):
+        if not self._collect(r):
             return None
         return self._usable(r, first, n)
 
-    def _collect(self, r: _Req, wait: float) -> bool:
-        """Take the pending lookup's answer (True), or count it still pending (False); past
-        ``deadline_s`` it is given up and answered as a failure."""
+    def _collect(self, r: _Req) -> bool:
+        """Take the pending lookup's answer (True), waiting for it within the pass's budget,
+        or count it still pending (False); past ``deadline_s`` it is given up and answered as
+        a failure."""
         assert r.pending is not None
+        now = time.monotonic()
+        left = self.settings.deadline_s - (now - r.pending_since)
+        wait = max(0.0, min(self.budget.allowance(now), left))
         try:
             ans = r.pending.result(timeout=wait)
         except concurrent.futures.TimeoutError:
+            self.budget.spend(time.monotonic() - now)
             if time.monotonic() - r.pending_since < self.settings.deadline_s:
                 self.counters["lookup_pending"] += 1
                 return False
             r.pending.cancel()
             self.counters["lookup_timeouts"] += 1
             ans = LookupAnswer(error=DeadlineExceeded(f"lookup not answered in {self.settings.deadline_s} s"))
+        else:
+            self.budget.spend(time.monotonic() - now)
         self.counters["lookup_us"] += int(ans.seconds * 1e6)
         if ans.error is None:
             self.timings.add("store_lookup", ans.seconds)
@@ -206,7 +215,7 @@ class SchedulerSide:
                 self._sight(r, tokens)
             if tokens:
                 r.pending = self.link.lookup(tokens, r.namespace, 0, r.session_id)
-                r.pending_key, r.pending_since, r.waited = (0, len(tokens)), time.monotonic(), False
+                r.pending_key, r.pending_since = (0, len(tokens)), time.monotonic()
                 self.counters["lookups"] += 1
         finally:
             r.sched_s += time.perf_counter() - t0
@@ -324,7 +333,8 @@ class SchedulerSide:
             "nvme" if t == "nvme" and loc else "local" if loc else "remote"
             for t, loc in zip(tiers, ans.local or [True] * n)
         ]
-        pay = self.gate.leading(kinds) if n else 0
+        # a producer's handoff loads whatever the gate says: the decode engine is there not to prefill
+        pay = n if want > 0 else self.gate.leading(kinds) if n else 0
         if pay < n:
             skipped_tokens = found_tokens - (first + pay) * self.chunk
             self.counters["gated_tokens"] += max(0, min(skipped_tokens, request.num_tokens - 1 - num_computed))
@@ -406,6 +416,7 @@ class SchedulerSide:
             return self._build_meta(out)
         finally:
             self.timings.add("sched_step", time.perf_counter() - t0)
+            self.budget.step(time.monotonic(), int(out.total_num_scheduled_tokens))
 
     def _build_meta(self, out: SchedulerOutput) -> KVStoreMeta:
         meta = KVStoreMeta(

@@ -79,9 +79,15 @@ class ConnectorSettings:
     """Load a hit only where its measured load time beats recomputing its tokens (per kind:
     the node's DRAM, its NVMe, another node); ``gpu_agent.vllm.gate``."""
     lookup_wait_ms: float = 2.0
-    """Most milliseconds vLLM's scheduler thread waits for a fresh lookup's answer; past it
-    the request waits a step ("not yet") while the lookup runs on the connector's own thread
-    (never longer than ``deadline_s``)."""
+    """The least milliseconds one scheduling pass of vLLM may wait for lookups' answers (in
+    all); past its budget a request waits a step ("not yet") while its lookup runs on the
+    connector's own thread (never longer than ``deadline_s``).  ``gpu_agent.vllm.pacing``."""
+    lookup_wait_step: float = 0.5
+    """On a busy engine a pass may wait this fraction of the measured step time for lookups
+    (hidden under the forward pass by vLLM's async scheduling; 0: only ``lookup_wait_ms``)."""
+    lookup_idle_wait_ms: float = 50.0
+    """On an idle engine (its last pass scheduled nothing) a pass may wait this long for
+    lookups: nothing runs that the wait could delay."""
     events_resync_s: float = 1.0
     """How often the chunks this engine reported stored (KV events) are checked against the
     store, so the node's own evictions and demotions reach KV events too (0: never).  Only
@@ -133,8 +139,14 @@ class ConnectorSettings:
             raise InvalidArgument(
                 f"kv_connector_extra_config.save_policy must be one of {list(SAVE_POLICIES)}, got {s.save_policy!r}"
             )
-        if s.lookup_wait_ms < 0:
-            raise InvalidArgument(f"kv_connector_extra_config.lookup_wait_ms must be >= 0, got {s.lookup_wait_ms!r}")
+        for name in ("lookup_wait_ms", "lookup_wait_step", "lookup_idle_wait_ms"):
+            if getattr(s, name) < 0:
+                raise InvalidArgument(f"kv_connector_extra_config.{name} must be >= 0, got {getattr(s, name)!r}")
+        if s.lookup_wait_step > 1:
+            raise InvalidArgument(
+                f"kv_connector_extra_config.lookup_wait_step must be at most 1 (a fraction of the step), "
+                f"got {s.lookup_wait_step!r}"
+            )
         if s.async_loads not in ASYNC_LOADS:
             raise InvalidArgument(
                 f"kv_connector_extra_config.async_loads must be one of {list(ASYNC_LOADS)}, got {s.async_loads!r}"

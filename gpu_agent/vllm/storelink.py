@@ -6,8 +6,8 @@ and a cluster-wide lookup is a fan-out of RPCs.  :class:`StoreLink` owns the sch
 half's clients and makes every call on one thread of its own (``kvstore-lookup``):
 
 * :meth:`lookup`: a prefix lookup, answered as a :class:`LookupAnswer` through a future
-  (the scheduler waits at most ``lookup_wait_ms`` for it, then tells vLLM "not yet" and
-  picks the answer up at its next ask);
+  (the scheduler waits for it within its pass's budget, ``gpu_agent.vllm.pacing``, then
+  tells vLLM "not yet" and picks the answer up at a later ask);
 * :meth:`report_hits`: vLLM's own prefix-cache hits, for the node's metrics, coalesced and
   sent at most once a second, fire and forget;
 * :meth:`tiers`: where keys are now (the KV-event resync), through a future.

@@ -107,3 +107,39 @@ def test_rates_are_decayed_ratios_and_ignore_empty_samples() -> None:
     r.add(1.0, 100)
     r.add(3.0, 100)  # recent weighs more: (0.5 + 3) / (50 + 100)
     assert r.per_token() == pytest.approx(3.5 / 150)
+
+
+def test_a_busy_engines_lookup_budget_is_a_fraction_of_its_step_and_one_pass_shares_it() -> None:
+    from gpu_agent.vllm.pacing import WaitBudget
+
+    b = WaitBudget(0.002, 0.5, 0.05)
+    t = 100.0
+    for _ in range(20):  # a busy engine stepping every 40 ms
+        b.step(t, 256)
+        t += 0.04
+    b.step(t, 256)
+    assert b.interval_s == pytest.approx(0.04)
+    assert b.allowance(t) == pytest.approx(0.02)  # half a step: hidden under the forward pass
+    b.spend(0.015)
+    assert b.allowance(t + 0.015) == pytest.approx(0.005)  # the pass's next waits share what is left
+    b.spend(0.01)
+    assert b.allowance(t + 0.025) == 0.0
+    b.step(t + 0.04, 256)
+    assert b.allowance(t + 0.04) == pytest.approx(0.02)  # a new pass, a new budget
+
+
+def test_an_idle_engine_waits_longer_once_per_idle_spell_and_never_below_the_floor() -> None:
+    from gpu_agent.vllm.pacing import WaitBudget
+
+    b = WaitBudget(0.002, 0.5, 0.05)
+    assert b.allowance(0.0) == pytest.approx(0.05)  # a fresh engine is idle
+    b.step(1.0, 0)  # a pass that scheduled nothing
+    assert b.allowance(1.0) == pytest.approx(0.05)
+    b.spend(0.05)
+    assert b.allowance(1.05) == 0.0  # the idle budget is granted once, not to every ask
+    b.step(2.0, 64)
+    b.step(2.001, 64)  # a 1 ms step: half of it is below the floor
+    assert b.allowance(2.001) == pytest.approx(0.002)
+    b.spend(0.002)
+    assert b.allowance(9.0) == pytest.approx(0.05)  # no pass for seconds: idle again, refilled
+    assert WaitBudget(0.002, 0.0, 0.0).allowance(0.0) == pytest.approx(0.002)  # adaptivity off: the floor

@@ -144,6 +144,26 @@ def test_a_decode_engine_waits_for_exactly_the_chunks_its_prefill_engine_saved(n
     assert side.counters["handoff_waits"] >= 1 and side.counters["handoff_timeouts"] == 0
 
 
+def test_the_load_gate_stops_a_slow_hit_but_never_a_producers_handoff(node: Any) -> None:
+    """Loads measured slower than recompute: a plain request recomputes (the tokens are
+    counted as gated), a decode request handed off by its prefill engine still loads them."""
+    from gpu_agent.vllm.spec import request_namespace
+
+    side = scheduler(node, deadline_s=5.0)
+    for _ in range(3):  # recompute 1 µs a token, a load from the node 100 µs a token
+        side.gate.observe({"prefill_step_us": 1000, "prefill_step_tokens": 1000, "load_local_us": 1e5, "load_local_tokens": 1000})
+    toks = prompt(1000, seed=40)
+    plain = request(toks, rid="plain")
+    store(node, side, plain, 3)
+    assert side.matched(plain, 0) == (0, False)
+    assert side.counters["gated_tokens"] == 768
+    ns = request_namespace(side.spec, side.settings, CHUNK, plain)
+    params = {"kvstore": {"namespace": ns.to_dict(), "saved_chunks": 3, "saved_tokens": 768}}
+    handed = request(toks, rid="handed", params=params)
+    assert side.matched(handed, 0) == (768, False)
+    assert side.counters["gated_tokens"] == 768
+
+
 def test_the_handoff_wait_ends_at_the_deadline_and_bad_params_never_wait(node: Any) -> None:
     side = scheduler(node, deadline_s=0.3)
     toks = prompt(1000, seed=5)
@@ -346,11 +366,11 @@ def test_a_local_prefix_cache_hit_never_stops_the_next_requests_lookups(tmp_path
 
 
 def test_a_lookup_runs_off_the_scheduler_thread_and_vllm_hears_not_yet_until_it_answers(node: Any) -> None:
-    """With no wait allowed (``lookup_wait_ms`` 0) the first ask of a request is "not yet"
+    """With no wait allowed (``lookup_wait_ms`` and ``lookup_idle_wait_ms`` 0) the first ask of a request is "not yet"
     (vLLM's ``None``) while its lookup runs on the store link's thread; a later ask takes
     the answer, and asks after that reuse it: one lookup per request, however often vLLM
     asks while the request waits."""
-    side = scheduler(node, lookup_wait_ms=0.0)
+    side = scheduler(node, lookup_wait_ms=0.0, lookup_idle_wait_ms=0.0)
     req = request(prompt(1000, seed=11), rid="patient")
     store(node, side, req, 2)
     assert side.matched(req, 0) == (None, False)
