@@ -151,7 +151,9 @@ def test_the_load_gate_stops_a_slow_hit_but_never_a_producers_handoff(node: Any)
 
     side = scheduler(node, deadline_s=5.0)
     for _ in range(3):  # recompute 1 µs a token, a load from the node 100 µs a token
-        side.gate.observe({"prefill_step_us": 1000, "prefill_step_tokens": 1000, "load_local_us": 1e5, "load_local_tokens": 1000})
+        side.gate.observe(
+            {"prefill_step_us": 1000, "prefill_step_tokens": 1000, "load_local_us": 1e5, "load_local_tokens": 1000}
+        )
     toks = prompt(1000, seed=40)
     plain = request(toks, rid="plain")
     store(node, side, plain, 3)
