@@ -14,7 +14,7 @@ import grpc
 
 from client._api import AsyncBlockCalls
 from client._channel import CHANNEL_OPTIONS, RETRIES, etcd_route, resolve_token, rpc_error, stream_metadata
-from client._core import IDEMPOTENT, ClientCore, Op, T, as_key_list, fingerprint, report_request
+from client._core import IDEMPOTENT, ClientCore, Op, T, as_key_list, fingerprint, report_request, skipped_request
 from client._instructions import GetStream, Io, PutStream, Rpc, RpcNoWait, instruction
 from client._options import ClientKwargs, ClientOptions
 from kvstore.aio import await_to_the_end
@@ -182,6 +182,9 @@ class AsyncKVClient(AsyncBlockCalls):
         namespace: bytes | Namespace | None = None,
     ) -> None:
         await self._run(self._core.call("ReportHits", report_request(blocks, tokens, tier, op, namespace)))
+
+    async def report_skipped_saves(self, chunks: int, *, namespace: bytes | Namespace | None = None) -> None:
+        await self._run(self._core.call("ReportHits", skipped_request(chunks, namespace)))
 
     async def stats(self) -> dict[str, Any]:
         return await self._run(self._core.stats())

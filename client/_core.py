@@ -622,6 +622,14 @@ def as_key_list(keys: object) -> list[bytes]:
 Driver = Callable[[Op[T]], T]
 
 
+def skipped_request(chunks: int, namespace: object) -> pb.ReportHitsRequest:
+    """A report of chunks a connector's save policy did not store (no hits, no misses)."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
+        raise InvalidArgument(f"report a positive number of skipped chunks, got {chunks!r}")
+    ns = fingerprint(namespace) if namespace is not None else b""
+    return pb.ReportHitsRequest(op="match_prefix", skipped_saves=chunks, namespace=ns)
+
+
 def report_request(blocks: int, tokens: int, tier: str, op: str, namespace: object) -> pb.ReportHitsRequest:
     if tier not in ("hbm", "remote"):
         raise InvalidArgument(f"report hits served from 'hbm' or 'remote', got {tier!r}")

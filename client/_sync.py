@@ -26,7 +26,7 @@ from client._channel import (
     rpc_error,
     stream_metadata,
 )
-from client._core import IDEMPOTENT, ClientCore, Op, T, as_key_list, fingerprint, report_request
+from client._core import IDEMPOTENT, ClientCore, Op, T, as_key_list, fingerprint, report_request, skipped_request
 from client._instructions import GetStream, Io, PutStream, Rpc, RpcNoWait, instruction
 from client._options import ClientKwargs, ClientOptions
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
@@ -198,6 +198,11 @@ class KVClient(BlockCalls):
         """Tell the node about hits it did not serve (``tier="hbm"``: an agent's HBM pool;
         ``"remote"``: another node), so its metrics show every tier."""
         self._run(self._core.call("ReportHits", report_request(blocks, tokens, tier, op, namespace)))
+
+    def report_skipped_saves(self, chunks: int, *, namespace: bytes | Namespace | None = None) -> None:
+        """Tell the node about ``chunks`` an engine computed and chose not to store (its save
+        policy), so its metrics (``kvstore_skipped_save_chunks_total``) and dashboards show them."""
+        self._run(self._core.call("ReportHits", skipped_request(chunks, namespace)))
 
     def stats(self) -> dict[str, Any]:
         return self._run(self._core.stats())

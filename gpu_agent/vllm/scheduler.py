@@ -523,7 +523,9 @@ class SchedulerSide:
         self.timings.add("request_sched", r.sched_s)
         if self.produce and r.plan.limited and r.skip is None:
             n = len(request.all_token_ids) if self.settings.save_decode else int(request.num_prompt_tokens)
-            self.counters["skipped_save_chunks"] += max(0, n // self.chunk - r.saved_chunks)
+            skipped = max(0, n // self.chunk - r.saved_chunks)
+            self.counters["skipped_save_chunks"] += skipped
+            self.link.report_skipped(r.namespace, skipped)
         hold = r.saves > 0 and self.settings.defer_free
         params = {
             "kvstore": {

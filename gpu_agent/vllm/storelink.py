@@ -8,8 +8,9 @@ half's clients and makes every call on one thread of its own (``kvstore-lookup``
 * :meth:`lookup`: a prefix lookup, answered as a :class:`LookupAnswer` through a future
   (the scheduler waits for it within its pass's budget, ``gpu_agent.vllm.pacing``, then
   tells vLLM "not yet" and picks the answer up at a later ask);
-* :meth:`report_hits`: vLLM's own prefix-cache hits, for the node's metrics, coalesced and
-  sent at most once a second, fire and forget;
+* :meth:`report_hits`: vLLM's own prefix-cache hits, and :meth:`report_skipped` the
+  chunks ``save_policy`` did not store, for the node's metrics, coalesced and sent at most
+  once a second, fire and forget;
 * :meth:`tiers`: where keys are now (the KV-event resync), through a future.
 
 State it owns: the clients (``lookup_target``'s, the engine's own node's for locality and
@@ -64,6 +65,7 @@ class StoreLink:
         self._reporter: Any = None  # the engine's own node, for the hits it reports
         self._lock = threading.Lock()  # guards the coalesced hits below (scheduler thread → lookup thread)
         self._hits: dict[bytes, tuple[Namespace, int, int]] = {}
+        self._skipped: dict[bytes, tuple[Namespace, int]] = {}  # chunks not stored, by namespace
         self._report_at = 0.0
         self._report_down_until = 0.0
         self._closed = False
@@ -84,6 +86,18 @@ class StoreLink:
         with self._lock:
             _, blocks, n = self._hits.get(ns.fingerprint, (ns, 0, 0))
             self._hits[ns.fingerprint] = (ns, blocks + max(1, tokens // chunk), n + tokens)
+        self._report_soon()
+
+    def report_skipped(self, ns: Namespace, chunks: int) -> None:
+        """Count ``chunks`` computed and not stored (``save_policy``); sent within ``REPORT_EVERY_S``."""
+        if chunks <= 0:
+            return
+        with self._lock:
+            _, n = self._skipped.get(ns.fingerprint, (ns, 0))
+            self._skipped[ns.fingerprint] = (ns, n + chunks)
+        self._report_soon()
+
+    def _report_soon(self) -> None:
         now = time.monotonic()
         if now >= self._report_at:
             self._report_at = now + REPORT_EVERY_S
@@ -167,8 +181,9 @@ class StoreLink:
         engine's own node.  Metrics only: a failure pauses reporting for ``RETRY_S``."""
         with self._lock:
             hits, self._hits = self._hits, {}
+            skipped, self._skipped = self._skipped, {}
         now = time.monotonic()
-        if not hits or now < self._report_down_until:
+        if not (hits or skipped) or now < self._report_down_until:
             return
         try:
             if self._reporter is None:
@@ -178,6 +193,8 @@ class StoreLink:
                 return
             for ns, blocks, tokens in hits.values():
                 self._reporter.report_hits(blocks, tokens, tier="hbm", op="match_prefix", namespace=ns)
+            for ns, chunks in skipped.values():
+                self._reporter.report_skipped_saves(chunks, namespace=ns)
         except Exception as e:  # noqa: BLE001 - metrics only: never worth an engine, nor its lookups
             log.warning("kvstore: reporting prefix-cache hits failed (%s); not reporting for %.0f s", e, RETRY_S)
             self._report_down_until = now + RETRY_S

@@ -198,6 +198,8 @@ def parse(text: str) -> Scrape:
                     s.names[lb.get("namespace", "")] = lb.get("name", "")
             elif name == "kvstore_under_replicated_copies_total":
                 c["under_replicated"] = v
+            elif name == "kvstore_skipped_save_chunks_total":
+                c["skipped_saves"] = v
             elif name == "kvstore_evictions_total":
                 c[f"evictions/{lb['tier']}"] = v
             elif name == "kvstore_promotions_total":

@@ -173,6 +173,7 @@ class Ledger:
         self.ns_hit_tokens: collections.Counter[tuple[str, str]] = collections.Counter()
         self.ns_misses: collections.Counter[tuple[str, str]] = collections.Counter()
         self.short_copies = 0  # block copies cluster clients' puts could not write (reported to this node)
+        self.skipped_saves = 0  # chunks connectors' save policies did not store (reported to this node)
         self.names: dict[str, str] = {}  # namespace label -> readable name, for labels that have one
         self.on_hits: Callable[[list[tuple[str, BlockMeta]]], None] | None = None  # kvstore.cluster.hot's heat
 
@@ -282,5 +283,6 @@ class Ledger:
             "ns_hit_tokens": dict(self.ns_hit_tokens),
             "ns_misses": dict(self.ns_misses),
             "short_copies": self.short_copies,
+            "skipped_saves": self.skipped_saves,
             "names": dict(self.names),
         }

@@ -695,15 +695,18 @@ class TierManager:
         namespace: bytes | None = None,
         short_copies: int = 0,
         namespace_name: str = "",
+        skipped_saves: int = 0,
     ) -> None:
         """What a client saw beyond this node's own lookups (``ReportHits``, checked by the
         service): hits in ``tier`` (HBM, a remote node), or misses for ``miss_reason``; block
-        copies it could not write; a readable name for ``namespace``."""
+        copies it could not write; a readable name for ``namespace``; chunks a connector's
+        save policy did not store."""
         if miss_reason:
             self.ledger.report_misses(op, miss_reason, blocks, namespace)
         elif blocks:
             self.ledger.report(op, tier, blocks, tokens, namespace)
         self.ledger.short_copies += short_copies
+        self.ledger.skipped_saves += skipped_saves
         if namespace_name and namespace is not None:
             self.ledger.name(namespace, namespace_name)
 

@@ -201,6 +201,14 @@ def families(snap: dict[str, Any], *, node_id: str, version: str, started: float
     )
     f.add_metric([], led.get("short_copies", 0))
     yield f
+    f = _counter(
+        "kvstore_skipped_save_chunks",
+        "Chunks engines computed and their connector's save policy did not store (not "
+        "expected to be read again), as they reported them to this node.",
+        [],
+    )
+    f.add_metric([], led.get("skipped_saves", 0))
+    yield f
     for key, name, doc in (
         (
             "ns_hits",

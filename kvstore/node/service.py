@@ -68,6 +68,7 @@ from tiers.base import TierKind
 log = logging.getLogger(__name__)
 
 STREAM_CHUNK = 1 << 20
+IMPLAUSIBLE_SKIPPED_SAVES = 1 << 24  # chunks in one report (a connector reports about once a second)
 STREAM_STAGE_BYTES = 1 << 20
 """Payload a put stream sends before it holds any DRAM (``PutStream``)."""
 
@@ -725,7 +726,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             tier = "remote"
         elif request.tier == pb.TIER_HBM:
             tier = "hbm"
-        elif request.blocks or not (request.short_copies or request.namespace_name):
+        elif request.blocks or not (request.short_copies or request.namespace_name or request.skipped_saves):
             raise errors.InvalidArgument(
                 "report HBM hits (tier TIER_HBM), a remote node's hits (remote=true) "
                 "or a cluster client's misses (miss_reason)"
@@ -734,10 +735,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             request.blocks > self.cfg.max_batch * 64
             or request.tokens > request.blocks * (1 << 20)
             or request.short_copies > self.cfg.max_batch * 64
+            or request.skipped_saves > IMPLAUSIBLE_SKIPPED_SAVES
         ):
             raise errors.InvalidArgument(
                 f"implausible report: {request.blocks} blocks, {request.tokens} tokens, "
-                f"{request.short_copies} short copies"
+                f"{request.short_copies} short copies, {request.skipped_saves} skipped saves"
             )
         if request.namespace and len(request.namespace) != 8:
             raise errors.InvalidArgument(f"a namespace fingerprint is 8 bytes, got {len(request.namespace)}")
@@ -767,6 +769,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             namespace=bytes(request.namespace) or None,
             short_copies=request.short_copies,
             namespace_name=request.namespace_name,
+            skipped_saves=request.skipped_saves,
         )
         return pb.Empty()
 

@@ -156,6 +156,7 @@ def test_dashboard_in_a_real_browser(traffic_node: NodeProcess) -> None:
 
                 with KVClient(traffic_node.unix) as kv:  # more traffic: 6 hits, 1 more invalidated miss
                     kv.get_many(keys[2:9])
+                    kv.report_skipped_saves(5, namespace=ns)  # an engine's save policy spared 5 chunks
                 newer = expected(traffic_node)
                 assert (
                     newer["lookups"] == want["lookups"] + 7
@@ -163,6 +164,9 @@ def test_dashboard_in_a_real_browser(traffic_node: NodeProcess) -> None:
                     and newer["ratio"] != want["ratio"]
                 )
                 wait_for(lambda: matches(page, newer), 15, f"the page to update to {newer}")
+                skipped = '#capacity-note [data-k="skipped_saves"]'
+                wait_for(lambda: page.locator(skipped).count() == 1, 15, "the skipped saves to show")
+                assert page.get_attribute(skipped, "data-value") == "5"
                 wait_for(lambda: page.locator("#ratio-chart rect").count() > 0, 15, "the hit-ratio chart to draw")
                 page.wait_for_timeout(600)  # let a couple more refreshes land before the picture
                 (ROOT / "artifacts").mkdir(exist_ok=True)

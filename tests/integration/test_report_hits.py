@@ -33,6 +33,12 @@ def test_reported_hbm_and_remote_hits_show_in_metrics(node_factory) -> None:
         kv.report_hits(4, 1024, tier="remote", op="match_prefix")
         with pytest.raises(InvalidArgument):
             kv.report_hits(1, tier="dram")
+        kv.report_skipped_saves(7, namespace=ns)  # a connector's save policy did not store 7 chunks
+        kv.report_skipped_saves(2)
+        for bad in (0, -1, True):
+            with pytest.raises(InvalidArgument):
+                kv.report_skipped_saves(bad)
+    assert sample(url, "kvstore_skipped_save_chunks_total") == 9
     assert sample(url, "kvstore_hit_blocks_total", op="get", tier="hbm") == 5
     assert sample(url, "kvstore_hit_tokens_total", op="get", tier="hbm") == 1280
     assert sample(url, "kvstore_hit_blocks_total", op="match_prefix", tier="remote") == 4
@@ -47,6 +53,7 @@ def test_bad_reports_are_rejected_by_the_node(node) -> None:
             pb.ReportHitsRequest(op="get", tier=pb.TIER_DRAM, blocks=1),
             pb.ReportHitsRequest(op="get", tier=pb.TIER_HBM, blocks=10**12),
             pb.ReportHitsRequest(op="get", tier=pb.TIER_HBM, blocks=1, namespace=b"short"),
+            pb.ReportHitsRequest(op="match_prefix", skipped_saves=1 << 40),
         ):
             with pytest.raises(grpc.RpcError) as e:
                 stub.ReportHits(req, timeout=5)

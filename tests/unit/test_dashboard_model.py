@@ -112,8 +112,10 @@ def test_names_node_ids_and_replication_health() -> None:
     led = Ledger()
     led.name(b"ns-one..", "llama-3-8b")
     led.short_copies = 4
+    led.skipped_saves = 9
     s = parse(exposition(led))
     assert s.names == {b"ns-one..".hex(): "llama-3-8b"} and s.counters["under_replicated"] == 4
+    assert s.counters["skipped_saves"] == 9
     m = ClusterModel()
     m.update(
         {"127.0.0.1:9400": ("http://127.0.0.1:9400/metrics", s, "")},

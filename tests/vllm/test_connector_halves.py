@@ -26,7 +26,7 @@ CHUNK = 256
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from kvstore.children import private_node
 
-    with private_node(tmp_path_factory.mktemp("halves") / "node", dram="64MiB", nvme="0") as n:
+    with private_node(tmp_path_factory.mktemp("halves") / "node", "--metrics-port", "0", dram="64MiB", nvme="0") as n:
         yield n
 
 
@@ -446,8 +446,13 @@ def test_auto_stores_a_prefix_from_its_second_sighting_and_a_sessions_turn_whole
     first = request(toks, rid="one")
     assert side.matched(first, 0) == (0, False)
     assert _saves_after_prefill(side, first) == []
+    from kvstore.dashboard.scrape import fetch
+
+    before = fetch(node.endpoints["metrics"]).counters.get("skipped_saves", 0)
     side.finished(first)
     assert side.counters["skipped_save_chunks"] == 3
+    side.link.flush()  # the node counts them too (its metrics, the dashboard)
+    assert fetch(node.endpoints["metrics"]).counters.get("skipped_saves", 0) == before + 3
     second = request(toks, rid="two")
     assert side.matched(second, 0) == (0, False)
     saves = _saves_after_prefill(side, second)

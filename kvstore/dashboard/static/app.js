@@ -241,6 +241,10 @@ function renderMisses(c) {
 }
 
 function renderCapacity(d) {
+  const skipped = get(d.totals, "skipped_saves");
+  $("capacity-note").innerHTML = "used of capacity, per node and tier" + (skipped > 0
+    ? ` · <span data-k="skipped_saves" data-value="${skipped}" title="chunks engines computed and their connector's save_policy did not store: not expected to be read again">${num(skipped)} chunks not stored by policy</span>`
+    : "");
   const rows = [];
   const up = d.nodes.filter((n) => n.tiers && n.status === "up");
   const groups = up.length > 1 ? [["cluster", d.tiers], ...up.map((n) => [n.title || n.name, n.tiers])] : up.map((n) => [n.title || n.name, n.tiers]);

@@ -347,7 +347,7 @@ class StatsResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., reservations: _Optional[int] = ..., leases: _Optional[int] = ..., pins: _Optional[int] = ...) -> None: ...
 
 class ReportHitsRequest(_message.Message):
-    __slots__ = ("op", "tier", "blocks", "tokens", "namespace", "remote", "miss_reason", "short_copies", "namespace_name")
+    __slots__ = ("op", "tier", "blocks", "tokens", "namespace", "remote", "miss_reason", "short_copies", "namespace_name", "skipped_saves")
     OP_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -357,6 +357,7 @@ class ReportHitsRequest(_message.Message):
     MISS_REASON_FIELD_NUMBER: _ClassVar[int]
     SHORT_COPIES_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_NAME_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_SAVES_FIELD_NUMBER: _ClassVar[int]
     op: str
     tier: Tier
     blocks: int
@@ -366,7 +367,8 @@ class ReportHitsRequest(_message.Message):
     miss_reason: str
     short_copies: int
     namespace_name: str
-    def __init__(self, op: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., blocks: _Optional[int] = ..., tokens: _Optional[int] = ..., namespace: _Optional[bytes] = ..., remote: _Optional[bool] = ..., miss_reason: _Optional[str] = ..., short_copies: _Optional[int] = ..., namespace_name: _Optional[str] = ...) -> None: ...
+    skipped_saves: int
+    def __init__(self, op: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., blocks: _Optional[int] = ..., tokens: _Optional[int] = ..., namespace: _Optional[bytes] = ..., remote: _Optional[bool] = ..., miss_reason: _Optional[str] = ..., short_copies: _Optional[int] = ..., namespace_name: _Optional[str] = ..., skipped_saves: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
