@@ -193,22 +193,23 @@ def families(snap: dict[str, Any], *, node_id: str, version: str, started: float
     for ns, name in sorted(led.get("names", {}).items()):
         info.add_metric([ns, name], 1)
     yield info
-    f = _counter(
-        "kvstore_under_replicated_copies",
-        "Block copies cluster clients' puts could not write (an owner "
-        "suspect or failing), as they reported them to this node.",
-        [],
-    )
-    f.add_metric([], led.get("short_copies", 0))
-    yield f
-    f = _counter(
-        "kvstore_skipped_save_chunks",
-        "Chunks engines computed and their connector's save policy did not store (not "
-        "expected to be read again), as they reported them to this node.",
-        [],
-    )
-    f.add_metric([], led.get("skipped_saves", 0))
-    yield f
+    for ledger_key, name, doc in (
+        (
+            "short_copies",
+            "kvstore_under_replicated_copies",
+            "Block copies cluster clients' puts could not write (an owner "
+            "suspect or failing), as they reported them to this node.",
+        ),
+        (
+            "skipped_saves",
+            "kvstore_skipped_save_chunks",
+            "Chunks engines computed and their connector's save policy did not store (not "
+            "expected to be read again), as they reported them to this node.",
+        ),
+    ):
+        f = _counter(name, doc, [])
+        f.add_metric([], led.get(ledger_key, 0))
+        yield f
     for key, name, doc in (
         (
             "ns_hits",
