@@ -16,8 +16,8 @@ Nothing slow runs on vLLM's scheduler thread: every store call goes through
 :class:`~gpu_agent.vllm.storelink.StoreLink`'s own thread.  A request's lookup is asked
 once and its answer kept until vLLM allocates for it (vLLM asks again on every step a
 request waits; for at most ``ANSWER_TTL_S``).  A scheduling pass waits for answers within
-one budget that follows the engine's step time (:mod:`gpu_agent.vllm.pacing`: hidden under
-the forward pass, longer on an idle engine); past it the scheduler answers vLLM ``None``
+one budget (:mod:`gpu_agent.vllm.pacing`: ``lookup_wait_ms``, or optionally a share of the
+engine's step time and more on an idle engine); past it the scheduler answers vLLM ``None``
 ("not yet") and takes the answer at a later ask, giving up (a miss) after ``deadline_s``.  What is saved follows ``save_policy``
 (:mod:`gpu_agent.vllm.admission`), what is loaded the load gate (:mod:`gpu_agent.vllm.gate`).
 
