@@ -15,7 +15,9 @@ three counts, each in tokens or leading chunks of the request's tokens:
 Nothing slow runs on vLLM's scheduler thread: every store call goes through
 :class:`~gpu_agent.vllm.storelink.StoreLink`'s own thread.  A request's lookup is asked
 once and its answer kept until vLLM allocates for it (vLLM asks again on every step a
-request waits; for at most ``ANSWER_TTL_S``).  A scheduling pass waits for answers within
+request waits; a hit for at most ``ANSWER_TTL_S``, a miss for as long as the request waits:
+a request queued behind others would otherwise pay a step for a second lookup that
+almost always misses again).  A scheduling pass waits for answers within
 one budget (:mod:`gpu_agent.vllm.pacing`: ``lookup_wait_ms``, or optionally a share of the
 engine's step time and more on an idle engine); past it the scheduler answers vLLM ``None``
 ("not yet") and takes the answer at a later ask, giving up (a miss) after ``deadline_s``.  What is saved follows ``save_policy``
@@ -64,8 +66,8 @@ TIER_SOURCE = {"dram": CacheHitSource.HOST, "nvme": CacheHitSource.DISK, "hbm": 
 HANDOFF_POLL_S = 0.01
 """How often a request waiting for its producer's chunks asks the store again."""
 ANSWER_TTL_S = 1.0
-"""How long a request's lookup answer is reused while vLLM keeps asking (it waits for
-space or budget): the store may have gained its chunks since."""
+"""How long a request's lookup hit is reused while vLLM keeps asking (it waits for space or
+budget): its chunks may have been evicted since.  A miss is kept while the request waits."""
 
 
 @dataclasses.dataclass
@@ -188,9 +190,12 @@ class SchedulerSide:
         """The kept answer, if it answers an ask from chunk ``first`` of ``n`` tokens: its own,
         or one from chunk 0 that found at least ``first`` chunks (its suffix)."""
         ans = r.answer
-        if ans is None or r.answer_key[1] != n or time.monotonic() >= r.answer_at + ANSWER_TTL_S:
+        if ans is None or r.answer_key[1] != n:
             return None
         asked = r.answer_key[0]
+        miss = ans.error is None and ans.found == 0 and asked == first
+        if not miss and time.monotonic() >= r.answer_at + ANSWER_TTL_S:
+            return None  # a hit may have been evicted since: asked again
         if asked != first and not (asked == 0 and ans.error is None and ans.found >= first):
             return None
         if not r.answer_fresh:

@@ -387,6 +387,29 @@ def test_a_lookup_runs_off_the_scheduler_thread_and_vllm_hears_not_yet_until_it_
     side.close()
 
 
+def test_a_queued_requests_miss_is_kept_and_its_hit_asked_again(node: Any) -> None:
+    """A request that waited in vLLM's queue past ``ANSWER_TTL_S`` is answered at once from
+    its arrival's miss (a second lookup would cost it a step and miss again); a hit that old
+    is looked up again (its chunks may be gone)."""
+    from gpu_agent.vllm import scheduler as sched
+
+    side = scheduler(node)
+    miss = request(prompt(1000, seed=17), rid="queued-miss")
+    side.arrived(miss)
+    side._reqs["queued-miss"].pending.result(timeout=10)
+    assert side.matched(miss, 0) == (0, False)
+    side._reqs["queued-miss"].answer_at -= 2 * sched.ANSWER_TTL_S  # it waited in the queue
+    assert side.matched(miss, 0) == (0, False)
+    assert side.counters["lookups"] == 1
+    hit = request(prompt(1000, seed=18), rid="queued-hit")
+    store(node, side, hit, 2)
+    assert side.matched(hit, 0) == (512, False)
+    side._reqs["queued-hit"].answer_at -= 2 * sched.ANSWER_TTL_S
+    assert side.matched(hit, 0) == (512, False)
+    assert side.counters["lookups"] == 3
+    side.close()
+
+
 def test_a_lookup_started_at_arrival_answers_the_ask_after_vllms_own_cache_hit(node: Any) -> None:
     """``on_new_request`` starts the lookup from chunk 0; vLLM then asks from where its own
     prefix cache ends (chunk 1 here) and the arrival's answer covers it: no second lookup."""
