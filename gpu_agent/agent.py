@@ -45,6 +45,7 @@ import dataclasses
 import functools
 import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -306,6 +307,7 @@ class GPUAgent:
         self._reserver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-reserve")
         self.counters: collections.Counter[str] = collections.Counter()
         self._counters_lock = threading.Lock()  # the engine's thread, the prefetcher and the completer all count
+        self.last_store_error_at = float("-inf")  # time.monotonic() of the last store_errors count
         self._saves_lock = threading.Lock()
         self._pending_saves: list[Event] = []  # d2h copies of saves not yet known complete; loads queue after them
         self._closed = False
@@ -313,6 +315,12 @@ class GPUAgent:
     def _count(self, name: str, n: int = 1) -> None:
         with self._counters_lock:
             self.counters[name] += n
+
+    def _store_error(self) -> None:
+        """A store call failed: counted (``store_errors``) and stamped (:attr:`last_store_error_at`)."""
+        with self._counters_lock:
+            self.counters["store_errors"] += 1
+            self.last_store_error_at = time.monotonic()
 
     @property
     def copies_on_host(self) -> bool:
@@ -377,7 +385,7 @@ class GPUAgent:
         try:
             return self.client.lookup(keys)
         except KVStoreError as e:  # fail open: a store that cannot answer is a miss
-            self._count("store_errors", 1)
+            self._store_error()
             log.warning("kvstore lookup failed (%s); treating as a miss", e)
             return [None] * len(keys)
 
@@ -434,7 +442,7 @@ class GPUAgent:
         try:
             leased = self.client.acquire(fetch)  # promotes NVMe (or remote) blocks into the node's DRAM
         except KVStoreError as e:
-            self._count("store_errors", 1)
+            self._store_error()
             log.warning("kvstore acquire for prefetch failed (%s)", e)
             return PrefetchResult(0, plan.resident, plan.prefix, plan.limit)
         # Slots are reserved (invisible to loads), filled on the prefetch stream, and published
@@ -539,7 +547,7 @@ class GPUAgent:
             try:
                 leased = self.client.acquire(need, session_id=session_id)
             except KVStoreError as e:
-                self._count("store_errors", 1)
+                self._store_error()
                 log.warning("kvstore acquire for load failed (%s); loading only what HBM holds", e)
         host: dict[bytes, Segmented] = {}
         expect: dict[bytes, tuple[list[memoryview], int | None]] = {}  # inline path: checked while copied
@@ -772,7 +780,7 @@ class GPUAgent:
                 base = base + SaveResult(failed=len(res.views))
                 continue
             if isinstance(res, KVStoreError):
-                self._count("store_errors", 1)
+                self._store_error()
                 log.warning("kvstore reserve failed (%s); %d blocks not saved", res, len(metas) - lo)
                 base = base + SaveResult(failed=len(metas) - lo)
                 break  # nothing reserved from here on; the batches before commit as usual

@@ -593,16 +593,22 @@ class WorkerSide:
     # -- the agent's lifecycle --------------------------------------------------------------
     def _check_agent(self) -> None:
         """An agent whose store calls failed is dropped (after its transfers end) and
-        attached afresh in RETRY_S: a restarted node has a new arena and socket."""
+        attached afresh ``RETRY_S`` after its last failure (at once if that is past): a
+        restarted node has a new arena and socket."""
         if self.agent is None:
             return
         errors = int(self.agent.stats()["counters"].get("store_errors", 0))
         if errors > self._store_errors:
+            # RETRY_S from the failure, not from this check: an idle engine checks at its next
+            # step, perhaps long after the node came back, and must not then serve without it
+            retry_at = self.agent.last_store_error_at + RETRY_S
             log.warning(
-                "KVStoreConnector: the node at %s failed; re-attaching in %.0f s", self.settings.target, RETRY_S
+                "KVStoreConnector: the node at %s failed; re-attaching in %.0f s",
+                self.settings.target,
+                max(0.0, retry_at - time.monotonic()),
             )
             self._retire_agent()
-            self._next_try = time.monotonic() + RETRY_S
+            self._next_try = retry_at
         self._store_errors = errors if self.agent is not None else 0
 
     def _retire_agent(self) -> None:
