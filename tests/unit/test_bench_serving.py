@@ -756,3 +756,33 @@ def test_the_fault_scheduler_kills_and_restarts_a_fleets_node(tmp_path: Path) ->
         late.start(time.monotonic())
         (r,) = late.finish()
         assert r["done_at_s"] is None and "not carried out" in r["error"] and node.running()
+
+
+def test_engine_steps_counts_vllms_iterations_and_request_phases_over_the_run() -> None:
+    """vLLM's iteration and per-request phase histograms, as prometheus_client writes them:
+    steps and tokens per step over the run, summed over engines; phases in ms."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from kvstore.bench.serving.fleet import parse_metrics
+
+    def engine() -> tuple[CollectorRegistry, Histogram, Histogram]:
+        reg = CollectorRegistry()
+        it = Histogram("vllm:iteration_tokens_total", "tokens", LABELS, buckets=[1, 8, 64, 512], registry=reg)
+        q = Histogram("vllm:request_queue_time_seconds", "queue", LABELS, buckets=BUCKETS, registry=reg)
+        return reg, it, q
+
+    engines = [engine() for _ in range(2)]
+    for _, it, _q in engines:
+        it.labels("kvstore-bench", "0").observe(500)  # before the run: not counted
+    before = {f"e{i}": parse_metrics(_text(reg)) for i, (reg, _, _) in enumerate(engines)}
+    for i, (_, it, q) in enumerate(engines):
+        for x in [2] * 9 + [300]:  # nine decode steps, one with a prefill
+            it.labels("kvstore-bench", "0").observe(x)
+        q.labels("kvstore-bench", "0").observe(0.004 * (i + 1))
+    after = {f"e{i}": parse_metrics(_text(reg)) for i, (reg, _, _) in enumerate(engines)}
+    got = report.engine_steps(before, after)
+    assert got is not None
+    assert got["steps"] == 20 and got["tokens_per_step"] == pytest.approx((9 * 2 + 300) / 10)
+    assert got["queue_ms"]["mean"] == pytest.approx(6.0)
+    assert "prefill_ms" not in got  # no engine exports it
+    assert report.engine_steps({"b": {}}, {"b": {"vllm:request_prompt_tokens_sum": 5.0}}) is None

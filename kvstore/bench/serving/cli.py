@@ -449,6 +449,7 @@ def _run_config(
             counters: dict[str, Any] = {
                 "prompt_tokens": report.prompt_sources(before, after),
                 "connector_ms": report.connector_ms(before, after),
+                "engine_steps": report.engine_steps(before, after),
                 "store_blocks": report.store_blocks(nodes_before, nodes_after, before, after)
                 if fleet is not None and fleet.uses_store
                 else None,

@@ -228,6 +228,39 @@ def connector_ms(before: dict[str, dict[str, float]], after: dict[str, dict[str,
     return out or None
 
 
+ENGINE_HISTOGRAMS = {
+    "queue_ms": "vllm:request_queue_time_seconds",
+    "prefill_ms": "vllm:request_prefill_time_seconds",
+    "decode_ms": "vllm:request_decode_time_seconds",
+}
+"""vLLM's own per-request phase histograms :func:`engine_steps` reports (seconds, shown in ms)."""
+
+
+def engine_steps(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any] | None:
+    """How the engines spent the run, from vLLM's own metrics (after minus before, summed
+    over the fleet): ``steps`` (iterations that ran tokens, ``vllm:iteration_tokens_total``'s
+    count), ``tokens_per_step`` (its mean) and, per request, the mean and p50 of its time
+    waiting to be scheduled (``queue_ms``), in prefill and in decode.  Configurations that
+    do the same work in more, smaller steps pay each step's fixed cost more often: where a
+    connector's "not yet" answers split batches, it shows here.  None: no engine exports them."""
+    h = _hist_delta(before, after, "vllm:iteration_tokens_total")
+    if h is None:
+        return None
+    _, count, total = h
+    out: dict[str, Any] = {
+        "steps": int(round(count)),
+        "tokens_per_step": round(total / count, 2) if count > 0 else None,
+    }
+    for key, family in ENGINE_HISTOGRAMS.items():
+        r = _hist_delta(before, after, family)
+        if r is None or r[1] <= 0:
+            continue
+        buckets, n, sec = r
+        p50 = histogram_quantile(0.5, buckets)
+        out[key] = {"mean": round(sec / n * 1e3, 2), "p50": None if p50 is None else round(p50 * 1e3, 2)}
+    return out
+
+
 def store_blocks(
     before: dict[str, dict[str, int]],
     after: dict[str, dict[str, int]],
@@ -500,6 +533,11 @@ def _detail_lines(c: dict[str, Any]) -> list[str]:
             f"{phase} {h['count']}× {_fmt(h['mean'])}/{_fmt(h['p50'])}/{_fmt(h['p99'])}" for phase, h in cms.items()
         ]
         lines.append("connector ms (samples× mean/p50/p99): " + ", ".join(parts))
+    es = c.get("engine_steps")
+    if es:
+        parts = [f"{es['steps']} steps, {_fmt(es['tokens_per_step'])} tokens/step"]
+        parts += [f"{k[:-3]} {_fmt(es[k]['mean'])}/{_fmt(es[k]['p50'])}" for k in ENGINE_HISTOGRAMS if k in es]
+        lines.append("engine (per request mean/p50 ms): " + ", ".join(parts))
     rep = c.get("repeats")
     if rep:
         rg = rep["ranges"]
