@@ -19,8 +19,8 @@ the pass waits at most the budget in all.  The step share and the idle wait are 
 default (``lookup_wait_step`` and ``lookup_idle_wait_ms`` 0: the budget is the floor,
 ``lookup_wait_ms``): on CPU engines, whose scheduler shares cores with the forward pass,
 ``kvstore bench serving`` measured a share of 0.5 tripling the scheduler thread's
-connector time per request (no-reuse: 15.8 ms against 4.9-6.3 ms) for no measurable gain.  No wait is ever longer than the caller's own
-deadline (the caller bounds it).
+connector time per request (no-reuse: 15.8 ms against 4.9-6.3 ms) for no measurable
+gain.  No wait is ever longer than the caller's own deadline (the caller bounds it).
 
 State: :class:`WaitBudget` belongs to the scheduler half (vLLM's scheduler thread only).
 """

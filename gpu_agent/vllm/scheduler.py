@@ -167,18 +167,19 @@ class SchedulerSide:
         now = time.monotonic()
         left = self.settings.deadline_s - (now - r.pending_since)
         wait = max(0.0, min(self.budget.allowance(now), left))
+        ans: LookupAnswer | None
         try:
             ans = r.pending.result(timeout=wait)
         except concurrent.futures.TimeoutError:
-            self.budget.spend(time.monotonic() - now)
+            ans = None
+        self.budget.spend(time.monotonic() - now)
+        if ans is None:
             if time.monotonic() - r.pending_since < self.settings.deadline_s:
                 self.counters["lookup_pending"] += 1
                 return False
             r.pending.cancel()
             self.counters["lookup_timeouts"] += 1
             ans = LookupAnswer(error=DeadlineExceeded(f"lookup not answered in {self.settings.deadline_s} s"))
-        else:
-            self.budget.spend(time.monotonic() - now)
         self.counters["lookup_us"] += int(ans.seconds * 1e6)
         if ans.error is None:
             self.timings.add("store_lookup", ans.seconds)
