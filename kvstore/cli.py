@@ -275,6 +275,11 @@ _PLUGINS: list[tuple[str, str, str]] = [
         "kvstore.traces.replay",
         "replay a Mooncake-format request trace through the eviction policies or a live store",
     ),
+    (
+        "sim",
+        "kvstore.sim.cli",
+        "a trace through simulated engines in virtual time, with and without the store (kvstore bench serving's figures)",
+    ),
     ("plan", "kvstore.traces.plan", "capacity planner: DRAM and NVMe sizes that reach a target hit ratio on a trace"),
     (
         "demo",
@@ -321,6 +326,14 @@ def main(argv: list[str] | None = None) -> int:
         serving.add_arguments(sp)
         args = sp.parse_args(argv[2:])
         args.fn = serving.main
+    elif argv[:2] in (["sim", "validate"], ["sim", "calibrate"]):  # the simulator's tools: parsers of their own
+        import importlib
+
+        mod = importlib.import_module(f"kvstore.sim.{argv[1]}")
+        sp = argparse.ArgumentParser(prog=f"kvstore sim {argv[1]}", description=str(mod.__doc__).split("\n\n")[0])
+        mod.add_arguments(sp)
+        args = sp.parse_args(argv[2:])
+        args.fn = mod.main
     else:
         args = build_parser(command).parse_args(argv)
     from kvstore.children import exit_on_sigterm

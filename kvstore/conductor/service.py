@@ -68,7 +68,7 @@ import dataclasses
 import logging
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import aiohttp
@@ -131,8 +131,11 @@ class Sent:
 class Conductor:
     """See the module docstring."""
 
-    def __init__(self, cfg: ConductorConfig) -> None:
+    def __init__(self, cfg: ConductorConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
+        # the clock of the engines' load accounting (sent, first token, probes): the loop's
+        # monotonic clock; ``kvstore sim`` passes its virtual one
+        self.clock = clock
         self.engines = Engines(cfg.engines)
         self.model = CostModel(cfg.priors)
         self.metrics = ConductorMetrics()
@@ -271,7 +274,7 @@ class Conductor:
                 async with self.http.get(e.url + "/metrics", timeout=timeout) as r:
                     if r.status == 200:
                         e.scraped_waiting, e.scraped_running = scrape_counts(await r.text())
-                        e.scraped_at = time.monotonic()
+                        e.scraped_at = self.clock()
                 if not e.models:
                     async with self.http.get(e.url + "/v1/models", timeout=timeout) as r:
                         if r.status == 200:
@@ -371,7 +374,7 @@ class Conductor:
         return PoolMatch(chunk, tuple((str(w), str(t)) for w, t in where[:n]))
 
     def _loads(self, live: list[EngineState], local: dict[str, int]) -> list[EngineLoad]:
-        now = time.monotonic()
+        now = self.clock()
         slo_tbt = self.cfg.slo.tbt_s
         return [
             EngineLoad(
@@ -430,7 +433,7 @@ class Conductor:
 
         work = self.model.work(e.engine_id, load)
         self.mean_work_s = work if self.mean_work_s == 0 else 0.95 * self.mean_work_s + 0.05 * work
-        e.prefilling[rid] = Inflight(load.compute, time.monotonic(), work)
+        e.prefilling[rid] = Inflight(load.compute, self.clock(), work)
         self.decisions[e.engine_id] += 1
         self.metrics.requests.labels(e.engine_id).inc()
 
@@ -438,7 +441,7 @@ class Conductor:
         """The first token of what ``e`` was sent came (for a prefill engine: its answer):
         the request decodes now, and the TTFT model learns from the engine's part."""
         e.prefilling.pop(sent.rid, None)
-        e.decoding[sent.rid] = Stream(sent.max_tokens, sent.intervals, time.monotonic())
+        e.decoding[sent.rid] = Stream(sent.max_tokens, sent.intervals, self.clock())
         self.model.observe_ttft(e.engine_id, load, measured_s)
 
     def ttft_seen(self, sent: Sent, measured_s: float) -> None:
@@ -485,7 +488,7 @@ class Conductor:
         }
 
     def state(self) -> dict[str, Any]:
-        now = time.monotonic()
+        now = self.clock()
         return {
             "engines": [e.describe(now) for e in self.engines.by_id.values()],
             "routing": self.routing(),

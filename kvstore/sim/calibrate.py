@@ -1,0 +1,207 @@
+"""``kvstore sim calibrate``: a profile's step-time constants measured on a real vLLM engine.
+
+It starts one vLLM engine (:class:`gpu_agent.vllm.engine.EngineProcess`: vLLM's own engine,
+stepped one step at a time, prefix caching on) on one CPU, as ``kvstore bench serving`` runs
+each engine, with the benchmark's locally made model (``--layers``, ``--hidden``) and KV
+cache (``--engine-kv``), and times two kinds of step:
+
+* **prefill**: one fresh prompt of T tokens, one output token, on an idle engine: its TTFT
+  is one step of T prefill tokens and T² attention pairs (T from 32 to ``--max-prefill``);
+* **decode**: B requests of P-token prompts decoding together: the gaps between their
+  tokens, past the first few, are steps of B sequences over a context of B × (P + i) tokens.
+
+Each kind is repeated ``--repeats`` times; the step model of :mod:`kvstore.sim.profile`
+(``overhead_ms`` + ``prefill_ms_per_token``·T + ``prefill_attn_ms``·pairs +
+``decode_ms_per_seq``·B + ``decode_ms_per_kv_token``·context) is fitted to every sample
+by non-negative least squares (a coefficient the data makes negative is dropped and the
+rest refitted), and ``jitter_cv`` is the coefficient of variation of the samples around the
+fit.  The profile written (``--out``, default stdout) is ``--base`` (default ``local``) with
+those six constants, the engine's block size and KV blocks, and each constant's source
+saying what was measured, when and on what CPU.  ``--json`` also prints the samples and
+the fit's residuals.
+
+Run it where vLLM is installed (``.venv-vllm``), with nothing else busy: it takes a few
+minutes.  Holds no state between calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvstore.errors import InvalidArgument
+
+COLUMNS = ("overhead_ms", "prefill_ms_per_token", "prefill_attn_ms", "decode_ms_per_seq", "decode_ms_per_kv_token")
+"""The fitted constants, in the order of a sample's regressors (1, T, pairs, B, context)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base", default="local", metavar="NAME|FILE", help="the profile to update (default local)")
+    p.add_argument("--name", default=None, help="the new profile's name (default: the base's)")
+    p.add_argument("--out", default=None, metavar="FILE", help="write the profile here (default: stdout)")
+    p.add_argument("--layers", type=int, default=4, help="layers of the locally made model (default 4)")
+    p.add_argument("--hidden", type=int, default=512, help="hidden size of the locally made model (default 512)")
+    p.add_argument("--engine-kv", default="64MiB", help="the engine's KV cache (default 64MiB, as the benchmark)")
+    p.add_argument("--cpu", default=None, help="the CPU the engine runs on (default: the first of this process's)")
+    p.add_argument("--max-prefill", type=int, default=2048, help="longest prompt timed (default 2048)")
+    p.add_argument("--repeats", type=int, default=3, help="times each measurement is taken (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids (default 0)")
+    p.add_argument("--json", action="store_true", help="print the samples and the fit as JSON (after the profile)")
+
+
+def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient ≥ 0: columns whose coefficient comes out
+    negative are dropped one at a time (the most negative first) and the rest refitted."""
+    keep = list(range(x.shape[1]))
+    while True:
+        coef = np.zeros(x.shape[1])
+        sol, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+        coef[keep] = sol
+        neg = [k for k in keep if coef[k] < 0]
+        if not neg:
+            return coef
+        keep.remove(min(neg, key=lambda k: coef[k]))
+
+
+def fit(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The step model fitted to ``samples`` (each: ``t`` prefill tokens, ``pairs``, ``b``
+    decode sequences, ``ctx`` context tokens, ``ms`` the step's time)."""
+    if len(samples) < len(COLUMNS):
+        raise InvalidArgument(f"{len(samples)} samples cannot fit {len(COLUMNS)} constants")
+    x = np.array([[1.0, s["t"], s["pairs"], s["b"], s["ctx"]] for s in samples])
+    y = np.array([s["ms"] for s in samples])
+    coef = nnls(x, y)
+    if coef[0] <= 0 or coef[1] <= 0:
+        raise InvalidArgument(
+            "the fit found no positive per-step overhead or prefill cost: the measurements are too noisy "
+            "(is something else running?); run again with more --repeats"
+        )
+    pred = x @ coef
+    rel = (y - pred) / pred
+    return {
+        "constants": {k: float(v) for k, v in zip(COLUMNS, coef)},
+        "jitter_cv": float(np.std(rel)),
+        "r2": float(1 - np.sum((y - pred) ** 2) / max(1e-12, np.sum((y - y.mean()) ** 2))),
+        "median_abs_rel_err": float(np.median(np.abs(rel))),
+    }
+
+
+def prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` fresh token ids (no prefix shared with any other)."""
+    return [[rng.randrange(1, 32000) for _ in range(length)] for _ in range(n)]
+
+
+def measure(engine: Any, a: argparse.Namespace) -> list[dict[str, Any]]:
+    """The samples (see :func:`fit`) of one engine."""
+    from gpu_agent.vllm.engine import request
+
+    rng = random.Random(a.seed)
+    samples: list[dict[str, Any]] = []
+    engine.generate(prompts(rng, 1, 64)[0], max_tokens=4)  # warm-up: not measured
+    sizes = [t for t in (32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072) if t <= a.max_prefill]
+    for _ in range(a.repeats):
+        for t in sizes:
+            r = engine.generate(prompts(rng, 1, t)[0], max_tokens=1)
+            samples.append({"kind": "prefill", "t": t, "pairs": t * t, "b": 0, "ctx": 0, "ms": float(r["ttft_ms"])})
+    decode_tokens = 24
+    for _ in range(a.repeats):
+        for b, p in ((1, 32), (4, 32), (16, 32), (32, 32), (1, 512), (4, 512), (8, 512)):
+            res = engine.batch([request(tok, max_tokens=decode_tokens) for tok in prompts(rng, b, p)])
+            # every request decodes in the same steps once all are prefilled: the gaps of one
+            # request, past the first few tokens, are whole decode steps of the batch
+            times = res[0]["token_ms"]
+            for i in range(4, len(times)):
+                gap = times[i] - times[i - 1]
+                if gap > 0:
+                    samples.append({"kind": "decode", "t": 0, "pairs": 0, "b": b, "ctx": b * (p + i), "ms": gap})
+    return samples
+
+
+def run(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The calibrated profile (as a dict) and the report (samples, fit)."""
+    import importlib.util
+    import os
+
+    from gpu_agent.vllm.engine import EngineProcess, make_model
+    from kvstore.node.config import parse_size
+    from kvstore.sim.profile import EngineProfile
+
+    if a.repeats < 1 or a.max_prefill < 64:
+        raise InvalidArgument("--repeats must be at least 1 and --max-prefill at least 64")
+    if importlib.util.find_spec("vllm") is None:
+        raise InvalidArgument("calibrating needs vLLM in this interpreter: run `.venv-vllm/bin/kvstore sim calibrate`")
+    base = EngineProfile.load(a.base)
+    cpu = a.cpu if a.cpu is not None else str(min(os.sched_getaffinity(0)))
+    with tempfile.TemporaryDirectory(prefix="kvstore-calibrate-") as d:
+        model = make_model(Path(d) / "model", layers=a.layers, hidden=a.hidden, max_tokens=a.max_prefill + 64)
+        kv = parse_size(a.engine_kv)
+        env = {"VLLM_CPU_OMP_THREADS_BIND": cpu}
+        with EngineProcess(model, max_tokens=a.max_prefill + 64, kv_bytes=kv, env=env) as engine:
+            engine.wait_ready(timeout=900)
+            samples = measure(engine, a)
+            block_size, blocks = engine.block_size, engine.num_blocks
+    f = fit(samples)
+    when = datetime.date.today().isoformat()
+    cpu_name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    where = (
+        f"measured: `kvstore sim calibrate` on {when}, one vLLM CPU engine on CPU {cpu} ({cpu_name}), "
+        f"the made model of {a.layers} layers x {a.hidden}, {len(samples)} steps fitted by non-negative "
+        f"least squares (R^2 {f['r2']:.3f}, median |error| {f['median_abs_rel_err']:.1%})"
+    )
+    prof = base.to_dict()
+    prof["name"] = a.name or base.name
+    sources = dict(prof.get("sources") or {})
+    for k, v in f["constants"].items():
+        prof[k] = round(v, 9)
+        sources[k] = where
+    prof["jitter_cv"] = round(f["jitter_cv"], 4)
+    sources["jitter_cv"] = where + ": the coefficient of variation of the steps around the fit"
+    prof["block_size"], prof["num_gpu_blocks"] = block_size, max(1, blocks - 1)  # less vLLM's null block
+    sources["block_size"] = sources["num_gpu_blocks"] = (
+        f"measured: `kvstore sim calibrate` on {when}: the engine's KV cache ({a.engine_kv}), less vLLM's null block"
+    )
+    prof["sources"] = sources
+    EngineProfile.from_dict(prof, "the calibrated profile")  # refuses anything out of range
+    return prof, {"samples": samples, "fit": f}
+
+
+def main(a: argparse.Namespace) -> int:
+    prof, rep = run(a)
+    text = json.dumps(prof, indent=2) + "\n"
+    if a.out:
+        Path(a.out).write_text(text)
+        print(f"wrote {a.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    f = rep["fit"]
+    consts = ", ".join(f"{k} {v:.4g}" for k, v in f["constants"].items())
+    print(
+        f"fit: {consts}; jitter_cv {f['jitter_cv']:.3f}; R^2 {f['r2']:.3f}; "
+        f"median |error| {f['median_abs_rel_err']:.1%} over {len(rep['samples'])} steps",
+        file=sys.stderr,
+    )
+    by_kind: dict[str, list[float]] = {}
+    for s in rep["samples"]:
+        by_kind.setdefault(str(s["kind"]), []).append(float(s["ms"]))
+    for kind, ms in by_kind.items():
+        print(f"  {kind}: {len(ms)} steps, median {statistics.median(ms):.1f} ms", file=sys.stderr)
+    if a.json:
+        print(json.dumps(rep), flush=True)
+    return 0

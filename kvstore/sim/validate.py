@@ -1,0 +1,225 @@
+"""``kvstore sim validate``: the simulator against real vLLM engines, on the same requests.
+
+It runs one workload twice: through real vLLM servers (``kvstore bench serving --json``, in a
+child process of this interpreter, which must have vLLM; or a saved result of one with
+``--real FILE``) and through ``kvstore sim`` (``--profile``, default ``local``: the profile
+of this project's CPU engines), then prints, per configuration, the relative error of the
+simulator's TTFT p50 and p90, TBT p50 and output throughput against the real run's, and
+whether the ``pool``/``baseline`` TTFT ratio falls on the same side of 1 in both.
+
+Both sides take the workload from the same flags (:func:`kvstore.bench.serving.cli.add_workload_arguments`
+and :func:`~kvstore.bench.serving.cli.scaling`), so they replay the same requests at the
+same offered times; a ``--real`` file made with other flags is refused, naming what
+differs.  The JSON (``--json``): ``{"configs": {NAME: {"real": {...}, "sim": {...},
+"error": {...}, "within": bool}}, "ttft_ratio": {"real", "sim", "same_side"}, "tolerance",
+"real_run", "sim"}``; the exit status is 0 when every error is within ``--tolerance``
+(default 0.25) and the ratios agree, else 1.
+
+Holds no state between calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvstore.errors import InvalidArgument
+
+METRICS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("ttft_p50_ms", ("ttft_ms", "p50")),
+    ("ttft_p90_ms", ("ttft_ms", "p90")),
+    ("tbt_p50_ms", ("tbt_ms", "p50")),
+    ("throughput_tok_s", ("throughput_tok_s",)),
+)
+"""The figures compared (name, path in a configuration's summary)."""
+
+DEFAULT_TOLERANCE = 0.25
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvstore.bench.serving.cli import add_workload_arguments
+
+    add_workload_arguments(p)
+    p.add_argument("--configs", default="baseline,pool", help="configurations to compare (default baseline,pool)")
+    p.add_argument("--engines", type=int, default=2, help="engines per configuration, both sides (default 2)")
+    p.add_argument("--profile", default="local", metavar="NAME|FILE", help="the simulator's profile (default local)")
+    p.add_argument(
+        "--real",
+        metavar="FILE",
+        help="a saved `kvstore bench serving --json` of the same workload flags, instead of running one",
+    )
+    p.add_argument(
+        "--bench-args",
+        default="",
+        help="more flags for the real run (`kvstore bench serving`), one string, e.g. '--repeat 3'",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=DEFAULT_TOLERANCE,
+        help=f"largest relative error that passes (default {DEFAULT_TOLERANCE})",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table goes to stderr)")
+
+
+def workload_argv(a: argparse.Namespace) -> list[str]:
+    """The workload flags of ``a`` as a command line (both runs are given exactly these)."""
+    from kvstore.bench.serving.cli import add_workload_arguments
+
+    probe = argparse.ArgumentParser(add_help=False)
+    add_workload_arguments(probe)
+    argv: list[str] = []
+    for action in probe._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = getattr(a, action.dest, None)
+        flag = action.option_strings[-1] if action.option_strings[-1].startswith("--") else action.option_strings[0]
+        if action.nargs == 0:  # a store_true flag
+            if value:
+                argv.append(flag)
+        elif value is not None and value != action.default:
+            argv += [flag, str(value)]
+        elif action.dest == "trace":
+            argv += [flag, str(value)]
+    return argv
+
+
+def figure(summary: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    v: Any = summary
+    for k in path:
+        if not isinstance(v, dict) or k not in v:
+            return None
+        v = v[k]
+    return float(v) if isinstance(v, int | float) else None
+
+
+def compare(real: dict[str, Any], sim: dict[str, Any], configs: list[str], tolerance: float) -> dict[str, Any]:
+    """The validation report of two results of the benchmark's JSON shape (see the module docstring)."""
+    out: dict[str, Any] = {"configs": {}, "tolerance": tolerance}
+    for name in configs:
+        r, s = real["configs"].get(name), sim["configs"].get(name)
+        if r is None or s is None:
+            raise InvalidArgument(
+                f"configuration {name!r} is missing from the {'real' if r is None else 'simulated'} run"
+            )
+        row: dict[str, Any] = {"real": {}, "sim": {}, "error": {}}
+        for key, path in METRICS:
+            rv, sv = figure(r, path), figure(s, path)
+            row["real"][key], row["sim"][key] = rv, sv
+            row["error"][key] = None if rv is None or sv is None or rv == 0 else round(sv / rv - 1, 4)
+        errs = [e for e in row["error"].values() if e is not None]
+        row["within"] = bool(errs) and len(errs) == len(METRICS) and all(abs(e) <= tolerance for e in errs)
+        out["configs"][name] = row
+    ratio: dict[str, Any] = {"real": None, "sim": None, "same_side": None}
+    if "baseline" in configs and "pool" in configs:
+        b, p = out["configs"]["baseline"], out["configs"]["pool"]
+        for side in ("real", "sim"):
+            base, pool = b[side]["ttft_p50_ms"], p[side]["ttft_p50_ms"]
+            ratio[side] = round(pool / base, 4) if base and pool is not None else None
+        if ratio["real"] is not None and ratio["sim"] is not None:
+            ratio["same_side"] = (ratio["real"] - 1) * (ratio["sim"] - 1) > 0 or ratio["real"] == ratio["sim"]
+    out["ttft_ratio"] = ratio
+    out["ok"] = all(c["within"] for c in out["configs"].values()) and ratio["same_side"] is not False
+    return out
+
+
+def check_same_workload(real: dict[str, Any], scaling_json: dict[str, Any], requests: int) -> None:
+    """Refuse a ``--real`` result made of another workload (its flags or its trace)."""
+    got = real.get("scaling")
+    if got != scaling_json:
+        diff = sorted(k for k in set(got or {}) | set(scaling_json) if (got or {}).get(k) != scaling_json.get(k))
+        raise InvalidArgument(f"--real: made with other workload flags ({', '.join(diff) or 'no scaling recorded'})")
+    n = (real.get("trace") or {}).get("requests")
+    if n is not None and n != requests:
+        raise InvalidArgument(f"--real: {n} requests, this workload has {requests}")
+
+
+def real_run(a: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """``kvstore bench serving --json`` of the workload, in a child process (needs vLLM here)."""
+    import importlib.util
+    import shlex
+
+    if a.real:
+        try:
+            data: dict[str, Any] = json.loads(Path(a.real).read_text())
+        except (OSError, ValueError) as e:
+            raise InvalidArgument(f"--real {a.real}: {e}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("configs"), dict):
+            raise InvalidArgument(f"--real {a.real}: not the JSON of `kvstore bench serving --json`")
+        return data
+    if importlib.util.find_spec("vllm") is None:
+        raise InvalidArgument(
+            "the real run needs vLLM in this interpreter (run `.venv-vllm/bin/kvstore sim validate`), "
+            "or pass --real FILE from an earlier `kvstore bench serving --json`"
+        )
+    cmd = [sys.executable, "-m", "kvstore", "bench", "serving", *argv]
+    cmd += ["--configs", a.configs, "--engines", str(a.engines), "--json", *shlex.split(a.bench_args)]
+    print("real run: " + " ".join(shlex.quote(c) for c in cmd[1:]), file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
+    if proc.returncode not in (0, 1) or not proc.stdout.strip():
+        raise InvalidArgument(f"the real run failed (exit {proc.returncode}); its messages are above")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def sim_run(a: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """``kvstore sim --json`` of the workload, in this process."""
+    from kvstore.sim import cli as simcli
+
+    p = argparse.ArgumentParser(prog="kvstore sim")
+    simcli.add_arguments(p)
+    ns = p.parse_args([*argv, "--configs", a.configs, "--engines", str(a.engines), "--profile", a.profile])
+    return simcli.run(ns)
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    from kvstore.bench.serving.cli import scaling
+    from kvstore.bench.serving.workload import build
+
+    configs = [c.strip() for c in a.configs.split(",") if c.strip()]
+    if not configs:
+        raise InvalidArgument("--configs: none given")
+    if not 0 < a.tolerance:
+        raise InvalidArgument(f"--tolerance must be positive, got {a.tolerance}")
+    argv = workload_argv(a)
+    wl = build(a.trace, scaling(a))
+    real = real_run(a, argv)
+    check_same_workload(real, wl.scaling.to_json(), len(wl.items))
+    sim = sim_run(a, argv)
+    out = compare(real, sim, configs, a.tolerance)
+    out["real_run"] = {
+        "configs": list(real["configs"]),
+        "repeats": {n: (c.get("repeats") or {}).get("n", 1) for n, c in real["configs"].items()},
+    }
+    out["sim"] = sim["sim"]
+    out["workload"] = {"argv": argv, "requests": len(wl.items)}
+    return out
+
+
+def print_table(out: dict[str, Any], f: Any) -> None:
+    print(f"{'config':<10} {'figure':<18} {'real':>10} {'sim':>10} {'error':>8}", file=f)
+    for name, row in out["configs"].items():
+        for key, _ in METRICS:
+            rv, sv, e = row["real"][key], row["sim"][key], row["error"][key]
+            fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+            print(f"{name:<10} {key:<18} {fmt(rv):>10} {fmt(sv):>10} {'-' if e is None else f'{e:+.0%}':>8}", file=f)
+    r = out["ttft_ratio"]
+    if r["real"] is not None:
+        print(
+            f"pool/baseline TTFT p50: real {r['real']:.2f}, sim {r['sim']:.2f} "
+            f"({'same side of 1' if r['same_side'] else 'OPPOSITE sides of 1'})",
+            file=f,
+        )
+    print(f"{'within' if out['ok'] else 'NOT within'} {out['tolerance']:.0%}", file=f)
+
+
+def main(a: argparse.Namespace) -> int:
+    out = run(a)
+    print_table(out, sys.stderr if a.json else sys.stdout)
+    if a.json:
+        print(json.dumps(out), flush=True)
+    return 0 if out["ok"] else 1

@@ -1,0 +1,103 @@
+"""``kvstore sim validate``: the comparison of a real run with the simulator's, and its
+refusal of a real run of another workload.  (The validation itself, against real vLLM
+engines, is a benchmark: docs/sim.md has its figures.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_sim_fleet import BT, shared_trace
+
+from kvstore.cli import main
+from kvstore.errors import InvalidArgument
+from kvstore.sim.validate import compare
+
+
+def summary(ttft: float, tbt: float, tput: float) -> dict[str, Any]:
+    return {"ttft_ms": {"p50": ttft, "p90": 2 * ttft}, "tbt_ms": {"p50": tbt}, "throughput_tok_s": tput}
+
+
+def test_errors_are_relative_to_the_real_run_and_the_ttft_ratio_is_compared() -> None:
+    real = {"configs": {"baseline": summary(100, 20, 50), "pool": summary(50, 20, 50)}}
+    sim = {"configs": {"baseline": summary(120, 15, 50), "pool": summary(80, 20, 40)}}
+    out = compare(real, sim, ["baseline", "pool"], 0.25)
+    b, p = out["configs"]["baseline"], out["configs"]["pool"]
+    assert b["error"] == {"ttft_p50_ms": 0.2, "ttft_p90_ms": 0.2, "tbt_p50_ms": -0.25, "throughput_tok_s": 0.0}
+    assert b["within"] and not p["within"]  # pool's TTFT is 60 % off
+    assert out["ttft_ratio"] == {"real": 0.5, "sim": pytest.approx(0.6667, abs=1e-4), "same_side": True}
+    assert not out["ok"]
+    sim["configs"]["pool"] = summary(130, 20, 50)  # within 25 %? no: 160 % and slower than baseline
+    out = compare(real, sim, ["baseline", "pool"], 3.0)
+    assert out["configs"]["pool"]["within"] and out["ttft_ratio"]["same_side"] is False and not out["ok"]
+    with pytest.raises(InvalidArgument, match="'pd' is missing from the simulated run"):
+        compare({"configs": {"pd": summary(1, 1, 1)}}, sim, ["pd"], 0.25)
+
+
+def test_a_saved_real_run_is_compared_on_the_same_workload_and_refused_for_another(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    trace = str(shared_trace(tmp_path / "t.jsonl"))
+    flags = ["--trace", trace, "--block-tokens", str(BT), "--rate", "4", "--configs", "baseline,pool", "--engines", "2"]
+    # a "real" result of the same workload: the simulator's own (so every error is 0)
+    assert main(["sim", *flags, "--json"]) == 0
+    saved = tmp_path / "real.json"
+    saved.write_text(capsys.readouterr().out)
+    assert main(["sim", "validate", *flags, "--real", str(saved), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and set(out["configs"]) == {"baseline", "pool"}
+    assert all(e == 0 for c in out["configs"].values() for e in c["error"].values())
+    assert out["workload"]["requests"] == 24 and out["workload"]["argv"][2:] == ["--rate", "4.0"]
+    # the same file against other workload flags is refused, naming what differs
+    other = ["sim", "validate", *flags[:2], "--block-tokens", str(2 * BT), "--rate", "4", "--real", str(saved)]
+    assert main(other) == 2
+    assert "--real: made with other workload flags (block_tokens," in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("[]")
+    assert main(["sim", "validate", *flags, "--real", str(tmp_path / "bad.json")]) == 2
+    assert "not the JSON of `kvstore bench serving --json`" in capsys.readouterr().err
+
+
+def test_calibration_recovers_a_step_model_from_its_steps() -> None:
+    """The fit of ``kvstore sim calibrate`` finds the constants that made the steps (the
+    ones in kvstore/sim/profiles/local.json's shape), and its jitter the noise put in."""
+    import random
+
+    from kvstore.sim.calibrate import fit
+
+    truth = {"overhead_ms": 16.0, "prefill_ms_per_token": 0.3, "prefill_attn_ms": 2e-5, "decode_ms_per_seq": 0.4}
+    rng = random.Random(1)
+    samples = []
+    for t in (32, 64, 128, 256, 512, 1024, 2048) * 3:
+        ms = truth["overhead_ms"] + truth["prefill_ms_per_token"] * t + truth["prefill_attn_ms"] * t * t
+        samples.append({"t": t, "pairs": t * t, "b": 0, "ctx": 0, "ms": ms * rng.lognormvariate(0, 0.05)})
+    for b, p in ((1, 32), (4, 32), (16, 32), (32, 32), (1, 512), (4, 512), (8, 512)) * 10:
+        ms = truth["overhead_ms"] + truth["decode_ms_per_seq"] * b  # no cost per context token
+        samples.append({"t": 0, "pairs": 0, "b": b, "ctx": b * (p + 8), "ms": ms * rng.lognormvariate(0, 0.05)})
+    f = fit(samples)
+    c = f["constants"]
+    for k in ("overhead_ms", "prefill_ms_per_token", "decode_ms_per_seq"):
+        assert c[k] == pytest.approx(truth[k], rel=0.15), k
+    assert c["prefill_attn_ms"] == pytest.approx(truth["prefill_attn_ms"], rel=0.5)  # small beside T: loosely
+    for t in (64, 1024, 2048):  # what the simulator uses: step times, within the noise
+        want = truth["overhead_ms"] + truth["prefill_ms_per_token"] * t + truth["prefill_attn_ms"] * t * t
+        got = c["overhead_ms"] + c["prefill_ms_per_token"] * t + c["prefill_attn_ms"] * t * t
+        assert got == pytest.approx(want, rel=0.05)
+    assert c["decode_ms_per_kv_token"] < 1e-3  # not in the data: (nearly) nothing, never negative
+    assert 0.03 < f["jitter_cv"] < 0.08 and f["r2"] > 0.95
+    with pytest.raises(InvalidArgument, match="cannot fit"):
+        fit(samples[:3])
+
+
+def test_calibrating_without_vllm_says_where_to_run_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    assert main(["sim", "calibrate"]) == 2
+    assert "run `.venv-vllm/bin/kvstore sim calibrate`" in capsys.readouterr().err
+    assert main(["sim", "calibrate", "--repeats", "0"]) == 2
+    assert "--repeats must be at least 1" in capsys.readouterr().err
