@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 KINDS = ("local", "nvme", "remote")
+PREFILL_STEP_TOKENS = 32
+"""A step that prefills at least this many tokens measures the engine's recompute rate."""
 
 
 @dataclasses.dataclass

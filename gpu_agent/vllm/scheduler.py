@@ -10,7 +10,9 @@ three counts, each in tokens or leading chunks of the request's tokens:
 * the load: tokens ``[local_tokens, local_tokens + external)``, nothing below;
 * ``saved_chunks``: leading chunks stored already or whose save was issued.  Each step
   the chunks the step completes (prompt chunks as chunked prefill computes them and,
-  with ``save_decode``, chunks the decode fills) are saved from ``saved_chunks`` on.
+  with ``save_decode``, chunks the decode fills) are saved from ``saved_chunks`` on.  A
+  preemption sets it back to 0 (the worker cancels the saves still copying; what did
+  commit is found by the resumed request's lookup, the rest is saved again).
 
 Nothing slow runs on vLLM's scheduler thread: every store call goes through
 :class:`~gpu_agent.vllm.storelink.StoreLink`'s own thread.  A request's lookup is asked
@@ -20,7 +22,11 @@ a request queued behind others would otherwise pay a step for a second lookup th
 almost always misses again).  A scheduling pass waits for answers within
 one budget (:mod:`gpu_agent.vllm.pacing`: ``lookup_wait_ms``, or optionally a share of the
 engine's step time and more on an idle engine); past it the scheduler answers vLLM ``None``
-("not yet") and takes the answer at a later ask, giving up (a miss) after ``deadline_s``.  What is saved follows ``save_policy``
+("not yet") and takes the answer at a later ask, giving up (a miss) after ``deadline_s``.
+"Not yet" costs the request a step, so on a busy engine a request whose class of lookups
+is measured not to find enough to pay for that step is computed at once instead, and one
+whose class finds less than a lookup costs is not looked up at all, but for probes
+(:mod:`gpu_agent.vllm.patience`, ``lookup_odds``).  What is saved follows ``save_policy``
 (:mod:`gpu_agent.vllm.admission`), what is loaded the load gate (:mod:`gpu_agent.vllm.gate`).
 
 Invariants: a chunk counts as stored only when every tensor/pipeline rank's shard is
@@ -42,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from gpu_agent.vllm import admission
+from gpu_agent.vllm import admission, patience
 from gpu_agent.vllm.events import KVStoreEvents, StoredChunks
 from gpu_agent.vllm.gate import LoadGate
 from gpu_agent.vllm.metadata import KVStoreMeta, LoadSpec, SaveSpec
@@ -98,6 +104,9 @@ class _Req:
     pending_since: float = 0.0
     sched_s: float = 0.0  # the scheduler thread's connector time for it
     kind: str = "local"  # where the last hit's chunks are: local, nvme, remote (the load gate's kinds)
+    cls: str = "seen"  # its class of lookups (gpu_agent.vllm.patience), set when it is sighted
+    given_up: bool = False  # computed without waiting for its pending lookup (its answer is still taken)
+    asks: bool | None = None  # whether it is looked up at all (lookup_odds; None: not decided yet)
 
 
 class SchedulerSide:
@@ -125,6 +134,8 @@ class SchedulerSide:
         self._down_until = 0.0  # lookups resume then (a store call failed)
         self.sightings = admission.Sightings()
         self.gate = LoadGate(settings.load_gate)
+        self.odds = patience.HitOdds()
+        self._given_up: list[tuple[_Req, int, float, concurrent.futures.Future[LookupAnswer]]] = []
         self.budget = WaitBudget(
             settings.lookup_wait_ms / 1e3, settings.lookup_wait_step, settings.lookup_idle_wait_ms / 1e3
         )
@@ -141,41 +152,104 @@ class SchedulerSide:
             log.error("kvstore %s raised; serving without the store for %.0f s", what, RETRY_S, exc_info=e)
         self._down_until = time.monotonic() + RETRY_S
 
-    def _answer(self, r: _Req, tokens: list[int], first: int) -> LookupAnswer | None:
+    def _answer(self, r: _Req, tokens: list[int], first: int, *, patience: str) -> LookupAnswer | None:
         """The lookup of ``tokens`` from chunk ``first`` on: kept from an earlier ask (or the
         one :meth:`arrived` started from chunk 0, when it covers ``first``), or asked now and
-        waited on within the pass's budget; None: not answered yet."""
+        waited on within the pass's budget; None: not answered yet.  ``patience`` (see
+        :meth:`_patience`) other than ``step``: a lookup not answered in time is answered as
+        a miss, and its answer is still taken when it lands."""
         n = len(tokens)
         if r.pending is not None and r.pending_key[1] == n and r.pending_key[0] in (0, first):
-            if not self._collect(r):
-                return None
+            if not self._collect(r, wait=patience != "none"):
+                return self._give_up(r, patience == "step")
         ans = self._usable(r, first, n)
         if ans is not None:
             return ans
         r.pending = self.link.lookup(tokens, r.namespace, first, r.session_id)
         r.pending_key, r.pending_since = (first, n), time.monotonic()
         self.counters["lookups"] += 1
-        if not self._collect(r):
-            return None
+        if not self._collect(r, wait=patience != "none"):
+            return self._give_up(r, patience == "step")
         return self._usable(r, first, n)
 
-    def _collect(self, r: _Req) -> bool:
-        """Take the pending lookup's answer (True), waiting for it within the pass's budget,
-        or count it still pending (False); past ``deadline_s`` it is given up and answered as
-        a failure."""
+    def _give_up(self, r: _Req, patient: bool) -> LookupAnswer | None:
+        """A lookup not answered in time: "not yet" (None) for a patient ask, else a miss now."""
+        if patient:
+            self.counters["lookup_pending"] += 1
+            return None
+        if not r.given_up:
+            r.given_up = True
+            self.counters["lookup_given_up"] += 1
+        return LookupAnswer()
+
+    def _patience(self, r: _Req, handoff: bool) -> str:
+        """How long a request's lookup is waited for: ``step`` (the pass's budget, then a
+        step: "not yet"), ``pass`` (the pass's budget, then a miss) or ``none`` (a miss
+        unless answered already).  ``step`` for a producer's handoff, and where
+        :class:`~gpu_agent.vllm.patience.HitOdds` measures the class worth it against the
+        step interval (on an idle engine: the lookup's own latency), else ``none``; a class
+        not measured yet gets ``step``, but for ``new`` prompts (``pass``: a never-seen,
+        unhinted prompt earns a step's wait only by measured hits)."""
+        if handoff or not self.settings.lookup_odds:
+            return "step"
+        if self.odds.expected_tokens(r.cls) is None:
+            return "pass" if r.cls == "new" else "step"
+        recompute = self.gate.recompute.per_token(self.gate.min_samples)
+        idle = self.budget.idle(time.monotonic())
+        cost = self.odds.lookup_s if idle else self.budget.interval_s
+        return "step" if self.odds.worth_waiting(r.cls, recompute, cost) else "none"
+
+    def _asks(self, r: _Req, handoff: bool) -> bool:
+        """Whether the request is looked up at all, decided once: always for a producer's
+        handoff; else unless its class is measured to find less than the lookup costs
+        (:meth:`~gpu_agent.vllm.patience.HitOdds.worth_asking`, which still probes)."""
+        if handoff or not self.settings.lookup_odds:
+            return True
+        if r.asks is None:
+            r.asks = self.odds.worth_asking(r.cls, self.gate.recompute.per_token(self.gate.min_samples))
+            if not r.asks:
+                self.counters["lookups_skipped"] += 1
+        return r.asks
+
+    def _observe(self, r: _Req, asked: int, ans: LookupAnswer) -> None:
+        """Count a lookup's outcome for its class: the tokens it found beyond vLLM's own cache."""
+        if ans.error is None:
+            found = (asked + ans.found) * self.chunk - r.local_tokens
+            self.odds.observe(r.cls, max(0, min(found, int(r.request.num_tokens) - 1 - r.local_tokens)))
+
+    def _take_given_up(self) -> None:
+        """The answers of lookups the scheduler stopped waiting for, as they land (outcomes)."""
+        if not self._given_up:
+            return
+        now, keep = time.monotonic(), []
+        for r, asked, since, fut in self._given_up:
+            if fut.done():
+                if not fut.cancelled() and fut.exception() is None:
+                    ans = fut.result()
+                    if ans.error is None:
+                        self._observe(r, asked, ans)
+                        self.odds.observe_latency(ans.seconds)
+                        self.odds.observe_cost(ans.cpu_seconds)
+            elif now - since < self.settings.deadline_s:
+                keep.append((r, asked, since, fut))
+        self._given_up = keep
+
+    def _collect(self, r: _Req, *, wait: bool = True) -> bool:
+        """Take the pending lookup's answer (True), waiting for it within the pass's budget
+        (not at all without ``wait``), or count it still pending (False); past
+        ``deadline_s`` it is given up and answered as a failure."""
         assert r.pending is not None
         now = time.monotonic()
         left = self.settings.deadline_s - (now - r.pending_since)
-        wait = max(0.0, min(self.budget.allowance(now), left))
+        timeout = max(0.0, min(self.budget.allowance(now), left)) if wait else 0.0
         ans: LookupAnswer | None
         try:
-            ans = r.pending.result(timeout=wait)
+            ans = r.pending.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
             ans = None
         self.budget.spend(time.monotonic() - now)
         if ans is None:
             if time.monotonic() - r.pending_since < self.settings.deadline_s:
-                self.counters["lookup_pending"] += 1
                 return False
             r.pending.cancel()
             self.counters["lookup_timeouts"] += 1
@@ -183,6 +257,9 @@ class SchedulerSide:
         self.counters["lookup_us"] += int(ans.seconds * 1e6)
         if ans.error is None:
             self.timings.add("store_lookup", ans.seconds)
+            self.odds.observe_latency(ans.seconds)
+            self.odds.observe_cost(ans.cpu_seconds)
+            self._observe(r, r.pending_key[0], ans)
         r.answer, r.answer_key, r.answer_at, r.answer_fresh = ans, r.pending_key, time.monotonic(), True
         r.pending = None
         return True
@@ -219,7 +296,7 @@ class SchedulerSide:
             tokens = list(request.all_token_ids)
             if self.produce and not r.sighted:
                 self._sight(r, tokens)
-            if tokens:
+            if tokens and self._asks(r, self._handoff_tokens(request, r.namespace, len(tokens)) > 0):
                 r.pending = self.link.lookup(tokens, r.namespace, 0, r.session_id)
                 r.pending_key, r.pending_since = (0, len(tokens)), time.monotonic()
                 self.counters["lookups"] += 1
@@ -236,6 +313,7 @@ class SchedulerSide:
                 log.info("kvstore: request %s has %s: neither loaded nor saved", request.request_id, why)
             ns = request_namespace(self.spec, self.settings, self.chunk, request)
             r = self._reqs[request.request_id] = _Req(request, ns, request_session(request), why)
+            r.cls = patience.request_class(hint=admission.hinted(request), first_chunk_sightings=0)
         return r
 
     def _handoff_tokens(self, request: Request, ns: Namespace, num_tokens: int) -> int:
@@ -276,6 +354,9 @@ class SchedulerSide:
         chain = chunk_keys(tokens[:prompt], r.namespace)
         tail = tail_key(tokens[:prompt], r.namespace, chain)
         counts = self.sightings.sight(chain + ([tail] if tail is not None else []))
+        r.cls = patience.request_class(
+            hint=admission.hinted(r.request), first_chunk_sightings=counts[0] if counts else 0
+        )
         r.plan = admission.plan(
             self.settings.save_policy,
             counts=counts[: len(chain)],
@@ -301,7 +382,9 @@ class SchedulerSide:
         if r.wait_until and now < r.next_ask and now < r.wait_until:
             self.counters["handoff_waits"] += 1
             return None, False
-        ans = self._answer(r, tokens, first)
+        if not self._asks(r, want > 0):
+            return 0, False
+        ans = self._answer(r, tokens, first, patience=self._patience(r, want > 0))
         if ans is None:
             return None, False
         if ans.error is not None:
@@ -386,6 +469,10 @@ class SchedulerSide:
         t0 = time.perf_counter()
         r = self._track(request)
         r.answer = None  # allocated: a later ask (after a preemption) is a new lookup
+        if r.given_up and r.pending is not None:  # computed without its answer: taken as an outcome later
+            self._given_up.append((r, r.pending_key[0], r.pending_since, r.pending))
+            r.pending = None
+        r.given_up = False
         try:
             self._after_alloc(r, request, blocks, num_external)
         finally:
@@ -425,10 +512,15 @@ class SchedulerSide:
             self.budget.step(time.monotonic(), int(out.total_num_scheduled_tokens))
 
     def _build_meta(self, out: SchedulerOutput) -> KVStoreMeta:
+        self._take_given_up()
         meta = KVStoreMeta(
             preempted=set(getattr(out, "preempted_req_ids", None) or ()),
             step_tokens=int(out.total_num_scheduled_tokens),
         )
+        for rid in meta.preempted:  # its saves still copying are cancelled (the worker's handle_preemptions)
+            r = self._reqs.get(rid)
+            if r is not None:  # issued again as it runs again: saved_chunks never counts a cancelled save
+                r.saved_chunks, r.tail_saved = 0, False
         for req in out.scheduled_new_reqs:
             r = self._reqs.get(req.req_id)
             if r is None:

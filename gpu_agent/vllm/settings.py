@@ -90,6 +90,13 @@ class ConnectorSettings:
     lookup_idle_wait_ms: float = 0.0
     """On an idle engine (its last pass scheduled nothing) a pass may wait this long for
     lookups (0: only ``lookup_wait_ms``)."""
+    lookup_odds: bool = True
+    """Compute a request at once rather than have it wait a step for a lookup not answered
+    yet, when the lookups of its class (hinted, prefix seen before, new) are measured to
+    find too few tokens to pay for that step (on an idle engine: for the lookup's latency),
+    and do not look it up at all when they find less than a lookup costs, but for one
+    probe in eight (``gpu_agent.vllm.patience``; false: always look up and wait, as far as
+    ``deadline_s``)."""
     events_resync_s: float = 1.0
     """How often the chunks this engine reported stored (KV events) are checked against the
     store, so the node's own evictions and demotions reach KV events too (0: never).  Only

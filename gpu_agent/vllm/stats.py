@@ -62,6 +62,8 @@ SCHEDULER_KEYS = (
     "lookups_cached",
     "lookup_pending",
     "lookup_timeouts",
+    "lookup_given_up",
+    "lookups_skipped",
     "skipped_save_chunks",
     "gated_tokens",
 )
@@ -122,6 +124,8 @@ PROM_HELP = {
     "lookups_cached": "Scheduler asks answered from the request's earlier lookup (no store call).",
     "lookup_pending": "Scheduler asks answered 'not yet' (the lookup runs on the connector's thread).",
     "lookup_timeouts": "Lookups not answered within deadline_s (the request recomputed).",
+    "lookup_given_up": "Requests computed without waiting for their lookup (their class rarely hits: lookup_odds).",
+    "lookups_skipped": "Requests not looked up: their class finds less than a lookup costs (lookup_odds; probes still ask).",
     "skipped_save_chunks": "Computed chunks save_policy did not store (not expected to be read again).",
     "gated_tokens": "Hit tokens recomputed because loading them was measured slower (the load gate).",
     "saves_cancelled": "Saves dropped because vLLM preempted their request before its pages were copied.",

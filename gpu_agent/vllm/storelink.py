@@ -45,13 +45,15 @@ class LookupAnswer:
     """One prefix lookup: ``found`` leading chunks from the asked ``first`` on that every
     rank's shard holds (the trailing partial chunk counted last), rank 0's ``tiers`` and,
     per found chunk, whether the engine's own node holds it (``local``; all True when the
-    lookup asked that node itself).  ``error``: the call failed (nothing found)."""
+    lookup asked that node itself); ``seconds`` on the clock, ``cpu_seconds`` of the link
+    thread's CPU.  ``error``: the call failed (nothing found)."""
 
     found: int = 0
     tiers: tuple[str, ...] = ()
     local: tuple[bool, ...] = ()
     seconds: float = 0.0
     error: Exception | None = None
+    cpu_seconds: float = 0.0  # the link thread's CPU time for it (what asking cost)
 
 
 class StoreLink:
@@ -136,7 +138,7 @@ class StoreLink:
                     c.close()
 
     def _lookup(self, tokens: list[int], ns: Namespace, first: int, session: str | None) -> LookupAnswer:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             n, tiers, keys0 = -1, [], []
             for t, p in self.ranks:
@@ -154,7 +156,9 @@ class StoreLink:
                     break
             n = max(n, 0)
             local = self._locality(keys0[:n]) if n else []
-            return LookupAnswer(n, tuple(tiers[:n]), tuple(local), time.perf_counter() - t0)
+            return LookupAnswer(
+                n, tuple(tiers[:n]), tuple(local), time.perf_counter() - t0, cpu_seconds=time.thread_time() - c0
+            )
         except Exception as e:  # noqa: BLE001 - handed to the scheduler thread as the answer
             self._drop()  # a fresh channel next time, not one parked in reconnect back-off
             return LookupAnswer(seconds=time.perf_counter() - t0, error=e)

@@ -46,6 +46,7 @@ import torch
 from vllm.distributed.kv_events import KVCacheEvent
 
 from gpu_agent.vllm.events import KVStoreEvents, stored_event
+from gpu_agent.vllm.gate import PREFILL_STEP_TOKENS
 from gpu_agent.vllm.metadata import KVStoreMeta, LoadSpec, SaveSpec
 from gpu_agent.vllm.settings import RETRY_S, ConnectorSettings, EngineSpec
 from gpu_agent.vllm.spec import engine_spec, rank_namespace, worker_ranks
@@ -61,8 +62,6 @@ log = logging.getLogger(__name__)
 
 MAX_QUEUED_SAVES = 64
 """Saves waiting for the saver thread beyond which a new one is dropped (a future miss)."""
-PREFILL_STEP_TOKENS = 32
-"""A step that prefills at least this many tokens measures the engine's recompute rate."""
 
 
 class _BackgroundSave:

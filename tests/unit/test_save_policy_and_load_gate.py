@@ -9,6 +9,7 @@ import pytest
 
 from gpu_agent.vllm.admission import EVERYTHING, NOTHING, SavePlan, Sightings, hinted, plan
 from gpu_agent.vllm.gate import LoadGate, Rate
+from gpu_agent.vllm.patience import HitOdds, request_class
 
 
 def _plan(policy: str, counts: list[int], tail: int | None = None, **kw: bool) -> SavePlan:
@@ -143,3 +144,64 @@ def test_an_idle_engine_waits_longer_once_per_idle_spell_and_never_below_the_flo
     b.spend(0.002)
     assert b.allowance(9.0) == pytest.approx(0.05)  # no pass for seconds: idle again, refilled
     assert WaitBudget(0.002, 0.0, 0.0).allowance(0.0) == pytest.approx(0.002)  # adaptivity off: the floor
+
+
+def test_a_request_class_is_its_hint_else_whether_its_first_chunk_was_looked_up_before() -> None:
+    assert request_class(hint=True, first_chunk_sightings=1) == "hinted"
+    assert request_class(hint=False, first_chunk_sightings=1) == "new"
+    assert request_class(hint=False, first_chunk_sightings=3) == "seen"
+    assert request_class(hint=False, first_chunk_sightings=0) == "seen"  # not sighted: no evidence either way
+
+
+def test_waiting_pays_while_unmeasured_and_then_when_expected_hits_beat_the_step() -> None:
+    odds = HitOdds(min_samples=4)
+    assert odds.worth_waiting("new", 1e-3, 0.05)  # no outcomes: wait, and learn
+    for _ in range(4):
+        odds.observe("new", 0)
+    assert odds.expected_tokens("new") == 0.0
+    assert not odds.worth_waiting("new", 1e-3, 0.05)  # four misses: a step buys nothing
+    assert odds.worth_waiting("new", None, 0.05) and odds.worth_waiting("new", 1e-3, 0.0)  # rates unmeasured
+    assert odds.worth_waiting("hinted", 1e-3, 0.05)  # classes are apart
+    odds.observe("new", 512)  # one hit of 512 tokens in five lookups: about 100 tokens per lookup
+    assert 90 < (odds.expected_tokens("new") or 0) < 120
+    assert odds.worth_waiting("new", 1e-3, 0.05)  # ~0.1 s of recompute against a 50 ms step
+    assert not odds.worth_waiting("new", 1e-4, 0.05)  # a fast prefill: the step costs more
+
+
+def test_old_outcomes_fade_so_a_class_whose_hits_stopped_is_no_longer_waited_for() -> None:
+    odds = HitOdds(decay=0.9, min_samples=1)
+    for _ in range(10):
+        odds.observe("seen", 1000)
+    for _ in range(60):
+        odds.observe("seen", 0)
+    assert (odds.expected_tokens("seen") or 0) < 5
+    with pytest.raises(ValueError, match="decay"):
+        HitOdds(decay=0.0)
+    with pytest.raises(ValueError, match="probe_every"):
+        HitOdds(probe_every=0)
+
+
+def test_a_class_that_finds_less_than_a_lookup_costs_is_asked_only_by_its_probes() -> None:
+    """Asking is priced by a lookup's CPU time on the link thread, not its latency (which
+    on a loaded machine is mostly waiting for a core, and which nothing waits on unless
+    the scheduler waits for the answer)."""
+    odds = HitOdds(min_samples=2, probe_every=4)
+    assert odds.worth_asking("new", 1e-3)  # nothing measured: ask
+    for _ in range(2):
+        odds.observe("new", 0)
+    assert odds.worth_asking("new", 1e-3)  # no lookup cost measured yet: ask
+    odds.observe_latency(0.4)  # slow answers alone are no reason not to ask
+    assert odds.worth_asking("new", 1e-3) and odds.lookup_cpu_s == 0
+    odds.observe_cost(0.004)
+    odds.observe_cost(0.002)
+    assert 0.0035 < odds.lookup_cpu_s < 0.004  # a decayed mean, the first sample its start
+    asked = [odds.worth_asking("new", 1e-3) for _ in range(12)]
+    assert asked == [False, False, False, True] * 3  # one probe in four
+    assert odds.worth_asking("seen", 1e-3)  # classes are apart
+    odds.observe("new", 512)  # a probe hit: about 170 tokens a lookup, far above 4 ms of recompute
+    assert all(odds.worth_asking("new", 1e-3) for _ in range(5))
+    for _ in range(40):  # a class finding 30 tokens a lookup: 30 ms of recompute against 4 ms of CPU
+        odds.observe("seen", 30)
+    odds.observe_latency(0.4)
+    assert all(odds.worth_asking("seen", 1e-3) for _ in range(5))  # asked, however slow the answers
+    assert not odds.worth_waiting("new", 1e-6, odds.lookup_s)  # a prefill that fast: not worth the lookup

@@ -353,6 +353,21 @@ def test_an_abort_mid_prefill_frees_its_blocks_and_the_engine_serves_on(rig: Rig
     assert same(got, want), diff(got, want)
 
 
+def test_tensor_parallel_ranks_store_and_load_their_own_shards(rig: Rig) -> None:
+    """A TP=2 engine saves each rank's shard of a chunk under the rank's own key (a chunk
+    is two blocks on the node); with its own prefix cache dropped, its ranks load them
+    back, each its own."""
+    for seed, n in ((901, N), (902, 4 * CHUNK)):
+        toks = prompt(seed, n)
+        first = rig.tp2.generate(toks, max_tokens=8)
+        want = rig.want(toks, 8)
+        assert same(first, want), diff(first, want)
+        assert info(first).get("saved"), first["kv_transfer_params"]
+        assert rig.tp2.reset_prefix_cache()
+        consume(rig, rig.tp2, toks, made(first, toks), ranks=2)
+
+
+# -- the node fails: these run last, and `healthy_node` brings it back for whatever follows --
 def test_saves_that_cannot_start_still_free_their_blocks(rig: Rig, healthy_node: Any) -> None:
     """With the node gone the worker has no agent to save through (it dropped it after the
     first failed call): the requests it held for their saves are still reported finished,
@@ -373,21 +388,6 @@ def test_saves_that_cannot_start_still_free_their_blocks(rig: Rig, healthy_node:
     assert same(got, want), diff(got, want)
 
 
-def test_tensor_parallel_ranks_store_and_load_their_own_shards(rig: Rig) -> None:
-    """A TP=2 engine saves each rank's shard of a chunk under the rank's own key (a chunk
-    is two blocks on the node); with its own prefix cache dropped, its ranks load them
-    back, each its own."""
-    for seed, n in ((901, N), (902, 4 * CHUNK)):
-        toks = prompt(seed, n)
-        first = rig.tp2.generate(toks, max_tokens=8)
-        want = rig.want(toks, 8)
-        assert same(first, want), diff(first, want)
-        assert info(first).get("saved"), first["kv_transfer_params"]
-        assert rig.tp2.reset_prefix_cache()
-        consume(rig, rig.tp2, toks, made(first, toks), ranks=2)
-
-
-# -- the node fails: these run last, and `healthy_node` brings it back for whatever follows --
 def test_a_stopped_node_turns_into_recompute_within_the_deadline(rig: Rig, healthy_node: Any) -> None:
     toks = prompt(4)
     p = produce(rig, toks)

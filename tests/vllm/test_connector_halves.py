@@ -9,6 +9,7 @@ start, and the counters vLLM exports.
 
 from __future__ import annotations
 
+import threading
 import time
 import types
 from collections.abc import Iterator
@@ -407,7 +408,7 @@ def test_a_lookup_runs_off_the_scheduler_thread_and_vllm_hears_not_yet_until_it_
     the answer, and asks after that reuse it: one lookup per request, however often vLLM
     asks while the request waits."""
     side = scheduler(node, lookup_wait_ms=0.0, lookup_idle_wait_ms=0.0)
-    req = request(prompt(1000, seed=11), rid="patient")
+    req = request(prompt(1000, seed=11), rid="patient", params={"session_id": "conv-patient"})  # hinted: waited for
     store(node, side, req, 2)
     assert side.matched(req, 0) == (None, False)
     t0 = time.monotonic()
@@ -418,6 +419,116 @@ def test_a_lookup_runs_off_the_scheduler_thread_and_vllm_hears_not_yet_until_it_
     assert side.matched(req, 0) == (512, False)
     assert side.counters["lookups"] == 1 and side.counters["lookups_cached"] >= 1
     assert side.counters["lookup_pending"] >= 1
+    side.close()
+
+
+def _busy(side: Any, step_s: float = 0.02) -> None:
+    """Make the scheduler's engine look busy: passes that scheduled tokens, ``step_s`` apart,
+    the last just now; and prefill measured at 1 ms per token."""
+    for _ in range(3):
+        side.gate.observe({"prefill_step_us": 1_000_000, "prefill_step_tokens": 1000})
+    for _ in range(4):
+        side.budget.step(time.monotonic(), 500)
+        time.sleep(step_s)
+    side.budget.step(time.monotonic(), 500)
+
+
+def _answered(side: Any, req: Any) -> Any:
+    """Ask as vLLM does until the answer is not "not yet" (the engine kept busy)."""
+    t0 = time.monotonic()
+    while True:
+        _busy(side, 0.002)
+        got = side.matched(req, 0)
+        if got[0] is not None:
+            return got
+        assert time.monotonic() - t0 < 5, "the lookup was never answered"
+
+
+def _probe_round(side: Any, node: Any, seed: int, *, stored: int = 0) -> Any:
+    """``probe_every`` never-seen, unhinted requests arrive while the link's thread is held:
+    each is answered 0 at once (a busy engine, a class that never hits); one of them, the
+    probe, is looked up (pending, given up), the others are not looked up at all.  Returns
+    the probe's pending lookup, its request allocated (its answer taken as it lands)."""
+    n = side.odds.probe_every
+    reqs = [request(prompt(700, seed=seed + i), rid=f"p{seed + i}") for i in range(n)]
+    for req in reqs:
+        if stored:
+            store(node, side, req, stored)
+    lookups, skipped, given_up = (side.counters[k] for k in ("lookups", "lookups_skipped", "lookup_given_up"))
+    held = threading.Event()
+    side.link._pool.submit(held.wait, 10)  # the link's thread is busy: a lookup stays pending
+    for req in reqs:
+        side.arrived(req)
+        _busy(side, 0.002)
+        assert side.matched(req, 0) == (0, False)  # not "not yet": computed now
+        assert side.matched(req, 0) == (0, False)  # and asked once, however often vLLM asks
+    assert side.counters["lookups"] == lookups + 1 and side.counters["lookups_skipped"] == skipped + n - 1
+    assert side.counters["lookup_given_up"] == given_up + 1
+    (probe,) = [req for req in reqs if side._reqs[req.request_id].pending is not None]
+    pending = side._reqs[probe.request_id].pending
+    for req in reqs:
+        side.after_alloc(req, Blocks(list(range(44))), 0)
+    held.set()
+    pending.result(timeout=10)
+    return pending
+
+
+def test_a_busy_engine_computes_a_request_whose_class_never_hits_rather_than_wait_a_step(node: Any) -> None:
+    """``lookup_odds``: once the lookups of never-seen, unhinted prompts have missed often
+    enough, a busy engine answers such a request's ask 0 at once (computed now, not a step
+    later) and does not look it up at all, but for one probe in ``probe_every``, whose
+    lookup still lands and counts.  A hinted request is still waited for, and when the
+    probes start hitting the scheduler looks prompts of the class up and waits again."""
+    side = scheduler(node, lookup_wait_ms=0.0, lookup_idle_wait_ms=0.0, save_policy="auto")
+    for i in range(side.odds.min_samples):  # not measured yet: asked, waited for within the pass only
+        miss = request(prompt(700, seed=100 + i), rid=f"miss{i}")
+        side.arrived(miss)
+        pending = side._reqs[miss.request_id].pending
+        assert pending is not None and side.matched(miss, 0) == (0, False)
+        side.after_alloc(miss, Blocks(list(range(44))), 0)
+        pending.result(timeout=10)
+        side._take_given_up()
+    assert side.odds.expected_tokens("new") == 0.0 and side.counters["lookup_pending"] == 0
+    assert side.counters["lookups"] == side.odds.min_samples
+    assert side.odds.lookup_s > 0 and side.odds.lookup_cpu_s > 0  # latency, and the price of asking: CPU
+    samples = side.odds._classes["new"].samples
+    _probe_round(side, node, 200)
+    side._take_given_up()
+    assert side.odds._classes["new"].samples == samples + 1  # the probe's miss counted when it landed
+    session = request(prompt(700, seed=301), rid="turn", params={"session_id": "conv-odds"})
+    store(node, side, session, 2)
+    assert _answered(side, session) == (2 * CHUNK, False)  # hinted: looked up and waited for
+    _probe_round(side, node, 400, stored=2)  # the class still looks hopeless, but its probe finds 2 chunks
+    side._take_given_up()  # the probe's hit counts when it lands
+    assert side.odds.worth_waiting("new", 1e-3, 0.02)  # hits came back: waited for again
+    late = request(prompt(700, seed=500), rid="late")
+    store(node, side, late, 2)
+    side.arrived(late)
+    assert _answered(side, late) == (2 * CHUNK, False)
+    side.close()
+
+
+def test_a_preempted_request_saves_again_what_its_cancelled_saves_held(node: Any) -> None:
+    """vLLM preempts a request whose saves were issued (the worker cancels those still
+    copying): the scheduler's saved count goes back to 0, so the chunks are saved again as
+    the request is recomputed and its handoff never claims a chunk that was not committed."""
+    side = scheduler(node)
+    req = request(prompt(3 * CHUNK + 10, seed=61), rid="pre")
+    side.arrived(req)
+    assert side.matched(req, 0) == (0, False)
+    side.after_alloc(req, Blocks([]), 0)
+    r = side._reqs["pre"]
+    r.saved_chunks, r.tail_saved = 3, True  # its saves were issued
+    empty = types.SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    out = types.SimpleNamespace(
+        preempted_req_ids={"pre"},
+        total_num_scheduled_tokens=0,
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=empty,
+        num_scheduled_tokens={},
+    )
+    meta = side.build_meta(out)
+    assert meta.preempted == {"pre"} and r.saved_chunks == 0 and not r.tail_saved
     side.close()
 
 
@@ -458,7 +569,8 @@ def test_a_lookup_started_at_arrival_answers_the_ask_after_vllms_own_cache_hit(n
 
 def test_a_lookup_that_never_answers_is_a_miss_after_the_deadline() -> None:
     """A store that accepts the connection and never answers (a hung node): the request
-    hears "not yet" until ``deadline_s``, then recomputes; the scheduler never blocks."""
+    hears "not yet" until ``deadline_s``, then recomputes; the scheduler never blocks.  A
+    never-seen, unhinted prompt is not held for it at all (``lookup_odds``: the pass's budget)."""
     import socket
     import tempfile
 
@@ -471,7 +583,9 @@ def test_a_lookup_that_never_answers_is_a_miss_after_the_deadline() -> None:
         hung.listen(8)  # accepted by the kernel, never served
         settings = ConnectorSettings.from_extra({"target": f"unix://{path}", "deadline_s": 0.5, "lookup_wait_ms": 1.0})
         side = SchedulerSide(spec(), settings, CHUNK, produce=True, consume=True)
-        req = request(prompt(600, seed=13), rid="hung")
+        new = request(prompt(600, seed=12), rid="new")
+        assert side.matched(new, 0) == (0, False) and side.counters["lookup_given_up"] == 1
+        req = request(prompt(600, seed=13), rid="hung", params={"session_id": "conv-hung"})  # hinted: waited for
         t0 = time.monotonic()
         asks = 0
         while (got := side.matched(req, 0))[0] is None:

@@ -152,7 +152,10 @@ class Rig:
             max_batched_tokens=SMALL_STEP,
             kv_bytes=(MAX + 128) * KV_PER_TOKEN,  # and vLLM's null block (128 tokens on the CPU)
         )
-        self.tp2 = engine("tp2", connector={"role": "kv_both", "extra": extra}, tp=2)
+        # two ranks busy-polling on two cores starve the node and each rank's saver thread:
+        # a save's Reserve can take longer than 2 s there (a lost save, a recompute, but
+        # this engine's tests are about each rank's shard, not the deadline)
+        self.tp2 = engine("tp2", connector={"role": "kv_both", "extra": {**extra, "deadline_s": 15.0}}, tp=2)
         engines = (self.ref, self.prefill, self.decode, self.remote, self.small, self.tp2)
         stack.callback(lambda: [e.quit() for e in engines])  # runs first: they shut down together
         t0 = time.perf_counter()
