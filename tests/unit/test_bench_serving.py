@@ -434,6 +434,28 @@ def test_sessions_reach_the_connector_and_their_closes_are_sent(server: Streamin
     assert sent == [{"session_id": "s1"}, {"session_id": "s1"}, None]
 
 
+def test_a_close_due_after_the_last_request_is_not_waited_for(server: StreamingServer, tmp_path: Path) -> None:
+    """A trace's closes come a while after a session's last turn; a slice's last sessions
+    close long after its last request.  The replay does not wait for those (a 1,000-second
+    wait once followed a 200-second replay): they are counted, not sent."""
+    t = _lines(
+        tmp_path,
+        [
+            {"timestamp": 0, "input_length": 512, "output_length": 8, "hash_ids": [1], "session_id": "s1"},
+            {"timestamp": 40, "close_session": "s1"},
+            {"timestamp": 100, "input_length": 512, "output_length": 8, "hash_ids": [2], "session_id": "s2"},
+            {"timestamp": 600_000, "close_session": "s2"},
+        ],
+    )
+    w = build(t, Scaling(block_tokens=16))
+    assert w.closes == ((0.04, "s1"), (600.0, "s2"))
+    closed: list[str] = []
+    rep = Replay("pool", w, RoundRobin([Engine("fake", server.url, "both", "0")]), model="m", on_close=closed.append)
+    recs = rep.run()
+    assert all(r.ok for r in recs) and closed == ["s1"] and rep.closes_skipped == 1
+    assert rep.wall_s < 600  # a hang guard: the replay ended with its requests
+
+
 def test_renice_sets_every_thread_of_a_process() -> None:
     """The front's priority (``--front-nice``): Linux keeps a nice value per thread, so
     every thread a process already has is set, not only its first."""

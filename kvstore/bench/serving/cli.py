@@ -67,19 +67,15 @@ DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "tests" / "data" / "moonca
 WARMUP_TOKENS = 200
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_workload_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """``--trace``, the flags that make a workload of it (:func:`scaling`) and the SLO flags:
+    shared with ``kvstore sim``.  Returns the ``workload`` group, for more flags of its kind."""
     p.add_argument(
         "--trace",
         default=os.environ.get("KVSTORE_TRACE", str(DEFAULT_TRACE)),
         help="Mooncake-format trace (JSON lines); default $KVSTORE_TRACE, else Mooncake's published trace "
         "(tests/data/mooncake_synthetic_trace.jsonl)",
     )
-    p.add_argument(
-        "--configs",
-        default=",".join(CONFIGS),
-        help=f"configurations to run, in order (default {','.join(CONFIGS)})",
-    )
-    p.add_argument("--target", metavar="URL", help="benchmark this OpenAI-compatible endpoint instead of a fleet")
     g = p.add_argument_group("workload")
     g.add_argument("--requests", type=int, help="replay the first N requests of the slice")
     g.add_argument(
@@ -101,6 +97,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-output-tokens", type=int, help="at most this many output tokens")
     g.add_argument("--time-scale", type=float, default=1.0, help="multiply the trace's timestamps (2: half the load)")
     g.add_argument("--rate", type=float, help="offered load in requests/s (rescales the trace's arrival times)")
+    g.add_argument("--unique-prompts", action="store_true", help="no shared prefixes (the no-reuse overhead run)")
+    g.add_argument("--salt", default="kvstore-bench-serving", help="seed of the synthesised token ids")
+    s = p.add_argument_group("SLO")
+    s.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT target for goodput (default 2000)")
+    s.add_argument("--slo-tbt-ms", type=float, default=200.0, help="TBT target for goodput (default 200)")
+    return g
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = add_workload_arguments(p)
+    p.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"configurations to run, in order (default {','.join(CONFIGS)})",
+    )
+    p.add_argument("--target", metavar="URL", help="benchmark this OpenAI-compatible endpoint instead of a fleet")
     g.add_argument("--sweep-rate", metavar="R1,R2,...", help="replay at each offered rate and report goodput per step")
     g.add_argument(
         "--repeat",
@@ -117,11 +129,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "kill:node1@20,restart:node1@40 (NODE: the node's index, node0 = the first engine's; seconds from the "
         "replay's start); configurations without nodes run unchanged",
     )
-    g.add_argument("--unique-prompts", action="store_true", help="no shared prefixes (the no-reuse overhead run)")
-    g.add_argument("--salt", default="kvstore-bench-serving", help="seed of the synthesised token ids")
-    g = p.add_argument_group("SLO")
-    g.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT target for goodput (default 2000)")
-    g.add_argument("--slo-tbt-ms", type=float, default=200.0, help="TBT target for goodput (default 200)")
     g = p.add_argument_group("fleet")
     g.add_argument("--engines", type=int, default=2, help="vLLM servers per configuration (default 2)")
     g.add_argument("--prefill", type=int, default=None, help="pd: prefill engines (default half, at least 1)")
@@ -157,7 +164,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plot", metavar="PNG", help="TTFT CDF per configuration and goodput against offered load")
 
 
-def _scaling(a: argparse.Namespace, vocab: int) -> Scaling:
+def scaling(a: argparse.Namespace, vocab: int = 32000) -> Scaling:
+    """The :class:`Scaling` of :func:`add_workload_arguments`' flags."""
     return Scaling(
         block_tokens=a.block_tokens,
         output_scale=a.output_scale,
@@ -264,7 +272,7 @@ def run(a: argparse.Namespace) -> tuple[dict[str, Any], list[Record]]:
         if rates != [None]:
             raise InvalidArgument("--fault: not with --sweep-rate (a fault plan is timed from one replay's start)")
         plan = parse_faults(a.fault, nodes=a.engines)
-    base = build(a.trace, _scaling(a, _vocab(a.model)))
+    base = build(a.trace, scaling(a, _vocab(a.model)))
     steps = []
     for k, rate in enumerate(rates):
         import dataclasses
@@ -458,6 +466,7 @@ def _run_config(
                 "cpu_s": {n: round(cpu_after[n] - cpu_before.get(n, 0.0), 2) for n in cpu_after} or None,
                 "offered_rps": round(wl.offered_rps, 4),
                 "wall_s": round(rep.wall_s, 2),
+                "closes_skipped": rep.closes_skipped,
             }
             if plan:
                 counters["faults"] = fault_results  # None: a configuration without nodes

@@ -457,11 +457,11 @@ def _ratio(x: float | None, y: float | None) -> str:
     return f"{x / y:.2f}x"
 
 
-def print_table(result: dict[str, Any], f: TextIO) -> None:
+def print_table(result: dict[str, Any], f: TextIO, title: str = "kvstore bench serving") -> None:
     """One block per configuration, with ratios to ``baseline`` where it ran."""
     slo = result["slo"]
     print(
-        f"kvstore bench serving: {result['trace']['path']}, {result['trace']['requests']} requests over "
+        f"{title}: {result['trace']['path']}, {result['trace']['requests']} requests over "
         f"{result['trace']['duration_s']:.0f} s (offered {result['trace']['offered_rps']} req/s); "
         f"SLO: TTFT <= {slo['ttft_ms']:.0f} ms, TBT <= {slo['tbt_ms']:.0f} ms",
         file=f,
