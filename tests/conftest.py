@@ -18,8 +18,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Arenas of test nodes whose run was killed before its teardown (SIGKILL, a lost
-    machine session) stay in /dev/shm: reclaim those no running node holds."""
+    machine session) stay in /dev/shm: reclaim those no running node holds.  Under
+    pytest-xdist only the controller does, before any worker starts a node (a worker's
+    sweep could meet another worker's node between creating its arena and locking it)."""
     from kvstore.children import reclaim_arena
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
 
     for p in Path("/dev/shm").glob("kvstore-test-*.arena"):
         reclaim_arena(p)

@@ -37,6 +37,8 @@ from small_disk import small_tmpfs
 
 from kvstore.errors import KVStoreError
 
+pytestmark = pytest.mark.solo  # random faults under load, timed against deadlines: scripts/test.sh runs it on its own
+
 SEED = int(os.environ.get("CHAOS_SEED", "13"))
 SECONDS = float(os.environ.get("CHAOS_SECONDS", "75"))
 NODES = ("x1", "x2", "x3")

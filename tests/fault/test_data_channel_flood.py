@@ -23,6 +23,8 @@ from conftest import start_clean, stop_clean
 from client import KVClient, KVStoreError, Timeouts
 from kvstore.node.datachannel import FIRST_FRAME_TIMEOUT_S
 
+pytestmark = pytest.mark.solo  # a connection flood and descriptor limits: scripts/test.sh runs it on its own
+
 NOFILE = 256
 ULIMIT = ["bash", "-c", f'ulimit -n {NOFILE} && exec "$@"', "ulimit"]  # the node keeps its PID
 FLOOD = 600  # connections: more than the node has descriptors

@@ -30,6 +30,9 @@ from netns_cluster import NetCluster, cluster, etcd, net  # noqa: F401 - fixture
 from client import KVClient, Timeouts, connect_async
 from kvstore.errors import KVStoreError
 
+# network namespaces, and deadlines measured across partitions: scripts/test.sh runs it on its own
+pytestmark = pytest.mark.solo
+
 T = TypeVar("T")
 SIZE = 2048
 BOUND = FAST["rpc"] + FAST["data"] + 2.0  # one call: the deadlines it may wait on, plus a margin

@@ -34,6 +34,8 @@ from kvstore.conductor.engines import EngineState
 from kvstore.conductor.policy import PoolMatch
 from kvstore.conductor.service import Conductor, ConductorConfig
 
+pytestmark = pytest.mark.solo  # it loads the cores on purpose: scripts/test.sh runs it on its own
+
 CHUNK = 256
 NS = Namespace("pool-errors", chunk_tokens=CHUNK)
 STORED = 6  # leading chunks of each prompt put into the pool

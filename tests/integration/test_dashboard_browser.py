@@ -36,6 +36,8 @@ from client import KVClient, Namespace, chunk_keys
 from kvstore.dashboard.scrape import fetch
 from kvstore.dashboard.server import Dashboard, NoNodes, StaticNodes
 
+pytestmark = pytest.mark.solo  # a real browser: scripts/test.sh runs it on its own
+
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
 CHROMIUM = os.environ.get("KVSTORE_CHROMIUM", "/usr/bin/chromium")
 if not os.access(CHROMIUM, os.X_OK):

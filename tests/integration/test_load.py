@@ -34,6 +34,8 @@ import pytest
 
 from client import AsyncKVClient, KVClient, Timeouts
 
+pytestmark = pytest.mark.solo  # many client processes at once: scripts/test.sh runs it on its own
+
 WORKER_PATH = Path(__file__).resolve().parents[1] / "fault" / "_client_worker.py"
 _spec = importlib.util.spec_from_file_location("_client_worker", WORKER_PATH)
 assert _spec and _spec.loader

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from cluster_fixtures import etcd  # noqa: F401 - fixture
 
 from kvstore.cluster import membench
 from kvstore.cluster.etcd import ClusterWatcher, Registration
 from kvstore.cluster.local_etcd import LocalEtcd
 from kvstore.cluster.state import NodeInfo
+
+pytestmark = pytest.mark.solo  # a thousand members on one etcd: scripts/test.sh runs it on its own
 
 
 def test_a_thousand_nodes_views_all_converge_on_every_join_and_leave(etcd: LocalEtcd) -> None:  # noqa: F811

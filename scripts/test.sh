@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The project's test command (the README's, and CI's after set-up and lint), in three phases:
+#   main   the main suite on both cores (pytest-xdist, one worker per core, a module's tests on
+#          one worker so module fixtures start once), every test but the two phases below;
+#   solo   the tests marked `solo`: they need the machine to themselves (chaos, load, network
+#          partitions, the browser, timing-sensitive fleets), run one at a time after `main`;
+#   vllm   tests/vllm in .venv-vllm (real vLLM engines, shared per module: tests/vllm/vllm_rig.py).
+# Every phase runs even if an earlier one failed (one run lists every failure); the exit status
+# is non-zero if any failed.  At the end it prints each phase's seconds and status; with
+# KVSTORE_PHASE_LOG set, it also appends "phase seconds status" lines to that file (.ci/run's table).
+#   scripts/test.sh               all three phases
+#   scripts/test.sh main solo     just those phases, in that order
+#   KVSTORE_TEST_WORKERS=1        the main phase on one core (default: the machine's cores, at most 2 here)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+phases=("$@")
+[ ${#phases[@]} -gt 0 ] || phases=(main solo vllm)
+for p in "${phases[@]}"; do
+  case "$p" in
+    main | solo | vllm) ;;
+    *) echo "test.sh: unknown phase $p (known: main, solo, vllm)" >&2; exit 2 ;;
+  esac
+done
+[ -x .venv/bin/pytest ] || { echo "test.sh: .venv/bin/pytest missing: run scripts/setup.sh" >&2; exit 2; }
+cores=$(nproc 2>/dev/null || echo 1)
+workers=${KVSTORE_TEST_WORKERS:-$((cores < 2 ? 1 : 2))}
+
+run_phase() {
+  case "$1" in
+    main)
+      if [ "$workers" -gt 1 ]; then
+        .venv/bin/pytest -n "$workers" --dist loadfile -m "not gpu and not vllm and not solo"
+      else
+        .venv/bin/pytest -m "not gpu and not vllm and not solo"
+      fi
+      ;;
+    solo) .venv/bin/pytest -m "solo and not gpu and not vllm" ;;
+    vllm)
+      [ -x .venv-vllm/bin/pytest ] || { echo "test.sh: .venv-vllm missing: run scripts/setup.sh --vllm" >&2; return 2; }
+      .venv-vllm/bin/pytest -m vllm tests/vllm
+      ;;
+  esac
+}
+
+table=()
+failed=0
+for p in "${phases[@]}"; do
+  echo "== test.sh: $p"
+  t0=$(date +%s)
+  run_phase "$p"
+  rc=$?
+  # pytest's 5, nothing selected, is a failure but in `solo` (a tree may mark none)
+  if [ "$rc" = 0 ] || { [ "$rc" = 5 ] && [ "$p" = solo ]; }; then status=passed; else status="failed (exit $rc)"; failed=1; fi
+  secs=$(($(date +%s) - t0))
+  table+=("$(printf '%-6s %6d s  %s' "$p" "$secs" "$status")")
+  [ -z "${KVSTORE_PHASE_LOG:-}" ] || echo "$p $secs $status" >>"$KVSTORE_PHASE_LOG"
+done
+echo "== test.sh: phases"
+printf '%s\n' "${table[@]}"
+exit $failed
