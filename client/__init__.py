@@ -13,6 +13,7 @@ with KVClient("unix:///path/to/kvstore.sock") as kv:
 from client._async import AsyncKVClient
 from client._connect import connect, connect_async
 from client._options import ClientOptions, Timeouts
+from client._poolview import ChunkHolder, PoolMatch, PoolView, PoolViewStats
 from client._sync import KVClient
 from kvstore.errors import (
     CapacityExceeded,
@@ -31,6 +32,7 @@ __all__ = [
     "AsyncClusterClient",
     "AsyncKVClient",
     "CapacityExceeded",
+    "ChunkHolder",
     "ClientOptions",
     "ClusterClient",
     "ChunkKey",
@@ -44,6 +46,9 @@ __all__ = [
     "Namespace",
     "NotFound",
     "PermissionDenied",
+    "PoolMatch",
+    "PoolView",
+    "PoolViewStats",
     "Timeouts",
     "Unauthenticated",
     "Unavailable",

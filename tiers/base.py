@@ -130,6 +130,14 @@ def count_prefix(tier: Tier, keys: Sequence[ChunkKey]) -> int:
     return n
 
 
+HoldingsHook = Callable[[ChunkKey, BlockMeta | None], None]
+"""Told by a tier each time what it holds changes: ``(key, meta)`` when it starts holding
+``key`` (or replaces its block), ``(key, None)`` when it stops.  Called inside the tier's
+own critical section (the DRAM tier: on its owner's loop; the NVMe tier: under its
+``_lock``), so the order of calls is the order of the changes; it must be cheap and must
+not call back into the tier.  The node's holdings watch (``kvstore/node/watch.py``)."""
+
+
 class TierWatch(Protocol):
     """Who occupies a tier, told by the tier as blocks come and go (``kvstore/node/quotas.py``).
 

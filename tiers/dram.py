@@ -35,7 +35,7 @@ from kvstore.errors import CapacityExceeded, InvalidArgument
 from kvstore.keys import ChunkKey
 from tiers.allocator import Extent, ExtentAllocator
 from tiers.arena import Arena, as_bytes_view
-from tiers.base import MissReason, ReadResult, TierKind, TierWatch, victims_first
+from tiers.base import HoldingsHook, MissReason, ReadResult, TierKind, TierWatch, victims_first
 from tiers.policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 
 DEFAULT_UNIT = 64 * 1024
@@ -50,6 +50,7 @@ class DRAMTier:
         self.policy = policy if policy is not None else make_policy(DEFAULT_POLICY)
         self._blocks: dict[ChunkKey, tuple[BlockMeta, list[Extent]]] = {}
         self.watch: TierWatch | None = None
+        self.holdings: HoldingsHook | None = None  # told of every key stored and dropped
         # policy updates not applied yet (touch_soon, commit(policy_soon=True)): see apply_policy
         self._pending: list[tuple[ChunkKey, BlockMeta | None]] = []
 
@@ -169,6 +170,8 @@ class DRAMTier:
             self.policy.insert(meta.key, meta.parent, meta.payload_len)
         if self.watch is not None:
             self.watch.stored(meta, sum(e.length for e in extents))
+        if self.holdings is not None:
+            self.holdings(meta.key, meta)
 
     def abort(self, extents: list[Extent]) -> None:
         self.allocator.free(extents)
@@ -181,6 +184,8 @@ class DRAMTier:
         self.policy.remove(key)
         if self.watch is not None:
             self.watch.dropped(key)
+        if self.holdings is not None:
+            self.holdings(key, None)
         return b[1]
 
     def free(self, extents: list[Extent]) -> None:

@@ -69,7 +69,7 @@ from kvstore.block import BlockMeta, checksum
 from kvstore.errors import BlockFormatError, CapacityExceeded, DataDirLocked, InvalidArgument, Unavailable
 from kvstore.keys import ChunkKey
 from kvstore.node import failpoints
-from tiers.base import MissReason, ReadResult, TierKind
+from tiers.base import HoldingsHook, MissReason, ReadResult, TierKind
 from tiers.nvme_format import PAGE, record_bytes
 from tiers.nvme_index import Entry, LmdbIndex, load_entries
 from tiers.nvme_recovery import Rebuild, finish
@@ -140,6 +140,8 @@ class NVMeTier:
         self._idle = threading.Condition(self._lock)  # signalled when _inflight drops to 0
         self._inflight = 0  # reads and writes under way
         self._index: dict[ChunkKey, Entry] = {}
+        # told of every key the index gains or loses, under _lock (set before the tier is shared)
+        self.holdings: HoldingsHook | None = None
         self._pending: list[Entry] = []  # removed from memory, delete not yet committed to lmdb
         self._lmdb: LmdbIndex | None = None
         self._segments: Segments | None = None
@@ -320,6 +322,8 @@ class NVMeTier:
             self._policy.remove(key)
             self._pending.append(e)
             self._retire(e)
+            if self.holdings is not None:
+                self.holdings(key, None)
             return True
 
     def write(self, meta: BlockMeta, payload: object) -> None:
@@ -418,6 +422,8 @@ class NVMeTier:
                     self._policy.insert(e.key, e.meta.parent, e.length)
                     if old is not None:
                         self._retire(old)
+                    if self.holdings is not None:
+                        self.holdings(e.key, e.meta)
 
     def _retire(self, e: Entry) -> None:
         """Under ``_lock``: ``e`` has left the index; free its space once nobody reads it."""
@@ -462,6 +468,8 @@ class NVMeTier:
                     self._policy.remove(key)
                     self._pending.append(e)
                     e.dead = True
+                    if self.holdings is not None:
+                        self.holdings(key, None)
                 if e.dead and e.readers == 0:
                     self._alloc.free([e.extent()])
         if corrupt:

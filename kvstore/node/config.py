@@ -266,6 +266,12 @@ class NodeConfig(BaseModel):
     prefault: bool = Field(
         True, description="Touch every arena page at start-up so copies never pay first-touch costs."
     )
+    watch_history: int = Field(
+        65536,
+        ge=1,
+        le=1 << 24,
+        description="Holdings watch (WatchHoldings): how many recent changes the node keeps so a client that reconnects gets only what it missed; one further behind gets a fresh snapshot (resync). About 100 bytes each.",
+    )
     metrics_port: int | None = Field(None, description="Port of the Prometheus /metrics endpoint; unset: none.")
     metrics_tls: bool | None = Field(
         None,

@@ -49,6 +49,7 @@ from kvstore.node.service import AuthInterceptor, DecodeGuard, KVStoreService
 from kvstore.node.sessions import Sessions, hinted
 from kvstore.node.tenants import Callers, Ownership
 from kvstore.node.transfers import Transfers
+from kvstore.node.watch import HoldingsLog
 from kvstore.tls import ServerTLS
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -131,6 +132,7 @@ class Node:
         self.owners: Ownership | None = None  # with tenants: which tenant owns which namespace
         self.tls: ServerTLS | None = None  # read once at start; the TCP listeners' credentials
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.holdings = HoldingsLog(config.watch_history)  # this process's incarnation of the holdings watch
 
     async def start(self) -> dict[str, Any]:
         check_port_free(self.cfg.listen, "--listen")
@@ -197,6 +199,8 @@ class Node:
         log.debug("open-file limit: %d (hard %d)", soft, hard)
         self.arena = self._build_arena()
         self.manager = self._build_tiers()
+        # the holdings watch (kvstore/node/watch.py) hears every tier change from the start
+        self.holdings.attach(self.manager.dram, self._nvme)
         loop = self._loop = asyncio.get_running_loop()
         from kvstore import __version__
 
@@ -214,6 +218,7 @@ class Node:
             metrics=self.metrics,
             callers=callers,
             owners=self.owners,
+            holdings=self.holdings,
         )
         self.server, self.health = _grpc_server(self.service, callers)
         sock = self._listen_unix(self.server)
@@ -449,6 +454,7 @@ class Node:
             cluster, self.cluster = self.cluster, None
             await cluster.stop()
         await self.health.enter_graceful_shutdown()
+        self.holdings.close()  # holdings watches end now: the drain does not wait for them
         if self.metrics_server is not None:
             self.metrics_server.close()
             self.metrics_server = None

@@ -47,6 +47,7 @@ from kvstore.node.metrics import NodeMetrics
 from kvstore.node.sessions import check_session_id
 from kvstore.node.tenants import ADMIN, Caller, Callers, Ownership, authorization
 from kvstore.node.transfers import Transfers
+from kvstore.node.watch import HoldingsLog, holdings_stream
 from kvstore.wire import (
     BLOCKS_METADATA_KEY,
     ERROR_METADATA_KEY,
@@ -203,8 +204,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         metrics: NodeMetrics | None = None,
         callers: Callers | None = None,
         owners: Ownership | None = None,
+        holdings: HoldingsLog | None = None,
     ) -> None:
+        """``holdings``: the log ``WatchHoldings`` streams from (None: the call answers
+        UNIMPLEMENTED; a node built by ``server.py`` always has one)."""
         self.manager = manager
+        self.holdings = holdings
         self.cfg = config
         self.metrics = metrics
         # both or neither: a node with tenants knows who calls and who owns what
@@ -674,6 +679,32 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             finally:
                 self.manager.release([x.lease_id])
 
+    # -- the holdings watch (kvstore/node/watch.py) -------------------------------------
+    async def WatchHoldings(self, request: pb.WatchHoldingsRequest, context: Any) -> Any:
+        """Every key this node holds, then every change (architecture §3a).  The admin's only:
+        keys are content addresses, so a tenant would learn which prompts other tenants stored."""
+        try:
+            if isinstance(request, Malformed):
+                raise request.invalid()
+            if self._identify(context).tenant is not None:
+                raise errors.PermissionDenied("WatchHoldings needs the admin token: it lists every tenant's keys")
+            if self.holdings is None:
+                context.set_trailing_metadata(((ERROR_METADATA_KEY, "Unimplemented"),))
+                await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node does not publish its holdings")
+                return
+            stream = holdings_stream(self.holdings, self.manager.dram, self.manager.nvme, request)
+            first = await anext(stream)  # the request is checked before the first message
+        except StopAsyncIteration:
+            return
+        except errors.KVStoreError as e:
+            context.set_trailing_metadata(((ERROR_METADATA_KEY, type(e).__name__),))
+            await context.abort(status_for(e), str(e))
+            return
+        async with contextlib.aclosing(stream):
+            yield first
+            async for update in stream:
+                yield update
+
     # -- management ------------------------------------------------------------------
     @_rpc
     async def Delete(self, request: pb.KeysRequest, context: Any) -> pb.DeleteResponse:
@@ -790,6 +821,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             counters["nvme_corrupt_blocks"] = int(s["tiers"]["nvme"].get("corrupt_blocks", 0))
         counters["pending_transfers"] = self.transfers.pending
         counters["active_transfers"] = self.transfers.active  # taken by a connection, not yet finished
+        if self.holdings is not None:
+            counters.update(self.holdings.stats())
         return pb.StatsResponse(
             node_id=self.cfg.node_id,
             tiers=tiers,

@@ -23,6 +23,13 @@ class KeyStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KEY_STATUS_CORRUPT: _ClassVar[KeyStatus]
     KEY_STATUS_EXPIRED: _ClassVar[KeyStatus]
     KEY_STATUS_NO_SPACE: _ClassVar[KeyStatus]
+
+class HoldingsKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HOLDINGS_KIND_UNSPECIFIED: _ClassVar[HoldingsKind]
+    HOLDINGS_KIND_SNAPSHOT: _ClassVar[HoldingsKind]
+    HOLDINGS_KIND_DELTAS: _ClassVar[HoldingsKind]
+    HOLDINGS_KIND_HEARTBEAT: _ClassVar[HoldingsKind]
 TIER_UNSPECIFIED: Tier
 TIER_HBM: Tier
 TIER_DRAM: Tier
@@ -34,6 +41,10 @@ KEY_STATUS_EXISTS: KeyStatus
 KEY_STATUS_CORRUPT: KeyStatus
 KEY_STATUS_EXPIRED: KeyStatus
 KEY_STATUS_NO_SPACE: KeyStatus
+HOLDINGS_KIND_UNSPECIFIED: HoldingsKind
+HOLDINGS_KIND_SNAPSHOT: HoldingsKind
+HOLDINGS_KIND_DELTAS: HoldingsKind
+HOLDINGS_KIND_HEARTBEAT: HoldingsKind
 
 class BlockInfo(_message.Message):
     __slots__ = ("key", "parent", "namespace", "token_count", "dtype", "shape", "payload_len", "payload_checksum")
@@ -383,3 +394,37 @@ class CloseSessionResponse(_message.Message):
     closed: bool
     blocks: int
     def __init__(self, closed: _Optional[bool] = ..., blocks: _Optional[int] = ...) -> None: ...
+
+class WatchHoldingsRequest(_message.Message):
+    __slots__ = ("incarnation", "revision", "heartbeat_ms")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    incarnation: bytes
+    revision: int
+    heartbeat_ms: int
+    def __init__(self, incarnation: _Optional[bytes] = ..., revision: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
+
+class HoldingsUpdate(_message.Message):
+    __slots__ = ("incarnation", "kind", "revision", "resync", "last", "keys", "changes", "namespaces", "first_revision", "changed_unix_ns")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_REVISION_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    incarnation: bytes
+    kind: HoldingsKind
+    revision: int
+    resync: bool
+    last: bool
+    keys: bytes
+    changes: bytes
+    namespaces: bytes
+    first_revision: int
+    changed_unix_ns: int
+    def __init__(self, incarnation: _Optional[bytes] = ..., kind: _Optional[_Union[HoldingsKind, str]] = ..., revision: _Optional[int] = ..., resync: _Optional[bool] = ..., last: _Optional[bool] = ..., keys: _Optional[bytes] = ..., changes: _Optional[bytes] = ..., namespaces: _Optional[bytes] = ..., first_revision: _Optional[int] = ..., changed_unix_ns: _Optional[int] = ...) -> None: ...

@@ -129,6 +129,11 @@ class KVStoreStub:
                 request_serializer=protos_dot_kvstore_dot_v1_dot_kvstore__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=protos_dot_kvstore_dot_v1_dot_kvstore__pb2.CloseSessionResponse.FromString,
                 _registered_method=True)
+        self.WatchHoldings = channel.unary_stream(
+                '/kvstore.v1.KVStore/WatchHoldings',
+                request_serializer=protos_dot_kvstore_dot_v1_dot_kvstore__pb2.WatchHoldingsRequest.SerializeToString,
+                response_deserializer=protos_dot_kvstore_dot_v1_dot_kvstore__pb2.HoldingsUpdate.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -248,6 +253,12 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchHoldings(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -345,6 +356,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.CloseSession,
                     request_deserializer=protos_dot_kvstore_dot_v1_dot_kvstore__pb2.CloseSessionRequest.FromString,
                     response_serializer=protos_dot_kvstore_dot_v1_dot_kvstore__pb2.CloseSessionResponse.SerializeToString,
+            ),
+            'WatchHoldings': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchHoldings,
+                    request_deserializer=protos_dot_kvstore_dot_v1_dot_kvstore__pb2.WatchHoldingsRequest.FromString,
+                    response_serializer=protos_dot_kvstore_dot_v1_dot_kvstore__pb2.HoldingsUpdate.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -860,6 +876,33 @@ class KVStore:
             '/kvstore.v1.KVStore/CloseSession',
             protos_dot_kvstore_dot_v1_dot_kvstore__pb2.CloseSessionRequest.SerializeToString,
             protos_dot_kvstore_dot_v1_dot_kvstore__pb2.CloseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchHoldings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstore.v1.KVStore/WatchHoldings',
+            protos_dot_kvstore_dot_v1_dot_kvstore__pb2.WatchHoldingsRequest.SerializeToString,
+            protos_dot_kvstore_dot_v1_dot_kvstore__pb2.HoldingsUpdate.FromString,
             options,
             channel_credentials,
             insecure,
