@@ -93,7 +93,8 @@ class PoolViewStats:
     ``resyncs``: snapshots that replaced what the view held of a node (it fell behind,
     came back too late, or the node restarted); ``restarts``: of those, new incarnations;
     ``nodes_lost``: nodes dropped for silence past the deadline or for leaving the
-    membership; ``index_bytes``: memory of the compact indexes."""
+    membership; ``index_bytes``: memory of the compact indexes; ``refused``: streams a node
+    refused for the credentials (a tenant's token: watching needs the admin's)."""
 
     nodes: int
     nodes_synced: int
@@ -105,6 +106,7 @@ class PoolViewStats:
     nodes_lost: int
     lag_ms_p50: float
     lag_ms_p99: float
+    refused: int = 0
 
 
 class _Gap(Exception):
@@ -151,6 +153,7 @@ class _Follower:
                 code = e.code() if isinstance(e, grpc.Call) else None
                 if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                     log.error("node %s refuses to publish its holdings: %s", self.node, e)
+                    self.view._count(refused=1)
                     backoff = _BACKOFF_S[1]
                 elif code != grpc.StatusCode.CANCELLED:
                     log.debug("holdings stream of node %s broke: %s", self.node, code)
@@ -365,6 +368,14 @@ class PoolView:
         """The nodes followed now."""
         return [f.node for f in self._followers]
 
+    def node_for(self, target: str) -> str | None:
+        """The node followed at ``target`` (as the view dials it: in a cluster, a node of this
+        machine by its Unix socket), or None: which holders are a caller's own node."""
+        for f in self._followers:
+            if f.target == target:
+                return f.node
+        return None
+
     def wait_synced(self, timeout: float) -> bool:
         """Wait until every node followed has sent its snapshot (True), or ``timeout`` s pass
         (False).  True at once when no node is followed (a cluster with none registered)."""
@@ -394,6 +405,7 @@ class PoolView:
             nodes_lost=counts.get("nodes_lost", 0),
             lag_ms_p50=p50,
             lag_ms_p99=p99,
+            refused=counts.get("refused", 0),
         )
 
     # -- from followers ---------------------------------------------------------------------

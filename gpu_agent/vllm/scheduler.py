@@ -14,8 +14,13 @@ three counts, each in tokens or leading chunks of the request's tokens:
   preemption sets it back to 0 (the worker cancels the saves still copying; what did
   commit is found by the resumed request's lookup, the rest is saved again).
 
-Nothing slow runs on vLLM's scheduler thread: every store call goes through
-:class:`~gpu_agent.vllm.storelink.StoreLink`'s own thread.  A request's lookup is asked
+Nothing slow runs on vLLM's scheduler thread.  With ``lookups="view"`` (the default) a
+request's lookup is answered at once from the pool's in-process view
+(:mod:`gpu_agent.vllm.view`: every node streams what it holds), with no store call: a miss
+is 0, a hit is planned and confirmed by the node at load time, and the only request told
+"not yet" is a decode engine's whose producer's handoff is still being committed.  With
+``lookups="rpc"`` (or where the nodes refuse the view the admin's stream) every store call
+goes through :class:`~gpu_agent.vllm.storelink.StoreLink`'s own thread.  A request's lookup is asked
 once and its answer kept until vLLM allocates for it (vLLM asks again on every step a
 request waits; a hit for at most ``ANSWER_TTL_S``, a miss for as long as the request waits:
 a request queued behind others would otherwise pay a step for a second lookup that
@@ -57,6 +62,7 @@ from gpu_agent.vllm.settings import RETRY_S, ConnectorSettings, EngineSpec
 from gpu_agent.vllm.spec import all_ranks, rank_namespace, request_namespace, request_session, unkeyable
 from gpu_agent.vllm.stats import SCHEDULER_KEYS, SCHEDULER_PHASES, KVStoreStats, Timings, delta
 from gpu_agent.vllm.storelink import LookupAnswer, StoreLink
+from gpu_agent.vllm.view import ViewLookups
 from kvstore.errors import DeadlineExceeded, KVStoreError
 from kvstore.keys import Namespace, chunk_keys, tail_key
 
@@ -126,6 +132,8 @@ class SchedulerSide:
         self.produce, self.consume = produce, consume
         self.ranks = all_ranks(spec)
         self.link = StoreLink(settings, self.ranks)  # every store call, on its own thread
+        # lookups from the pool's view (lookups="view"): no store call, no "not yet"
+        self.view = ViewLookups(settings, self.ranks) if consume and settings.lookups == "view" else None
         self._reqs: dict[str, _Req] = {}
         self._loads: dict[str, LoadSpec] = {}
         self._events: KVStoreEvents | None = None
@@ -144,6 +152,10 @@ class SchedulerSide:
         self._reported: dict[str, int] = {}
 
     # -- the store ----------------------------------------------------------------------
+    def _viewing(self) -> bool:
+        """Lookups are answered from the pool's view (not refused its stream)."""
+        return self.view is not None and not self.view.refused
+
     def _store_failed(self, e: Exception, what: str) -> None:
         self.counters["lookup_errors"] += 1
         if isinstance(e, KVStoreError):
@@ -296,6 +308,8 @@ class SchedulerSide:
             tokens = list(request.all_token_ids)
             if self.produce and not r.sighted:
                 self._sight(r, tokens)
+            if self._viewing():
+                return  # answered from the view when vLLM asks: nothing to start
             if tokens and self._asks(r, self._handoff_tokens(request, r.namespace, len(tokens)) > 0):
                 r.pending = self.link.lookup(tokens, r.namespace, 0, r.session_id)
                 r.pending_key, r.pending_since = (0, len(tokens)), time.monotonic()
@@ -382,11 +396,17 @@ class SchedulerSide:
         if r.wait_until and now < r.next_ask and now < r.wait_until:
             self.counters["handoff_waits"] += 1
             return None, False
-        if not self._asks(r, want > 0):
-            return 0, False
-        ans = self._answer(r, tokens, first, patience=self._patience(r, want > 0))
-        if ans is None:
-            return None, False
+        ans: LookupAnswer | None
+        if self._viewing():
+            assert self.view is not None
+            ans = self.view.lookup(tokens, r.namespace, first)
+            self.counters["view_lookups"] += 1
+        else:
+            if not self._asks(r, want > 0):
+                return 0, False
+            ans = self._answer(r, tokens, first, patience=self._patience(r, want > 0))
+            if ans is None:
+                return None, False
         if ans.error is not None:
             r.answer = None
             self._store_failed(ans.error, f"lookup for request {request.request_id}")
@@ -685,4 +705,6 @@ class SchedulerSide:
         return delta(self.counters, self._reported, SCHEDULER_KEYS, self.timings)
 
     def close(self) -> None:
+        if self.view is not None:
+            self.view.close()
         self.link.close()

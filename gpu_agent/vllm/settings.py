@@ -28,6 +28,7 @@ RETRY_S = 5.0
 
 ASYNC_LOADS = ("auto", "always", "never")
 SAVE_POLICIES = ("auto", "always", "second-sighting", "hinted")  # gpu_agent.vllm.admission
+LOOKUPS = ("view", "rpc")  # gpu_agent.vllm.view, gpu_agent.vllm.storelink
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -78,6 +79,12 @@ class ConnectorSettings:
     load_gate: bool = True
     """Load a hit only where its measured load time beats recomputing its tokens (per kind:
     the node's DRAM, its NVMe, another node); ``gpu_agent.vllm.gate``."""
+    lookups: str = "view"
+    """How the scheduler learns what the pool holds: ``view``, from an in-process view every
+    node streams its holdings to (``gpu_agent.vllm.view``: answered at once, no store call,
+    no request told "not yet" but a decode engine waiting for its producer's handoff; needs
+    the node's admin token, else it falls back to ``rpc``); ``rpc``, by asking the store on
+    the connector's own thread, waited for as the ``lookup_*`` settings below say."""
     lookup_wait_ms: float = 2.0
     """The least milliseconds one scheduling pass of vLLM may wait for lookups' answers (in
     all); past its budget a request waits a step ("not yet") while its lookup runs on the
@@ -155,6 +162,10 @@ class ConnectorSettings:
             raise InvalidArgument(
                 f"kv_connector_extra_config.lookup_wait_step must be at most 1 (a fraction of the step), "
                 f"got {s.lookup_wait_step!r}"
+            )
+        if s.lookups not in LOOKUPS:
+            raise InvalidArgument(
+                f"kv_connector_extra_config.lookups must be one of {list(LOOKUPS)}, got {s.lookups!r}"
             )
         if s.async_loads not in ASYNC_LOADS:
             raise InvalidArgument(

@@ -66,6 +66,7 @@ SCHEDULER_KEYS = (
     "lookups_skipped",
     "skipped_save_chunks",
     "gated_tokens",
+    "view_lookups",
 )
 STAT_KEYS = WORKER_KEYS + SCHEDULER_KEYS
 
@@ -128,6 +129,7 @@ PROM_HELP = {
     "lookups_skipped": "Requests not looked up: their class finds less than a lookup costs (lookup_odds; probes still ask).",
     "skipped_save_chunks": "Computed chunks save_policy did not store (not expected to be read again).",
     "gated_tokens": "Hit tokens recomputed because loading them was measured slower (the load gate).",
+    "view_lookups": "Scheduler asks answered from the pool's in-process view (lookups='view': no store call).",
     "saves_cancelled": "Saves dropped because vLLM preempted their request before its pages were copied.",
     "saves_dropped": "Saves dropped because the saver thread was too far behind (a future miss, never a held step).",
 }

@@ -182,6 +182,16 @@ def test_prompt_sources_from_engine_counters() -> None:
         {"e0": {"vllm:kvstore_loads_total": 5.0, "vllm:kvstore_handoff_timeouts_total": 1.0, "vllm:other_total": 9}},
     )
     assert counters == {"handoff_timeouts": 1, "loads": 3}
+    per = report.connector_counters(
+        {"e0": {}, "e1": {}},
+        {
+            "e0": {"vllm:kvstore_lookups_total": 4.0, "vllm:kvstore_lookup_pending_total": 6.0},
+            "e1": {"vllm:kvstore_handoff_waits_total": 2.0, "vllm:kvstore_view_lookups_total": 12.0},
+        },
+        requests=8,
+    )
+    assert per is not None and per["deferred_per_request"] == 1.0 and per["lookup_rpcs_per_request"] == 0.5
+    assert per["view_lookups"] == 12
 
 
 # -- the client against a real streaming server ----------------------------------------

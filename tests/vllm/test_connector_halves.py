@@ -41,9 +41,11 @@ def scheduler(node: Any, *, tp: int = 1, **extra: Any) -> Any:
     from gpu_agent.vllm.scheduler import SchedulerSide
     from gpu_agent.vllm.settings import ConnectorSettings
 
-    # the scheduler waits for each lookup's answer here (up to deadline_s): these tests pin
-    # what it answers; "not yet" while a lookup runs has tests of its own
-    extra = {"lookup_wait_ms": 2000.0, "save_policy": "always", **extra}
+    # lookups="rpc": these tests pin what the store's answers make of a request (the view's
+    # answers, the default, have tests of their own: test_connector_view.py); the scheduler
+    # waits for each lookup's answer here (up to deadline_s): "not yet" while a lookup runs
+    # has tests of its own
+    extra = {"lookups": "rpc", "lookup_wait_ms": 2000.0, "save_policy": "always", **extra}
     settings = ConnectorSettings.from_extra({"target": node.target, "salt": str(time.monotonic_ns()), **extra})
     return SchedulerSide(spec(tp), settings, CHUNK, produce=True, consume=True)
 
@@ -581,7 +583,9 @@ def test_a_lookup_that_never_answers_is_a_miss_after_the_deadline() -> None:
         path = f"{d}/hung.sock"
         hung.bind(path)
         hung.listen(8)  # accepted by the kernel, never served
-        settings = ConnectorSettings.from_extra({"target": f"unix://{path}", "deadline_s": 0.5, "lookup_wait_ms": 1.0})
+        settings = ConnectorSettings.from_extra(
+            {"target": f"unix://{path}", "deadline_s": 0.5, "lookup_wait_ms": 1.0, "lookups": "rpc"}
+        )
         side = SchedulerSide(spec(), settings, CHUNK, produce=True, consume=True)
         new = request(prompt(600, seed=12), rid="new")
         assert side.matched(new, 0) == (0, False) and side.counters["lookup_given_up"] == 1

@@ -461,7 +461,7 @@ def _run_config(
                 "store_blocks": report.store_blocks(nodes_before, nodes_after, before, after)
                 if fleet is not None and fleet.uses_store
                 else None,
-                "connector": report.connector_counters(before, after),
+                "connector": report.connector_counters(before, after, requests=len(recs)),
                 # where the machine's time went during the replay: CPU seconds per process tree
                 "cpu_s": {n: round(cpu_after[n] - cpu_before.get(n, 0.0), 2) for n in cpu_after} or None,
                 "offered_rps": round(wl.offered_rps, 4),

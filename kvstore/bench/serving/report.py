@@ -289,18 +289,27 @@ def _counter_delta(after: int, before: int) -> int:
 
 
 def connector_counters(
-    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
-) -> dict[str, int] | None:
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], *, requests: int = 0
+) -> dict[str, float] | None:
     """The kvstore connector's counters over the run (``vllm:kvstore_*_total``, summed over
     the fleet's engines: lookups and their errors, handoff waits and timeouts, loads, load
-    errors, pulls, ...); None where no engine runs the connector."""
+    errors, pulls, ...); None where no engine runs the connector.  With ``requests`` (the
+    run's), two deterministic figures per request beside them: ``deferred_per_request``,
+    the scheduling passes in which vLLM was told "not yet" (a lookup not answered, a
+    producer's handoff not committed), and ``lookup_rpcs_per_request``, the lookups that
+    asked the store (the pool's view answers the rest in-process: ``view_lookups``)."""
     out: dict[str, float] = {}
     for name, a in after.items():
         for k, v in a.items():
             if k.startswith("vllm:kvstore_") and k.endswith("_total"):
                 short = k[len("vllm:kvstore_") : -len("_total")]
                 out[short] = out.get(short, 0.0) + v - before.get(name, {}).get(k, 0.0)
-    return {k: int(v) for k, v in sorted(out.items())} or None
+    counts: dict[str, float] = {k: int(v) for k, v in sorted(out.items())}
+    if counts and requests > 0:
+        deferred = counts.get("lookup_pending", 0) + counts.get("handoff_waits", 0)
+        counts["deferred_per_request"] = round(deferred / requests, 3)
+        counts["lookup_rpcs_per_request"] = round(counts.get("lookups", 0) / requests, 3)
+    return counts or None
 
 
 def summarise(

@@ -1,0 +1,203 @@
+"""The scheduler half's lookups from the pool's view (``lookups="view"``, the default).
+
+Real nodes, real ``WatchHoldings`` streams, vLLM's own ``Request``: a miss is answered 0 at
+the first ask with no store call, a hit is planned at the first ask once the view holds it,
+every rank's shard counts, NVMe hits go to the background, a decode engine waits only for
+its producer's handoff, and a dead node is a miss (a load error at worst), never a wait.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from test_connector_halves import CHUNK, Blocks, prompt, request, spec, store
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from kvstore.children import private_node
+
+    with private_node(tmp_path_factory.mktemp("view") / "node", dram="64MiB", nvme="256MiB") as n:
+        yield n
+
+
+def viewing(node: Any, **extra: Any) -> Any:
+    """A scheduler half answering from the view of ``node``, its first snapshot taken."""
+    from gpu_agent.vllm.scheduler import SchedulerSide
+    from gpu_agent.vllm.settings import ConnectorSettings
+
+    tp = int(extra.pop("tp", 1))
+    extra = {"save_policy": "always", **extra}
+    settings = ConnectorSettings.from_extra({"target": node.target, "salt": str(time.monotonic_ns()), **extra})
+    side = SchedulerSide(spec(tp), settings, CHUNK, produce=True, consume=True)
+    assert side.view is not None and side.view.view.wait_synced(30), "the view never took its first snapshot"
+    return side
+
+
+def seen(side: Any, req: Any, chunks: int, *, tier: str | None = None, rank: tuple[int, int] = (0, 0)) -> None:
+    """Wait (bounded) until the side's view holds ``chunks`` leading chunks of ``req`` (the
+    view lags the node by milliseconds: a test asks once it has caught up)."""
+    from gpu_agent.vllm.spec import rank_namespace, request_namespace
+    from kvstore.keys import chunk_keys
+
+    ns = rank_namespace(request_namespace(side.spec, side.settings, CHUNK, req), *rank)
+    keys = chunk_keys(list(req.all_token_ids), ns)[:chunks]
+    deadline = time.monotonic() + 30
+    while True:
+        m = side.view.view.match(keys)
+        if m.hits == chunks and (tier is None or all(h.tier.name.lower() == tier for h in m.holders)):
+            return
+        assert time.monotonic() < deadline, f"the view never showed {chunks} chunks ({m})"
+        time.sleep(0.01)
+
+
+def test_a_miss_is_answered_at_the_first_ask_with_no_store_call(node: Any) -> None:
+    side = viewing(node)
+    for i in range(40):
+        req = request(prompt(700 + i, seed=1000 + i), rid=f"new{i}")
+        side.arrived(req)
+        assert side.matched(req, 0) == (0, False)  # never None: no request waits for the store
+    c = side.counters
+    assert c["view_lookups"] == 40 and c["lookups"] == 0 and c["lookup_pending"] == 0, c
+    side.close()
+
+
+def test_a_stored_prefix_is_planned_at_the_first_ask(node: Any) -> None:
+    from client import KVClient
+    from gpu_agent.vllm.spec import request_namespace
+    from kvstore.keys import tail_key
+
+    side = viewing(node)
+    req = request(prompt(1000, seed=2))
+    store(node, side, req, 3)
+    seen(side, req, 3)
+    assert side.matched(req, 512) == (768 - 512, False)  # after vLLM's own 512 tokens
+    side.after_alloc(req, Blocks(list(range(100, 163))), 256)
+    load = side._loads[req.request_id]
+    assert (load.first_token, load.num_tokens) == (512, 768)
+    whole = request(prompt(1000, seed=2), rid="whole")
+    ns = request_namespace(side.spec, side.settings, CHUNK, whole)
+    tail = tail_key(list(whole.all_token_ids), ns)
+    assert tail is not None
+    with KVClient(node.target) as c:
+        assert c.put(tail, b"x" * 64, namespace=ns)
+    deadline = time.monotonic() + 30
+    while (got := side.matched(request(prompt(1000, seed=2), rid=f"w{time.monotonic_ns()}"), 0)) != (999, False):
+        assert got[0] is not None and time.monotonic() < deadline, got  # the tail shows within the view's lag
+        time.sleep(0.01)
+    assert side.counters["lookups"] == 0 and side.counters["lookup_pending"] == 0
+    side.close()
+
+
+def test_a_chunk_counts_only_when_every_tensor_parallel_rank_holds_its_shard(node: Any) -> None:
+    side = viewing(node, tp=2)
+    req = request(prompt(1000, seed=3))
+    store(node, side, req, 3, ranks=[(0, 0)])
+    seen(side, req, 3)
+    assert side.matched(req, 0) == (0, False)  # rank 1's shards are missing
+    store(node, side, req, 2, ranks=[(1, 0)])
+    seen(side, req, 2, rank=(1, 0))
+    assert side.matched(request(prompt(1000, seed=3), rid="again"), 0) == (512, False)
+    side.close()
+
+
+def test_a_decode_engine_waits_only_for_its_producers_handoff(node: Any) -> None:
+    from gpu_agent.vllm.spec import request_namespace
+
+    side = viewing(node, deadline_s=10.0)
+    toks = prompt(1000, seed=4)
+    ns = request_namespace(side.spec, side.settings, CHUNK, request(toks))
+    req = request(toks, params={"kvstore": {"namespace": ns.to_dict(), "saved_chunks": 3, "saved_tokens": 768}})
+    store(node, side, req, 1)
+    seen(side, req, 1)
+    assert side.matched(req, 0) == (None, False)  # one of three committed: ask again next step
+    store(node, side, req, 3)
+    deadline = time.monotonic() + 10
+    while (got := side.matched(req, 0))[0] is None:
+        assert time.monotonic() < deadline, "the handoff never showed in the view"
+        time.sleep(0.01)
+    assert got == (768, False)
+    assert side.counters["handoff_waits"] >= 1 and side.counters["handoff_timeouts"] == 0
+    assert side.counters["lookups"] == 0 and side.counters["lookup_pending"] == 0
+    side.close()
+
+
+def test_nvme_hits_load_in_the_background_and_dram_hits_in_the_step(node: Any) -> None:
+    from client import KVClient
+    from gpu_agent.vllm.spec import request_namespace
+    from kvstore.keys import chunk_keys
+
+    side = viewing(node)
+    toks = prompt(800, seed=8)
+    req = request(toks, rid="dram")
+    store(node, side, req, 3)
+    seen(side, req, 3, tier="dram")
+    assert side.matched(req, 0) == (768, False)
+    keys = chunk_keys(toks, request_namespace(side.spec, side.settings, CHUNK, req))[:3]
+    with KVClient(node.target) as c:
+        filler = [bytes([i]) * 16 for i in range(1, 20)]
+        c.put_many(filler, [b"f" * (4 << 20)] * len(filler))  # 76 MiB through 64 MiB of DRAM
+        assert "nvme" in c.lookup(keys)
+    deadline = time.monotonic() + 30
+    while (got := side.matched(request(toks, rid=f"nvme{time.monotonic_ns()}"), 0)) != (768, True):
+        assert got[0] is not None and time.monotonic() < deadline, got  # the demotion shows within the lag
+        time.sleep(0.01)
+    assert side.counters["async_loads"] >= 1
+    side.close()
+
+
+def test_a_dead_node_is_a_miss_never_a_wait(tmp_path: Any) -> None:
+    """The node dies: every ask is still answered at once (a stale hit costs a load error
+    that vLLM recomputes), and once the view drops the node, a miss."""
+    from kvstore.children import private_node
+
+    with private_node(tmp_path / "node", dram="64MiB", nvme="0") as n:
+        side = viewing(n)
+        req = request(prompt(800, seed=9))
+        store(n, side, req, 3)
+        seen(side, req, 3)
+        assert side.matched(req, 0) == (768, False)
+        n.proc.kill()
+        n.proc.wait()
+        deadline = time.monotonic() + side.view.view.node_deadline_s + 30
+        while True:
+            got = side.matched(request(prompt(800, seed=9), rid=f"d{time.monotonic_ns()}"), 0)
+            assert got[0] is not None, "a request was told to wait for a dead node"
+            if got == (0, False):
+                break
+            assert time.monotonic() < deadline, "the view kept a dead node's chunks"
+            time.sleep(0.05)
+        assert side.counters["lookups"] == 0
+        side.close()
+
+
+def test_a_token_the_nodes_refuse_to_show_their_holdings_falls_back_to_asking_the_store(tmp_path: Any) -> None:
+    """Watching needs the admin token (keys would tell a tenant what others stored): a
+    connector holding a tenant's token is refused the stream, notices, and looks up by
+    asking the store instead, rather than missing every hit in silence."""
+    from gpu_agent.vllm.scheduler import SchedulerSide
+    from gpu_agent.vllm.settings import ConnectorSettings
+    from kvstore.children import private_node
+
+    tok = tmp_path / "a.token"
+    tok.write_text("tenant-a-secret")
+    env = {"KVSTORE_TOKEN": "admin-secret", "KVSTORE_TENANTS": f"a={tok}"}
+    with private_node(tmp_path / "node", dram="64MiB", nvme="0", env=env) as n:
+        settings = ConnectorSettings.from_extra({"target": n.target, "token": "tenant-a-secret"})
+        side = SchedulerSide(spec(), settings, CHUNK, produce=True, consume=True)
+        assert side.view is not None
+        deadline = time.monotonic() + 30
+        while side._viewing():
+            assert time.monotonic() < deadline, "the refusal was never noticed"
+            time.sleep(0.05)
+        assert side.view.refused and side.view.view.stats().refused >= 1
+        req = request(prompt(600, seed=11), rid="tenant")
+        side.arrived(req)
+        side.matched(req, 0)
+        assert side.counters["lookups"] == 1 and side.counters["view_lookups"] == 0  # the store was asked
+        side.close()
