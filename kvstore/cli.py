@@ -316,6 +316,10 @@ _PLUGINS: list[tuple[str, str, str]] = [
 ]
 
 
+_SIM_TOOLS = {"validate": "validate", "calibrate": "calibrate", "serve": "server"}
+"""``kvstore sim TOOL``: the module (under ``kvstore.sim``) with its ``add_arguments`` and ``main``."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
@@ -326,10 +330,10 @@ def main(argv: list[str] | None = None) -> int:
         serving.add_arguments(sp)
         args = sp.parse_args(argv[2:])
         args.fn = serving.main
-    elif argv[:2] in (["sim", "validate"], ["sim", "calibrate"]):  # the simulator's tools: parsers of their own
+    elif argv[:1] == ["sim"] and argv[1:2] and argv[1] in _SIM_TOOLS:  # the simulator's tools: parsers of their own
         import importlib
 
-        mod = importlib.import_module(f"kvstore.sim.{argv[1]}")
+        mod = importlib.import_module(f"kvstore.sim.{_SIM_TOOLS[argv[1]]}")
         sp = argparse.ArgumentParser(prog=f"kvstore sim {argv[1]}", description=str(mod.__doc__).split("\n\n")[0])
         mod.add_arguments(sp)
         args = sp.parse_args(argv[2:])

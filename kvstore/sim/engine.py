@@ -377,6 +377,31 @@ class EngineModel:
         at = request.timestamp / 1000 if arrival_s is None else arrival_s
         self.add_request(req_id, request.input_length, hashes, max(1, request.output_length), at)
 
+    def abort_request(self, req_id: str) -> bool:
+        """Drop a request wherever it is (vLLM's abort: a client went away), freeing its blocks
+        as a finished request's are (cached ones stay cached); False if it is not here."""
+        req = self._reqs.pop(req_id, None)
+        if req is None:
+            return False
+        if req in self._running:
+            self._running.remove(req)
+        elif req in self._holding:
+            self._holding.remove(req)
+        else:
+            self._waiting.remove(req)
+        self._free_blocks(req)
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block's hash (vLLM's ``reset_prefix_cache``): only when no
+        request holds a block, else False and nothing changes.  The free queue keeps its
+        order; the caller reports vLLM's ``AllBlocksCleared``."""
+        if len(self._free) != len(self._ref) - 1:
+            return False
+        self._cached.clear()
+        self._hash = [None] * len(self._ref)
+        return True
+
     # -- queries ------------------------------------------------------------------------
     def has_work(self, now_s: float) -> bool:
         """Whether a step at ``now_s`` has requests it may schedule (allocation permitting)."""

@@ -27,7 +27,10 @@ The model is made locally (the random-weight Llama of ``kvstore demo vllm``;
 (``--skip-tokenizer-init``), sampling is greedy, EOS ignored, so every configuration
 generates exactly the trace's output lengths and ``tokens_equal_baseline`` can compare
 them token for token.  Run it where vLLM is installed (``.venv-vllm``), or with
-``--target`` from anywhere.
+``--target`` from anywhere.  ``--engine sim`` starts mock engines instead
+(``kvstore sim serve``, ``--profile``; no GPU, no vLLM, from any Python with the
+``serving`` and ``conductor`` extras) for ``baseline`` and ``conductor`` only: the harness,
+the conductor and etcd are real, the engines are the simulator's model in real time.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ from kvstore.bench.serving import fleet as fleetmod
 from kvstore.bench.serving import report
 from kvstore.bench.serving.fleet import (
     CONFIGS,
+    ENGINE_KINDS,
+    SIM_CONFIGS,
     Engine,
     Fault,
     FaultScheduler,
@@ -109,8 +114,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = add_workload_arguments(p)
     p.add_argument(
         "--configs",
-        default=",".join(CONFIGS),
-        help=f"configurations to run, in order (default {','.join(CONFIGS)})",
+        help=f"configurations to run, in order (default {','.join(CONFIGS)}; with --engine sim "
+        f"{','.join(SIM_CONFIGS)}, the only ones it runs)",
     )
     p.add_argument("--target", metavar="URL", help="benchmark this OpenAI-compatible endpoint instead of a fleet")
     g.add_argument("--sweep-rate", metavar="R1,R2,...", help="replay at each offered rate and report goodput per step")
@@ -131,6 +136,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g = p.add_argument_group("fleet")
     g.add_argument("--engines", type=int, default=2, help="vLLM servers per configuration (default 2)")
+    g.add_argument(
+        "--engine",
+        choices=ENGINE_KINDS,
+        default="vllm",
+        help="vllm: real vLLM servers (from a Python with vLLM); sim: mock engines (`kvstore sim serve`, the "
+        f"simulator's engine model in real time, no GPU nor vLLM), configurations {','.join(SIM_CONFIGS)} only "
+        "(default vllm)",
+    )
+    g.add_argument(
+        "--profile",
+        metavar="NAME|FILE",
+        help="--engine sim: the mock engines' step-time profile and KV cache (default local; see `kvstore sim`)",
+    )
     g.add_argument("--prefill", type=int, default=None, help="pd: prefill engines (default half, at least 1)")
     g.add_argument("--model", help="model directory (default: a random-weight Llama made locally)")
     g.add_argument("--layers", type=int, default=4, help="layers of the locally made model (default 4)")
@@ -194,14 +212,40 @@ def _rates(text: str | None) -> list[float | None]:
     return list(rates)
 
 
-def _configs(text: str, target: str | None) -> list[str]:
+def _configs(text: str | None, target: str | None, engine: str = "vllm") -> list[str]:
     if target:
         return ["target"]
+    if text is None:
+        text = ",".join(SIM_CONFIGS if engine == "sim" else CONFIGS)
     names = [c.strip() for c in text.split(",") if c.strip()]
     bad = [c for c in names if c not in CONFIGS]
     if bad or not names:
         raise InvalidArgument(f"--configs: unknown configuration(s) {bad or text!r} (known: {', '.join(CONFIGS)})")
+    if engine == "sim" and any(c not in SIM_CONFIGS for c in names):
+        raise InvalidArgument(
+            f"--engine sim runs the configurations {', '.join(SIM_CONFIGS)} only, got --configs {text}: "
+            "pool, pd and conductor-pd move KV through kvstore nodes, which mock engines do not do yet"
+        )
     return names
+
+
+def _check_engine(a: argparse.Namespace) -> None:
+    """The flags that go with ``--engine`` (clear errors before anything starts)."""
+    if a.engine != "sim":
+        if a.profile is not None:
+            raise InvalidArgument("--profile is for --engine sim (mock engines); vLLM servers run --model")
+        return
+    for flag, given in (
+        ("--target", a.target),
+        ("--model", a.model),
+        ("--fault", a.fault),
+        ("--max-num-batched-tokens", a.max_num_batched_tokens),
+    ):
+        if given:
+            raise InvalidArgument(
+                f"{flag} does not go with --engine sim (mock engines take their model, batch and cache from "
+                "--profile, and have no kvstore nodes)"
+            )
 
 
 def _vocab(model: str | None) -> int:
@@ -253,7 +297,8 @@ def _warm_up(engines: list[Engine], front_cfg: str, model: str, n: int, timeout_
 
 
 def run(a: argparse.Namespace) -> tuple[dict[str, Any], list[Record]]:
-    configs = _configs(a.configs, a.target)
+    _check_engine(a)
+    configs = _configs(a.configs, a.target, a.engine)
     rates = _rates(a.sweep_rate)
     if a.slo_ttft_ms <= 0 or a.slo_tbt_ms <= 0:
         raise InvalidArgument("--slo-ttft-ms and --slo-tbt-ms must be positive")
@@ -304,6 +349,11 @@ def run(a: argparse.Namespace) -> tuple[dict[str, Any], list[Record]]:
         model = a.model
         if a.target:
             served = _target_model(a.target)
+        elif a.engine == "sim":
+            from kvstore.sim.profile import EngineProfile
+
+            served = fleetmod.SERVED_NAME
+            result["model"] = {"sim_profile": EngineProfile.load(a.profile or "local").name}
         else:
             served = fleetmod.SERVED_NAME
             if model is None:
@@ -329,6 +379,8 @@ def run(a: argparse.Namespace) -> tuple[dict[str, Any], list[Record]]:
             conductor_args=_conductor_args(a),
             front_nice=a.front_nice,
             start_timeout_s=a.start_timeout,
+            engine=a.engine,
+            profile=a.profile or "local",
         )
         log_dir = Path(a.log_dir) if a.log_dir else None
         if log_dir is not None:
@@ -396,7 +448,10 @@ def _run_config(
             fleet = None
         else:
             with Progress(f"serving: starting {name}", unit="fleets") as p:
-                p.step(f"{spec.engines} vLLM servers" + (" and kvstore nodes" if name != "baseline" else ""))
+                if spec.engine == "sim":  # no kvstore nodes
+                    p.step(f"{spec.engines} mock engines" + (" and etcd" if name != "baseline" else ""))
+                else:
+                    p.step(f"{spec.engines} vLLM servers" + (" and kvstore nodes" if name != "baseline" else ""))
                 fleet = stack.enter_context(Fleet(name, spec, log_dir=log_dir).start())
                 p.update()
             engines = fleet.engines

@@ -20,6 +20,13 @@ Configurations (:data:`CONFIGS`):
   ``advertise_url``), behind ``kvstore conductor`` (a process of its own): requests go
   to the conductor, which picks the engine (:mod:`kvstore.conductor`).
 
+Mock engines (``FleetSpec.engine = "sim"``, ``--engine sim``): ``kvstore sim serve``
+processes of this Python (:mod:`kvstore.sim.server`, the simulator's engine model behind
+vLLM's API, in real time) instead of vLLM servers, for ``baseline`` and ``conductor``
+(:data:`SIM_CONFIGS`) only.  They have no connector and no kvstore nodes: in
+``conductor`` they publish vLLM's KV events and register themselves in a private etcd,
+which the conductor follows.  They are not bound to CPUs (each is one light process).
+
 Equal cores: every configuration's engines get the same CPUs.  vLLM's CPU backend binds
 a worker's OpenMP threads and, left to itself (``auto``), reserves a core for engines
 without a KV connector but none for engines with one on a 2-core machine, which would
@@ -51,6 +58,9 @@ from kvstore.children import log_tail, reclaim_shm, shm_names, spawn, stop
 from kvstore.errors import InvalidArgument
 
 CONFIGS = ("baseline", "pool", "pd", "conductor", "conductor-pd")
+SIM_CONFIGS = ("baseline", "conductor")
+"""What mock engines (``engine="sim"``) run: the configurations without kvstore nodes' KV."""
+ENGINE_KINDS = ("vllm", "sim")
 SERVED_NAME = "kvstore-bench"
 
 
@@ -88,8 +98,12 @@ class FleetSpec:
     front_nice: int = 0  # the conductor's nice value (see renice)
     python: str = sys.executable
     start_timeout_s: float = 900.0
+    engine: str = "vllm"  # "sim": mock engines (`kvstore sim serve`) instead of vLLM servers
+    profile: str = "local"  # the mock engines' profile (name or file)
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINE_KINDS:
+            raise InvalidArgument(f"engine must be one of {', '.join(ENGINE_KINDS)}, got {self.engine!r}")
         if self.engines < 1:
             raise InvalidArgument(f"--engines must be at least 1, got {self.engines}")
         if not 1 <= self.prefill < max(2, self.engines):
@@ -110,6 +124,8 @@ def engine_cpus(n: int, cpus: list[int] | None = None) -> list[str]:
 def roles(config: str, spec: FleetSpec) -> list[str]:
     if config not in CONFIGS:
         raise InvalidArgument(f"unknown configuration {config!r} (known: {', '.join(CONFIGS)})")
+    if spec.engine == "sim" and config not in SIM_CONFIGS:
+        raise InvalidArgument(f"mock engines run {', '.join(SIM_CONFIGS)} only, not {config!r}")
     if config in ("pd", "conductor-pd"):
         if spec.engines < 2:
             raise InvalidArgument(f"configuration {config} needs at least 2 engines (--engines)")
@@ -175,7 +191,11 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
 
     @property
     def uses_store(self) -> bool:
-        return self.config != "baseline"
+        return self.config != "baseline" and self.spec.engine == "vllm"
+
+    @property
+    def simulated(self) -> bool:
+        return self.spec.engine == "sim"
 
     @property
     def conducted(self) -> bool:
@@ -188,6 +208,8 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
         try:
             if self.uses_store:
                 self._start_store()
+            elif self.simulated and self.conducted:  # mock engines register in etcd for the conductor
+                self._start_etcd()
             self._start_engines()
             if self.conducted:
                 self._start_conductor()
@@ -197,18 +219,26 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
         self.started_s = time.perf_counter() - t0
         return self
 
-    def _start_store(self) -> None:
-        import asyncio
+    def _start_etcd(self) -> tuple[Any, str]:
+        """A private etcd and this fleet's cluster name in it (``cluster_target`` set)."""
         import uuid
 
-        from kvstore.children import private_node
-        from kvstore.cluster.etcd import ClusterStore
         from kvstore.cluster.local_etcd import LocalEtcd, find_etcd
 
         if find_etcd() is None:
             raise InvalidArgument("etcd is not installed (scripts/setup.sh installs Debian's etcd-server)")
         etcd = self._etcd = self._stack.enter_context(LocalEtcd(self._tmp / "etcd"))
         name = f"serving-{uuid.uuid4().hex[:8]}"
+        self.cluster_target = f"etcd://{etcd.endpoint}/{name}"
+        return etcd, name
+
+    def _start_store(self) -> None:
+        import asyncio
+
+        from kvstore.children import private_node
+        from kvstore.cluster.etcd import ClusterStore
+
+        etcd, name = self._start_etcd()
 
         async def configure() -> None:
             store = ClusterStore(etcd.endpoint, name)
@@ -218,7 +248,6 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
                 await store.close()
 
         asyncio.run(configure())
-        self.cluster_target = f"etcd://{etcd.endpoint}/{name}"
         member = ("--etcd", etcd.endpoint, "--cluster", name)
         nodes = [
             private_node(
@@ -238,8 +267,22 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
             n.wait_ready(60.0)
         self.nodes = nodes
 
+    def _sim_command(self, i: int, port: int) -> list[str]:
+        """A mock engine (``kvstore sim serve``), from this Python; in the conductor's
+        configuration with vLLM's KV events and registered in the fleet's etcd."""
+        s = self.spec
+        cmd = [s.python, "-m", "kvstore", "sim", "serve", "--port", str(port), "--profile", s.profile]
+        cmd += ["--model", SERVED_NAME, "--max-model-len", str(s.max_model_len), "--seed", str(i)]
+        if self.conducted:
+            ev, replay = _free_port(), _free_port()
+            cmd += ["--kv-events-endpoint", f"tcp://127.0.0.1:{ev}"]
+            cmd += ["--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}", "--etcd", self.cluster_target]
+        return cmd
+
     def _command(self, i: int, role: str, port: int) -> list[str]:
         s = self.spec
+        if self.simulated:
+            return self._sim_command(i, port)
         cmd = [
             s.python,
             "-m",
@@ -296,7 +339,8 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
         return cmd
 
     def _start_engines(self) -> None:
-        cpus = engine_cpus(len(self.roles))
+        # mock engines are not bound: each is one light asyncio process
+        cpus = ["any"] * len(self.roles) if self.simulated else engine_cpus(len(self.roles))
         for i, role in enumerate(self.roles):
             port = _free_port()
             name = f"{self.config}-{role}{i}" if role != "both" else f"{self.config}-engine{i}"
@@ -361,7 +405,9 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
                 )
             with contextlib.suppress(OSError, ValueError):
                 code, text = _get(self.conductor.url + "/conductor/state", timeout=2.0)
-                if code == 200 and all(e["kv_events"] and e["node_id"] for e in json.loads(text)["engines"]):
+                engines = json.loads(text)["engines"] if code == 200 else None
+                # mock engines have no kvstore node to learn
+                if engines is not None and all(e["kv_events"] and (e["node_id"] or self.simulated) for e in engines):
                     if self.spec.front_nice:
                         renice(proc.pid, self.spec.front_nice)
                     return
