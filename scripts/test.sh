@@ -6,7 +6,7 @@
 #          partitions, the browser, timing-sensitive fleets), run one at a time after `main`;
 #   vllm   tests/vllm in .venv-vllm (real vLLM engines, shared per module: tests/vllm/vllm_rig.py).
 # Every phase runs even if an earlier one failed (one run lists every failure); the exit status
-# is non-zero if any failed.  At the end it prints each phase's seconds and status; with
+# is non-zero if any failed.  Each phase lists its 15 slowest tests; at the end it prints each phase's seconds and status; with
 # KVSTORE_PHASE_LOG set, it also appends "phase seconds status" lines to that file (.ci/run's table).
 #   scripts/test.sh               all three phases
 #   scripts/test.sh main solo     just those phases, in that order
@@ -29,15 +29,15 @@ run_phase() {
   case "$1" in
     main)
       if [ "$workers" -gt 1 ]; then
-        .venv/bin/pytest -n "$workers" --dist loadfile -m "not gpu and not vllm and not solo"
+        .venv/bin/pytest -n "$workers" --dist loadfile --durations=15 -m "not gpu and not vllm and not solo"
       else
-        .venv/bin/pytest -m "not gpu and not vllm and not solo"
+        .venv/bin/pytest --durations=15 -m "not gpu and not vllm and not solo"
       fi
       ;;
-    solo) .venv/bin/pytest -m "solo and not gpu and not vllm" ;;
+    solo) .venv/bin/pytest --durations=15 -m "solo and not gpu and not vllm" ;;
     vllm)
       [ -x .venv-vllm/bin/pytest ] || { echo "test.sh: .venv-vllm missing: run scripts/setup.sh --vllm" >&2; return 2; }
-      .venv-vllm/bin/pytest -m vllm tests/vllm
+      .venv-vllm/bin/pytest --durations=15 -m vllm tests/vllm
       ;;
   esac
 }
