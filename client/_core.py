@@ -518,6 +518,19 @@ class ClientCore:
             "reservations": r.reservations,
             "leases": r.leases,
             "pins": r.pins,
+            # what share of what the node stored was read back, per namespace and prompt-position
+            # bucket (kvstore.readback.position_bucket), for the namespaces the caller may see
+            "read_back": [
+                {
+                    "namespace": bytes(x.namespace),
+                    "bucket": x.bucket,
+                    "stored_blocks": x.stored_blocks,
+                    "stored_bytes": x.stored_bytes,
+                    "read_back_blocks": x.read_back_blocks,
+                    "read_back_bytes": x.read_back_bytes,
+                }
+                for x in r.read_back
+            ],
         }
 
     # -- zero-copy views (client/_zerocopy.py) --------------------------------------------

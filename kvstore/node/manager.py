@@ -56,6 +56,9 @@ and re-exported here.  What the manager adds on top of the tiers:
   (per tier, with its tokens) or a miss with its reason; ``history`` remembers, in
   bounded memory, why keys left (evicted, invalidated, corrupt).  Executor threads report
   departures through ``_departed``, which the loop drains before it reads ``history``.
+* **Read-back accounting** (``kvstore/node/readback.py``, ``readback``): blocks and bytes
+  stored, and how many of them an ``acquire`` read back at least once, per namespace and
+  prompt-position bucket (what the connector's admission by evidence learns from).
 
 Invariants: a block's DRAM allocation is freed only when no lease refers to it; a
 reserved extent belongs to exactly one reservation until commit, abort or reap; tier
@@ -79,6 +82,7 @@ from kvstore.node.ledger import CORRUPT, INVALIDATED, NEVER_STORED, TIER_LABEL, 
 from kvstore.node.movers import TierMovers
 from kvstore.node.outcomes import Leased, Reserved, Status
 from kvstore.node.quotas import Occupancy, OwnerOf, QuotaNVMe, TenantQuotas, caps_of
+from kvstore.node.readback import ReadBack
 from kvstore.node.sessions import Sessions
 from kvstore.wire import with_checksum
 from tiers.allocator import Extent
@@ -134,6 +138,7 @@ class TierManager:
         # cache-hit accounting (kvstore/node/ledger.py): why keys left, what lookups found
         self.history = KeyHistory()
         self.ledger = Ledger()
+        self.readback = ReadBack()  # what share of what is stored is read back (kvstore/node/readback.py)
         self._departed: collections.deque[tuple[ChunkKey, str, bytes | None]] = (
             collections.deque()
         )  # from executor threads
@@ -237,10 +242,12 @@ class TierManager:
         """Remember that ``key`` left this node for ``reason`` (loop only)."""
         self._drain_departed()
         self.history.record(key, reason, self.ledger.tag(meta))
+        self.readback.left(key)
 
     def _drain_departed(self) -> None:
         while self._departed:
             key, reason, ns = self._departed.popleft()
+            self.readback.left(key)
             self.history.record(key, reason, self.ledger.namespaces.tag(ns) if ns is not None else 0)
 
     def _reason(self, key: ChunkKey) -> tuple[str, int]:
@@ -445,6 +452,7 @@ class TierManager:
         out: list[Status] = []
         durable: list[ChunkKey] = []
         puts = put_bytes = 0
+        self._drain_departed()  # a key that left and comes again is stored again
         for i, rid in enumerate(ids):
             r = self.holds.take_reservation(rid)
             if r is None:
@@ -481,6 +489,8 @@ class TierManager:
             old = allocation(self.dram.extents(meta.key))
             if old is not None and self.holds.leased(old):
                 self.holds.detach(old, self.dram.detach(meta.key) or [])
+            if stored is None:
+                self.readback.stored(meta)
             self.dram.commit(meta, r.extents, policy_soon=True)  # the policy hears of it after the reply
             puts += 1
             put_bytes += meta.payload_len
@@ -621,6 +631,7 @@ class TierManager:
             elif x.status in (Status.MISS, Status.CORRUPT):
                 misses.append(self._reason(x.key))  # NO_SPACE is neither: the SDK retries it
         self.ledger.record("get", hits, misses, request=request)
+        self.readback.read(meta for _, meta in hits)
         return result
 
     def _leased_if_visible(
@@ -842,6 +853,7 @@ class TierManager:
         return await self.movers.flush(deadline_s)
 
     def stats(self) -> dict[str, Any]:
+        self._drain_departed()
         tiers: dict[str, dict[str, Any]] = {
             "dram": {
                 "capacity_bytes": self.dram.capacity_bytes,
@@ -878,7 +890,12 @@ class TierManager:
             }
             if self.quotas is not None
             else {},
-            "counters": {**self.counters, **(self.sessions.counters if self.sessions is not None else {})},
+            "counters": {
+                **self.counters,
+                **(self.sessions.counters if self.sessions is not None else {}),
+                **self.readback.totals(),
+            },
+            "read_back": self.readback.rows(),
         }
 
     def close(self) -> None:

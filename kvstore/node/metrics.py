@@ -30,7 +30,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -38,7 +38,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from kvstore.node.ledger import OPS, REASONS, TIERS
+from kvstore.node.ledger import OPS, OTHER, REASONS, TIERS
+from kvstore.readback import bucket_label
 
 log = logging.getLogger("kvstore.node.metrics")
 
@@ -224,6 +225,8 @@ def families(snap: dict[str, Any], *, node_id: str, version: str, started: float
             f.add_metric([ns, op], v)
         yield f
 
+    yield from read_back_families(snap.get("read_back", ()))
+
     cap = GaugeMetricFamily("kvstore_tier_capacity_bytes", "Capacity of each tier.", labels=["tier"])
     used = GaugeMetricFamily("kvstore_tier_used_bytes", "Bytes allocated in each tier.", labels=["tier"])
     blocks = GaugeMetricFamily("kvstore_tier_blocks", "Blocks stored in each tier.", labels=["tier"])
@@ -370,6 +373,41 @@ def families(snap: dict[str, Any], *, node_id: str, version: str, started: float
 # -- the HTTP endpoint ---------------------------------------------------------------------
 TLS_HANDSHAKE_TIMEOUT_S = 10.0
 TLS_RECORD_HANDSHAKE = 0x16  # the first byte of every TLS ClientHello
+
+
+READ_BACK_NAMESPACE_LABELS = 32  # namespaces labelled by their fingerprint; later ones share "other"
+
+
+def read_back_families(rows: Iterable[Any]) -> Iterator[Metric]:
+    """``kvstore_stored_*`` and ``kvstore_read_back_*`` by namespace and position bucket
+    (``kvstore/node/readback.py``): the first :data:`READ_BACK_NAMESPACE_LABELS` namespaces
+    the node stored in get their fingerprint in hex as label, the rest are summed as ``other``."""
+    names: dict[bytes, str] = {}
+    sums: dict[tuple[str, str], list[int]] = {}
+    for r in rows:
+        if r.namespace not in names:
+            names[r.namespace] = r.namespace.hex() if r.namespace and len(names) < READ_BACK_NAMESPACE_LABELS else OTHER
+        key = (names[r.namespace], bucket_label(r.bucket))
+        acc = sums.setdefault(key, [0, 0, 0, 0])
+        for i, v in enumerate((r.stored_blocks, r.stored_bytes, r.read_back_blocks, r.read_back_bytes)):
+            acc[i] += v
+    labels = ["namespace", "position"]
+    for i, (name, doc) in enumerate(
+        (
+            ("kvstore_stored_blocks", "Blocks stored since the node started, by namespace and prompt-position bucket."),
+            ("kvstore_stored_bytes", "Payload bytes of those blocks."),
+            (
+                "kvstore_read_back_blocks",
+                "Stored blocks read back (leased) at least once, counted at their first read, by namespace and "
+                "prompt-position bucket: read_back / stored is the share of what is stored that pays.",
+            ),
+            ("kvstore_read_back_bytes", "Payload bytes of those blocks."),
+        )
+    ):
+        f = _counter(name, doc, labels)
+        for key, acc in sums.items():
+            f.add_metric(list(key), acc[i])
+        yield f
 
 
 def http_server(

@@ -823,6 +823,21 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         counters["active_transfers"] = self.transfers.active  # taken by a connection, not yet finished
         if self.holdings is not None:
             counters.update(self.holdings.stats())
+        # a tenant sees the rows of namespaces it owns or nobody owns (no denial counted: it asked for none)
+        caller = self._caller()
+        owners = None if caller.tenant is None or self.owners is None else self.owners.table()
+        read_back = [
+            pb.ReadBackCounts(
+                namespace=r.namespace,
+                bucket=r.bucket,
+                stored_blocks=r.stored_blocks,
+                stored_bytes=r.stored_bytes,
+                read_back_blocks=r.read_back_blocks,
+                read_back_bytes=r.read_back_bytes,
+            )
+            for r in s["read_back"]
+            if owners is None or (r.namespace and owners.get(r.namespace, caller.tenant) == caller.tenant)
+        ]
         return pb.StatsResponse(
             node_id=self.cfg.node_id,
             tiers=tiers,
@@ -830,6 +845,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             reservations=s["reservations"],
             leases=s["leases"],
             pins=s["pins"],
+            read_back=read_back,
         )
 
 

@@ -192,6 +192,20 @@ def test_prompt_sources_from_engine_counters() -> None:
     )
     assert per is not None and per["deferred_per_request"] == 1.0 and per["lookup_rpcs_per_request"] == 0.5
     assert per["view_lookups"] == 12
+    # what the nodes stored over the run and read back of it (a restarted node counts from 0)
+    blocks = report.store_blocks(
+        {"node0": {"stored_bytes": 1000, "read_back_bytes": 100, "get_hits_dram": 5}, "node1": {"stored_bytes": 900}},
+        {"node0": {"stored_bytes": 3000, "read_back_bytes": 600, "get_hits_dram": 9}, "node1": {"stored_bytes": 200}},
+        {},
+        {},
+    )
+    assert blocks == {
+        "dram_reads": 4,
+        "nvme_reads": 0,
+        "remote_pulls": 0,
+        "stored_bytes": 2200,
+        "read_back_bytes": 500,
+    }
 
 
 # -- the client against a real streaming server ----------------------------------------

@@ -10,7 +10,8 @@ makespan; ``prompt_tokens`` by source, each token once by where its KV finally c
 (``engine_cache`` + ``store`` + ``recomputed`` == ``total``, see :func:`prompt_sources`;
 from the engines' ``/metrics`` counters over the run, summed over the fleet's engines, so
 in ``pd`` a prompt counts on its prefill and on its decode engine), ``store_blocks`` (DRAM
-and NVMe reads, remote pulls, from the nodes' and the connector's counters),
+and NVMe reads, remote pulls, from the nodes' and the connector's counters; the bytes the
+nodes stored and, of those, read back: ``stored_bytes``, ``read_back_bytes``),
 ``connector_ms`` (count, mean, p50, p99 of each phase of the connector's time, from its
 histograms: :func:`connector_ms`) and ``tokens_equal_baseline``;
 ``reject_ms`` (p50/p99/p100 of how soon a refused request was answered).  The conductor
@@ -269,7 +270,9 @@ def store_blocks(
 ) -> dict[str, int] | None:
     """Blocks the store handed out over the run: the nodes' DRAM and NVMe reads, and the
     blocks engines' connectors pulled from another node into their own (a pull is also
-    a read on the node it came from)."""
+    a read on the node it came from); and the payload bytes the nodes stored over the run
+    (``stored_bytes``) and, of those stored blocks, read back at least once
+    (``read_back_bytes``, counted at a block's first read: ``kvstore/node/readback.py``)."""
     if not after:
         return None
 
@@ -280,7 +283,13 @@ def store_blocks(
     pulled = sum(
         delta(engines_after[e], engines_before.get(e, {}), "vllm:kvstore_pulled_blocks_total") for e in engines_after
     )
-    return {"dram_reads": reads("get_hits_dram"), "nvme_reads": reads("get_hits_nvme"), "remote_pulls": int(pulled)}
+    return {
+        "dram_reads": reads("get_hits_dram"),
+        "nvme_reads": reads("get_hits_nvme"),
+        "remote_pulls": int(pulled),
+        "stored_bytes": reads("stored_bytes"),
+        "read_back_bytes": reads("read_back_bytes"),
+    }
 
 
 def _counter_delta(after: int, before: int) -> int:

@@ -334,8 +334,24 @@ class TierStats(_message.Message):
     blocks: int
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
 
+class ReadBackCounts(_message.Message):
+    __slots__ = ("namespace", "bucket", "stored_blocks", "stored_bytes", "read_back_blocks", "read_back_bytes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    READ_BACK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    READ_BACK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    bucket: int
+    stored_blocks: int
+    stored_bytes: int
+    read_back_blocks: int
+    read_back_bytes: int
+    def __init__(self, namespace: _Optional[bytes] = ..., bucket: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., read_back_blocks: _Optional[int] = ..., read_back_bytes: _Optional[int] = ...) -> None: ...
+
 class StatsResponse(_message.Message):
-    __slots__ = ("node_id", "tiers", "counters", "reservations", "leases", "pins")
+    __slots__ = ("node_id", "tiers", "counters", "reservations", "leases", "pins", "read_back")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -349,13 +365,15 @@ class StatsResponse(_message.Message):
     RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     PINS_FIELD_NUMBER: _ClassVar[int]
+    READ_BACK_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     counters: _containers.ScalarMap[str, int]
     reservations: int
     leases: int
     pins: int
-    def __init__(self, node_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., reservations: _Optional[int] = ..., leases: _Optional[int] = ..., pins: _Optional[int] = ...) -> None: ...
+    read_back: _containers.RepeatedCompositeFieldContainer[ReadBackCounts]
+    def __init__(self, node_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., reservations: _Optional[int] = ..., leases: _Optional[int] = ..., pins: _Optional[int] = ..., read_back: _Optional[_Iterable[_Union[ReadBackCounts, _Mapping]]] = ...) -> None: ...
 
 class ReportHitsRequest(_message.Message):
     __slots__ = ("op", "tier", "blocks", "tokens", "namespace", "remote", "miss_reason", "short_copies", "namespace_name", "skipped_saves")
