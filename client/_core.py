@@ -519,7 +519,7 @@ class ClientCore:
             "leases": r.leases,
             "pins": r.pins,
             # what share of what the node stored was read back, per namespace and prompt-position
-            # bucket (kvstore.readback.position_bucket), for the namespaces the caller may see
+            # bucket (kvstore.vocabulary.position_bucket), for the namespaces the caller may see
             "read_back": [
                 {
                     "namespace": bytes(x.namespace),

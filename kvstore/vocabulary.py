@@ -12,6 +12,15 @@
   SDK before sending and by the node on receipt.
 * Node counters: the names ``Stats`` may report (:data:`NODE_COUNTERS`); a node reports a
   counter once it has counted something, so a reader takes an absent known name as 0.
+* Prompt-position buckets (:func:`position_bucket`): how the node's read-back counters
+  (``kvstore/node/readback.py``) and the connector's admission by evidence
+  (``gpu_agent/vllm/admission.py``) group a chunk's index in its chain.  A block's
+  *position* is 0 for a prompt's first chunk (no parent); positions are grouped in powers
+  of two, so a namespace's counters stay a handful of numbers whatever the prompt lengths:
+  bucket 0 is position 0, bucket 1 position 1, bucket ``b`` (``1 <= b < LAST_BUCKET``)
+  positions ``[2**(b-1), 2**b)``, :data:`LAST_BUCKET` every position from
+  ``2**(LAST_BUCKET-1)`` on, and :data:`UNKNOWN_BUCKET` blocks whose position the node
+  could not tell (their parent was not stored there, or left before they came).
 
 Owns no state.
 """
@@ -135,3 +144,28 @@ NODE_COUNTERS = frozenset(
         "tcp_bytes_out",
     }
 )
+
+
+# -- prompt-position buckets (the read-back counters, admission by evidence) ------------------
+LAST_BUCKET = 8  # positions >= 128
+UNKNOWN_BUCKET = LAST_BUCKET + 1
+BUCKETS = UNKNOWN_BUCKET + 1
+
+
+def position_bucket(position: int) -> int:
+    """The bucket of a chunk at ``position`` (0-based) in its chain."""
+    if position < 0:
+        raise ValueError(f"a chunk position is 0 or more, got {position}")
+    return min(position.bit_length(), LAST_BUCKET)
+
+
+def bucket_label(bucket: int) -> str:
+    """The bucket's positions, as a label: ``"0"``, ``"1"``, ``"2-3"``, ..., ``"128+"``, ``"unknown"``."""
+    if not 0 <= bucket < BUCKETS:
+        raise ValueError(f"bucket must be in [0, {BUCKETS}), got {bucket}")
+    if bucket == UNKNOWN_BUCKET:
+        return "unknown"
+    if bucket <= 1:
+        return str(bucket)
+    lo = 1 << (bucket - 1)
+    return f"{lo}+" if bucket == LAST_BUCKET else f"{lo}-{2 * lo - 1}"

@@ -39,7 +39,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstore.node.ledger import OPS, OTHER, REASONS, TIERS
-from kvstore.readback import bucket_label
+from kvstore.vocabulary import bucket_label
 
 log = logging.getLogger("kvstore.node.metrics")
 

@@ -8,8 +8,8 @@ learns ``read_back / stored`` for its namespace at each prompt position.
 
 The position of a block is its chunk's index in its chain: 0 for a block without a parent,
 its parent's position + 1 when the parent is one of the blocks followed here, else unknown
-(:data:`kvstore.readback.UNKNOWN_BUCKET`: the parent was never stored here, or left first).
-Positions are grouped by :func:`kvstore.readback.position_bucket`.
+(:data:`kvstore.vocabulary.UNKNOWN_BUCKET`: the parent was never stored here, or left first).
+Positions are grouped by :func:`kvstore.vocabulary.position_bucket`.
 
 Owner: the tier manager's event loop (``TierManager.readback``); nothing here is
 thread-safe and nothing does I/O.
@@ -29,7 +29,7 @@ from collections.abc import Iterable
 
 from kvstore.block import BlockMeta
 from kvstore.keys import NO_PARENT, ChunkKey
-from kvstore.readback import BUCKETS, UNKNOWN_BUCKET, position_bucket
+from kvstore.vocabulary import BUCKETS, UNKNOWN_BUCKET, position_bucket
 
 _READ = 1
 _POS_SHIFT = 1

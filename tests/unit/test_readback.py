@@ -1,5 +1,5 @@
 """The node's read-back counters (kvstore/node/readback.py) and the position buckets they share
-with the connector (kvstore/readback.py)."""
+with the connector (kvstore/vocabulary.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from kvstore.block import BlockMeta
 from kvstore.keys import NO_PARENT
 from kvstore.node.metrics import read_back_families
 from kvstore.node.readback import ReadBack
-from kvstore.readback import LAST_BUCKET, UNKNOWN_BUCKET, bucket_label, position_bucket
+from kvstore.vocabulary import LAST_BUCKET, UNKNOWN_BUCKET, bucket_label, position_bucket
 
 NS_A = b"A" * 8
 NS_B = b"B" * 8
