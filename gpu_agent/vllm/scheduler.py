@@ -32,7 +32,10 @@ engine's step time and more on an idle engine); past it the scheduler answers vL
 is measured not to find enough to pay for that step is computed at once instead, and one
 whose class finds less than a lookup costs is not looked up at all, but for probes
 (:mod:`gpu_agent.vllm.patience`, ``lookup_odds``).  What is saved follows ``save_policy``
-(:mod:`gpu_agent.vllm.admission`), what is loaded the load gate (:mod:`gpu_agent.vllm.gate`).
+(:mod:`gpu_agent.vllm.admission`; under ``evidence``, the default, from the engine's own
+node's read-back counters, polled on the store link's thread every ``READ_BACK_EVERY_S``
+and taken in when answered, never waited for), what is loaded the load gate
+(:mod:`gpu_agent.vllm.gate`).
 
 Invariants: a chunk counts as stored only when every tensor/pipeline rank's shard is
 (lookups ask for each rank's keys and take the shortest run); a request held for its
@@ -61,7 +64,7 @@ from gpu_agent.vllm.pacing import WaitBudget
 from gpu_agent.vllm.settings import RETRY_S, ConnectorSettings, EngineSpec
 from gpu_agent.vllm.spec import all_ranks, rank_namespace, request_namespace, request_session, unkeyable
 from gpu_agent.vllm.stats import SCHEDULER_KEYS, SCHEDULER_PHASES, KVStoreStats, Timings, delta
-from gpu_agent.vllm.storelink import LookupAnswer, StoreLink
+from gpu_agent.vllm.storelink import READ_BACK_EVERY_S, LookupAnswer, StoreLink
 from gpu_agent.vllm.view import ViewLookups
 from kvstore.errors import DeadlineExceeded, KVStoreError
 from kvstore.keys import Namespace, chunk_keys, tail_key
@@ -141,6 +144,9 @@ class SchedulerSide:
         self._resync: tuple[Any, concurrent.futures.Future[list[str | None]]] | None = None
         self._down_until = 0.0  # lookups resume then (a store call failed)
         self.sightings = admission.Sightings()
+        self.evidence = admission.Evidence()  # save_policy evidence: the node's read-back counters
+        self._read_back: concurrent.futures.Future[list[dict[str, Any]]] | None = None  # a poll in flight
+        self._read_back_at = 0.0  # the next poll is due then
         self.gate = LoadGate(settings.load_gate)
         self.odds = patience.HitOdds()
         self._given_up: list[tuple[_Req, int, float, concurrent.futures.Future[LookupAnswer]]] = []
@@ -371,6 +377,18 @@ class SchedulerSide:
         r.cls = patience.request_class(
             hint=admission.hinted(r.request), first_chunk_sightings=counts[0] if counts else 0
         )
+        if self.settings.save_policy == "evidence":
+            self._poll_read_back()
+            per_token = self.gate.recompute.per_token(self.gate.min_samples)
+            r.plan = self.evidence.plan(
+                rank_namespace(r.namespace, *self.ranks[0]).fingerprint,  # the fingerprint rank 0's node counts
+                chunks=len(chain),
+                recompute_s=None if per_token is None else per_token * self.chunk,
+                retain=admission.retained(r.request),  # a session id is no retention hint here
+                producer_only=self.produce and not self.consume,
+                save_decode=self.settings.save_decode,
+            )
+            return
         r.plan = admission.plan(
             self.settings.save_policy,
             counts=counts[: len(chain)],
@@ -379,6 +397,21 @@ class SchedulerSide:
             producer_only=self.produce and not self.consume,
             save_decode=self.settings.save_decode,
         )
+
+    def _poll_read_back(self) -> None:
+        """Take the node's read-back counters in if the last poll was answered; ask again
+        every ``READ_BACK_EVERY_S`` (on the store link's thread: never waited for here)."""
+        f = self._read_back
+        if f is not None and f.done():
+            self._read_back = None
+            try:
+                self.evidence.update(f.result())
+            except Exception as e:  # noqa: BLE001 - no evidence this time: admission keeps what it learnt
+                log.debug("kvstore: reading the node's read-back counters failed (%s)", e)
+        now = time.monotonic()
+        if self._read_back is None and now >= self._read_back_at:
+            self._read_back_at = now + READ_BACK_EVERY_S
+            self._read_back = self.link.read_back()
 
     def _matched(self, r: _Req, request: Request, num_computed: int) -> tuple[int | None, bool]:
         r.local_tokens = num_computed
@@ -669,6 +702,7 @@ class SchedulerSide:
         stats = out.kv_connector_stats
         if stats is not None and isinstance(getattr(stats, "data", None), dict):
             self.gate.observe(stats.data)  # the workers' step and load times: what a load must beat
+            self.evidence.observe(stats.data)  # and their save times: what a store must beat
         ev = out.kv_cache_events
         if not isinstance(ev, KVStoreEvents):
             return

@@ -27,7 +27,7 @@ RETRY_S = 5.0
 
 
 ASYNC_LOADS = ("auto", "always", "never")
-SAVE_POLICIES = ("auto", "always", "second-sighting", "hinted")  # gpu_agent.vllm.admission
+SAVE_POLICIES = ("evidence", "auto", "always", "second-sighting", "hinted")  # gpu_agent.vllm.admission
 LOOKUPS = ("view", "rpc")  # gpu_agent.vllm.view, gpu_agent.vllm.storelink
 
 
@@ -66,8 +66,12 @@ class ConnectorSettings:
     """Also save the full chunks decoding fills, so a conversation's next turn (prompt,
     answer and a new message) loads the answer's KV too (where ``save_policy`` saves the
     request's decode KV)."""
-    save_policy: str = "auto"
-    """Which computed chunks are stored (``gpu_agent.vllm.admission``): ``always``;
+    save_policy: str = "evidence"
+    """Which computed chunks are stored (``gpu_agent.vllm.admission``): ``evidence`` (the
+    default: learnt from the engine's own node, which counts what share of what it stored
+    is read back per namespace and prompt position; a chunk is stored when that share ×
+    its measured recompute time beats its measured save time; with no evidence yet, it is
+    stored; only ``kv_transfer_params["retain"]`` true stores a request whole); ``always``;
     ``second-sighting`` (a chunk this engine has looked up before: a shared prefix is
     stored by its second request); ``hinted`` (requests with a session id or
     ``kv_transfer_params["retain"]``, decode KV included; nothing else); ``auto``:

@@ -35,6 +35,7 @@ WORKER_KEYS = (
     "saves",
     "load_us",
     "save_us",
+    "save_chunks",
     "pulled_blocks",
     "pull_us",
     "async_load_tokens",

@@ -11,7 +11,10 @@ half's clients and makes every call on one thread of its own (``kvstore-lookup``
 * :meth:`report_hits`: vLLM's own prefix-cache hits, and :meth:`report_skipped` the
   chunks ``save_policy`` did not store, for the node's metrics, coalesced and sent at most
   once a second, fire and forget;
-* :meth:`tiers`: where keys are now (the KV-event resync), through a future.
+* :meth:`tiers`: where keys are now (the KV-event resync), through a future;
+* :meth:`read_back`: the engine's own node's read-back counters (``Stats``: what share of
+  what it stored was read back, per namespace and position bucket), through a future, for
+  ``save_policy`` ``evidence`` (the scheduler polls every :data:`READ_BACK_EVERY_S`).
 
 State it owns: the clients (``lookup_target``'s, the engine's own node's for locality and
 for the hits it reports),
@@ -38,6 +41,8 @@ log = logging.getLogger(__name__)
 
 REPORT_EVERY_S = 1.0
 """How often coalesced prefix-cache hits go to the node (metrics only)."""
+READ_BACK_EVERY_S = 5.0
+"""How often the scheduler asks its node what share of what it stored was read back."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -63,7 +68,7 @@ class StoreLink:
         self.settings, self.ranks = settings, ranks
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvstore-lookup")
         self._client: Any = None  # lookup_target's (or target's): the lookup thread's only
-        self._local: Any = None  # the engine's own node, when lookups go elsewhere
+        self._local: Any = None  # the engine's own node: locality (lookups elsewhere), read-back counters
         self._reporter: Any = None  # the engine's own node, for the hits it reports
         self._lock = threading.Lock()  # guards the coalesced hits below (scheduler thread → lookup thread)
         self._hits: dict[bytes, tuple[Namespace, int, int]] = {}
@@ -80,6 +85,11 @@ class StoreLink:
 
     def tiers(self, keys: list[ChunkKey]) -> concurrent.futures.Future[list[str | None]]:
         return self._pool.submit(lambda: self._lookup_client().lookup(keys))
+
+    def read_back(self) -> concurrent.futures.Future[list[dict[str, Any]]]:
+        """The read-back rows (``KVClient.stats()["read_back"]``) of the engine's own node, or
+        of every node of a cluster target (rows of one namespace and bucket add up)."""
+        return self._pool.submit(self._read_back)
 
     def report_hits(self, ns: Namespace, tokens: int, chunk: int) -> None:
         """Count ``tokens`` of vLLM's own prefix-cache hits; sent within ``REPORT_EVERY_S``."""
@@ -162,6 +172,21 @@ class StoreLink:
         except Exception as e:  # noqa: BLE001 - handed to the scheduler thread as the answer
             self._drop()  # a fresh channel next time, not one parked in reconnect back-off
             return LookupAnswer(seconds=time.perf_counter() - t0, error=e)
+
+    def _read_back(self) -> list[dict[str, Any]]:
+        try:
+            if self._local is None:
+                self._local = self.settings.client(self.settings.target or None)
+            s = self._local.stats()
+        except Exception:
+            local, self._local = self._local, None
+            if local is not None:
+                with contextlib.suppress(Exception):  # closing a broken client is best effort
+                    local.close()
+            raise
+        if "nodes" in s:  # a cluster target: every node's rows
+            return [r for n in s["nodes"].values() for r in n.get("read_back", ())]
+        return list(s.get("read_back", ()))
 
     def _locality(self, keys: list[ChunkKey]) -> list[bool]:
         """Which of ``keys`` the engine's own node holds (loads need no pull): all of them

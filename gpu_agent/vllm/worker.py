@@ -507,6 +507,7 @@ class WorkerSide:
                 except Exception as e:  # a save that cannot run is a future miss, never a failed step
                     log.warning("kvstore save for %s failed (%s)", s.req_id, e)
                 self.counters["save_us"] += int((time.perf_counter() - t0) * 1e6)
+                self.counters["save_chunks"] += self._save_chunks(s)
                 self.counters["saves"] += 1
             elif ahead is not None:
                 ahead.abort()
@@ -516,6 +517,11 @@ class WorkerSide:
         self._ahead.clear()
         if connected:
             self._check_agent()
+
+    def _save_chunks(self, s: SaveSpec) -> int:
+        """Chunks one save stores (its full chunks past ``skip_chunks``, its tail): the unit
+        of the save cost the scheduler's admission weighs (``save_us`` / ``save_chunks``)."""
+        return max(0, -(-len(s.tokens) // self.chunk if s.tail else len(s.tokens) // self.chunk) - s.skip_chunks)
 
     def _submit_save(self, agent: Any, s: SaveSpec) -> _BackgroundSave | None:
         """Hand a save to the saver thread (None: dropped, the saver is ``MAX_QUEUED_SAVES`` behind)."""
@@ -547,6 +553,7 @@ class WorkerSide:
             dt = time.perf_counter() - t0
             with self._queued_lock:
                 self.counters["save_us"] += int(dt * 1e6)
+                self.counters["save_chunks"] += self._save_chunks(s)
                 self.timings.add("background_save", dt)
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

@@ -98,7 +98,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="{}",
         metavar="JSON",
         help="pool: the connector's kv_connector_extra_config, as the benchmark's; the simulation honours "
-        "chunk_tokens, save_policy, load_gate and async_loads (default {})",
+        "chunk_tokens, save_policy (evidence runs as auto: no read-back is simulated), load_gate and async_loads "
+        "(default {})",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of the engines' step-time jitter (default 0)")
     g.add_argument(
@@ -258,6 +259,7 @@ def fleet_engines(name: str, engines: int, prefill: int, nodes: int | None) -> l
 def run(a: argparse.Namespace) -> dict[str, Any]:
     from kvstore.node.config import parse_size
     from kvstore.sim.fleet import workload_hashes
+    from kvstore.sim.pool import simulated_policy
 
     t0 = time.perf_counter()
     configs = parse_configs(a.configs)
@@ -331,7 +333,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "node_nvme_bytes": node_nvme,
         "connector": {
             "chunk_tokens": settings.chunk_for(profile.block_size),
-            **{k: getattr(settings, k) for k in ("save_policy", "load_gate", "async_loads")},
+            "save_policy": simulated_policy(settings),
+            **{k: getattr(settings, k) for k in ("load_gate", "async_loads")},
         },
         "virtual_s": max(c["sim"]["virtual_s"] for c in result["configs"].values()),
         "runs": runs,

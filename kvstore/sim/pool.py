@@ -30,7 +30,9 @@ the run's end (at most the prompt's last token less one: vLLM computes it), per 
 while the engine steps on.  Chunks are sighted (:class:`gpu_agent.vllm.admission.Sightings`)
 when the request arrives, as the connector does, and its save plan made then
 (:func:`gpu_agent.vllm.admission.plan`, ``save_policy`` ``auto``: a request with a session id
-stores everything, others the chunks seen at least twice).
+stores everything, others the chunks seen at least twice).  The simulated nodes count no
+read-back, so ``save_policy`` ``evidence`` (the connector's default) is simulated as ``auto``
+(:func:`simulated_policy`; the JSON's ``connector.save_policy`` names the one simulated).
 
 **Loads** (``step_started``, at the step that starts them): leases on the nodes holding the
 chunks (``acquire``: the policy hears of the read, an NVMe hit is promoted), chunks of other
@@ -104,6 +106,12 @@ _TAIL = struct.Struct("<QQ")
 ROLES = ("both", "prefill", "decode")
 """A connector's role: ``kv_both``, ``kv_producer`` (saves, never loads), ``kv_consumer``
 (loads, never saves)."""
+
+
+def simulated_policy(settings: ConnectorSettings) -> str:
+    """The ``save_policy`` the simulation runs: ``evidence`` learns from the nodes' read-back
+    counters, which the simulated nodes do not keep, so it runs as ``auto``."""
+    return "auto" if settings.save_policy == "evidence" else settings.save_policy
 
 
 def chunk_tokens(profile: EngineProfile, settings: ConnectorSettings | None = None) -> int:
@@ -373,7 +381,7 @@ class Connector:
         if self.produce:  # (the connector sights only where it saves)
             counts = self.sightings.sight(keys)
             plan = admission.plan(
-                self.settings.save_policy,
+                simulated_policy(self.settings),
                 counts=counts,
                 tail_count=None,
                 hint=work.session_id is not None,

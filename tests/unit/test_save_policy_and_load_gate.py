@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from gpu_agent.vllm.admission import EVERYTHING, NOTHING, SavePlan, Sightings, hinted, plan
+from gpu_agent.vllm.admission import EVERYTHING, EXPLORE, NOTHING, Evidence, SavePlan, Sightings, hinted, plan, retained
 from gpu_agent.vllm.gate import LoadGate, Rate
 from gpu_agent.vllm.patience import HitOdds, request_class
 
@@ -205,3 +205,85 @@ def test_a_class_that_finds_less_than_a_lookup_costs_is_asked_only_by_its_probes
     odds.observe_latency(0.4)
     assert all(odds.worth_asking("seen", 1e-3) for _ in range(5))  # asked, however slow the answers
     assert not odds.worth_waiting("new", 1e-6, odds.lookup_s)  # a prefill that fast: not worth the lookup
+
+
+# -- save_policy evidence: admission by what the node reads back ---------------------------------
+
+NS = b"n" * 8
+
+
+def _rows(stored: int, read: int, bucket: int = 0, ns: bytes = NS) -> list[dict[str, object]]:
+    return [{"namespace": ns, "bucket": bucket, "stored_blocks": stored, "read_back_blocks": read}]
+
+
+def _evidence_plan(ev: Evidence, chunks: int = 1, **kw: object) -> SavePlan:
+    return ev.plan(
+        kw.get("ns", NS),  # type: ignore[arg-type]
+        chunks=chunks,
+        recompute_s=kw.get("recompute_s", 0.01),  # type: ignore[arg-type]
+        retain=bool(kw.get("retain", False)),
+        producer_only=bool(kw.get("producer_only", False)),
+        save_decode=True,
+    )
+
+
+def test_evidence_stores_everything_while_there_is_no_evidence() -> None:
+    ev = Evidence()
+    assert _evidence_plan(ev, chunks=8) == SavePlan(EVERYTHING, True, True)  # nothing measured at all
+    ev.observe({"save_us": 4000, "save_chunks": 1})  # a save costs 4 ms a chunk, recompute 10 ms
+    assert _evidence_plan(ev, chunks=8) == SavePlan(EVERYTHING, True, True)  # the prior: 0.75 × 10 ms > 4 ms
+    assert _evidence_plan(ev, chunks=8, recompute_s=None) == SavePlan(EVERYTHING, True, True)  # no prefill yet
+
+
+def test_evidence_converges_to_storing_almost_nothing_when_nothing_is_read_back() -> None:
+    ev = Evidence()
+    ev.observe({"save_us": 2000, "save_chunks": 1})
+    for poll in range(1, 11):  # every poll, 50 more blocks stored in each bucket, none read back
+        ev.update([r for b in range(10) for r in _rows(50 * poll, 0, bucket=b)])
+    assert ev.share(NS, 0) < 0.05
+    plans = [_evidence_plan(ev, chunks=4) for _ in range(320)]
+    stored = sum(p.prompt_chunks == EVERYTHING for p in plans)
+    assert stored == 320 // EXPLORE  # only the exploring requests
+    assert all(p == SavePlan(0, False, False) for p in plans if p.prompt_chunks != EVERYTHING)
+    assert _evidence_plan(ev, ns=b"m" * 8, chunks=4).prompt_chunks == EVERYTHING  # another namespace: no evidence
+
+
+def test_evidence_stores_everything_where_what_is_stored_is_read_back() -> None:
+    ev = Evidence()
+    ev.observe({"save_us": 2000, "save_chunks": 1})
+    for poll in range(1, 11):
+        ev.update([r for b in range(10) for r in _rows(50 * poll, 45 * poll, bucket=b)])
+    assert ev.share(NS, 3) > 0.85
+    assert all(_evidence_plan(ev, chunks=16) == SavePlan(EVERYTHING, True, True) for _ in range(100))
+
+
+def test_evidence_weighs_read_back_against_the_measured_costs_per_bucket() -> None:
+    ev = Evidence(explore=0)
+    for poll in range(1, 11):  # the first chunk is read back, later positions are not
+        ev.update(_rows(50 * poll, 50 * poll, bucket=0) + [r for b in range(1, 10) for r in _rows(50 * poll, 0, b)])
+    ev.observe({"save_us": 1000, "save_chunks": 1})
+    assert _evidence_plan(ev, chunks=4) == SavePlan(1, False, False)  # the run ends at position 1
+    ev.observe({"save_us": 10**6, "save_chunks": 1})  # saves now cost more than any recompute
+    assert _evidence_plan(ev, chunks=4) == SavePlan(0, False, False)
+    # a node restarted: its counters start again from 0, and what they count is all new
+    before = ev.share(NS, 1)
+    ev.update(_rows(5, 5, bucket=1))
+    assert ev.share(NS, 1) > before  # five stored, five read back: not a negative rise
+    with pytest.raises(ValueError):
+        Evidence(decay=1.0)
+
+
+def test_under_evidence_a_session_id_is_no_retention_hint_but_retain_is() -> None:
+    session = types.SimpleNamespace(kv_transfer_params={"session_id": "chat-1"})
+    retain = types.SimpleNamespace(kv_transfer_params={"retain": True})
+    assert hinted(session) and not retained(session)  # auto and hinted still take the session
+    assert retained(retain) and hinted(retain)
+    ev = Evidence(explore=0)
+    for poll in range(1, 11):
+        ev.update([r for b in range(10) for r in _rows(50 * poll, 0, bucket=b)])
+    ev.observe({"save_us": 2000, "save_chunks": 1})
+    assert _evidence_plan(ev, chunks=2, retain=retained(session)) == SavePlan(0, False, False)
+    assert _evidence_plan(ev, chunks=2, retain=retained(retain)) == SavePlan(EVERYTHING, True, True)
+    assert _evidence_plan(ev, chunks=2, producer_only=True) == SavePlan(EVERYTHING, True, True)
+    with pytest.raises(ValueError):
+        plan("evidence", counts=[1], tail_count=None, hint=False, producer_only=False, save_decode=True)

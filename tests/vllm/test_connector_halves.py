@@ -652,3 +652,58 @@ def test_auto_stores_a_prefix_from_its_second_sighting_and_a_sessions_turn_whole
     assert [s.tail for s in _saves_after_prefill(always, once)] == [True]
     side.close()
     always.close()
+
+
+def test_the_default_policy_stores_a_first_seen_prompt_and_stops_where_nothing_is_read_back(
+    node: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``save_policy`` evidence (the default): with no evidence yet a prompt seen once is
+    stored whole (the next engine that serves it hits); once the engine's own node reports
+    that what this namespace stored is never read back, a new prompt is not stored, at
+    the measured recompute and save costs, and a session id does not change that."""
+    from client import KVClient
+    from gpu_agent.vllm import scheduler as scheduler_module
+    from gpu_agent.vllm.settings import ConnectorSettings
+    from gpu_agent.vllm.spec import rank_namespace, request_namespace
+    from gpu_agent.vllm.stats import KVStoreStats
+    from kvstore.keys import chunk_keys, parent_keys
+
+    monkeypatch.setattr(scheduler_module, "READ_BACK_EVERY_S", 0.0)  # poll at every request, not every 5 s
+    default = ConnectorSettings().save_policy
+    assert default == "evidence"
+    side = scheduler(node, save_policy=default)
+    toks = prompt(3 * CHUNK + 40, seed=21)
+    first = request(toks, rid="first")
+    assert side.matched(first, 0) == (0, False)
+    assert [(s.skip_chunks, len(s.tokens), s.tail) for s in _saves_after_prefill(side, first)] == [(0, len(toks), True)]
+    side.finished(first)
+    rns = rank_namespace(request_namespace(side.spec, side.settings, CHUNK, first), 0, 0)  # what the node counts
+    assert side._read_back is not None
+    assert [r for r in side._read_back.result(timeout=30) if r["namespace"] == rns.fingerprint] == []  # no evidence
+
+    # the engine measured its costs: recompute 0.1 ms a token (25.6 ms a chunk), a save 5 ms a chunk
+    stats = {"prefill_step_us": 25_600, "prefill_step_tokens": CHUNK, "save_us": 5_000, "save_chunks": 1}
+    for _ in range(3):
+        side.worker_output(
+            types.SimpleNamespace(kv_connector_stats=KVStoreStats(data=dict(stats)), kv_cache_events=None)
+        )
+    # 40 prompts of this namespace stored as the workers store them (chains with parents), none read back
+    with KVClient(node.target) as c:
+        for i in range(40):
+            keys = chunk_keys(prompt(4 * CHUNK, seed=100 + i), rns)
+            assert all(c.put_many(keys, [b"x" * 64] * 4, namespace=rns, parents=parent_keys(keys)))
+    side._poll_read_back()  # takes the empty answer in, asks again
+    rows = [r for r in side._read_back.result(timeout=30) if r["namespace"] == rns.fingerprint]
+    assert {(r["bucket"], r["stored_blocks"], r["read_back_blocks"]) for r in rows} == {
+        (0, 40, 0),
+        (1, 40, 0),
+        (2, 80, 0),
+    }
+
+    later = request(prompt(3 * CHUNK + 40, seed=22), rid="later", params={"session_id": "conv"})
+    assert side.matched(later, 0) == (0, False)  # its sighting takes the node's counters in
+    assert side.evidence.share(rns.fingerprint, 0) == pytest.approx(3 / 44)  # the prior: 3 reads in 40 + 4
+    assert _saves_after_prefill(side, later) == []  # not stored, though it has a session id
+    side.finished(later)
+    assert side.counters["skipped_save_chunks"] >= 3
+    side.close()
