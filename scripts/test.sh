@@ -7,10 +7,10 @@
 #   vllm   tests/vllm in .venv-vllm (real vLLM engines, shared per module: tests/vllm/vllm_rig.py).
 # Every phase runs even if an earlier one failed (one run lists every failure); the exit status
 # is non-zero if any failed.  Each phase lists its 15 slowest tests; at the end it prints each phase's seconds and status; with
-# KVSTORE_PHASE_LOG set, it also appends "phase seconds status" lines to that file (.ci/run's table).
+# TEST_PHASE_LOG set, it also appends "phase seconds status" lines to that file (.ci/run's table).
 #   scripts/test.sh               all three phases
 #   scripts/test.sh main solo     just those phases, in that order
-#   KVSTORE_TEST_WORKERS=1        the main phase on one core (default: the machine's cores, at most 2 here)
+#   TEST_WORKERS=1        the main phase on one core (default: the machine's cores, at most 2 here)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 phases=("$@")
@@ -23,7 +23,7 @@ for p in "${phases[@]}"; do
 done
 [ -x .venv/bin/pytest ] || { echo "test.sh: .venv/bin/pytest missing: run scripts/setup.sh" >&2; exit 2; }
 cores=$(nproc 2>/dev/null || echo 1)
-workers=${KVSTORE_TEST_WORKERS:-$((cores < 2 ? 1 : 2))}
+workers=${TEST_WORKERS:-$((cores < 2 ? 1 : 2))}
 
 run_phase() {
   case "$1" in
@@ -53,7 +53,7 @@ for p in "${phases[@]}"; do
   if [ "$rc" = 0 ] || { [ "$rc" = 5 ] && [ "$p" = solo ]; }; then status=passed; else status="failed (exit $rc)"; failed=1; fi
   secs=$(($(date +%s) - t0))
   table+=("$(printf '%-6s %6d s  %s' "$p" "$secs" "$status")")
-  [ -z "${KVSTORE_PHASE_LOG:-}" ] || echo "$p $secs $status" >>"$KVSTORE_PHASE_LOG"
+  [ -z "${TEST_PHASE_LOG:-}" ] || echo "$p $secs $status" >>"$TEST_PHASE_LOG"
 done
 echo "== test.sh: phases"
 printf '%s\n' "${table[@]}"
