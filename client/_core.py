@@ -519,10 +519,11 @@ class ClientCore:
             "leases": r.leases,
             "pins": r.pins,
             # what share of what the node stored was read back, per namespace and prompt-position
-            # bucket (kvstore.vocabulary.position_bucket), for the namespaces the caller may see
+            # bucket (kvstore.vocabulary.position_bucket), for the namespaces the caller may see;
+            # a namespace by its fingerprint in hex (stats() is JSON: `kvstore stats` prints it)
             "read_back": [
                 {
-                    "namespace": bytes(x.namespace),
+                    "namespace": bytes(x.namespace).hex(),
                     "bucket": x.bucket,
                     "stored_blocks": x.stored_blocks,
                     "stored_bytes": x.stored_bytes,

@@ -132,7 +132,7 @@ class Evidence:
     bucket, and the admission it implies (see the module docstring).
 
     :meth:`update` takes the node's cumulative counters (``KVClient.stats()["read_back"]``
-    rows, summed over nodes by the caller or not: rows of one (namespace, bucket) add up)
+    rows, namespaces as fingerprints in hex, summed over nodes by the caller or not: rows of one (namespace, bucket) add up)
     and adds their increase since the last update to exponentially decayed sums (a counter
     that went down was reset: a node restarted).  :meth:`observe` takes the workers' save
     timings (``save_us`` over ``save_chunks``).  Clock-free; the caller decides when to poll.
@@ -152,7 +152,7 @@ class Evidence:
         """One poll of the node's read-back counters."""
         now: dict[tuple[bytes, int], list[int]] = {}
         for r in rows:
-            acc = now.setdefault((bytes(r["namespace"]), int(r["bucket"])), [0, 0])
+            acc = now.setdefault((bytes.fromhex(str(r["namespace"])), int(r["bucket"])), [0, 0])
             acc[0] += int(r["stored_blocks"])
             acc[1] += int(r["read_back_blocks"])
         for key in set(self._sums) | set(now):

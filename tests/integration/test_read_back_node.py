@@ -35,7 +35,7 @@ def test_stored_then_read_blocks_move_the_counters_per_namespace_and_bucket(node
         assert kv.get_many(chat_keys[:3]) == [bytes(1000)] * 3  # the chat's first three chunks read back
         assert kv.get(chat_keys[0]) == bytes(1000)  # read again: still one read back
         s = kv.stats()
-    rows = {(r["namespace"], r["bucket"]): r for r in s["read_back"]}
+    rows = {(bytes.fromhex(r["namespace"]), r["bucket"]): r for r in s["read_back"]}  # fingerprints in hex
     assert set(rows) == {(chat.fingerprint, 0), (chat.fingerprint, 1), (chat.fingerprint, 2)} | {
         (batch.fingerprint, 0),
         (batch.fingerprint, 1),

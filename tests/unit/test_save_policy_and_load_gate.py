@@ -213,7 +213,7 @@ NS = b"n" * 8
 
 
 def _rows(stored: int, read: int, bucket: int = 0, ns: bytes = NS) -> list[dict[str, object]]:
-    return [{"namespace": ns, "bucket": bucket, "stored_blocks": stored, "read_back_blocks": read}]
+    return [{"namespace": ns.hex(), "bucket": bucket, "stored_blocks": stored, "read_back_blocks": read}]
 
 
 def _evidence_plan(ev: Evidence, chunks: int = 1, **kw: object) -> SavePlan:

@@ -679,7 +679,9 @@ def test_the_default_policy_stores_a_first_seen_prompt_and_stops_where_nothing_i
     side.finished(first)
     rns = rank_namespace(request_namespace(side.spec, side.settings, CHUNK, first), 0, 0)  # what the node counts
     assert side._read_back is not None
-    assert [r for r in side._read_back.result(timeout=30) if r["namespace"] == rns.fingerprint] == []  # no evidence
+    assert [
+        r for r in side._read_back.result(timeout=30) if r["namespace"] == rns.fingerprint.hex()
+    ] == []  # no evidence
 
     # the engine measured its costs: recompute 0.1 ms a token (25.6 ms a chunk), a save 5 ms a chunk
     stats = {"prefill_step_us": 25_600, "prefill_step_tokens": CHUNK, "save_us": 5_000, "save_chunks": 1}
@@ -693,7 +695,7 @@ def test_the_default_policy_stores_a_first_seen_prompt_and_stops_where_nothing_i
             keys = chunk_keys(prompt(4 * CHUNK, seed=100 + i), rns)
             assert all(c.put_many(keys, [b"x" * 64] * 4, namespace=rns, parents=parent_keys(keys)))
     side._poll_read_back()  # takes the empty answer in, asks again
-    rows = [r for r in side._read_back.result(timeout=30) if r["namespace"] == rns.fingerprint]
+    rows = [r for r in side._read_back.result(timeout=30) if r["namespace"] == rns.fingerprint.hex()]
     assert {(r["bucket"], r["stored_blocks"], r["read_back_blocks"]) for r in rows} == {
         (0, 40, 0),
         (1, 40, 0),
