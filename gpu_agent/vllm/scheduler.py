@@ -17,8 +17,10 @@ three counts, each in tokens or leading chunks of the request's tokens:
 Nothing slow runs on vLLM's scheduler thread.  With ``lookups="view"`` (the default) a
 request's lookup is answered at once from the pool's in-process view
 (:mod:`gpu_agent.vllm.view`: every node streams what it holds), with no store call: a miss
-is 0, a hit is planned and confirmed by the node at load time, and the only request told
-"not yet" is a decode engine's whose producer's handoff is still being committed.  With
+is 0, a hit is planned and confirmed by the node at load time.  The one exception is a
+decode engine's request that carries its producer's handoff: it asks the store (the node
+says what is committed, whatever the view's lag) and is the only request told "not yet",
+while the handoff is still being committed.  With
 ``lookups="rpc"`` (or where the nodes refuse the view the admin's stream) every store call
 goes through :class:`~gpu_agent.vllm.storelink.StoreLink`'s own thread.  A request's lookup is asked
 once and its answer kept until vLLM allocates for it (vLLM asks again on every step a
@@ -430,7 +432,10 @@ class SchedulerSide:
             self.counters["handoff_waits"] += 1
             return None, False
         ans: LookupAnswer | None
-        if self._viewing():
+        # a producer's handoff asks the store itself: the node, not a view that may lag it
+        # (a node that just restarted, say), says what is committed, and the decode engine
+        # is there not to prefill
+        if self._viewing() and want == 0:
             assert self.view is not None
             ans = self.view.lookup(tokens, r.namespace, first)
             self.counters["view_lookups"] += 1

@@ -107,6 +107,10 @@ def test_a_chunk_counts_only_when_every_tensor_parallel_rank_holds_its_shard(nod
 
 
 def test_a_decode_engine_waits_only_for_its_producers_handoff(node: Any) -> None:
+    """The one "not yet" left: a request carrying its producer's handoff waits until the
+    node has committed what the producer saved; it asks the node itself (the view may lag
+    a node that just restarted), and the same prompt without a handoff is answered from
+    the view."""
     from gpu_agent.vllm.spec import request_namespace
 
     side = viewing(node, deadline_s=10.0)
@@ -123,7 +127,10 @@ def test_a_decode_engine_waits_only_for_its_producers_handoff(node: Any) -> None
         time.sleep(0.01)
     assert got == (768, False)
     assert side.counters["handoff_waits"] >= 1 and side.counters["handoff_timeouts"] == 0
-    assert side.counters["lookups"] == 0 and side.counters["lookup_pending"] == 0
+    assert side.counters["lookups"] >= 1  # a handoff asks the node itself, not the view
+    plain = request(toks, rid="plain")  # the same prompt without a handoff: from the view
+    lookups = side.counters["lookups"]
+    assert side.matched(plain, 0) == (768, False) and side.counters["lookups"] == lookups
     side.close()
 
 

@@ -187,8 +187,8 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
 @pytest.fixture
 def healthy_node(rig: Rig) -> Iterator[Any]:
     """The node, back up without failpoints after the test (which may stop, kill or
-    freeze it), and ``RETRY_S`` later: an engine whose store calls failed tries again
-    only then."""
+    freeze it), the engines' links to a restarted node renewed, and ``RETRY_S`` later:
+    an engine whose store calls failed tries again only then."""
     from gpu_agent.vllm.settings import RETRY_S
 
     node = rig.node
@@ -197,6 +197,14 @@ def healthy_node(rig: Rig) -> Iterator[Any]:
         os.kill(node.proc.pid, signal.SIGCONT)  # a frozen node answers again
     if node.env.pop("KVSTORE_FAILPOINTS", None) is not None and node.proc.poll() is None:
         node.stop()
-    if node.proc.poll() is not None:
+    restarted = node.proc.poll() is not None
+    if restarted:
         node.start()
+        # an engine that idled while the node was down still holds its link to the old
+        # process: its first store call after the restart fails (a save lost, a handoff
+        # recomputed) and it attaches afresh RETRY_S later.  One throwaway request each
+        # makes that first call here, not in the next test.
+        for i, engine in enumerate((rig.prefill, rig.decode, rig.small)):
+            toks = np.random.default_rng(9000 + i).integers(1, 31000, 300).tolist()
+            engine.generate(toks, max_tokens=1, timeout=120)
     time.sleep(RETRY_S + 1)
