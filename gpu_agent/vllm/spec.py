@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpu_agent.vllm.settings import ConnectorSettings, EngineSpec
 from kvstore.errors import Incompatible
-from kvstore.keys import Namespace
+from kvstore.keys import ChunkKey, Namespace, chunk_keys, tail_key
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -103,6 +103,18 @@ def rank_namespace(ns: Namespace, tp_rank: int, pp_rank: int) -> Namespace:
     if (ns.tp_rank, ns.pp_rank) == (tp_rank, pp_rank):
         return ns
     return dataclasses.replace(ns, tp_rank=tp_rank, pp_rank=pp_rank)
+
+
+def rank_lookup_keys(tokens: list[int], ns: Namespace, tp_rank: int, pp_rank: int, first: int) -> list[ChunkKey]:
+    """The keys a lookup asks for one rank's shard: ``tokens``' chunk keys from chunk
+    ``first`` on, then the trailing partial chunk's key (if the prompt ends inside one)."""
+    rns = rank_namespace(ns, tp_rank, pp_rank)
+    chain = chunk_keys(tokens, rns)
+    keys = chain[first:]
+    tail = tail_key(tokens, rns, chain)
+    if tail is not None:
+        keys.append(tail)
+    return keys
 
 
 def request_namespace(spec: EngineSpec, settings: ConnectorSettings, chunk: int, request: Any) -> Namespace:

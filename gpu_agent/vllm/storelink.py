@@ -34,8 +34,8 @@ import time
 from typing import Any
 
 from gpu_agent.vllm.settings import RETRY_S, ConnectorSettings
-from gpu_agent.vllm.spec import rank_namespace
-from kvstore.keys import ChunkKey, Namespace, chunk_keys, tail_key
+from gpu_agent.vllm.spec import rank_lookup_keys
+from kvstore.keys import ChunkKey, Namespace
 
 log = logging.getLogger(__name__)
 
@@ -152,12 +152,7 @@ class StoreLink:
         try:
             n, tiers, keys0 = -1, [], []
             for t, p in self.ranks:
-                rns = rank_namespace(ns, t, p)
-                chain = chunk_keys(tokens, rns)
-                keys = chain[first:]
-                tail = tail_key(tokens, rns, chain)
-                if tail is not None:
-                    keys.append(tail)
+                keys = rank_lookup_keys(tokens, ns, t, p, first)
                 got, where = self._lookup_client().match_prefix_tiers(keys, session_id=session)
                 if n < 0:
                     tiers, keys0 = list(where), keys

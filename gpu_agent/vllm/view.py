@@ -28,9 +28,9 @@ import time
 
 from client import ClientOptions, PoolView
 from gpu_agent.vllm.settings import ConnectorSettings
-from gpu_agent.vllm.spec import rank_namespace
+from gpu_agent.vllm.spec import rank_lookup_keys
 from gpu_agent.vllm.storelink import LookupAnswer
-from kvstore.keys import Namespace, chunk_keys, tail_key
+from kvstore.keys import Namespace
 from kvstore.vocabulary import TierKind
 
 log = logging.getLogger(__name__)
@@ -98,13 +98,7 @@ class ViewLookups:
         local: tuple[bool, ...] = ()
         own = self._own_node()
         for t, p in self.ranks:
-            rns = rank_namespace(ns, t, p)
-            chain = chunk_keys(tokens, rns)
-            keys = chain[first:]
-            tail = tail_key(tokens, rns, chain)
-            if tail is not None:
-                keys.append(tail)
-            m = self.view.match(keys)
+            m = self.view.match(rank_lookup_keys(tokens, ns, t, p, first))
             if n < 0:
                 tiers = tuple(_TIER[h.tier] for h in m.holders)
                 local = tuple(own is not None and h.node == own for h in m.holders)
