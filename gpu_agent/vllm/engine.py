@@ -67,7 +67,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvstore.children import log_tail, reclaim_shm, shm_names, spawn, stop
+from kvstore.children import VLLM_CPU_ENV, log_tail, reclaim_shm, shm_names, spawn, stop
 
 HEAD_DIM = 64
 
@@ -293,6 +293,8 @@ def cpu_binding(tp: int) -> str:
 
 def _serve(spec: dict[str, Any]) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    for k, v in VLLM_CPU_ENV.items():
+        os.environ.setdefault(k, v)
     tp = int(spec.get("tp", 1))
     if not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):  # every engine alike, connector or not
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tp)

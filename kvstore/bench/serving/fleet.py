@@ -54,7 +54,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstore.children import log_tail, reclaim_shm, shm_names, spawn, stop
+from kvstore.children import VLLM_CPU_ENV, log_tail, reclaim_shm, shm_names, spawn, stop
 from kvstore.errors import InvalidArgument
 
 CONFIGS = ("baseline", "pool", "pd", "conductor", "conductor-pd")
@@ -346,6 +346,7 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
             name = f"{self.config}-{role}{i}" if role != "both" else f"{self.config}-engine{i}"
             log = self.log_dir / f"{name}.log"
             env = {
+                **VLLM_CPU_ENV,
                 **os.environ,
                 "VLLM_CPU_OMP_THREADS_BIND": cpus[i],
                 "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
