@@ -276,6 +276,7 @@ class PoolView:
         self._stats_lock = threading.Lock()
         self._counts: collections.Counter[str] = collections.Counter()
         self._lags: collections.deque[float] = collections.deque(maxlen=_LAG_SAMPLES)
+        self._fresh_lags: collections.deque[float] = collections.deque(maxlen=_LAG_SAMPLES)  # for take_lags
         self._synced_cond = threading.Condition()
         self._closed = False
         self._done = threading.Event()
@@ -408,6 +409,14 @@ class PoolView:
             refused=counts.get("refused", 0),
         )
 
+    def take_lags(self) -> list[float]:
+        """The lag samples (ms, as in :meth:`stats`) measured since the last call, at most
+        the newest 4,096: for a caller that exports them (a histogram) rather than quantiles."""
+        with self._stats_lock:
+            out = list(self._fresh_lags)
+            self._fresh_lags.clear()
+        return out
+
     # -- from followers ---------------------------------------------------------------------
     def _count(self, **n: int) -> None:
         with self._stats_lock:
@@ -416,6 +425,7 @@ class PoolView:
     def _lagged(self, ms: float, deltas: int) -> None:
         with self._stats_lock:
             self._lags.append(max(ms, 0.0))
+            self._fresh_lags.append(max(ms, 0.0))
             self._counts["deltas"] += deltas
 
     def _synced(self) -> None:

@@ -32,6 +32,7 @@ class LoadSpec:
     tail: bool = False  # the last chunk of ``tokens`` is partial: keyed by its exact tokens
     async_load: bool = False  # loaded in the background; the worker reports it in ``get_finished``
     kind: str = "local"  # where its chunks are (the load gate's kinds: local, nvme, remote)
+    from_view: bool = False  # planned from the pool's view (a shortfall is a stale view: view_stale_hits)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -43,7 +43,7 @@ Invariants: a chunk counts as stored only when every tensor/pipeline rank's shar
 (lookups ask for each rank's keys and take the shortest run); a request held for its
 saves (``request_finished`` → True) is one every worker reports finished (the workers
 record every save, started or not); a store that fails is not asked again for
-``RETRY_S``, and the waits of one scheduling pass add up to at most its budget.
+``retry_s``, and the waits of one scheduling pass add up to at most its budget.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ from gpu_agent.vllm.events import KVStoreEvents, StoredChunks
 from gpu_agent.vllm.gate import LoadGate
 from gpu_agent.vllm.metadata import KVStoreMeta, LoadSpec, SaveSpec
 from gpu_agent.vllm.pacing import WaitBudget
-from gpu_agent.vllm.settings import RETRY_S, ConnectorSettings, EngineSpec
+from gpu_agent.vllm.settings import ConnectorSettings, EngineSpec
 from gpu_agent.vllm.spec import all_ranks, rank_namespace, request_namespace, request_session, unkeyable
 from gpu_agent.vllm.stats import SCHEDULER_KEYS, SCHEDULER_PHASES, KVStoreStats, Timings, delta
 from gpu_agent.vllm.storelink import READ_BACK_EVERY_S, LookupAnswer, StoreLink
@@ -115,6 +115,7 @@ class _Req:
     pending_since: float = 0.0
     sched_s: float = 0.0  # the scheduler thread's connector time for it
     kind: str = "local"  # where the last hit's chunks are: local, nvme, remote (the load gate's kinds)
+    from_view: bool = False  # the last answer came from the pool's view
     cls: str = "seen"  # its class of lookups (gpu_agent.vllm.patience), set when it is sighted
     given_up: bool = False  # computed without waiting for its pending lookup (its answer is still taken)
     asks: bool | None = None  # whether it is looked up at all (lookup_odds; None: not decided yet)
@@ -167,10 +168,12 @@ class SchedulerSide:
     def _store_failed(self, e: Exception, what: str) -> None:
         self.counters["lookup_errors"] += 1
         if isinstance(e, KVStoreError):
-            log.warning("kvstore %s failed (%s); serving without the store for %.0f s", what, e, RETRY_S)
+            log.warning("kvstore %s failed (%s); serving without the store for %.0f s", what, e, self.settings.retry_s)
         else:  # not the store's answer: a bug here or in the SDK; the engine goes on without the store
-            log.error("kvstore %s raised; serving without the store for %.0f s", what, RETRY_S, exc_info=e)
-        self._down_until = time.monotonic() + RETRY_S
+            log.error(
+                "kvstore %s raised; serving without the store for %.0f s", what, self.settings.retry_s, exc_info=e
+            )
+        self._down_until = time.monotonic() + self.settings.retry_s
 
     def _answer(self, r: _Req, tokens: list[int], first: int, *, patience: str) -> LookupAnswer | None:
         """The lookup of ``tokens`` from chunk ``first`` on: kept from an earlier ask (or the
@@ -439,12 +442,14 @@ class SchedulerSide:
             assert self.view is not None
             ans = self.view.lookup(tokens, r.namespace, first)
             self.counters["view_lookups"] += 1
+            r.from_view = True
         else:
             if not self._asks(r, want > 0):
                 return 0, False
             ans = self._answer(r, tokens, first, patience=self._patience(r, want > 0))
             if ans is None:
                 return None, False
+            r.from_view = False
         if ans.error is not None:
             r.answer = None
             self._store_failed(ans.error, f"lookup for request {request.request_id}")
@@ -481,7 +486,7 @@ class SchedulerSide:
             for t, loc in zip(tiers, ans.local or [True] * n)
         ]
         # a producer's handoff loads whatever the gate says: the decode engine is there not to prefill
-        pay = n if want > 0 else self.gate.leading(kinds) if n else 0
+        pay = n if want > 0 else self.gate.leading(kinds, self.chunk) if n else 0
         if pay < n:
             skipped_tokens = found_tokens - (first + pay) * self.chunk
             self.counters["gated_tokens"] += max(0, min(skipped_tokens, request.num_tokens - 1 - num_computed))
@@ -555,6 +560,7 @@ class SchedulerSide:
             tail,
             async_load=r.async_load,
             kind=r.kind,
+            from_view=r.from_view,
         )
         r.external_tokens = num_external
         self.counters["hit_tokens"] += num_external
@@ -741,6 +747,9 @@ class SchedulerSide:
         return events
 
     def take_stats(self) -> KVStoreStats | None:
+        if self.view is not None:
+            for ms in self.view.take_lags():
+                self.timings.add("view_lag", ms / 1e3)
         return delta(self.counters, self._reported, SCHEDULER_KEYS, self.timings)
 
     def close(self) -> None:

@@ -23,7 +23,8 @@ from kvstore.keys import Namespace
 
 DEFAULT_TARGET = "unix://~/.local/share/kvstore/kvstore.sock"
 RETRY_S = 5.0
-"""After a failed store call, how long the connector serves without the store before trying it again."""
+"""After a failed store call, how long the connector serves without the store before trying
+it again: ``ConnectorSettings.retry_s``'s default."""
 
 
 ASYNC_LOADS = ("auto", "always", "never")
@@ -51,6 +52,9 @@ class ConnectorSettings:
     """Tokens per kvstore chunk: a multiple of vLLM's block size (0: the smallest multiple >= 256)."""
     deadline_s: float = 2.0
     """Most seconds one store call may take; past it the request recomputes."""
+    retry_s: float = RETRY_S
+    """After a failed store call (the node down, restarting or overloaded), how many seconds
+    the engine serves without the store before it tries it again."""
     load_timeout_s: float = 0.0
     """Most seconds a step waits for a load to end (its copies, its leases back) before its
     blocks count as failed and are recomputed (0: ``deadline_s``)."""
@@ -178,13 +182,15 @@ class ConnectorSettings:
         if (
             s.chunk_tokens < 0
             or s.deadline_s <= 0
+            or s.retry_s <= 0
             or s.load_timeout_s < 0
             or s.hbm_bytes < 0
             or s.events_resync_s < 0
             or s.copy_threads < 0
         ):
             raise InvalidArgument(
-                "kv_connector_extra_config: chunk_tokens, hbm_bytes, load_timeout_s, events_resync_s, copy_threads >= 0 and deadline_s > 0"
+                "kv_connector_extra_config: chunk_tokens, hbm_bytes, load_timeout_s, events_resync_s, copy_threads >= 0 "
+                "and deadline_s, retry_s > 0"
             )
         s.registry_target()  # an engine that cannot register fails at start, naming the keys
         s.registered_engine_id()

@@ -45,10 +45,14 @@ WORKER_KEYS = (
     "prefill_step_tokens",
     "load_local_us",
     "load_local_tokens",
+    "load_local_n",
     "load_nvme_us",
     "load_nvme_tokens",
+    "load_nvme_n",
     "load_remote_us",
     "load_remote_tokens",
+    "load_remote_n",
+    "view_stale_hits",
 )
 SCHEDULER_KEYS = (
     "lookups",
@@ -71,7 +75,7 @@ SCHEDULER_KEYS = (
 )
 STAT_KEYS = WORKER_KEYS + SCHEDULER_KEYS
 
-SCHEDULER_PHASES = ("lookup", "request_sched", "sched_step", "store_lookup")
+SCHEDULER_PHASES = ("lookup", "request_sched", "sched_step", "store_lookup", "view_lag")
 WORKER_PHASES = ("load_wait", "save_wait", "step_wait", "background_save")
 PHASES = SCHEDULER_PHASES + WORKER_PHASES
 BUCKETS = tuple(
@@ -86,6 +90,7 @@ PHASE_HELP = {
     "save_wait": "Seconds wait_for_save held one forward pass.",
     "step_wait": "Seconds one forward pass spent in connector calls, all of them.",
     "store_lookup": "Seconds the store took to answer one lookup (on the connector's own thread).",
+    "view_lag": "Seconds from a change on a node to the pool's view applying it (lookups='view'), per update.",
     "background_save": "Seconds one save took on the saver thread (Reserve, copy, checksum), off the step.",
 }
 
@@ -131,6 +136,7 @@ PROM_HELP = {
     "skipped_save_chunks": "Computed chunks save_policy did not store (not expected to be read again).",
     "gated_tokens": "Hit tokens recomputed because loading them was measured slower (the load gate).",
     "view_lookups": "Scheduler asks answered from the pool's in-process view (lookups='view': no store call).",
+    "view_stale_hits": "Loads planned from the pool's view that found fewer chunks than it promised (recomputed).",
     "saves_cancelled": "Saves dropped because vLLM preempted their request before its pages were copied.",
     "saves_dropped": "Saves dropped because the saver thread was too far behind (a future miss, never a held step).",
 }

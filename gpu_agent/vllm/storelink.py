@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any
 
-from gpu_agent.vllm.settings import RETRY_S, ConnectorSettings
+from gpu_agent.vllm.settings import ConnectorSettings
 from gpu_agent.vllm.spec import rank_lookup_keys
 from kvstore.keys import ChunkKey, Namespace
 
@@ -202,7 +202,7 @@ class StoreLink:
 
     def _report(self) -> None:
         """vLLM's own prefix-cache hits never reach the store: report them (tier HBM) to the
-        engine's own node.  Metrics only: a failure pauses reporting for ``RETRY_S``."""
+        engine's own node.  Metrics only: a failure pauses reporting for ``retry_s``."""
         with self._lock:
             hits, self._hits = self._hits, {}
             skipped, self._skipped = self._skipped, {}
@@ -220,8 +220,9 @@ class StoreLink:
             for ns, chunks in skipped.values():
                 self._reporter.report_skipped_saves(chunks, namespace=ns)
         except Exception as e:  # noqa: BLE001 - metrics only: never worth an engine, nor its lookups
-            log.warning("kvstore: reporting prefix-cache hits failed (%s); not reporting for %.0f s", e, RETRY_S)
-            self._report_down_until = now + RETRY_S
+            retry = self.settings.retry_s
+            log.warning("kvstore: reporting prefix-cache hits failed (%s); not reporting for %.0f s", e, retry)
+            self._report_down_until = now + retry
             reporter, self._reporter = self._reporter, None
             if reporter is not None:
                 with contextlib.suppress(Exception):

@@ -108,5 +108,9 @@ class ViewLookups:
         n = max(n, 0)
         return LookupAnswer(n, tiers[:n], local[:n], time.perf_counter() - t0, cpu_seconds=time.thread_time() - c0)
 
+    def take_lags(self) -> list[float]:
+        """The view's lag samples (ms) since the last call (:meth:`client.PoolView.take_lags`)."""
+        return self.view.take_lags()
+
     def close(self) -> None:
         self.view.close()

@@ -27,7 +27,7 @@ Every connector call of a step is timed (``gpu_agent.vllm.stats``: ``load_wait``
 every load per kind of chunk: the scheduler's load gate compares the two.
 
 State it owns: the agent (dropped after a store failure and attached afresh after
-``RETRY_S``), the loads of the current step, and per request the saves in flight.
+``retry_s``), the loads of the current step, and per request the saves in flight.
 Invariant: every save the scheduler sent is recorded, started or not (a node that is down
 is a save that did nothing), so a request the scheduler holds for its saves is reported
 by ``get_finished`` exactly once, after its last save ended.
@@ -48,7 +48,7 @@ from vllm.distributed.kv_events import KVCacheEvent
 from gpu_agent.vllm.events import KVStoreEvents, stored_event
 from gpu_agent.vllm.gate import PREFILL_STEP_TOKENS
 from gpu_agent.vllm.metadata import KVStoreMeta, LoadSpec, SaveSpec
-from gpu_agent.vllm.settings import RETRY_S, ConnectorSettings, EngineSpec
+from gpu_agent.vllm.settings import ConnectorSettings, EngineSpec
 from gpu_agent.vllm.spec import engine_spec, rank_namespace, worker_ranks
 from gpu_agent.vllm.stats import WORKER_KEYS, WORKER_PHASES, KVStoreStats, Timings, delta
 from kvstore.errors import Incompatible, InvalidArgument, KVStoreError
@@ -121,7 +121,7 @@ class WorkerSide:
         self._store_errors = 0  # the agent's store_errors counter when last checked
         self._reported: dict[str, int] = {}
         self._loader: concurrent.futures.ThreadPoolExecutor | None = None  # runs async loads
-        self._async: dict[str, tuple[LoadSpec, concurrent.futures.Future[tuple[int, int]]]] = {}
+        self._async: dict[str, tuple[LoadSpec, concurrent.futures.Future[tuple[int, int, bool]]]] = {}
         self._async_failed: list[LoadSpec] = []  # could not start (no node): reported at the next get_finished
         self._ahead: dict[int, tuple[Any, Any]] = {}  # id(SaveSpec) → (agent, its reservations), asked before the step
         self._saver: concurrent.futures.ThreadPoolExecutor | None = None  # runs host-copied saves off the step
@@ -133,6 +133,7 @@ class WorkerSide:
         self._step_meta: KVStoreMeta | None = None
         self._load_s = 0.0  # seconds of this step spent issuing and waiting for its (step) loads
         self._step_loaded: dict[str, int] = {}  # tokens this step's loads brought, per kind of chunk
+        self._step_load_n: dict[str, int] = {}  # this step's loads that brought tokens, per kind
 
     @property
     def _bs(self) -> int:
@@ -181,14 +182,14 @@ class WorkerSide:
 
     def _connect(self) -> bool:
         """Attach to the node; a node that is not up (yet) is not an engine failure: the
-        engine serves without the cache and this is retried every ``RETRY_S``.  A target
+        engine serves without the cache and this is retried every ``retry_s``.  A target
         that can never work here (not a local ``unix://`` node) is a configuration error."""
         if self.agent is not None:
             return True
         now = time.monotonic()
         if now < self._next_try:
             return False
-        self._next_try = now + RETRY_S
+        self._next_try = now + self.settings.retry_s
         client = None
         try:
             client = self.settings.client()
@@ -207,7 +208,7 @@ class WorkerSide:
                 "KVStoreConnector: kvstore node at %s unreachable (%s); serving without the cache, retrying every %.0f s",
                 self.settings.target,
                 e,
-                RETRY_S,
+                self.settings.retry_s,
             )
             return False
 
@@ -292,11 +293,13 @@ class WorkerSide:
             got = h.num_tokens if h is not None else 0
             if got < spec.num_tokens:
                 self._fail(spec, got)
+                self.counters["view_stale_hits"] += spec.from_view and h is not None
             self._loads.append((spec, h))
             self.counters["loads"] += 1
             loaded = max(0, min(got, spec.num_tokens) - spec.first_token)
             self.counters["load_tokens"] += loaded
             self._step_loaded[spec.kind] = self._step_loaded.get(spec.kind, 0) + loaded
+            self._step_load_n[spec.kind] = self._step_load_n.get(spec.kind, 0) + (loaded > 0)
         self._check_agent()
 
     def _issue_load(self, agent: Any, spec: LoadSpec, ns: Namespace) -> tuple[Any, int]:
@@ -324,21 +327,23 @@ class WorkerSide:
             h = None
         return h, int((time.perf_counter() - t0) * 1e6)
 
-    def _load_in_background(self, agent: Any, spec: LoadSpec) -> tuple[int, int]:
+    def _load_in_background(self, agent: Any, spec: LoadSpec) -> tuple[int, int, bool]:
         """The loader thread: pull what only other nodes hold, then load; (tokens loaded from
-        token 0, microseconds).  Bounded by the clients' deadlines and ``wait_s``."""
+        token 0, microseconds, whether the node had fewer chunks than planned).  Bounded by
+        the clients' deadlines and ``wait_s``."""
         t0 = time.perf_counter()
         ns = self._ns(spec.namespace)
         if self.settings.lookup_target:
             self._pull_remote(spec, ns)
         h, _ = self._issue_load(agent, spec, ns)
         got = 0
+        short = h is not None and h.num_tokens < spec.num_tokens
         if h is not None:
             try:
                 got = h.num_tokens if h.wait(timeout=self.settings.wait_s) else 0
             except Exception as e:  # noqa: BLE001 - the engine recomputes what did not load
                 log.warning("kvstore load for %s did not finish (%s)", spec.req_id, e)
-        return got, int((time.perf_counter() - t0) * 1e6)
+        return got, int((time.perf_counter() - t0) * 1e6), short
 
     def _finished_loads(self) -> set[str]:
         """Async loads that ended (their failed blocks recorded for this step's errors)."""
@@ -352,12 +357,13 @@ class WorkerSide:
                 continue
             del self._async[rid]
             try:
-                got, us = fut.result()
+                got, us, short = fut.result()
             except Exception as e:  # noqa: BLE001 - a bug in the loader: recompute, never hang the request
                 log.warning("kvstore background load for %s failed (%s); recomputing", rid, e)
-                got, us = 0, 0
+                got, us, short = 0, 0, False
             if got < spec.num_tokens:
                 self._fail(spec, got)
+            self.counters["view_stale_hits"] += spec.from_view and short
             loaded = max(0, min(got, spec.num_tokens) - spec.first_token)
             self.counters["loads"] += 1
             self.counters["load_us"] += us
@@ -366,6 +372,7 @@ class WorkerSide:
             if loaded > 0 and spec.kind in ("local", "nvme", "remote"):
                 self.counters[f"load_{spec.kind}_us"] += us
                 self.counters[f"load_{spec.kind}_tokens"] += loaded
+                self.counters[f"load_{spec.kind}_n"] += 1
             out.add(rid)
         return out
 
@@ -425,7 +432,8 @@ class WorkerSide:
             if tokens > 0 and kind in ("local", "nvme", "remote"):
                 self.counters[f"load_{kind}_us"] += int(self._load_s * 1e6 * tokens / total)
                 self.counters[f"load_{kind}_tokens"] += tokens
-        self._step_loaded = {}
+                self.counters[f"load_{kind}_n"] += self._step_load_n.get(kind, 0)
+        self._step_loaded, self._step_load_n = {}, {}
         self.timings.add("step_wait", self._step_in)
         if self._step_t0 is not None and meta.prefill_tokens >= PREFILL_STEP_TOKENS and meta.step_tokens > 0:
             forward = max(0.0, now - self._step_t0 - self._step_in)
@@ -599,7 +607,7 @@ class WorkerSide:
     # -- the agent's lifecycle --------------------------------------------------------------
     def _check_agent(self) -> None:
         """An agent whose store calls failed is dropped (after its transfers end) and
-        attached afresh ``RETRY_S`` after its last failure (at once if that is past): a
+        attached afresh ``retry_s`` after its last failure (at once if that is past): a
         restarted node has a new arena and socket."""
         if self.agent is None:
             return
@@ -607,7 +615,7 @@ class WorkerSide:
         if errors > self._store_errors:
             # RETRY_S from the failure, not from this check: an idle engine checks at its next
             # step, perhaps long after the node came back, and must not then serve without it
-            retry_at = self.agent.last_store_error_at + RETRY_S
+            retry_at = self.agent.last_store_error_at + self.settings.retry_s
             log.warning(
                 "KVStoreConnector: the node at %s failed; re-attaching in %.0f s",
                 self.settings.target,

@@ -405,7 +405,7 @@ class Connector:
         self.counters["lookups"] += 1
         if r.handoff is not None:  # a producer's handoff loads whatever is there: no gate
             return self._handoff_hit(r, first, local, max_hit, where)
-        n = self.gate.leading([_KIND[t] for t, _ in where]) if where else 0
+        n = self.gate.leading([_KIND[t] for t, _ in where], self.k * self.bs) if where else 0
         if n < len(where):
             self.counters["gated_chunks"] += len(where) - n
         end = min((first + n) * self.k, max_hit)
@@ -526,6 +526,7 @@ class Connector:
                 kind = _KIND[tier]
                 data[f"load_{kind}_us"] = self.profile.load_s(tier, tokens * self.profile.kv_bytes_per_token) * 1e6
                 data[f"load_{kind}_tokens"] = tokens
+                data[f"load_{kind}_n"] = 1
         self.gate.observe(data)
 
     async def step_ended(self, res: StepResult) -> None:

@@ -77,6 +77,9 @@ def test_the_view_follows_puts_moves_evictions_promotions_and_deletes(node_facto
             s = view.stats()
             assert s.nodes == s.nodes_synced == 1 and s.blocks == sum(t is not None for t in kv.lookup(keys))
             assert s.deltas > 0 and s.lag_ms_p99 >= s.lag_ms_p50 > 0 and s.resyncs == 0
+            lags = view.take_lags()  # the same samples, each once, for an exporter's histogram
+            assert lags and all(x >= 0 for x in lags) and max(lags) >= s.lag_ms_p99
+            assert view.take_lags() == []
 
 
 def test_match_counts_leading_chunks_only(node_factory: Any) -> None:

@@ -191,7 +191,25 @@ def test_prompt_sources_from_engine_counters() -> None:
         requests=8,
     )
     assert per is not None and per["deferred_per_request"] == 1.0 and per["lookup_rpcs_per_request"] == 0.5
-    assert per["view_lookups"] == 12
+    assert per["view_lookups"] == 12 and "view_lag_ms" not in per  # no view lag histogram
+    # the view's lag over the run: its histogram's delta (10 samples under 2 ms, 1 of 10-15 ms)
+    lag = "vllm:kvstore_view_lag_seconds_bucket"
+    lagged = report.connector_counters(
+        {"e0": {f'{lag}{{le="0.002"}}': 5.0, f'{lag}{{le="0.015"}}': 5.0, f'{lag}{{le="+Inf"}}': 5.0}},
+        {
+            "e0": {
+                "vllm:kvstore_view_stale_hits_total": 2.0,
+                f'{lag}{{le="0.002"}}': 15.0,
+                f'{lag}{{le="0.015"}}': 16.0,
+                f'{lag}{{le="+Inf"}}': 16.0,
+                "vllm:kvstore_view_lag_seconds_count": 16.0,
+                "vllm:kvstore_view_lag_seconds_sum": 0.05,
+            }
+        },
+        requests=4,
+    )
+    assert lagged is not None and lagged["view_stale_hits"] == 2
+    assert lagged["view_lag_ms"]["p50"] <= 2.0 and 2.0 < lagged["view_lag_ms"]["p99"] <= 15.0
     # what the nodes stored over the run and read back of it (a restarted node counts from 0)
     blocks = report.store_blocks(
         {"node0": {"stored_bytes": 1000, "read_back_bytes": 100, "get_hits_dram": 5}, "node1": {"stored_bytes": 900}},

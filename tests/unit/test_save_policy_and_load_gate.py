@@ -8,7 +8,7 @@ import types
 import pytest
 
 from gpu_agent.vllm.admission import EVERYTHING, EXPLORE, NOTHING, Evidence, SavePlan, Sightings, hinted, plan, retained
-from gpu_agent.vllm.gate import LoadGate, Rate
+from gpu_agent.vllm.gate import LoadCost, LoadGate, Rate
 from gpu_agent.vllm.patience import HitOdds, request_class
 
 
@@ -97,6 +97,52 @@ def test_a_gated_kind_is_tried_again_now_and_then_so_a_recovered_tier_is_found()
     for _ in range(40):  # the remote node recovered: pulls now cost a tenth of recompute
         g.observe({"load_remote_us": 10, "load_remote_tokens": 100})
     assert g.pays("remote")
+
+
+def test_a_loads_fixed_cost_is_told_apart_from_its_per_token_cost() -> None:
+    c = LoadCost()
+    assert c.fit() is None and c.predict(100) is None
+    for tokens in (256, 1024, 256, 2048, 512):  # 4 ms a load + 2 µs a token
+        c.add(0.004 + 2e-6 * tokens, tokens)
+    fixed, per = c.fit() or (0.0, 0.0)
+    assert fixed == pytest.approx(0.004) and per == pytest.approx(2e-6)
+    c.add(2 * 0.004 + 2e-6 * 768, 768, loads=2)  # one step's two loads, summed
+    assert c.predict(256) == pytest.approx(0.004 + 2e-6 * 256)
+
+
+def test_loads_of_one_size_are_taken_proportional_and_a_negative_part_is_never_fit() -> None:
+    same = LoadCost()
+    for _ in range(3):
+        same.add(0.010, 1000)
+    assert same.fit() == (0.0, pytest.approx(1e-5))  # cannot split: proportional, right at 1000 tokens
+    flat = LoadCost()  # bigger loads took less time: no per-token part, an average fixed cost
+    flat.add(0.010, 100)
+    flat.add(0.008, 1000)
+    fixed, per = flat.fit() or (-1.0, -1.0)
+    assert per == 0.0 and fixed == pytest.approx((0.010 * 0.9 + 0.008) / 1.9)
+    for bad in ((-1.0, 10, 1), (1.0, 0, 1), (1.0, 10, 0)):
+        flat.add(*bad)
+    assert flat.samples == 2
+
+
+def test_a_small_hit_is_recomputed_when_the_loads_fixed_cost_exceeds_its_recompute() -> None:
+    """Recompute: 20 µs a token.  A DRAM load: 10 ms fixed + 1 µs a token, so a hit pays
+    from 527 tokens on: two chunks of 256 do not, three do, and a longer hit loads all."""
+    g = LoadGate(min_samples=2, explore=0)
+    for tokens in (256, 2048, 1024):
+        g.observe({"prefill_step_us": 20 * 4096, "prefill_step_tokens": 4096})
+        g.observe({"load_local_us": 10_000 + tokens, "load_local_tokens": tokens, "load_local_n": 1})
+    assert g.saving("local", 256) == pytest.approx(256 * 20e-6 - 0.010 - 256e-6)
+    assert not g.pays("local", 512) and g.pays("local", 768)
+    assert g.leading(["local"] * 2, 256) == 0
+    assert g.leading(["local"] * 3, 256) == 3
+    assert g.leading(["local"] * 8, 256) == 8
+    # the whole hit is one load of its slowest kind: a remote chunk at the end is cut when
+    # remote loads (measured: 50 µs a token) cost more than they save
+    for _ in range(2):
+        g.observe({"load_remote_us": 50 * 1024, "load_remote_tokens": 1024, "load_remote_n": 1})
+    assert g.leading(["local"] * 4 + ["remote"] * 2, 256) == 4
+    assert g.snapshot()["local"] == (pytest.approx(0.010), pytest.approx(1e-6))
 
 
 def test_rates_are_decayed_ratios_and_ignore_empty_samples() -> None:

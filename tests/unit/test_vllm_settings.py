@@ -23,8 +23,12 @@ def test_unknown_and_mistyped_settings_are_refused_by_name() -> None:
         ConnectorSettings.from_extra({"deadline_s": "soon"})
     with pytest.raises(InvalidArgument, match="verify_loads"):
         ConnectorSettings.from_extra({"verify_loads": "yes"})
-    s = ConnectorSettings.from_extra({"target": "unix:///x", "deadline_s": 1, "chunk_tokens": 256})
-    assert (s.target, s.deadline_s, s.chunk_tokens) == ("unix:///x", 1.0, 256)
+    for bad in (0, -1.5):
+        with pytest.raises(InvalidArgument, match="retry_s > 0"):
+            ConnectorSettings.from_extra({"retry_s": bad})
+    s = ConnectorSettings.from_extra({"target": "unix:///x", "deadline_s": 1, "chunk_tokens": 256, "retry_s": 0.5})
+    assert (s.target, s.deadline_s, s.chunk_tokens, s.retry_s) == ("unix:///x", 1.0, 256, 0.5)
+    assert ConnectorSettings().retry_s == 5.0
 
 
 def test_a_chunk_covers_whole_vllm_blocks() -> None:

@@ -26,6 +26,7 @@ import pytest
 from vllm_rig import (  # noqa: F401 - fixtures
     CHUNK,
     MAX,
+    RETRY,
     SMALL_STEP,
     N,
     Rig,
@@ -43,7 +44,6 @@ from vllm_rig import (  # noqa: F401 - fixtures
 
 from client import KVClient
 from gpu_agent.vllm.engine import request
-from gpu_agent.vllm.settings import RETRY_S
 from kvstore.keys import Namespace, chunk_keys
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -435,7 +435,7 @@ def test_a_killed_node_turns_into_recompute_and_a_restarted_one_serves_again(rig
             break
         assert time.monotonic() < end, "the prefill engine never saved to the restarted node"
         seed += 1
-    time.sleep(RETRY_S + 1)  # the decode engine's lookups failed a moment ago: it tries again after RETRY_S
+    time.sleep(RETRY + 1)  # the decode engine's lookups failed a moment ago: it tries again after RETRY
     with KVClient(node.target) as client:
         consume(rig, rig.decode, toks, p, max_tokens=4, client=client)
 
@@ -453,7 +453,7 @@ def test_a_node_that_dies_in_the_middle_of_a_load_turns_into_recompute(rig: Rig,
     # the decode engine finds the chunks in its view of the pool, which follows a restarted
     # node within about 3 s (its stream's back-off, 1 s, and gRPC's reconnect, 2 s at most):
     # until then a lookup is a miss (never a wait), and this test is about the load
-    time.sleep(RETRY_S)
+    time.sleep(5.0)
     t0 = time.monotonic()
     got = rig.decode.generate(toks, max_tokens=4, timeout=120)
     assert time.monotonic() - t0 < 60

@@ -237,18 +237,19 @@ def test_a_background_load_that_cannot_start_is_reported_finished_with_its_block
 
 def test_an_engine_idle_while_its_node_restarted_attaches_again_at_its_next_step(tmp_path: Any) -> None:
     """A store call failed while the node was down (a background save, say) and the engine
-    then idled: its next step drops that agent and attaches afresh at once when ``RETRY_S``
-    has passed since the failure, rather than serving without the store for ``RETRY_S`` more
+    then idled: its next step drops that agent and attaches afresh at once when ``retry_s``
+    has passed since the failure, rather than serving without the store for ``retry_s`` more
     (CI found a decode engine recomputing a handoff the restarted node held)."""
     import torch
 
     from gpu_agent.agent import GPUAgent
-    from gpu_agent.vllm.settings import RETRY_S, ConnectorSettings
+    from gpu_agent.vllm.settings import ConnectorSettings
     from gpu_agent.vllm.worker import WorkerSide
     from kvstore.children import private_node
 
     with private_node(tmp_path / "node", dram="64MiB", nvme="0") as n:
-        w = WorkerSide(None, None, ConnectorSettings(target=n.target, deadline_s=0.5), CHUNK)  # type: ignore[arg-type]
+        settings = ConnectorSettings(target=n.target, deadline_s=0.5, retry_s=1.0)
+        w = WorkerSide(None, None, settings, CHUNK)  # type: ignore[arg-type]
         layout, ns = spec().layout(), spec().namespace(CHUNK)
         w._make_agent = lambda client: GPUAgent(client, layout, ns, device=torch.device("cpu"))
         assert w._connect()
@@ -259,7 +260,7 @@ def test_an_engine_idle_while_its_node_restarted_attaches_again_at_its_next_step
         failed_at = first.last_store_error_at
         assert first.stats()["counters"]["store_errors"] == 1 and failed_at <= time.monotonic()
         n.start()
-        time.sleep(max(0.0, failed_at + RETRY_S - time.monotonic()) + 0.1)
+        time.sleep(max(0.0, failed_at + settings.retry_s - time.monotonic()) + 0.1)
         w._check_agent()  # the engine's first step since: the failed agent goes...
         assert w.agent is None
         assert w._connect() and w.agent is not None and w.agent is not first  # ...and a new one is attached now

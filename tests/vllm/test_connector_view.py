@@ -158,6 +158,55 @@ def test_nvme_hits_load_in_the_background_and_dram_hits_in_the_step(node: Any) -
     side.close()
 
 
+def test_a_load_the_view_planned_that_finds_chunks_gone_is_a_stale_hit_recomputed(node: Any) -> None:
+    """The view said three chunks; two were deleted before the load: the worker loads the
+    one left, fails the pages of the other two (vLLM recomputes them) and counts a stale
+    hit; the scheduler exports the view's lag samples with its stats."""
+    import torch
+
+    from client import KVClient
+    from gpu_agent.agent import GPUAgent
+    from gpu_agent.buffers import EngineBuffers
+    from gpu_agent.vllm.metadata import KVStoreMeta
+    from gpu_agent.vllm.spec import request_namespace
+    from gpu_agent.vllm.worker import WorkerSide
+    from kvstore.keys import chunk_keys
+
+    side = viewing(node)
+    toks = prompt(1000, seed=12)
+    req = request(toks, rid="stale")
+    ns = request_namespace(side.spec, side.settings, CHUNK, req)
+    layout = side.spec.layout()
+    keys = chunk_keys(toks, ns)[:3]
+    blocks = [torch.randn(layout.block_bytes(CHUNK) // 4).numpy().tobytes() for _ in keys]
+    with KVClient(node.target) as c:
+        assert all(c.put_many(keys, blocks, namespace=ns))
+    seen(side, req, 3)
+    assert side.matched(req, 0) == (768, False)
+    pages = 64  # 1,000 tokens need 63 pages of 16
+    side.after_alloc(req, Blocks(list(range(pages))), 768)
+    load = side._loads[req.request_id]
+    assert load.from_view and (load.first_token, load.num_tokens) == (0, 768)
+    with KVClient(node.target) as c:
+        assert c.delete(keys[1:]) == 2  # evicted, say, after the view said held
+
+    w = WorkerSide(None, None, side.settings, CHUNK)  # type: ignore[arg-type]
+    w.spec = side.spec
+    # vLLM's CPU layout, one tensor per layer: [pages, KV heads, page tokens, 2 x head dim]
+    kv = [torch.zeros(pages, layout.num_kv_heads, layout.page_size, 2 * layout.head_dim) for _ in range(2)]
+    w.buffers = EngineBuffers.from_tensors(kv, pages)
+    w._make_agent = lambda client: GPUAgent(client, layout, ns, device=torch.device("cpu"))
+    w.start_load(KVStoreMeta(loads=[load]))
+    w._finish_loads()
+    assert w.counters["view_stale_hits"] == 1 and w.counters["load_tokens"] == 256
+    assert w.take_errors() == set(range(16, 48))  # chunks 1 and 2: pages 16-47, recomputed
+    assert w.counters["load_local_n"] == 0  # counted at the step's end (none here): no sample yet
+    w.close()
+    stats = side.take_stats()
+    assert stats is not None and stats.data.get("view_lag_s"), "the view's lag samples were not exported"
+    side.close()
+
+
 def test_a_dead_node_is_a_miss_never_a_wait(tmp_path: Any) -> None:
     """The node dies: every ask is still answered at once (a stale hit costs a load error
     that vLLM recomputes), and once the view drops the node, a miss."""

@@ -42,6 +42,10 @@ SMALL_STEP = 128  # max_num_batched_tokens of the chunked-prefill engine
 LAYERS, HIDDEN = 2, 256
 KV_PER_TOKEN = LAYERS * 2 * (HIDDEN // 64 // 2) * 64 * 4  # K and V, fp32, 2 KV heads of 64
 ATOL = 1e-4
+RETRY = 1.0
+"""The rig's engines' ``retry_s`` (the default is 5 s): after a test failed their store
+calls (a node stopped, killed or frozen), they try the store again this soon, and the next
+test waits ``RETRY + 1`` s for it rather than 6."""
 
 
 def prompt(seed: int, n: int = N) -> list[int]:
@@ -132,8 +136,13 @@ class Rig:
         # these engines pin the data path: every prompt they compute is stored (save_policy
         # always), so one request is enough to test a load; what `auto` stores is tested in
         # test_connector_halves.py and measured by `kvstore bench serving`
-        extra = {"target": self.node.target, "deadline_s": 2.0, "save_policy": "always"}
-        remote_extra = {"target": self.other_node.target, "lookup_target": cluster_target, "deadline_s": 2.0}
+        extra = {"target": self.node.target, "deadline_s": 2.0, "save_policy": "always", "retry_s": RETRY}
+        remote_extra = {
+            "target": self.other_node.target,
+            "lookup_target": cluster_target,
+            "deadline_s": 2.0,
+            "retry_s": RETRY,
+        }
 
         def engine(name: str, **kw: Any) -> EngineProcess:
             kw.setdefault("max_tokens", MAX)
@@ -187,10 +196,8 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
 @pytest.fixture
 def healthy_node(rig: Rig) -> Iterator[Any]:
     """The node, back up without failpoints after the test (which may stop, kill or
-    freeze it), the engines' links to a restarted node renewed, and ``RETRY_S`` later:
+    freeze it), the engines' links to a restarted node renewed, and ``RETRY`` later:
     an engine whose store calls failed tries again only then."""
-    from gpu_agent.vllm.settings import RETRY_S
-
     node = rig.node
     yield node
     with contextlib.suppress(ProcessLookupError):
@@ -202,9 +209,9 @@ def healthy_node(rig: Rig) -> Iterator[Any]:
         node.start()
         # an engine that idled while the node was down still holds its link to the old
         # process: its first store call after the restart fails (a save lost, a handoff
-        # recomputed) and it attaches afresh RETRY_S later.  One throwaway request each
+        # recomputed) and it attaches afresh RETRY later.  One throwaway request each
         # makes that first call here, not in the next test.
         for i, engine in enumerate((rig.prefill, rig.decode, rig.small)):
             toks = np.random.default_rng(9000 + i).integers(1, 31000, 300).tolist()
             engine.generate(toks, max_tokens=1, timeout=120)
-    time.sleep(RETRY_S + 1)
+    time.sleep(RETRY + 1)

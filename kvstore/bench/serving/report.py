@@ -121,15 +121,17 @@ CONNECTOR_PHASES = (
     "request_sched",
     "sched_step",
     "store_lookup",
+    "view_lag",
     "load_wait",
     "save_wait",
     "step_wait",
     "background_save",
 )
 """The connector's ``vllm:kvstore_<phase>_seconds`` histograms: one sample per scheduler
-lookup, per request (its scheduler-thread time), per scheduler step, per worker step with
-loads (its wait), per worker step with saves (``wait_for_save``), per worker step (every
-connector call of its forward pass)."""
+lookup, per request (its scheduler-thread time), per scheduler step, per store lookup, per
+update the pool's view applied (its lag), per worker step with loads (its wait), per worker
+step with saves (``wait_for_save``), per worker step (every connector call of its forward
+pass)."""
 
 
 def histogram(metrics: dict[str, float], family: str) -> tuple[list[tuple[float, float]], float, float] | None:
@@ -299,25 +301,33 @@ def _counter_delta(after: int, before: int) -> int:
 
 def connector_counters(
     before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], *, requests: int = 0
-) -> dict[str, float] | None:
+) -> dict[str, Any] | None:
     """The kvstore connector's counters over the run (``vllm:kvstore_*_total``, summed over
     the fleet's engines: lookups and their errors, handoff waits and timeouts, loads, load
     errors, pulls, ...); None where no engine runs the connector.  With ``requests`` (the
     run's), two deterministic figures per request beside them: ``deferred_per_request``,
     the scheduling passes in which vLLM was told "not yet" (a lookup not answered, a
     producer's handoff not committed), and ``lookup_rpcs_per_request``, the lookups that
-    asked the store (the pool's view answers the rest in-process: ``view_lookups``)."""
+    asked the store (the pool's view answers the rest in-process: ``view_lookups``); and
+    where the engines follow the pool's view, ``view_lag_ms`` (``{"p50", "p99"}``: from a
+    change on a node to the view applying it) beside ``view_stale_hits`` (loads the view
+    planned that found fewer chunks than it promised)."""
     out: dict[str, float] = {}
     for name, a in after.items():
         for k, v in a.items():
             if k.startswith("vllm:kvstore_") and k.endswith("_total"):
                 short = k[len("vllm:kvstore_") : -len("_total")]
                 out[short] = out.get(short, 0.0) + v - before.get(name, {}).get(k, 0.0)
-    counts: dict[str, float] = {k: int(v) for k, v in sorted(out.items())}
+    counts: dict[str, Any] = {k: int(v) for k, v in sorted(out.items())}
     if counts and requests > 0:
         deferred = counts.get("lookup_pending", 0) + counts.get("handoff_waits", 0)
         counts["deferred_per_request"] = round(deferred / requests, 3)
         counts["lookup_rpcs_per_request"] = round(counts.get("lookups", 0) / requests, 3)
+    lag = _hist_delta(before, after, "vllm:kvstore_view_lag_seconds")
+    if counts and lag is not None and lag[1] > 0:
+        counts["view_lag_ms"] = {
+            q: round((histogram_quantile(p, lag[0]) or 0.0) * 1e3, 3) for q, p in (("p50", 0.5), ("p99", 0.99))
+        }
     return counts or None
 
 
