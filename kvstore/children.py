@@ -156,9 +156,14 @@ def shm_names() -> set[str]:
         return set()
 
 
-def _held_shm() -> set[str]:
-    """Names in /dev/shm some process has open or mapped (every process this one can read)."""
+def _held_shm() -> tuple[set[str], set[int]]:
+    """What in /dev/shm some process has open or mapped (every process this one can read):
+    the names, and the inodes.  A POSIX named semaphore (``sem.*``) is mapped under the
+    temporary name glibc created it as (``/dev/shm/sem.XXXXXX (deleted)`` in
+    ``/proc/PID/maps``) before linking it to its real name, so only its inode tells that a
+    live process holds it."""
     held: set[str] = set()
+    inodes: set[int] = set()
     prefix = str(SHM) + "/"
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -169,12 +174,16 @@ def _held_shm() -> set[str]:
                     target = os.readlink(f"/proc/{pid}/fd/{fd}")
                     if target.startswith(prefix):
                         held.add(target[len(prefix) :].split(" ", 1)[0])
+                        inodes.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
         with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
             for line in maps:
                 at = line.find(prefix)
                 if at >= 0:
                     held.add(line[at + len(prefix) :].rstrip("\n").split(" ", 1)[0])
-    return held
+                    fields = line.split(None, 5)
+                    if len(fields) > 4 and fields[4].isdigit():
+                        inodes.add(int(fields[4]))
+    return held, inodes
 
 
 VLLM_CPU_ENV = {"VLLM_USE_AOT_COMPILE": "0"}
@@ -194,13 +203,16 @@ def reclaim_shm(before: set[str], prefixes: Sequence[str] = VLLM_SHM_PREFIXES) -
     new = [n for n in shm_names() - before if n.startswith(tuple(prefixes))]
     if not new:
         return []
-    held = _held_shm()
+    held, inodes = _held_shm()
     gone = []
     for n in new:
-        if n not in held:
-            with contextlib.suppress(FileNotFoundError):
-                (SHM / n).unlink()
-                gone.append(n)
+        if n in held:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            if (SHM / n).stat().st_ino in inodes:
+                continue  # a semaphore some process has mapped (see _held_shm)
+            (SHM / n).unlink()
+            gone.append(n)
     return gone
 
 
