@@ -20,14 +20,22 @@ xxh3-128 over each full block's token ids, from a root salted with the served mo
 name), so identical prompts share blocks and the published ``BlockStored`` carries the
 blocks' token ids, which is what the conductor indexes.
 
+With a :class:`~kvstore.sim.live_pool.PoolLink` (``kvstore sim serve --kv-node``), the model's
+``lookup_external`` is the link's, and each step tells it what started (loads, after
+``step``) and what was computed (saves, when the step's time has passed); the link owns
+everything about the node.  Its counters join the engine's metrics, and the prompt tokens
+the pool supplied count as vLLM counts them (``prompt_tokens_by_source{source=
+"external_kv_transfer"}``, ``external_prefix_cache_hits``).
+
 Invariants: a submission is in ``_subs`` from :meth:`submit` until it finished or was
-aborted, exactly while the model has it; its queue receives its tokens in order and then
+aborted, exactly while the model has it (and the link has its record); its queue receives its tokens in order and then
 one end marker (``None``); a failed step loop ends every open stream with an error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -35,7 +43,7 @@ import random
 import struct
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -45,6 +53,9 @@ from kvstore.sim import kvevents_pub
 from kvstore.sim.engine import BlockHash, BlockRemoved, BlockStored, EngineModel, StepResult, root_hash
 from kvstore.sim.openai import output_token, prompt_digest
 from kvstore.sim.profile import EngineProfile
+
+if TYPE_CHECKING:
+    from kvstore.sim.live_pool import PoolLink
 
 log = logging.getLogger("kvstore.sim")
 
@@ -79,6 +90,7 @@ class Submission:
     arrival: float  # the loop's monotonic clock
     queue: asyncio.Queue[int | None]
     cached_tokens: int = 0  # at its (last) admission
+    external_tokens: int = 0  # of which the pool supplied
     admitted_at: float | None = None
     first_at: float | None = None
     sent: int = 0  # tokens queued
@@ -114,6 +126,10 @@ class _Metrics:
         by_source = Counter("vllm:prompt_tokens_by_source", "Prompt tokens by source", [*names, "source"], registry=r)
         self.by_source = {s: by_source.labels(**lab, source=s) for s in ("local_cache_hit", "local_compute")}
         self.by_source["external_kv_transfer"] = by_source.labels(**lab, source="external_kv_transfer")
+        self.ext_queries = counter("vllm:external_prefix_cache_queries", "External prefix cache queries, in tokens")
+        self.ext_hits = counter("vllm:external_prefix_cache_hits", "External prefix cache hits, in tokens")
+        if live.pool is not None:  # the kvstore connector's counters (vllm:kvstore_*_total)
+            r.register(live.pool.collector(lab))
         success = Counter("vllm:request_success", "Requests finished", [*names, "finished_reason"], registry=r)
         self.success = success.labels(**lab, finished_reason="length")
         tok = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -144,11 +160,14 @@ class LiveEngine:
         seed: int = 0,
         speed: float = 1.0,
         publisher: kvevents_pub.KVEventPublisher | None = None,
+        pool: PoolLink | None = None,
     ) -> None:
         if not speed > 0:
             raise InvalidArgument(f"speed must be positive, got {speed}")
         self.profile = profile
-        self.model = EngineModel(profile, rng=random.Random(seed))
+        self.pool = pool
+        lookup = pool.lookup_external if pool is not None else None
+        self.model = EngineModel(profile, rng=random.Random(seed), lookup_external=lookup)
         self.model_name = model_name
         self.vocab = vocab
         self.speed = speed
@@ -186,6 +205,8 @@ class LiveEngine:
         hashes = prompt_block_hashes(tokens, self.profile.block_size, self._salt)
         rid = f"{prefix}-{next(self._ids)}"
         self.model.add_request(rid, len(tokens), hashes, max_tokens, self._now())
+        if self.pool is not None:
+            self.pool.arrived(rid, tokens, hashes)
         sub = Submission(
             rid,
             tuple(tokens),
@@ -206,6 +227,8 @@ class LiveEngine:
             self._subs.pop(sub.req_id, None)
             self._aborted[sub.req_id] = sub
             self.model.abort_request(sub.req_id)
+            if self.pool is not None:
+                self.pool.forget(sub.req_id)
 
     async def outputs(self, sub: Submission) -> AsyncIterator[int]:
         """Its generated token ids, each as its step ends; raises RuntimeError if the engine failed."""
@@ -229,12 +252,18 @@ class LiveEngine:
     async def run(self) -> None:
         try:
             while True:
-                if not self.model.has_work(self._now()):
+                now = self._now()
+                if not self.model.has_work(now):
                     self._wake.clear()
-                    await self._wake.wait()
+                    ready = self.model.next_ready_s()  # an asynchronous load completing
+                    wait = None if ready is None else max(0.0, (ready - now) / self.speed)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), wait)
                     continue
                 started = time.monotonic()
                 res = self.model.step(self._now())
+                if self.pool is not None:
+                    self.pool.step_started(res)
                 if res.idle:
                     await asyncio.sleep(IDLE_RETRY_S)
                     continue
@@ -263,24 +292,30 @@ class LiveEngine:
             m.preemptions.inc(len(res.preempted))
         if res.kv_events and self.publisher is not None:
             self.publisher.publish([self._event(ev) for ev in res.kv_events])
+        if self.pool is not None:
+            self.pool.step_ended(res)
         for adm in res.admitted:
             sub = self._subs.get(adm.req_id)
             if sub is None:
                 continue
             m.queries.inc(len(sub.tokens))
             m.hits.inc(adm.cached_tokens)
+            if self.pool is not None:
+                m.ext_queries.inc(len(sub.tokens) - (adm.cached_tokens - adm.external_tokens))
+                m.ext_hits.inc(adm.external_tokens)
             if sub.admitted_at is None:
                 m.queue.observe(max(0.0, started - sub.arrival))
-            sub.admitted_at, sub.cached_tokens = started, adm.cached_tokens
+            sub.admitted_at, sub.cached_tokens, sub.external_tokens = started, adm.cached_tokens, adm.external_tokens
         for out in res.outputs:
             sub = self._subs.get(out.req_id)
             if sub is None:
                 continue
             if out.first_token:
                 sub.first_at = now
-                n, hit = len(sub.tokens), sub.cached_tokens
+                n, hit, ext = len(sub.tokens), sub.cached_tokens, sub.external_tokens
                 m.prompt.inc(n)
-                m.by_source["local_cache_hit"].inc(hit)
+                m.by_source["local_cache_hit"].inc(hit - ext)
+                m.by_source["external_kv_transfer"].inc(ext)
                 m.by_source["local_compute"].inc(n - hit)
                 m.ttft.observe(now - sub.arrival)
                 m.prefill.observe(now - (sub.admitted_at or sub.arrival))
@@ -302,6 +337,8 @@ class LiveEngine:
         m.decode.observe(now - (sub.first_at or now))
         sub.done = True
         del self._subs[sub.req_id]
+        if self.pool is not None:
+            self.pool.forget(sub.req_id)
         sub.queue.put_nowait(None)
 
     def _event(self, ev: BlockStored | BlockRemoved) -> dict[str, Any]:

@@ -67,6 +67,11 @@ less one (``pool`` loads whole engine blocks), decode chunks (``save_decode``), 
 lookup's own latency and its wait budget (answers are immediate), lookup odds
 (``patience``).
 
+The mapping of a run of chunks to the engine's hit (:func:`hit_blocks`,
+:func:`external_hit`) and of ``BlockStored`` events to a request's cached blocks
+(:func:`stored_upto`) are shared with the mock engines' link to real nodes
+(:mod:`kvstore.sim.live_pool`).
+
 State: a :class:`Pool` and its :class:`Connector`\\ s belong to one fleet run, on its event
 loop's thread.  Invariants: a request's ``saved`` chunks never exceed its ``registered``
 blocks' full chunks (nor the plan's limit); ``_holders[key]`` lists every node that committed
@@ -78,7 +83,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import xxhash
@@ -133,6 +138,48 @@ def chunks_of(nbytes: int, chunk_bytes: int, flag: str) -> int:
 def chunk_keys(hashes: Sequence[BlockHash], blocks_per_chunk: int) -> list[ChunkKey]:
     """A prompt's full chunks' keys: each chunk's last engine block's chained hash."""
     return [ChunkKey(h) for h in hashes[blocks_per_chunk - 1 :: blocks_per_chunk]]
+
+
+def hit_blocks(tiers: Sequence[Tier], first: int, local: int, end: int, blocks_per_chunk: int) -> dict[Tier, int]:
+    """The engine blocks ``[local, end)`` a run of chunks supplies, per tier: ``tiers[i]`` is
+    the tier of chunk ``first + i`` (chunk ``c`` covers blocks ``[c·k, (c+1)·k)``); the local
+    hit may end inside the run's first chunk and ``end`` inside its last."""
+    per: dict[Tier, int] = {"dram": 0, "nvme": 0, "network": 0}
+    k = blocks_per_chunk
+    for c, tier in enumerate(tiers, start=first):
+        lo, hi = max(c * k, local), min((c + 1) * k, end)
+        if hi > lo:
+            per[tier] += hi - lo
+    return per
+
+
+def external_hit(
+    per: Mapping[Tier, int], async_loads: str, *, tail_tokens: int = 0, tail_tier: Tier = "dram"
+) -> ExternalHit:
+    """The engine's :class:`ExternalHit` of ``per`` blocks by tier (and ``tail_tokens`` after
+    them), loading asynchronously as the connector's ``async_loads`` says: ``auto`` when a
+    tier used is not the own node's DRAM, ``always``, or never (a hit of nothing leaves it
+    to the engine)."""
+    used = [t for t, b in per.items() if b] + ([tail_tier] if tail_tokens else [])
+    is_async = async_loads == "always" or (async_loads == "auto" and any(t != "dram" for t in used))
+    return ExternalHit(
+        per["dram"],
+        per["nvme"],
+        per["network"],
+        async_load=is_async if used else None,
+        tail_tokens=tail_tokens,
+        tail_tier=tail_tier,
+    )
+
+
+def stored_upto(ev: BlockStored, hashes: Sequence[BlockHash], registered: int) -> int:
+    """A request's leading blocks in the engine's prefix cache after ``ev`` (a ``BlockStored``
+    of its blocks), ``registered`` before it: the event continues from its parent block,
+    which is usually block ``registered - 1`` (else it is found in ``hashes``)."""
+    start = registered
+    if (ev.parent_block_hash is None) != (start == 0) or (start and hashes[start - 1] != ev.parent_block_hash):
+        start = 0 if ev.parent_block_hash is None else hashes.index(ev.parent_block_hash) + 1
+    return start + len(ev.block_hashes)
 
 
 def tail_key(work: Work, hashes: Sequence[BlockHash], chunk_tokens: int) -> ChunkKey | None:
@@ -409,11 +456,7 @@ class Connector:
         if n < len(where):
             self.counters["gated_chunks"] += len(where) - n
         end = min((first + n) * self.k, max_hit)
-        per = {"dram": 0, "nvme": 0, "network": 0}
-        for c in range(first, first + n):
-            lo, hi = max(c * self.k, local), min((c + 1) * self.k, end)
-            if hi > lo:
-                per[where[c - first][0]] += hi - lo
+        per = hit_blocks([t for t, _ in where[:n]], first, local, end, self.k)
         return self._answer(r, first, len(where), where[:n], per, 0, "dram")
 
     def _answer(
@@ -422,7 +465,7 @@ class Connector:
         first: int,
         found: int,
         where: Sequence[tuple[Tier, int]],
-        per: dict[str, int],
+        per: dict[Tier, int],
         tail_tokens: int,
         tail_tier: Tier,
         tail: tuple[ChunkKey, int] | None = None,
@@ -430,18 +473,8 @@ class Connector:
         """The hit of ``per`` blocks by tier (and ``tail_tokens`` after them), loading the
         chunks from ``first`` that ``where`` locates (and ``tail``: the partial chunk's key
         and node), kept for the load."""
-        used = [t for t, b in per.items() if b] + ([tail_tier] if tail_tokens else [])
-        mode = self.settings.async_loads
-        is_async = mode == "always" or (mode == "auto" and any(t != "dram" for t in used))
-        hit = ExternalHit(
-            per["dram"],
-            per["nvme"],
-            per["network"],
-            async_load=is_async if used else None,
-            tail_tokens=tail_tokens,
-            tail_tier=tail_tier,
-        )
-        if used:
+        hit = external_hit(per, self.settings.async_loads, tail_tokens=tail_tokens, tail_tier=tail_tier)
+        if not hit.empty:
             n = len(where)
             keys = r.keys[first : first + n]
             parents = [r.keys[c - 1] if c else None for c in range(first, first + n)]
@@ -463,11 +496,7 @@ class Connector:
         assert h is not None
         found = first + len(where)
         want = r.prompt_tokens if h.whole else h.saved_chunks * self.pool.chunk_tokens
-        per = {"dram": 0, "nvme": 0, "network": 0}
-        for c in range(first, found):
-            lo, hi = max(c * self.k, local), min((c + 1) * self.k, max_hit)
-            if hi > lo:
-                per[where[c - first][0]] += hi - lo
+        per = hit_blocks([t for t, _ in where], first, local, max_hit, self.k)
         last: Tier = where[-1][0] if where else "dram"
         tail: tuple[ChunkKey, int] | None = None
         whole = found == len(r.keys)  # every full chunk: the blocks up to the prompt's end may follow
@@ -541,12 +570,7 @@ class Connector:
             r = self.reqs.get(ev.req_id)
             if r is None:
                 continue
-            start = r.registered
-            if (ev.parent_block_hash is None) != (start == 0) or (
-                start and r.hashes[start - 1] != ev.parent_block_hash
-            ):
-                start = 0 if ev.parent_block_hash is None else r.hashes.index(ev.parent_block_hash) + 1
-            r.registered = start + len(ev.block_hashes)
+            r.registered = stored_upto(ev, r.hashes, r.registered)
             touched[ev.req_id] = r
         written: collections.Counter[str] = collections.Counter()  # chunks this step committed, by request
         for rid, r in touched.items() if self.produce else ():

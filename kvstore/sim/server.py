@@ -15,8 +15,14 @@ role, block size and KV-events endpoints, on a lease), so ``kvstore conductor --
 finds it and follows its cache.  It has no kvstore node (``node`` is empty) and no pool:
 its namespace fingerprint is a hash of the served model's name, which no stored chunk has.
 
-Wiring only: the state is the :class:`LiveEngine`'s, on the one asyncio loop that
-serves the HTTP app.
+With ``--kv-node TARGET`` the engine moves scaled-down KV through a real kvstore node
+(:mod:`kvstore.sim.live_pool`): lookups from the pool's view (``--kv-view``: the cluster's
+``etcd://`` target or node targets; default the own node), loads and saves of chunks of
+``kv_bytes_per_token × chunk tokens ÷ --kv-scale`` bytes, every call within
+``--kv-deadline`` seconds.  The engine's timing stays its profile's.
+
+Wiring only: the state is the :class:`LiveEngine`'s (and its pool link's), on the one
+asyncio loop that serves the HTTP app.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ if TYPE_CHECKING:  # aiohttp, ZMQ and etcd's client load only when the engine is
 
     from kvstore.cluster.state import EngineRecord
     from kvstore.sim.live import LiveEngine, Submission
+    from kvstore.sim.live_pool import LinkSettings
     from kvstore.sim.profile import EngineProfile
 
 log = logging.getLogger("kvstore.sim")
@@ -50,6 +57,10 @@ SERVED_DEFAULT = "kvstore-sim"
 DEFAULT_VOCAB = 32000
 CHUNK_BLOCKS = 16
 """The registered ``chunk_tokens`` is this many engine blocks (a multiple, as a record must)."""
+DEFAULT_KV_SCALE = 64
+"""``--kv-scale``'s default: a chunk of the ``local`` profile (256 tokens of 8 KiB) is 32 KiB
+and the benchmark's 1 GiB nodes hold 16 MiB each, so 16 engines' nodes fit in 256 MiB."""
+DEFAULT_KV_DEADLINE_S = 2.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,6 +81,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--etcd", metavar="etcd://HOST:PORT/CLUSTER", help="register the engine there (for the conductor)")
     p.add_argument("--advertise-url", metavar="URL", help="the URL registered (default http://HOST:PORT)")
+    g = p.add_argument_group("kvstore pool (scaled-down KV through a real node)")
+    g.add_argument(
+        "--kv-node",
+        metavar="TARGET",
+        help="the engine's own kvstore node (unix:///PATH or HOST:PORT): turns the pool on",
+    )
+    g.add_argument(
+        "--kv-view",
+        metavar="etcd://HOST:PORT/CLUSTER|TARGET[,TARGET...]",
+        help="what lookups follow (the pool's view): a cluster's membership or node targets (default: --kv-node)",
+    )
+    g.add_argument(
+        "--kv-scale",
+        type=int,
+        default=DEFAULT_KV_SCALE,
+        metavar="N",
+        help="a chunk's bytes are the profile's KV bytes per token x chunk tokens / N, at least 64 "
+        f"(default {DEFAULT_KV_SCALE})",
+    )
+    g.add_argument(
+        "--kv-deadline",
+        type=float,
+        default=DEFAULT_KV_DEADLINE_S,
+        metavar="S",
+        help=f"each call to a node within this many seconds (default {DEFAULT_KV_DEADLINE_S:g})",
+    )
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
 
 
@@ -80,22 +117,47 @@ async def _lifespan(a: argparse.Namespace, port: int) -> AsyncIterator[LiveEngin
     from kvstore.sim.live import LiveEngine
 
     profile = load_profile(a.profile, a.num_gpu_blocks)
-    pub = None
-    if a.kv_events_endpoint:
-        pub = KVEventPublisher(a.kv_events_endpoint, replay_endpoint=a.kv_events_replay_endpoint)
-    engine = LiveEngine(profile, model_name=a.model, vocab=a.vocab_size, seed=a.seed, speed=a.speed, publisher=pub)
-    engine.start()
-    registrar = None
-    if a.etcd:
-        from kvstore.cluster.engines import EngineRegistrar
+    pool = None
+    if a.kv_node:
+        from kvstore.sim.live_pool import PoolLink
 
-        registrar = EngineRegistrar(a.etcd, engine_record(a, port, engine)).start()
+        pool = PoolLink(profile, a.model, link_settings(a))
     try:
-        yield engine
+        pub = None
+        if a.kv_events_endpoint:
+            pub = KVEventPublisher(a.kv_events_endpoint, replay_endpoint=a.kv_events_replay_endpoint)
+        engine = LiveEngine(
+            profile, model_name=a.model, vocab=a.vocab_size, seed=a.seed, speed=a.speed, publisher=pub, pool=pool
+        )
+        engine.start()
+        registrar = None
+        if a.etcd:
+            from kvstore.cluster.engines import EngineRegistrar
+
+            registrar = EngineRegistrar(a.etcd, engine_record(a, port, engine)).start()
+        try:
+            yield engine
+        finally:
+            if registrar is not None:
+                await asyncio.to_thread(registrar.close)
+            await engine.close()
     finally:
-        if registrar is not None:
-            await asyncio.to_thread(registrar.close)
-        await engine.close()
+        if pool is not None:
+            await asyncio.to_thread(pool.close)
+
+
+def link_settings(a: argparse.Namespace) -> LinkSettings:
+    """The pool link's settings from ``--kv-*`` (InvalidArgument for bad ones)."""
+    from kvstore.sim.live_pool import LinkSettings
+
+    view: str | tuple[str, ...] = ()
+    if a.kv_view:
+        view = (
+            a.kv_view
+            if a.kv_view.startswith("etcd://")
+            else tuple(t.strip() for t in a.kv_view.split(",") if t.strip())
+        )
+    return LinkSettings(a.kv_node, view, kv_scale=a.kv_scale, deadline_s=a.kv_deadline)
 
 
 def load_profile(name: str, num_gpu_blocks: int | None) -> EngineProfile:
@@ -272,7 +334,9 @@ async def serve(a: argparse.Namespace) -> None:
         await site.start()
         pub = engine.publisher
         events = f"; KV events {pub.endpoint} replay {pub.replay_endpoint or '-'}" if pub is not None else ""
-        print(f"kvstore sim serve on http://{a.host}:{port} (profile {engine.profile.name}){events}", flush=True)
+        link = engine.pool
+        kv = f", kvstore node {a.kv_node}, {link.chunk_bytes}-byte chunks" if link is not None else ""
+        print(f"kvstore sim serve on http://{a.host}:{port} (profile {engine.profile.name}{kv}){events}", flush=True)
         try:
             await asyncio.Event().wait()
         finally:
@@ -293,6 +357,24 @@ def check(a: argparse.Namespace) -> None:
         from kvstore.cluster.state import parse_target
 
         parse_target(a.etcd)
+    if a.kv_scale < 1:
+        raise InvalidArgument(f"--kv-scale must be at least 1, got {a.kv_scale}")
+    if not a.kv_deadline > 0:
+        raise InvalidArgument(f"--kv-deadline must be positive, got {a.kv_deadline}")
+    if a.kv_view and not a.kv_node:
+        raise InvalidArgument("--kv-view needs --kv-node (the engine's own node, where it loads and saves)")
+    if a.kv_node:
+        _check_node_target("--kv-node", a.kv_node)
+        if a.kv_view and a.kv_view.startswith("etcd://"):
+            from kvstore.cluster.state import parse_target
+
+            parse_target(a.kv_view)
+        elif a.kv_view:
+            targets = [t.strip() for t in a.kv_view.split(",") if t.strip()]
+            if not targets:
+                raise InvalidArgument(f"--kv-view lists no target: {a.kv_view!r}")
+            for t in targets:
+                _check_node_target("--kv-view", t)
     profile = load_profile(a.profile, a.num_gpu_blocks)
     holds = (profile.num_gpu_blocks - 1) * profile.block_size
     if a.max_model_len is not None and a.max_model_len > holds:
@@ -300,6 +382,14 @@ def check(a: argparse.Namespace) -> None:
             f"--max-model-len {a.max_model_len} is more than the KV cache holds ({holds} tokens: "
             f"{profile.num_gpu_blocks - 1} blocks of {profile.block_size}): raise --num-gpu-blocks"
         )
+
+
+def _check_node_target(flag: str, target: str) -> None:
+    """One node's target: ``unix:///PATH`` or ``HOST:PORT`` (InvalidArgument otherwise)."""
+    host, sep, port = target.rpartition(":")
+    if target.startswith("unix:/") or (sep and host and port.isdigit() and not target.startswith("etcd:")):
+        return
+    raise InvalidArgument(f"{flag} must be a node's unix:///PATH or HOST:PORT, got {target!r}")
 
 
 def main(a: argparse.Namespace) -> int:

@@ -1,6 +1,8 @@
 """Mock engines (``kvstore sim serve``) as processes: vLLM's OpenAI API, /metrics, KV events
 read by the conductor's own subscriber and index, and ``kvstore bench serving --engine sim``
-over the real harness, conductor and etcd."""
+over the real harness, conductor and etcd; the ``pool`` of mock engines: their link to real
+kvstore nodes (:mod:`kvstore.sim.live_pool`: lookups from the pool's view, checked loads,
+pulls, saves, a node that dies) and the benchmark's ``pool`` configuration over them."""
 
 from __future__ import annotations
 
@@ -258,3 +260,165 @@ def test_bench_serving_engine_sim_runs_baseline_and_conductor(tmp_path: Path) ->
     assert sum(conductor["routing"]["decisions_per_engine"].values()) >= 8
     records = [json.loads(x) for x in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert len(records) == 16 and all(r["error"] is None for r in records)
+
+
+# -- the pool: mock engines moving scaled-down KV through real kvstore nodes ----------------------
+CHUNK = 2 * BLOCK  # the connector's default chunk for the local profile's 128-token blocks
+THREE_CHUNKS = list(range(3000, 3000 + 3 * CHUNK + 10))  # 6 full blocks, all of them loadable
+
+
+def _step(model: Any, link: Any, now: float, rid: str | None = None, tokens: list[int] | None = None) -> Any:
+    """One step of an engine model with its pool link, as the live engine drives them."""
+    from kvstore.sim.live import prompt_block_hashes
+
+    if rid is not None and tokens is not None:
+        hashes = prompt_block_hashes(tokens, BLOCK, b"m")
+        model.add_request(rid, len(tokens), hashes, 1, now)
+        link.arrived(rid, tokens, hashes)
+    res = model.step(now)
+    link.step_started(res)
+    link.step_ended(res)
+    return res
+
+
+def test_the_pool_link_misses_saves_loads_pulls_and_turns_a_dead_node_into_misses(node_factory: Any) -> None:
+    import time
+
+    from client import KVClient, chunk_keys
+    from kvstore.sim.engine import EngineModel
+    from kvstore.sim.live_pool import LinkSettings, PoolLink, payload
+    from kvstore.sim.profile import EngineProfile
+
+    n1 = node_factory("--dram", "16MiB", "--nvme", "0")
+    n2 = node_factory("--dram", "16MiB", "--nvme", "0")
+    profile = EngineProfile.load("local")
+    a = PoolLink(profile, "m", LinkSettings(n1.unix, kv_scale=64, deadline_s=1.0))
+    b = PoolLink(profile, "m", LinkSettings(n2.unix, (n2.unix, n1.unix), kv_scale=64, deadline_s=1.0))
+
+    def engine(link: PoolLink) -> EngineModel:
+        return EngineModel(profile, lookup_external=link.lookup_external)
+
+    try:
+        assert a.chunk_bytes == 8192 * CHUNK // 64
+        assert a.view.wait_synced(30) and b.view.wait_synced(30)
+        keys = chunk_keys(THREE_CHUNKS, a.namespace)
+        assert len(keys) == 3
+
+        # nothing stored: a miss, the prompt computed, its three full chunks saved into node 1
+        res = _step(engine(a), a, 0.0, "r1", THREE_CHUNKS)
+        assert [(x.cached_tokens, x.external_tokens) for x in res.admitted] == [(0, 0)]
+        wait_for(a.idle, 10, "node 1's saves")
+        c = a.counters()
+        assert (c["view_lookups"], c["loads"], c["save_chunks"], c["save_refused"]) == (1, 0, 3, 0), c
+        with KVClient(n1.unix) as kv:
+            assert kv.lookup(keys) == ["dram"] * 3
+            assert [kv.get(k) for k in keys] == [payload(k, a.chunk_bytes) for k in keys]
+
+        # an engine on node 2 finds them on node 1 (network: loaded while it steps on), pulls and checks them
+        wait_for(lambda: b.view.match(keys).hits == 3, 10, "node 2's view to see node 1's chunks")
+        res = _step(engine(b), b, 1.0, "r2", THREE_CHUNKS)
+        assert [x.external_tokens for x in res.loads_started] == [3 * CHUNK] and not res.admitted
+        wait_for(b.idle, 10, "node 2's load")
+        c = b.counters()
+        assert (c["loads"], c["load_tokens"], c["pulled_blocks"], c["load_errors"], c["load_mismatches"]) == (
+            1,
+            3 * CHUNK,
+            3,
+            0,
+            0,
+        ), c
+        assert c["async_loads"] == 1 and c["save_chunks"] == 0  # found, so not saved again
+        with KVClient(n2.unix) as kv:
+            assert kv.lookup(keys) == ["dram"] * 3
+
+        # a fresh engine on node 1 loads them from its own DRAM, in the step that admits it
+        res = _step(engine(a), a, 2.0, "r3", THREE_CHUNKS)
+        assert [(x.cached_tokens, x.external_tokens) for x in res.admitted] == [(3 * CHUNK, 3 * CHUNK)]
+        wait_for(a.idle, 10, "node 1's load")
+        c = a.counters()
+        assert (c["loads"], c["load_tokens"], c["load_errors"]) == (1, 3 * CHUNK, 0), c
+
+        # a chunk whose bytes are not its key's payload is a miss for the rest of the hit
+        other = list(range(9000, 9000 + CHUNK + 5))
+        bad = chunk_keys(other, a.namespace)[0]
+        with KVClient(n1.unix) as kv:
+            assert kv.put(bad, b"\0" * a.chunk_bytes, namespace=a.namespace, token_count=CHUNK)
+        wait_for(lambda: a.view.match([bad]).hits == 1, 10, "node 1's view to see the bad chunk")
+        res = _step(engine(a), a, 3.0, "r4", other)
+        assert [x.external_tokens for x in res.admitted] == [CHUNK]  # the model takes the hit the view promised
+        wait_for(a.idle, 10, "the bad load")
+        c = a.counters()
+        assert (c["loads"], c["load_tokens"], c["load_mismatches"], c["load_errors"], c["view_stale_hits"]) == (
+            2,
+            3 * CHUNK,
+            1,
+            2,
+            1,
+        ), c
+
+        # node 1 dies: its chunks are misses, its saves dropped, every call within its deadline
+        n1.kill9()
+        t0 = time.monotonic()
+        _step(engine(a), a, 4.0, "r5", THREE_CHUNKS)  # the view may still list node 1's chunks
+        wait_for(a.idle, 10, "the load from the dead node")
+        _step(engine(a), a, 5.0, "r6", list(range(20000, 20000 + 2 * CHUNK + 1)))  # a miss, then a save
+        wait_for(a.idle, 10, "the save to the dead node")
+        assert time.monotonic() - t0 < 10
+        c = a.counters()
+        assert c["load_tokens"] == 3 * CHUNK and c["node_errors"] >= 1, c
+        assert c["saves_dropped"] + c["lookups_node_down"] >= 1, c
+        wait_for(lambda: a.view.match(keys).hits == 0, 20, "the view to drop the dead node")
+        res = _step(engine(a), a, 6.0, "r7", THREE_CHUNKS)
+        assert [x.external_tokens for x in res.admitted] == [0]  # a miss: computed
+        t0 = time.monotonic()
+        a.close()
+        assert time.monotonic() - t0 < 10
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--kv-view", "127.0.0.1:1"], "--kv-view needs --kv-node"),
+        (["--kv-node", "etcd://127.0.0.1:2379/c"], "--kv-node must be a node's"),
+        (["--kv-node", "127.0.0.1:1", "--kv-scale", "0"], "--kv-scale must be at least 1"),
+        (["--kv-node", "127.0.0.1:1", "--kv-deadline", "0"], "--kv-deadline must be positive"),
+    ],
+)
+def test_bad_pool_flags_fail_at_start(args: list[str], says: str) -> None:
+    with pytest.raises(AssertionError, match=says):
+        MockEngine(*args)
+
+
+def test_bench_serving_engine_sim_runs_pool_through_real_nodes(tmp_path: Path) -> None:
+    from kvstore.cluster.local_etcd import find_etcd
+
+    assert find_etcd() is not None, "etcd is not installed: run scripts/setup.sh"
+    trace = tmp_path / "conversations.jsonl"
+    gen = [sys.executable, "-m", "kvstore", "replay", "--generate", str(trace), "--requests", "24", "--seed", "7"]
+    gen += ["--system-prompts", "3", "--think-time", "2"]  # turns that come back soon, over shared prompts
+    subprocess.run(gen, cwd=ROOT, check=True, capture_output=True, timeout=60)
+    cmd = [sys.executable, "-m", "kvstore", "bench", "serving", "--engine", "sim", "--engines", "2"]
+    cmd += ["--configs", "baseline,pool", "--trace", str(trace), "--block-tokens", "64", "--max-output-tokens", "32"]
+    cmd += ["--warmup", "1", "--json", "--log-dir", str(tmp_path / "logs")]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["failures"] == []
+    for name in ("baseline", "pool"):
+        c = result["configs"][name]
+        assert (c["requests"], c["completed"], c["errors"], c["rejected"]) == (24, 24, 0, 0), c
+        assert c["tokens_equal_baseline"] == 1.0  # token ids depend on the prompt alone
+    base, pool = result["configs"]["baseline"]["prompt_tokens"], result["configs"]["pool"]["prompt_tokens"]
+    assert base["store"] == 0 and pool["total"] == base["total"] > 0
+    assert 0 < pool["store"] <= pool["total"] - pool["engine_cache"], pool
+    assert pool["engine_cache"] + pool["store"] + pool["recomputed"] == pool["total"]
+    blocks = result["configs"]["pool"]["store_blocks"]
+    assert blocks["dram_reads"] > 0 and blocks["stored_bytes"] > 0, blocks
+    connector = result["configs"]["pool"]["connector"]
+    assert connector["load_mismatches"] == 0 and connector["save_chunks"] > 0, connector
+    assert connector["load_tokens"] >= pool["store"]
+    assert all(e["node"] for e in result["fleets"]["pool"]["engines"])
+    assert not any(e["node"] for e in result["fleets"]["baseline"]["engines"])

@@ -162,18 +162,22 @@ def test_the_live_engine_streams_each_request_its_tokens_and_aborts_cleanly() ->
 
 
 # -- kvstore bench serving --engine sim ----------------------------------------------------------
-def test_engine_sim_runs_baseline_and_conductor_only() -> None:
-    assert serving._configs(None, None, "sim") == ["baseline", "conductor"]
+def test_engine_sim_runs_baseline_pool_and_conductor_only() -> None:
+    assert serving._configs(None, None, "sim") == ["baseline", "pool", "conductor"]
     assert serving._configs("conductor", None, "sim") == ["conductor"]
-    for configs in ("pool", "baseline,pd", "conductor-pd"):
-        with pytest.raises(InvalidArgument, match="--engine sim runs the configurations baseline, conductor only"):
+    assert serving._configs("baseline,pool", None, "sim") == ["baseline", "pool"]
+    for configs in ("pd", "baseline,pd", "conductor-pd"):
+        with pytest.raises(
+            InvalidArgument, match="--engine sim runs the configurations baseline, pool, conductor only"
+        ):
             serving._configs(configs, None, "sim")
 
 
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (["--engine", "sim", "--configs", "baseline,pool"], "baseline, conductor only"),
+        (["--engine", "sim", "--configs", "baseline,pd"], "baseline, pool, conductor only"),
+        (["--kv-scale", "8"], "--kv-scale is for --engine sim"),
         (["--engine", "sim", "--target", "http://127.0.0.1:1"], "--target does not go with --engine sim"),
         (["--engine", "sim", "--model", "/m"], "--model does not go with --engine sim"),
         (["--profile", "local"], "--profile is for --engine sim"),

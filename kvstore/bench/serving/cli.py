@@ -29,8 +29,10 @@ generates exactly the trace's output lengths and ``tokens_equal_baseline`` can c
 them token for token.  Run it where vLLM is installed (``.venv-vllm``), or with
 ``--target`` from anywhere.  ``--engine sim`` starts mock engines instead
 (``kvstore sim serve``, ``--profile``; no GPU, no vLLM, from any Python with the
-``serving`` and ``conductor`` extras) for ``baseline`` and ``conductor`` only: the harness,
-the conductor and etcd are real, the engines are the simulator's model in real time.
+``serving`` and ``conductor`` extras) for ``baseline``, ``pool`` and ``conductor``: the
+harness, the conductor, etcd and (``pool``) the kvstore nodes are real, the engines are the
+simulator's model in real time, moving their KV scaled down ``--kv-scale`` times through
+the nodes.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from kvstore.bench.serving import fleet as fleetmod
 from kvstore.bench.serving import report
 from kvstore.bench.serving.fleet import (
     CONFIGS,
+    DEFAULT_KV_SCALE,
     ENGINE_KINDS,
     SIM_CONFIGS,
     Engine,
@@ -149,6 +152,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="NAME|FILE",
         help="--engine sim: the mock engines' step-time profile and KV cache (default local; see `kvstore sim`)",
     )
+    g.add_argument(
+        "--kv-scale",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--engine sim, pool: the mock engines' KV bytes, and their nodes' --node-dram/--node-nvme, "
+        f"divided by N (default {DEFAULT_KV_SCALE})",
+    )
     g.add_argument("--prefill", type=int, default=None, help="pd: prefill engines (default half, at least 1)")
     g.add_argument("--model", help="model directory (default: a random-weight Llama made locally)")
     g.add_argument("--layers", type=int, default=4, help="layers of the locally made model (default 4)")
@@ -224,7 +235,7 @@ def _configs(text: str | None, target: str | None, engine: str = "vllm") -> list
     if engine == "sim" and any(c not in SIM_CONFIGS for c in names):
         raise InvalidArgument(
             f"--engine sim runs the configurations {', '.join(SIM_CONFIGS)} only, got --configs {text}: "
-            "pool, pd and conductor-pd move KV through kvstore nodes, which mock engines do not do yet"
+            "pd and conductor-pd hand KV from prefill to decode engines, which mock engines do not do yet"
         )
     return names
 
@@ -232,8 +243,9 @@ def _configs(text: str | None, target: str | None, engine: str = "vllm") -> list
 def _check_engine(a: argparse.Namespace) -> None:
     """The flags that go with ``--engine`` (clear errors before anything starts)."""
     if a.engine != "sim":
-        if a.profile is not None:
-            raise InvalidArgument("--profile is for --engine sim (mock engines); vLLM servers run --model")
+        if a.profile is not None or a.kv_scale is not None:
+            flag = "--profile" if a.profile is not None else "--kv-scale"
+            raise InvalidArgument(f"{flag} is for --engine sim (mock engines); vLLM servers run --model")
         return
     for flag, given in (
         ("--target", a.target),
@@ -244,7 +256,7 @@ def _check_engine(a: argparse.Namespace) -> None:
         if given:
             raise InvalidArgument(
                 f"{flag} does not go with --engine sim (mock engines take their model, batch and cache from "
-                "--profile, and have no kvstore nodes)"
+                "--profile; faults are for vLLM fleets)"
             )
 
 
@@ -381,6 +393,7 @@ def run(a: argparse.Namespace) -> tuple[dict[str, Any], list[Record]]:
             start_timeout_s=a.start_timeout,
             engine=a.engine,
             profile=a.profile or "local",
+            kv_scale=a.kv_scale if a.kv_scale is not None else DEFAULT_KV_SCALE,
         )
         log_dir = Path(a.log_dir) if a.log_dir else None
         if log_dir is not None:
@@ -448,8 +461,9 @@ def _run_config(
             fleet = None
         else:
             with Progress(f"serving: starting {name}", unit="fleets") as p:
-                if spec.engine == "sim":  # no kvstore nodes
-                    p.step(f"{spec.engines} mock engines" + (" and etcd" if name != "baseline" else ""))
+                if spec.engine == "sim":
+                    more = {"baseline": "", "pool": " and kvstore nodes"}.get(name, " and etcd")
+                    p.step(f"{spec.engines} mock engines{more}")
                 else:
                     p.step(f"{spec.engines} vLLM servers" + (" and kvstore nodes" if name != "baseline" else ""))
                 fleet = stack.enter_context(Fleet(name, spec, log_dir=log_dir).start())

@@ -22,10 +22,15 @@ Configurations (:data:`CONFIGS`):
 
 Mock engines (``FleetSpec.engine = "sim"``, ``--engine sim``): ``kvstore sim serve``
 processes of this Python (:mod:`kvstore.sim.server`, the simulator's engine model behind
-vLLM's API, in real time) instead of vLLM servers, for ``baseline`` and ``conductor``
-(:data:`SIM_CONFIGS`) only.  They have no connector and no kvstore nodes: in
-``conductor`` they publish vLLM's KV events and register themselves in a private etcd,
-which the conductor follows.  They are not bound to CPUs (each is one light process).
+vLLM's API, in real time) instead of vLLM servers, for ``baseline``, ``pool`` and
+``conductor`` (:data:`SIM_CONFIGS`) only.  In ``pool`` each has a real kvstore node, as
+vLLM's ``pool`` fleet does (one per engine, one cluster, replication = engines), and
+moves KV scaled down ``kv_scale`` times through it (:mod:`kvstore.sim.live_pool`: lookups
+from the cluster's view, loads, saves); the nodes' ``node_dram`` and ``node_nvme`` are
+divided by the same scale, so they hold as many chunks as unscaled nodes of those sizes
+would.  In ``conductor`` they have no nodes: they publish vLLM's KV events and register
+themselves in a private etcd, which the conductor follows.  They are not bound to CPUs
+(each is one light process).
 
 Equal cores: every configuration's engines get the same CPUs.  vLLM's CPU backend binds
 a worker's OpenMP threads and, left to itself (``auto``), reserves a core for engines
@@ -56,10 +61,13 @@ from typing import Any
 
 from kvstore.children import VLLM_CPU_ENV, log_tail, reclaim_shm, shm_names, spawn, stop
 from kvstore.errors import InvalidArgument
+from kvstore.sim.server import DEFAULT_KV_SCALE
 
 CONFIGS = ("baseline", "pool", "pd", "conductor", "conductor-pd")
-SIM_CONFIGS = ("baseline", "conductor")
-"""What mock engines (``engine="sim"``) run: the configurations without kvstore nodes' KV."""
+SIM_CONFIGS = ("baseline", "pool", "conductor")
+"""What mock engines (``engine="sim"``) run."""
+SIM_STORE_CONFIGS = ("pool",)
+"""Of those, the ones whose mock engines move KV through kvstore nodes."""
 ENGINE_KINDS = ("vllm", "sim")
 SERVED_NAME = "kvstore-bench"
 
@@ -100,6 +108,7 @@ class FleetSpec:
     start_timeout_s: float = 900.0
     engine: str = "vllm"  # "sim": mock engines (`kvstore sim serve`) instead of vLLM servers
     profile: str = "local"  # the mock engines' profile (name or file)
+    kv_scale: int = DEFAULT_KV_SCALE  # mock engines' pool: KV bytes (and node sizes) divided by it
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINE_KINDS:
@@ -108,6 +117,8 @@ class FleetSpec:
             raise InvalidArgument(f"--engines must be at least 1, got {self.engines}")
         if not 1 <= self.prefill < max(2, self.engines):
             raise InvalidArgument(f"--prefill must be between 1 and --engines - 1, got {self.prefill}")
+        if isinstance(self.kv_scale, bool) or self.kv_scale < 1:
+            raise InvalidArgument(f"--kv-scale must be at least 1, got {self.kv_scale}")
 
 
 def engine_cpus(n: int, cpus: list[int] | None = None) -> list[str]:
@@ -191,7 +202,26 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
 
     @property
     def uses_store(self) -> bool:
-        return self.config != "baseline" and self.spec.engine == "vllm"
+        """Whether the fleet has kvstore nodes (mock engines: in :data:`SIM_STORE_CONFIGS` only)."""
+        if self.simulated:
+            return self.config in SIM_STORE_CONFIGS
+        return self.config != "baseline"
+
+    def node_sizes(self) -> tuple[int | str, int | str]:
+        """Each node's DRAM and NVMe (``--node-dram``, ``--node-nvme``); for mock engines
+        divided by ``kv_scale``, as their chunks are (an NVMe of 0 stays none)."""
+        s = self.spec
+        if not self.simulated:
+            return s.node_dram, s.node_nvme
+        from kvstore.node.config import parse_size
+
+        dram, nvme = parse_size(s.node_dram), parse_size(s.node_nvme)
+        if dram // s.kv_scale < 1 << 20:
+            raise InvalidArgument(
+                f"--node-dram {s.node_dram} scaled down {s.kv_scale} times is under 1 MiB: give at least "
+                f"{s.kv_scale} MiB"
+            )
+        return dram // s.kv_scale, nvme // s.kv_scale
 
     @property
     def simulated(self) -> bool:
@@ -249,12 +279,13 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
 
         asyncio.run(configure())
         member = ("--etcd", etcd.endpoint, "--cluster", name)
+        dram, nvme = self.node_sizes()
         nodes = [
             private_node(
                 self._tmp / f"node{i}",
                 *member,
-                dram=self.spec.node_dram,
-                nvme=self.spec.node_nvme,
+                dram=dram,
+                nvme=nvme,
                 log_path=self.log_dir / f"{self.config}-node{i}.log",
                 start=False,
             )
@@ -268,11 +299,14 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
         self.nodes = nodes
 
     def _sim_command(self, i: int, port: int) -> list[str]:
-        """A mock engine (``kvstore sim serve``), from this Python; in the conductor's
-        configuration with vLLM's KV events and registered in the fleet's etcd."""
+        """A mock engine (``kvstore sim serve``), from this Python; in ``pool`` on its own
+        node, its lookups following the cluster; in the conductor's configuration with
+        vLLM's KV events and registered in the fleet's etcd."""
         s = self.spec
         cmd = [s.python, "-m", "kvstore", "sim", "serve", "--port", str(port), "--profile", s.profile]
         cmd += ["--model", SERVED_NAME, "--max-model-len", str(s.max_model_len), "--seed", str(i)]
+        if self.uses_store:
+            cmd += ["--kv-node", self.nodes[i].target, "--kv-view", self.cluster_target, "--kv-scale", str(s.kv_scale)]
         if self.conducted:
             ev, replay = _free_port(), _free_port()
             cmd += ["--kv-events-endpoint", f"tcp://127.0.0.1:{ev}"]
