@@ -9,8 +9,11 @@ again; the policies say how that is known:
   it stored and how many of them were read back at least once; :class:`Evidence` keeps a
   decayed ratio of those counts per (namespace, bucket) and stores a chunk at position
   bucket ``b`` when ``share(b) × recompute_s(chunk) > save_cost_s(chunk)``: ``share`` is
-  read back / stored with an optimistic Beta prior (:data:`PRIOR_READ`,
-  :data:`PRIOR_UNREAD`), so a new pool, with no evidence yet, stores; ``recompute_s`` is the
+  read back / stored, pooled across the namespace's buckets (a bucket with little evidence
+  of its own takes its namespace's share, which takes an optimistic Beta prior,
+  :data:`PRIOR_READ`, :data:`PRIOR_UNREAD`), so a new namespace, with no evidence yet,
+  stores, and one whose prompts are never read back stops storing at every position once
+  a few dozen of its blocks say so, not a few dozen per position; ``recompute_s`` is the
   load gate's measured recompute time per token (none yet: store); ``save_cost_s`` the
   workers' measured save time per chunk (none yet: 0).  With no read-back the share falls
   and the engine stores almost nothing (one request in :data:`EXPLORE` declined is stored
@@ -121,10 +124,13 @@ def plan(
 PRIOR_READ = 3.0
 """The prior's read-back blocks: with :data:`PRIOR_UNREAD`, a share of 0.75 before evidence."""
 PRIOR_UNREAD = 1.0
+POOLING = PRIOR_READ + PRIOR_UNREAD
+"""A bucket's prior weight, in blocks, on its namespace's share (see :meth:`Evidence.share`)."""
 EXPLORE = 32
 """One request in this many that the evidence would not store is stored anyway."""
-DECAY = 0.8
-"""Weight of the evidence so far at each update (one poll of the node's counters)."""
+DECAY = 0.956
+"""Weight of the evidence so far at each update (one poll of the node's counters, every
+second: ``gpu_agent.vllm.storelink.READ_BACK_EVERY_S``): evidence halves in about 15 s."""
 
 
 class Evidence:
@@ -144,6 +150,7 @@ class Evidence:
         self.explore, self.decay = explore, decay
         self._last: dict[tuple[bytes, int], tuple[int, int]] = {}  # the counters at the last update
         self._sums: dict[tuple[bytes, int], tuple[float, float]] = {}  # decayed (stored, read back)
+        self._ns_sums: dict[bytes, tuple[float, float]] = {}  # the same, a namespace's buckets summed
         self.save = Rate()  # seconds per chunk saved (Rate.per_token: per unit, here a chunk)
         self._declined = 0
         self.updates = 0
@@ -163,16 +170,29 @@ class Evidence:
             s, r_ = self._sums.get(key, (0.0, 0.0))
             self._sums[key] = (s * self.decay + ds, r_ * self.decay + dr)
             self._last[key] = (stored, read)
+        totals: dict[bytes, tuple[float, float]] = {}
+        for (ns, _), (s, r_) in self._sums.items():
+            ts, tr = totals.get(ns, (0.0, 0.0))
+            totals[ns] = (ts + s, tr + min(r_, s))
+        self._ns_sums = totals
         self.updates += 1
 
     def observe(self, data: Mapping[str, Any]) -> None:
         """The workers' stats of one step (their counters' deltas): the save timings."""
         self.save.add(float(data.get("save_us", 0)) / 1e6, float(data.get("save_chunks", 0)))
 
+    def namespace_share(self, namespace: bytes) -> float:
+        """Expected share of the namespace's stored blocks that will be read back, all
+        positions pooled, with the optimistic prior (0.75 with no evidence)."""
+        stored, read = self._ns_sums.get(namespace, (0.0, 0.0))
+        return (read + PRIOR_READ) / (stored + PRIOR_READ + PRIOR_UNREAD)
+
     def share(self, namespace: bytes, bucket: int) -> float:
-        """Expected share of blocks stored at this (namespace, bucket) that will be read back."""
+        """Expected share of blocks stored at this (namespace, bucket) that will be read back:
+        the bucket's own ratio, shrunk towards its namespace's share (:data:`POOLING` blocks'
+        weight): positions with little evidence of their own follow their namespace's."""
         stored, read = self._sums.get((namespace, bucket), (0.0, 0.0))
-        return (min(read, stored) + PRIOR_READ) / (stored + PRIOR_READ + PRIOR_UNREAD)
+        return (min(read, stored) + POOLING * self.namespace_share(namespace)) / (stored + POOLING)
 
     def admits(self, namespace: bytes, bucket: int, recompute_s: float | None) -> bool:
         """Whether a chunk at ``bucket`` is worth storing: its expected saving (share ×

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 REPORT_EVERY_S = 1.0
 """How often coalesced prefix-cache hits go to the node (metrics only)."""
-READ_BACK_EVERY_S = 5.0
+READ_BACK_EVERY_S = 1.0
 """How often the scheduler asks its node what share of what it stored was read back."""
 
 

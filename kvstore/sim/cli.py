@@ -25,7 +25,8 @@ The JSON (``--json``) has the benchmark's shape: ``trace``, ``scaling``, ``slo``
 configuration the figures of :func:`kvstore.bench.serving.report.summarise` (``ttft_ms``,
 ``tbt_ms``, ``itl_ms``, ``e2e_ms`` percentiles, ``throughput_tok_s``, ``goodput_rps``, ...),
 ``prompt_tokens`` (``engine_cache``, ``store``, ``recomputed``, ``total``), ``engine_steps``,
-for every configuration but ``baseline`` ``store_blocks``, ``connector`` (``pd``: with
+for every configuration but ``baseline`` ``store_blocks`` (with ``stored_bytes`` and
+``read_back_bytes``: the nodes' read-back accounting in the profile's KV bytes), ``connector`` (``pd``: with
 ``handoffs`` and ``handoff_short``) and ``nodes``, for the conductor's the conductor's
 ``routing`` record (as the benchmark reports it) and ``kv_events`` (events its view
 applied); ``fleets.NAME.engines`` each engine's name, role and node, as the benchmark's
@@ -98,8 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="{}",
         metavar="JSON",
         help="pool: the connector's kv_connector_extra_config, as the benchmark's; the simulation honours "
-        "chunk_tokens, save_policy (evidence runs as auto: no read-back is simulated), load_gate and async_loads "
-        "(default {})",
+        "chunk_tokens, save_policy (default evidence: learnt from the simulated nodes' read-back counters), "
+        "load_gate and async_loads (default {})",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of the engines' step-time jitter (default 0)")
     g.add_argument(
@@ -259,7 +260,6 @@ def fleet_engines(name: str, engines: int, prefill: int, nodes: int | None) -> l
 def run(a: argparse.Namespace) -> dict[str, Any]:
     from kvstore.node.config import parse_size
     from kvstore.sim.fleet import workload_hashes
-    from kvstore.sim.pool import simulated_policy
 
     t0 = time.perf_counter()
     configs = parse_configs(a.configs)
@@ -333,7 +333,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "node_nvme_bytes": node_nvme,
         "connector": {
             "chunk_tokens": settings.chunk_for(profile.block_size),
-            "save_policy": simulated_policy(settings),
+            "save_policy": settings.save_policy,
             **{k: getattr(settings, k) for k in ("load_gate", "async_loads")},
         },
         "virtual_s": max(c["sim"]["virtual_s"] for c in result["configs"].values()),

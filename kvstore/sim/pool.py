@@ -28,11 +28,31 @@ fed the simulated step and load times) cuts the run at the first chunk whose kin
 the run's end (at most the prompt's last token less one: vLLM computes it), per tier;
 ``async_loads`` (``auto``: when a chunk is on NVMe or another node) says whether it loads
 while the engine steps on.  Chunks are sighted (:class:`gpu_agent.vllm.admission.Sightings`)
-when the request arrives, as the connector does, and its save plan made then
-(:func:`gpu_agent.vllm.admission.plan`, ``save_policy`` ``auto``: a request with a session id
-stores everything, others the chunks seen at least twice).  The simulated nodes count no
-read-back, so ``save_policy`` ``evidence`` (the connector's default) is simulated as ``auto``
-(:func:`simulated_policy`; the JSON's ``connector.save_policy`` names the one simulated).
+when the request arrives, as the connector does, and its save plan made then.
+
+**Save policy** (``save_policy``, the connector's; default ``evidence``, as the
+connector's).  ``evidence`` runs for real: each connector holds a
+:class:`gpu_agent.vllm.admission.Evidence` and plans with :meth:`~gpu_agent.vllm.admission.Evidence.plan`
+as the scheduler's ``_sight`` does (the namespace fingerprint :data:`NAMESPACE`, the
+prompt's full chunks, ``recompute_s`` the load gate's measured recompute rate × chunk
+tokens, ``retain`` false: the benchmark sends no ``kv_transfer_params["retain"]`` and a
+session id is no retention hint here, ``producer_only`` for a prefill engine).  Its
+evidence is its own node's read-back counters: every simulated node is a real
+:class:`~kvstore.node.manager.TierManager`, which keeps the node's
+:class:`~kvstore.node.readback.ReadBack` itself (a commit's new block is ``stored``, an
+``acquire``'s hits are ``read``, a block that leaves is ``left``), so the rows are the
+node's own; :func:`read_back_rows` shapes them as ``KVClient.stats()["read_back"]`` does.
+The connector polls them when a request arrives and
+:data:`gpu_agent.vllm.storelink.READ_BACK_EVERY_S` of virtual time has passed since its
+last poll, as the scheduler does (its poll is answered at once here, where the real one
+is taken in at a later sighting).  The save cost it weighs (:meth:`Evidence.observe`,
+``save_us`` over ``save_chunks``, per step as the workers report them) is what a save
+costs in the simulation: one per request and step, as the workers save, its chunks'
+bytes over the profile's DRAM link and one transfer's latency (``load_s("dram", ...)``:
+the same copy and commit a handoff waits for).  The other policies plan with :func:`gpu_agent.vllm.admission.plan`
+(``auto``: a request with a session id stores everything, others the chunks seen at
+least twice).  ``skipped_save_chunks`` counts, as the connector does, the full prompt
+chunks a limited plan left unsaved when its request finished.
 
 **Loads** (``step_started``, at the step that starts them): leases on the nodes holding the
 chunks (``acquire``: the policy hears of the read, an NVMe hit is promoted), chunks of other
@@ -91,6 +111,7 @@ import xxhash
 from gpu_agent.vllm import admission
 from gpu_agent.vllm.gate import PREFILL_STEP_TOKENS, LoadGate
 from gpu_agent.vllm.settings import ConnectorSettings
+from gpu_agent.vllm.storelink import READ_BACK_EVERY_S
 from kvstore.bench.serving.workload import Work
 from kvstore.block import BlockMeta
 from kvstore.errors import InvalidArgument
@@ -113,10 +134,21 @@ ROLES = ("both", "prefill", "decode")
 (loads, never saves)."""
 
 
-def simulated_policy(settings: ConnectorSettings) -> str:
-    """The ``save_policy`` the simulation runs: ``evidence`` learns from the nodes' read-back
-    counters, which the simulated nodes do not keep, so it runs as ``auto``."""
-    return "auto" if settings.save_policy == "evidence" else settings.save_policy
+def read_back_rows(node: TierManager) -> list[dict[str, Any]]:
+    """A node's read-back counters (:meth:`kvstore.node.readback.ReadBack.rows`) as
+    ``KVClient.stats()["read_back"]`` gives them (the namespace fingerprint in hex): what
+    :meth:`gpu_agent.vllm.admission.Evidence.update` takes."""
+    return [
+        {
+            "namespace": r.namespace.hex(),
+            "bucket": r.bucket,
+            "stored_blocks": r.stored_blocks,
+            "stored_bytes": r.stored_bytes,
+            "read_back_blocks": r.read_back_blocks,
+            "read_back_bytes": r.read_back_bytes,
+        }
+        for r in node.readback.rows()
+    ]
 
 
 def chunk_tokens(profile: EngineProfile, settings: ConnectorSettings | None = None) -> int:
@@ -203,6 +235,7 @@ class Pool:
         dram_chunks: int,
         nvme_chunks: int = 0,
         chunk_tokens: int,
+        chunk_bytes: int,
         clock: TraceClock,
         policy: str = DEFAULT_POLICY,
         session_ttl: float = DEFAULT_SESSION_TTL,
@@ -210,6 +243,8 @@ class Pool:
         if dram_chunks <= 0:
             raise InvalidArgument(f"the pool needs DRAM on its nodes (--node-dram): got {dram_chunks} chunks")
         self.chunk_tokens = chunk_tokens
+        self.chunk_bytes = chunk_bytes  # a chunk's KV bytes (the byteless nodes store one unit per chunk)
+        self.clock = clock
         self.dram_chunks, self.nvme_chunks = dram_chunks, nvme_chunks
         self.sessions = [Sessions(idle_ttl=session_ttl, clock=clock) for _ in range(nodes)]
         self.nodes: list[TierManager] = [
@@ -335,13 +370,24 @@ class Pool:
         for m in self.nodes:
             m.close_session(session_id)
 
+    def read_back_rows(self, node: int) -> list[dict[str, Any]]:
+        """Node ``node``'s read-back counters, as ``KVClient.stats()["read_back"]`` (:func:`read_back_rows`)."""
+        return read_back_rows(self.nodes[node])
+
     def summary(self) -> dict[str, Any]:
         c = self.counters
+        totals: collections.Counter[str] = collections.Counter()
+        for m in self.nodes:
+            totals.update(m.readback.totals())
         return {
             "store_blocks": {
                 "dram_reads": c["dram_reads"],
                 "nvme_reads": c["nvme_reads"],
                 "remote_pulls": c["remote_pulls"],
+                # the nodes' read-back accounting (kvstore/node/readback.py), in the chunks' KV
+                # bytes: a block stored on a node, and of those read back at least once
+                "stored_bytes": totals["stored_blocks"] * self.chunk_bytes,
+                "read_back_bytes": totals["read_back_blocks"] * self.chunk_bytes,
             },
             "nodes": {
                 "chunk_tokens": self.chunk_tokens,
@@ -418,6 +464,8 @@ class Connector:
         self.k = pool.chunk_tokens // self.bs  # engine blocks per chunk
         self.sightings = admission.Sightings()
         self.gate = LoadGate(settings.load_gate)
+        self.evidence = admission.Evidence()  # save_policy evidence: its node's read-back counters
+        self._read_back_at = 0.0  # the next poll of them is due then (virtual seconds)
         self.reqs: dict[str, _Req] = {}
         self.counters: collections.Counter[str] = collections.Counter()
 
@@ -427,18 +475,42 @@ class Connector:
         plan = admission.NOTHING  # a consumer saves nothing
         if self.produce:  # (the connector sights only where it saves)
             counts = self.sightings.sight(keys)
-            plan = admission.plan(
-                simulated_policy(self.settings),
-                counts=counts,
-                tail_count=None,
-                hint=work.session_id is not None,
-                producer_only=self.role == "prefill",
-                save_decode=self.settings.save_decode,
-            )
+            if self.settings.save_policy == "evidence":  # as the scheduler's _sight plans
+                self._poll_read_back()
+                per_token = self.gate.recompute.per_token(self.gate.min_samples)
+                plan = self.evidence.plan(
+                    NAMESPACE,  # the fingerprint its node counts
+                    chunks=len(keys),
+                    recompute_s=None if per_token is None else per_token * self.pool.chunk_tokens,
+                    retain=False,  # the benchmark sends no retain; a session id is no retention hint here
+                    producer_only=self.role == "prefill",
+                    save_decode=self.settings.save_decode,
+                )
+            else:
+                plan = admission.plan(
+                    self.settings.save_policy,
+                    counts=counts,
+                    tail_count=None,
+                    hint=work.session_id is not None,
+                    producer_only=self.role == "prefill",
+                    save_decode=self.settings.save_decode,
+                )
         r = self.reqs[req_id] = _Req(len(work.tokens), hashes, keys, work.session_id, plan, tail=tail)
         if self.role == "decode":
             r.handoff = self.expect.pop(req_id, None)
             self.counters["handoffs"] += r.handoff is not None
+
+    def _poll_read_back(self) -> None:
+        """The scheduler's ``_poll_read_back`` on the fleet's clock: its node's read-back rows
+        into the evidence every ``READ_BACK_EVERY_S`` (answered at once: no RPC here)."""
+        now = self.pool.clock.now
+        if now >= self._read_back_at:
+            self._read_back_at = now + READ_BACK_EVERY_S
+            self.evidence.update(self.pool.read_back_rows(self.node))
+
+    def save_s(self, chunks: int) -> float:
+        """What saving ``chunks`` chunks costs in the simulation: their bytes over the DRAM link."""
+        return self.profile.load_s("dram", chunks * self.pool.chunk_tokens * self.profile.kv_bytes_per_token)
 
     def lookup_external(self, req_id: str, candidates: Sequence[BlockHash]) -> ExternalHit:
         r = self.reqs[req_id]
@@ -589,12 +661,14 @@ class Connector:
                 r.outputs = o.output_tokens
                 continue
             del self.reqs[o.req_id]
+            if self.produce and r.plan.limited:  # the connector's skipped_save_chunks
+                self.counters["skipped_save_chunks"] += max(0, r.prompt_tokens // self.pool.chunk_tokens - r.saved)
             if self.role == "prefill":  # its answer's kv_transfer_params
                 whole = r.saved == len(r.keys) and (r.tail is None or r.tail_saved)
-                save_s = self.profile.load_s(
-                    "dram", written[o.req_id] * self.pool.chunk_tokens * self.profile.kv_bytes_per_token
-                )
-                self.handed[o.req_id] = Handoff(r.saved, whole, save_s)
+                self.handed[o.req_id] = Handoff(r.saved, whole, self.save_s(written[o.req_id]))
+        if written:  # the workers' save timings of this step, one save per request: what a store must beat
+            save_s = sum(self.save_s(n) for n in written.values() if n)
+            self.evidence.observe({"save_us": save_s * 1e6, "save_chunks": sum(written.values())})
 
     async def _save_tail(self, req_id: str, r: _Req, written: collections.Counter[str]) -> None:
         """A producer's request computed its whole prompt: its partial chunk is saved once every
@@ -645,6 +719,7 @@ class PoolHooks:
             dram_chunks=chunks_of(node_dram, chunk_bytes, "--node-dram"),
             nvme_chunks=chunks_of(node_nvme, chunk_bytes, "--node-nvme"),
             chunk_tokens=chunk,
+            chunk_bytes=chunk_bytes,
             clock=clock,
             policy=policy,
         )
@@ -687,5 +762,6 @@ class PoolHooks:
             **{k: total[k] for k in ("lookups", "loads", "async_loads", "gated_chunks")},
             **({k: total[k] for k in ("handoffs", "handoff_short")} if total["handoffs"] else {}),
             **{k: self.pool.counters[k] for k in ("saved_chunks", "save_exists", "save_refused", "load_misses")},
+            "skipped_save_chunks": total["skipped_save_chunks"],
         }
         return out

@@ -319,6 +319,23 @@ def test_evidence_weighs_read_back_against_the_measured_costs_per_bucket() -> No
         Evidence(decay=1.0)
 
 
+def test_a_position_with_no_evidence_of_its_own_follows_its_namespace() -> None:
+    """Unique prompts: a few dozen blocks at the first positions, none read back, are
+    enough to stop storing at every position, the later ones included (each position
+    learning on its own stored a few dozen blocks more per position first); a namespace
+    with no evidence still stores, and one whose early chunks are read back stores its
+    later positions too."""
+    ev = Evidence(explore=0)
+    ev.observe({"save_us": 2000, "save_chunks": 1})  # recompute 10 ms a chunk, a save 2 ms
+    ev.update(_rows(20, 0, bucket=0) + _rows(20, 0, bucket=1))
+    assert ev.share(NS, 7) == ev.namespace_share(NS) == pytest.approx(3 / 44)
+    assert _evidence_plan(ev, chunks=12) == SavePlan(0, False, False)
+    assert _evidence_plan(ev, ns=b"m" * 8, chunks=12) == SavePlan(EVERYTHING, True, True)
+    chats = b"c" * 8
+    ev.update(_rows(20, 18, bucket=0, ns=chats) + _rows(20, 16, bucket=1, ns=chats))
+    assert ev.share(chats, 7) > 0.8 and _evidence_plan(ev, ns=chats, chunks=12) == SavePlan(EVERYTHING, True, True)
+
+
 def test_under_evidence_a_session_id_is_no_retention_hint_but_retain_is() -> None:
     session = types.SimpleNamespace(kv_transfer_params={"session_id": "chat-1"})
     retain = types.SimpleNamespace(kv_transfer_params={"retain": True})

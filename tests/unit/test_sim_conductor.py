@@ -45,7 +45,10 @@ def run(name: str, path: Path, engines: int = 2, **kw: Any) -> dict[str, Any]:
         node_nvme=0,
         slo_ttft_ms=2000,
         slo_tbt_ms=200,
-        settings=ConnectorSettings.from_extra(CHUNK),
+        # auto: only a family's second sighting is stored, so a cached prefix on an engine is
+        # worth more than the pool's copy (under evidence, the default, the pool holds every
+        # family from the start and the conductor has no engine cache to prefer)
+        settings=ConnectorSettings.from_extra({**CHUNK, "save_policy": "auto"}),
         **kw,
     )
 

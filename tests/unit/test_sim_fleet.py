@@ -145,13 +145,13 @@ def test_shared_prefixes_are_served_from_the_store_and_unique_prompts_are_not(tm
     assert pt["recomputed"] < base["prompt_tokens"]["recomputed"]
     assert base["prompt_tokens"]["store"] == 0 and base["store_blocks"] is None
 
-    unique = pool_run(workload(path, unique=True), p)
+    unique = pool_run(workload(path, unique=True), p, save_policy="auto")
     assert unique["prompt_tokens"]["store"] == 0 and unique["prompt_tokens"]["engine_cache"] == 0
     assert unique["connector"]["saved_chunks"] == 0  # second sighting: a one-off prompt is never stored
     assert pool_run(workload(path, unique=True), p, save_policy="always")["connector"]["saved_chunks"] > 0
 
 
-def test_the_save_policy_stores_a_sessions_prompt_at_its_first_sighting(tmp_path: Path) -> None:
+def test_save_policy_auto_stores_a_sessions_prompt_at_its_first_sighting(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     rows = [
         {
@@ -164,7 +164,7 @@ def test_the_save_policy_stores_a_sessions_prompt_at_its_first_sighting(tmp_path
     ]
     rows[0]["session_id"] = "chat-1"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = pool_run(workload(path), profile())
+    out = pool_run(workload(path), profile(), save_policy="auto")
     assert out["connector"]["saved_chunks"] == 4  # the session's 8 blocks, 4 chunks; the others none
 
 
@@ -268,7 +268,7 @@ def test_the_cli_runs_a_trace_end_to_end_with_the_benchmarks_figures(
     assert r["sim"]["profile"] == "jittery" and r["sim"]["engines"] == 2 and r["sim"]["virtual_s"] > 4.6
     assert r["sim"]["connector"] == {
         "chunk_tokens": 32,
-        "save_policy": "auto",
+        "save_policy": "evidence",  # the connector's default, simulated
         "load_gate": True,
         "async_loads": "auto",
     }
@@ -279,7 +279,16 @@ def test_the_cli_runs_a_trace_end_to_end_with_the_benchmarks_figures(
         assert set(c["itl_ms"]) == {"p50", "p99"} and c["throughput_tok_s"] > 0 and c["goodput_rps"] > 0
         assert set(c["prompt_tokens"]) == {"engine_cache", "store", "recomputed", "total"}
         assert c["engine_steps"]["steps"] > 0
-    assert set(r["configs"]["pool"]["store_blocks"]) == {"dram_reads", "nvme_reads", "remote_pulls"}
+    assert set(r["configs"]["pool"]["store_blocks"]) == {
+        "dram_reads",
+        "nvme_reads",
+        "remote_pulls",
+        "stored_bytes",
+        "read_back_bytes",
+    }
+    sb = r["configs"]["pool"]["store_blocks"]
+    assert sb["stored_bytes"] > 0 and sb["stored_bytes"] % (32 * 1000) == 0  # whole chunks of the profile's KV
+    assert 0 < sb["read_back_bytes"] <= sb["stored_bytes"]
     assert r["configs"]["pool"]["nodes"]["dram_chunks"] == 65536 // (32 * 1000)
     # deterministic for a seed (only wall-clock figures differ); another seed, other step times
     assert _without_wall(json.loads(sim(capsys, *args)[1])) == _without_wall(r)

@@ -669,7 +669,7 @@ def test_the_default_policy_stores_a_first_seen_prompt_and_stops_where_nothing_i
     from gpu_agent.vllm.stats import KVStoreStats
     from kvstore.keys import chunk_keys, parent_keys
 
-    monkeypatch.setattr(scheduler_module, "READ_BACK_EVERY_S", 0.0)  # poll at every request, not every 5 s
+    monkeypatch.setattr(scheduler_module, "READ_BACK_EVERY_S", 0.0)  # poll at every request, not every second
     default = ConnectorSettings().save_policy
     assert default == "evidence"
     side = scheduler(node, save_policy=default)
@@ -705,7 +705,8 @@ def test_the_default_policy_stores_a_first_seen_prompt_and_stops_where_nothing_i
 
     later = request(prompt(3 * CHUNK + 40, seed=22), rid="later", params={"session_id": "conv"})
     assert side.matched(later, 0) == (0, False)  # its sighting takes the node's counters in
-    assert side.evidence.share(rns.fingerprint, 0) == pytest.approx(3 / 44)  # the prior: 3 reads in 40 + 4
+    # the namespace's 160 blocks, none read: 3 / 164 with the prior; bucket 0's 40 pooled with it
+    assert side.evidence.share(rns.fingerprint, 0) == pytest.approx(4 * (3 / 164) / 44)
     assert _saves_after_prefill(side, later) == []  # not stored, though it has a session id
     side.finished(later)
     assert side.counters["skipped_save_chunks"] >= 3
