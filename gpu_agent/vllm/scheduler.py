@@ -418,6 +418,13 @@ class SchedulerSide:
             self._read_back_at = now + READ_BACK_EVERY_S
             self._read_back = self.link.read_back()
 
+    def _found_tokens(self, ans: LookupAnswer, first: int, num_tokens: int) -> int:
+        """Prompt tokens an answer covers from token 0: its chunks from ``first`` on, the
+        trailing partial chunk (keyed by its exact tokens) counting as the whole prompt."""
+        full, partial = divmod(num_tokens, self.chunk)
+        found = first + ans.found
+        return num_tokens if partial and found > full else found * self.chunk
+
     def _matched(self, r: _Req, request: Request, num_computed: int) -> tuple[int | None, bool]:
         r.local_tokens = num_computed
         if r.skip is not None:
@@ -434,16 +441,18 @@ class SchedulerSide:
         if r.wait_until and now < r.next_ask and now < r.wait_until:
             self.counters["handoff_waits"] += 1
             return None, False
-        ans: LookupAnswer | None
-        # a producer's handoff asks the store itself: the node, not a view that may lag it
-        # (a node that just restarted, say), says what is committed, and the decode engine
-        # is there not to prefill
-        if self._viewing() and want == 0:
+        ans: LookupAnswer | None = None
+        if self._viewing():
             assert self.view is not None
             ans = self.view.lookup(tokens, r.namespace, first)
             self.counters["view_lookups"] += 1
             r.from_view = True
-        else:
+            # a producer's handoff the view does not show whole yet asks the store itself:
+            # the node, not a view that may lag it (a node that just restarted, say), says
+            # what is committed, and the decode engine is there not to prefill
+            if want > 0 and ans.error is None and self._found_tokens(ans, first, len(tokens)) < want:
+                ans = None
+        if ans is None:
             if not self._asks(r, want > 0):
                 return 0, False
             ans = self._answer(r, tokens, first, patience=self._patience(r, want > 0))
@@ -456,7 +465,7 @@ class SchedulerSide:
             return 0, False
         n, tiers = ans.found, list(ans.tiers)
         found = first + n  # chunks, the tail counted as one
-        found_tokens = len(tokens) if partial and found > full else found * self.chunk
+        found_tokens = self._found_tokens(ans, first, len(tokens))
         if want > found_tokens:
             now = time.monotonic()
             if not r.wait_until:

@@ -108,9 +108,10 @@ def test_a_chunk_counts_only_when_every_tensor_parallel_rank_holds_its_shard(nod
 
 def test_a_decode_engine_waits_only_for_its_producers_handoff(node: Any) -> None:
     """The one "not yet" left: a request carrying its producer's handoff waits until the
-    node has committed what the producer saved; it asks the node itself (the view may lag
-    a node that just restarted), and the same prompt without a handoff is answered from
-    the view."""
+    node has committed what the producer saved; while the view does not show the handoff
+    whole it asks the node itself (the view may lag a node that just restarted); once the
+    view shows it, a handoff is planned from the view with no store call, as is the same
+    prompt without a handoff."""
     from gpu_agent.vllm.spec import request_namespace
 
     side = viewing(node, deadline_s=10.0)
@@ -126,11 +127,19 @@ def test_a_decode_engine_waits_only_for_its_producers_handoff(node: Any) -> None
         assert time.monotonic() < deadline, "the handoff never showed in the view"
         time.sleep(0.01)
     assert got == (768, False)
-    assert side.counters["handoff_waits"] >= 1 and side.counters["handoff_timeouts"] == 0
-    assert side.counters["lookups"] >= 1  # a handoff asks the node itself, not the view
+    c = side.counters
+    assert c["handoff_waits"] + c["lookup_pending"] >= 1 and c["handoff_timeouts"] == 0  # it waited
+    assert c["lookups"] >= 1  # the view showed one chunk: the node was asked
+    seen(side, req, 3)
+    lookups, waits = side.counters["lookups"], side.counters["handoff_waits"]
+    params = {"kvstore": {"namespace": ns.to_dict(), "saved_chunks": 3, "saved_tokens": 768}}
+    again = request(toks, rid="again", params=params)  # the view shows the handoff whole
+    assert side.matched(again, 0) == (768, False)
     plain = request(toks, rid="plain")  # the same prompt without a handoff: from the view
-    lookups = side.counters["lookups"]
-    assert side.matched(plain, 0) == (768, False) and side.counters["lookups"] == lookups
+    assert side.matched(plain, 0) == (768, False)
+    assert (side.counters["lookups"], side.counters["handoff_waits"]) == (lookups, waits)
+    side.after_alloc(again, Blocks(list(range(64))), 768)
+    assert side._loads["again"].from_view
     side.close()
 
 
