@@ -116,6 +116,8 @@ class _Req:
     sched_s: float = 0.0  # the scheduler thread's connector time for it
     kind: str = "local"  # where the last hit's chunks are: local, nvme, remote (the load gate's kinds)
     from_view: bool = False  # the last answer came from the pool's view
+    load_blocks: frozenset[int] = frozenset()  # the engine blocks its last planned load writes
+    load_failed: bool = False  # a load of it failed: it computes the rest itself, never loads again
     cls: str = "seen"  # its class of lookups (gpu_agent.vllm.patience), set when it is sighted
     given_up: bool = False  # computed without waiting for its pending lookup (its answer is still taken)
     asks: bool | None = None  # whether it is looked up at all (lookup_odds; None: not decided yet)
@@ -427,7 +429,7 @@ class SchedulerSide:
 
     def _matched(self, r: _Req, request: Request, num_computed: int) -> tuple[int | None, bool]:
         r.local_tokens = num_computed
-        if r.skip is not None:
+        if r.skip is not None or r.load_failed:
             return 0, False
         tokens = list(request.all_token_ids)
         if not r.sighted and self.produce:
@@ -571,6 +573,8 @@ class SchedulerSide:
             kind=r.kind,
             from_view=r.from_view,
         )
+        bs = self.spec.block_size
+        r.load_blocks = frozenset(blocks.get_block_ids()[0][start // bs : -(-end // bs)])
         r.external_tokens = num_external
         self.counters["hit_tokens"] += num_external
         self.counters["local_hit_tokens"] += start
@@ -719,6 +723,16 @@ class SchedulerSide:
         return hold, params
 
     def worker_output(self, out: KVConnectorOutput) -> None:
+        bad = getattr(out, "invalid_block_ids", None) or set()
+        failed = getattr(out, "failed_recving", None) or set()
+        if bad or failed:
+            # vLLM recomputes what did not load; the request is not planned a load again (a
+            # dead node the view still lists, or a stale view, would fail it the same way at
+            # every reschedule: a loop of empty steps)
+            for rid, r in self._reqs.items():
+                if rid in failed or (r.load_blocks and not bad.isdisjoint(r.load_blocks)):
+                    r.load_failed, r.load_blocks = True, frozenset()
+                    self.counters["loads_failed"] += 1
         stats = out.kv_connector_stats
         if stats is not None and isinstance(getattr(stats, "data", None), dict):
             self.gate.observe(stats.data)  # the workers' step and load times: what a load must beat

@@ -72,6 +72,7 @@ SCHEDULER_KEYS = (
     "skipped_save_chunks",
     "gated_tokens",
     "view_lookups",
+    "loads_failed",
 )
 STAT_KEYS = WORKER_KEYS + SCHEDULER_KEYS
 
@@ -136,6 +137,7 @@ PROM_HELP = {
     "skipped_save_chunks": "Computed chunks save_policy did not store (not expected to be read again).",
     "gated_tokens": "Hit tokens recomputed because loading them was measured slower (the load gate).",
     "view_lookups": "Scheduler asks answered from the pool's in-process view (lookups='view': no store call).",
+    "loads_failed": "Requests whose load failed (vLLM recomputed the rest; the request is not loaded again).",
     "view_stale_hits": "Loads planned from the pool's view that found fewer chunks than it promised (recomputed).",
     "saves_cancelled": "Saves dropped because vLLM preempted their request before its pages were copied.",
     "saves_dropped": "Saves dropped because the saver thread was too far behind (a future miss, never a held step).",

@@ -218,7 +218,7 @@ class WorkerSide:
         with what this node has (the pull may still land, for later requests)."""
         if self._puller is None:
             self._puller = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvstore-pull")
-        fut = self._puller.submit(self._pull_remote, spec, ns)
+        fut = self._puller.submit(self._pull_remote, self.agent, spec, ns)
         try:
             fut.result(timeout=self.settings.deadline_s)
         except concurrent.futures.TimeoutError:
@@ -229,11 +229,14 @@ class WorkerSide:
                 self.settings.deadline_s,
             )
 
-    def _pull_remote(self, spec: LoadSpec, ns: Namespace) -> None:
+    def _pull_remote(self, agent: Any, spec: LoadSpec, ns: Namespace) -> None:
         """Chunks the scheduler found through ``lookup_target`` that this machine's node lacks
-        (``gpu_agent.pull``); a failure leaves them missing and the load stops before them."""
+        (``gpu_agent.pull``) into ``agent``'s node; a failure leaves them missing and the load
+        stops before them (no agent: the node is down, nothing to pull into)."""
         from gpu_agent.pull import pull_missing
 
+        if agent is None:
+            return
         t0 = time.perf_counter()
         try:
             if self._remote is None:
@@ -243,7 +246,7 @@ class WorkerSide:
             if tail is not None:
                 chain.append(tail)
             self.counters["pulled_blocks"] += pull_missing(
-                self.agent.client,
+                agent.client,
                 self._remote,
                 chain,
                 spec.first_token // self.chunk,
@@ -334,7 +337,7 @@ class WorkerSide:
         t0 = time.perf_counter()
         ns = self._ns(spec.namespace)
         if self.settings.lookup_target:
-            self._pull_remote(spec, ns)
+            self._pull_remote(agent, spec, ns)
         h, _ = self._issue_load(agent, spec, ns)
         got = 0
         short = h is not None and h.num_tokens < spec.num_tokens

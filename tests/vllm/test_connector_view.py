@@ -216,6 +216,32 @@ def test_a_load_the_view_planned_that_finds_chunks_gone_is_a_stale_hit_recompute
     side.close()
 
 
+def test_a_request_whose_load_failed_is_never_planned_a_load_again(node: Any) -> None:
+    """The view lists chunks whose load then fails (a node killed, its entries not yet
+    dropped): vLLM recomputes the failed blocks and asks the connector again; the request
+    computes the rest itself rather than be planned the same failing load at every
+    reschedule (found by ``--fault kill:node0@20``: one request failed its load 9,747 times
+    in a second, the engine stepping in a loop); other requests still load."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    side = viewing(node)
+    toks = prompt(1000, seed=13)
+    req = request(toks, rid="fails")
+    store(node, side, req, 3)
+    seen(side, req, 3)
+    assert side.matched(req, 0) == (768, False)
+    side.after_alloc(req, Blocks(list(range(200, 264))), 768)
+    side.worker_output(KVConnectorOutput(invalid_block_ids={216}))  # chunk 1's first page
+    assert side.counters["loads_failed"] == 1
+    assert side.matched(req, 256) == (0, False)  # rescheduled: computes the rest itself
+    other = request(toks, rid="other")
+    assert side.matched(other, 0) == (768, False)  # its own load is planned as before
+    side.after_alloc(other, Blocks(list(range(300, 364))), 768)
+    side.worker_output(KVConnectorOutput(failed_recving={"other"}))  # a background load failed
+    assert side.matched(other, 0) == (0, False) and side.counters["loads_failed"] == 2
+    side.close()
+
+
 def test_a_dead_node_is_a_miss_never_a_wait(tmp_path: Any) -> None:
     """The node dies: every ask is still answered at once (a stale hit costs a load error
     that vLLM recomputes), and once the view drops the node, a miss."""
