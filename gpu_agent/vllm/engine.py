@@ -292,6 +292,8 @@ def cpu_binding(tp: int) -> str:
 
 
 def _serve(spec: dict[str, Any]) -> None:
+    if int(spec.get("nice") or 0):
+        os.nice(int(spec["nice"]))  # before vLLM starts a thread or a process: they all inherit it
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     for k, v in VLLM_CPU_ENV.items():
         os.environ.setdefault(k, v)
@@ -352,7 +354,13 @@ def _serve(spec: dict[str, Any]) -> None:
 class EngineProcess:
     """A vLLM engine child process (see the module docstring); ``block_size`` and
     ``num_blocks`` (vLLM's KV cache) and ``cpus`` (the CPUs its worker(s) run on, as
-    ``VLLM_CPU_OMP_THREADS_BIND``: ``"0,1"``) are known once :meth:`wait_ready` returns."""
+    ``VLLM_CPU_OMP_THREADS_BIND``: ``"0,1"``) are known once :meth:`wait_ready` returns.
+
+    ``nice``: the engine and every process and thread it starts run this much nicer than
+    the caller.  vLLM's workers busy-wait (``sched_yield``) for a second after each message
+    of their shared-memory queues, so while a request runs a ``tp`` = 2 engine keeps three
+    processes spinning; on a machine whose cores the engines share with a store node, a
+    nicer engine leaves the node the CPU it needs to answer (the test rig's engines)."""
 
     def __init__(
         self,
@@ -367,6 +375,7 @@ class EngineProcess:
         prefix_caching: bool = True,
         tp: int = 1,
         max_batched_tokens: int | None = None,
+        nice: int = 0,
     ) -> None:
         spec = {
             "model": str(model),
@@ -377,6 +386,7 @@ class EngineProcess:
             "prefix_caching": prefix_caching,
             "tp": tp,
             "max_batched_tokens": max_batched_tokens,
+            "nice": nice,
         }
         self.log_path = log_path
         self._log = open(log_path, "w") if log_path else subprocess.DEVNULL

@@ -84,7 +84,8 @@ def consume(
     before = reads(client)
     got = engine.generate(tokens, max_tokens=max_tokens, **kw)
     assert same(got, want), diff(got, want)
-    assert reads(client) - before == blocks, f"the node handed out {reads(client) - before} blocks, not {blocks}"
+    handed = reads(client) - before
+    assert handed == blocks, f"the node handed out {handed} blocks, not {blocks}{engine.log_tail()}"
     kv = info(got)
     assert (kv.get("local_tokens"), kv.get("external_tokens")) == (local, external), kv
     return got

@@ -46,6 +46,10 @@ RETRY = 1.0
 """The rig's engines' ``retry_s`` (the default is 5 s): after a test failed their store
 calls (a node stopped, killed or frozen), they try the store again this soon, and the next
 test waits ``RETRY + 1`` s for it rather than 6."""
+NICE = 5
+"""How much nicer than the nodes the rig's engines run: vLLM's workers spin on their message
+queues while a request runs (the ``tp2`` engine's two ranks and its core: three spinners on
+two cores), and a node starved behind them left a lookup unanswered for 15 s."""
 
 
 def prompt(seed: int, n: int = N) -> list[int]:
@@ -147,6 +151,7 @@ class Rig:
         def engine(name: str, **kw: Any) -> EngineProcess:
             kw.setdefault("max_tokens", MAX)
             kw.setdefault("kv_bytes", 64 << 20)
+            kw.setdefault("nice", NICE)
             e = EngineProcess(self.model, log_path=d / f"{name}.log", **kw)
             stack.callback(e.close)
             return e
