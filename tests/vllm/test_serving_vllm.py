@@ -65,7 +65,7 @@ def test_short_serving_run(tmp_path: Path) -> None:
             "--block-tokens",
             "64",
             "--rate",
-            "2",
+            "4",
             "--max-output-tokens",
             "16",
             "--configs",
