@@ -18,7 +18,12 @@ as it runs, from the workers' stats:
   of its slowest chunk's kind (one request's load waits for all of its chunks).
 
 For a hit the gate loads the leading chunks whose saving (recompute of their tokens less
-the load's predicted cost) is largest, nothing if no prefix saves time.  Each estimate is
+the load's predicted cost) is largest, nothing if no prefix saves time.  Savings are
+counted at the engine's current batch (``batch``: the requests one step runs, this one
+included): a recompute lengthens the step every one of them waits for, and so does a load
+made in the step; a load made in the background (``background``: the kinds the scheduler
+loads asynchronously) holds up only its own request, so its cost is weighed once against
+a recompute that costs the whole batch.  Each estimate is
 decayed (recent loads weigh most).  A kind with no measurement yet, or an engine that has
 not prefilled yet, loads: the gate learns from loads it lets through.  A hit the gate cut
 short is still loaded whole once every ``explore`` times, so a tier that recovers (a node
@@ -30,12 +35,18 @@ State: :class:`LoadGate` belongs to the scheduler half (its thread only).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 KINDS = ("local", "nvme", "remote")
 PREFILL_STEP_TOKENS = 32
 """A step that prefills at least this many tokens measures the engine's recompute rate."""
+
+
+def background_kinds(async_loads: str) -> tuple[str, ...]:
+    """The kinds of load the connector makes in the background under its ``async_loads``
+    setting (``auto``: from NVMe or another node; ``always``: all; ``never``: none)."""
+    return KINDS if async_loads == "always" else ("nvme", "remote") if async_loads == "auto" else ()
 
 
 @dataclasses.dataclass
@@ -120,32 +131,45 @@ class LoadGate:
             loads = float(data.get(f"load_{k}_n", 1 if tokens > 0 else 0))
             self.loads[k].add(float(data.get(f"load_{k}_us", 0)) / 1e6, tokens, loads)
 
-    def saving(self, kind: str, tokens: int) -> float | None:
-        """Seconds a load of ``tokens`` of ``kind`` is expected to save over recomputing
-        them (negative: it costs more); None while either side is unmeasured."""
+    def saving(self, kind: str, tokens: int, *, batch: float = 1.0, background: bool = False) -> float | None:
+        """Request-seconds a load of ``tokens`` of ``kind`` is expected to save over
+        recomputing them, summed over a step of ``batch`` requests (negative: it costs
+        more); None while either side is unmeasured.  A load in the step and the recompute
+        both hold up the whole batch; a ``background`` load holds up only its request."""
         recompute = self.recompute.per_token(self.min_samples)
         load = self.loads[kind].predict(tokens, self.min_samples)
         if recompute is None or load is None:
             return None
-        return recompute * self.margin * tokens - load
+        n = max(1.0, batch)
+        return n * recompute * self.margin * tokens - (load if background else n * load)
 
-    def pays(self, kind: str, tokens: int = 1) -> bool:
+    def pays(self, kind: str, tokens: int = 1, *, batch: float = 1.0, background: bool = False) -> bool:
         """Whether loading ``tokens`` of ``kind`` in one load is expected to beat recomputing them."""
         if not self.enabled:
             return True
-        gain = self.saving(kind, tokens)
+        gain = self.saving(kind, tokens, batch=batch, background=background)
         return gain is None or gain > 0
 
-    def leading(self, kinds: Sequence[str], chunk_tokens: int = 1) -> int:
+    def leading(
+        self,
+        kinds: Sequence[str],
+        chunk_tokens: int = 1,
+        *,
+        batch: float = 1.0,
+        background: Collection[str] = (),
+    ) -> int:
         """How many leading chunks (of these kinds, ``chunk_tokens`` each) to load: the
-        prefix whose load saves the most time (none if none saves any; all while a kind is
-        unmeasured), except once every ``explore`` times the gate would cut a hit short."""
+        prefix whose load saves the most time at a step of ``batch`` requests (none if none
+        saves any; all while a kind is unmeasured), a load being in the background when its
+        slowest kind is one of ``background``; except once every ``explore`` times the gate
+        would cut a hit short."""
         if not self.enabled or not kinds:
             return len(kinds)
         best, best_gain, worst = 0, 0.0, 0
         for i, k in enumerate(kinds, 1):
             worst = max(worst, KINDS.index(k))  # one load: its slowest chunk's kind
-            gain = self.saving(KINDS[worst], i * chunk_tokens)
+            kind = KINDS[worst]
+            gain = self.saving(kind, i * chunk_tokens, batch=batch, background=kind in background)
             if gain is None:  # unmeasured: load, and learn from it
                 best, best_gain = i, float("inf")
             elif gain > best_gain or (best_gain == float("inf") and gain > 0):

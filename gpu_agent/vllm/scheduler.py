@@ -60,7 +60,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from gpu_agent.vllm import admission, patience
 from gpu_agent.vllm.events import KVStoreEvents, StoredChunks
-from gpu_agent.vllm.gate import LoadGate
+from gpu_agent.vllm.gate import LoadGate, background_kinds
 from gpu_agent.vllm.metadata import KVStoreMeta, LoadSpec, SaveSpec
 from gpu_agent.vllm.pacing import WaitBudget
 from gpu_agent.vllm.settings import ConnectorSettings, EngineSpec
@@ -153,6 +153,7 @@ class SchedulerSide:
         self._read_back: concurrent.futures.Future[list[dict[str, Any]]] | None = None  # a poll in flight
         self._read_back_at = 0.0  # the next poll is due then
         self.gate = LoadGate(settings.load_gate)
+        self._batch = 0  # requests the last step ran (the gate weighs a recompute by the batch it holds up)
         self.odds = patience.HitOdds()
         self._given_up: list[tuple[_Req, int, float, concurrent.futures.Future[LookupAnswer]]] = []
         self.budget = WaitBudget(
@@ -497,7 +498,7 @@ class SchedulerSide:
             for t, loc in zip(tiers, ans.local or [True] * n)
         ]
         # a producer's handoff loads whatever the gate says: the decode engine is there not to prefill
-        pay = n if want > 0 else self.gate.leading(kinds, self.chunk) if n else 0
+        pay = n if want > 0 else self._gate(kinds) if n else 0
         if pay < n:
             skipped_tokens = found_tokens - (first + pay) * self.chunk
             self.counters["gated_tokens"] += max(0, min(skipped_tokens, request.num_tokens - 1 - num_computed))
@@ -513,6 +514,13 @@ class SchedulerSide:
             self.counters["async_loads"] += 1
         r.kind = "remote" if "remote" in kinds else "nvme" if "nvme" in kinds else "local"
         return n_tokens, r.async_load
+
+    def _gate(self, kinds: list[str]) -> int:
+        """Leading chunks of a hit (of these kinds) worth loading at the engine's batch: the
+        last step's requests and this one."""
+        return self.gate.leading(
+            kinds, self.chunk, batch=self._batch + 1, background=background_kinds(self.settings.async_loads)
+        )
 
     def _load_async(self, kinds: list[str]) -> bool:
         """Whether the hit loads in the background (``async_loads``): with ``auto``, when any
@@ -590,6 +598,7 @@ class SchedulerSide:
 
     def _build_meta(self, out: SchedulerOutput) -> KVStoreMeta:
         self._take_given_up()
+        self._batch = len(out.num_scheduled_tokens)
         meta = KVStoreMeta(
             preempted=set(getattr(out, "preempted_req_ids", None) or ()),
             step_tokens=int(out.total_num_scheduled_tokens),

@@ -109,7 +109,7 @@ from typing import Any
 import xxhash
 
 from gpu_agent.vllm import admission
-from gpu_agent.vllm.gate import PREFILL_STEP_TOKENS, LoadGate
+from gpu_agent.vllm.gate import PREFILL_STEP_TOKENS, LoadGate, background_kinds
 from gpu_agent.vllm.settings import ConnectorSettings
 from gpu_agent.vllm.storelink import READ_BACK_EVERY_S
 from kvstore.bench.serving.workload import Work
@@ -464,6 +464,7 @@ class Connector:
         self.k = pool.chunk_tokens // self.bs  # engine blocks per chunk
         self.sightings = admission.Sightings()
         self.gate = LoadGate(settings.load_gate)
+        self._batch = 0  # requests the engine's last step ran
         self.evidence = admission.Evidence()  # save_policy evidence: its node's read-back counters
         self._read_back_at = 0.0  # the next poll of them is due then (virtual seconds)
         self.reqs: dict[str, _Req] = {}
@@ -524,7 +525,7 @@ class Connector:
         self.counters["lookups"] += 1
         if r.handoff is not None:  # a producer's handoff loads whatever is there: no gate
             return self._handoff_hit(r, first, local, max_hit, where)
-        n = self.gate.leading([_KIND[t] for t, _ in where], self.k * self.bs) if where else 0
+        n = self._gate([_KIND[t] for t, _ in where]) if where else 0
         if n < len(where):
             self.counters["gated_chunks"] += len(where) - n
         end = min((first + n) * self.k, max_hit)
@@ -591,8 +592,16 @@ class Connector:
             tail_tokens = max(0, end - max_hit * self.bs)
         return self._answer(r, first, len(where), where, per, tail_tokens, last, tail)
 
+    def _gate(self, kinds: list[str]) -> int:
+        """Leading chunks worth loading at the engine's batch (the last step's requests and
+        this one), as the connector's scheduler half weighs them."""
+        return self.gate.leading(
+            kinds, self.k * self.bs, batch=self._batch + 1, background=background_kinds(self.settings.async_loads)
+        )
+
     # -- the fleet's calls ------------------------------------------------------------------
     async def step_started(self, res: StepResult) -> None:
+        self._batch = len(res.scheduled)
         for rid in res.preempted:
             r = self.reqs[rid]
             r.registered = r.saved = 0

@@ -145,6 +145,25 @@ def test_a_small_hit_is_recomputed_when_the_loads_fixed_cost_exceeds_its_recompu
     assert g.snapshot()["local"] == (pytest.approx(0.010), pytest.approx(1e-6))
 
 
+def test_a_background_load_is_weighed_against_a_recompute_that_holds_up_the_whole_batch() -> None:
+    """Recompute: 20 µs a token; a remote pull: 20 ms fixed + 20 µs a token (never cheaper
+    than recompute for its own request).  In the step, a load holds up every request of the
+    batch as a recompute does: never worth it, whatever the batch.  In the background it
+    holds up its own request only, while a recompute of 1,024 tokens (20 ms) lengthens the
+    step all 8 requests of the batch wait for: worth it at a batch of 8, not alone."""
+    g = LoadGate(min_samples=2, explore=0)
+    for tokens in (256, 2048, 1024):
+        g.observe({"prefill_step_us": 20 * 4096, "prefill_step_tokens": 4096})
+        g.observe({"load_remote_us": 20_000 + 20 * tokens, "load_remote_tokens": tokens, "load_remote_n": 1})
+    hit = ["remote"] * 4
+    assert g.leading(hit, 256) == 0 and g.leading(hit, 256, batch=8) == 0  # in the step
+    assert g.leading(hit, 256, background=("remote",)) == 0  # alone: 20 ms more for the request
+    assert g.leading(hit, 256, batch=8, background=("remote",)) == 4
+    assert g.saving("remote", 1024, batch=8, background=True) == pytest.approx(8 * 0.02048 - 0.04048)
+    assert g.leading(["local", "remote"], 256, batch=8, background=("remote",)) == 2  # one background load
+    assert g.leading(["local", "remote"], 256, batch=8, background=()) == 1  # local unmeasured: loads
+
+
 def test_rates_are_decayed_ratios_and_ignore_empty_samples() -> None:
     r = Rate(decay=0.5)
     assert r.per_token() is None

@@ -147,16 +147,27 @@ def test_a_decode_engine_waits_for_exactly_the_chunks_its_prefill_engine_saved(n
     assert side.counters["handoff_waits"] >= 1 and side.counters["handoff_timeouts"] == 0
 
 
+def gated(node: Any, *, recompute_us: float, load_us: float, **extra: Any) -> Any:
+    """A scheduler whose gate measured recompute and loads from its node (µs a token)."""
+    side = scheduler(node, deadline_s=5.0, **extra)
+    for _ in range(3):
+        side.gate.observe(
+            {
+                "prefill_step_us": recompute_us * 1000,
+                "prefill_step_tokens": 1000,
+                "load_local_us": load_us * 1000,
+                "load_local_tokens": 1000,
+            }
+        )
+    return side
+
+
 def test_the_load_gate_stops_a_slow_hit_but_never_a_producers_handoff(node: Any) -> None:
     """Loads measured slower than recompute: a plain request recomputes (the tokens are
     counted as gated), a decode request handed off by its prefill engine still loads them."""
     from gpu_agent.vllm.spec import request_namespace
 
-    side = scheduler(node, deadline_s=5.0)
-    for _ in range(3):  # recompute 1 µs a token, a load from the node 100 µs a token
-        side.gate.observe(
-            {"prefill_step_us": 1000, "prefill_step_tokens": 1000, "load_local_us": 1e5, "load_local_tokens": 1000}
-        )
+    side = gated(node, recompute_us=1, load_us=100)
     toks = prompt(1000, seed=40)
     plain = request(toks, rid="plain")
     store(node, side, plain, 3)
@@ -167,6 +178,31 @@ def test_the_load_gate_stops_a_slow_hit_but_never_a_producers_handoff(node: Any)
     handed = request(toks, rid="handed", params=params)
     assert side.matched(handed, 0) == (768, False)
     assert side.counters["gated_tokens"] == 768
+
+
+def test_a_background_load_that_only_its_own_request_waits_for_pays_at_a_busy_engines_batch(node: Any) -> None:
+    """Loads (here all in the background: ``async_loads="always"``) measured 3 times slower
+    than recompute: an idle engine's request recomputes; once a step ran 5 requests, the
+    same hit loads, since its recompute would lengthen the step all six wait for while the
+    background load holds up its own request only."""
+    side = gated(node, recompute_us=10, load_us=30, async_loads="always")
+    toks = prompt(1000, seed=41)
+    idle = request(toks, rid="idle")
+    store(node, side, idle, 3)
+    assert side.matched(idle, 0) == (0, False) and side.counters["gated_tokens"] == 768
+    empty = types.SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    step = types.SimpleNamespace(
+        preempted_req_ids=set(),
+        total_num_scheduled_tokens=5,
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=empty,
+        num_scheduled_tokens={f"running-{i}": 1 for i in range(5)},
+    )
+    side.build_meta(step)
+    busy = request(toks, rid="busy")
+    assert side.matched(busy, 0) == (768, True)  # loaded, in the background
+    assert side.counters["gated_tokens"] == 768
+    side.close()
 
 
 def test_the_handoff_wait_ends_at_the_deadline_and_bad_params_never_wait(node: Any) -> None:
