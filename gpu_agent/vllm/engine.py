@@ -140,11 +140,14 @@ def engine_kwargs(
     prefix_caching: bool = True,
     tp: int = 1,
     max_batched_tokens: int | None = None,
+    kv_events: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``vllm.LLM`` arguments for a CPU engine (offline, dummy weights, token ids in and out).
 
     ``max_batched_tokens``: tokens one step may compute (``max_num_batched_tokens``; default
-    ``max_tokens``, a whole prompt per step); below a prompt's length its prefill is chunked."""
+    ``max_tokens``, a whole prompt per step); below a prompt's length its prefill is chunked.
+    ``kv_events``: vLLM's ``KVEventsConfig`` fields (its prefix cache's events published over
+    ZMQ: what ``kvstore conductor`` follows), None for none."""
     kw: dict[str, Any] = dict(
         model=model,
         skip_tokenizer_init=True,
@@ -170,6 +173,10 @@ def engine_kwargs(
             kv_connector_extra_config=connector.get("extra", {}),
             kv_load_failure_policy="recompute",
         )
+    if kv_events is not None:
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(**kv_events)
     return kw
 
 
@@ -318,6 +325,7 @@ def _serve(spec: dict[str, Any]) -> None:
             prefix_caching=spec.get("prefix_caching", True),
             tp=tp,
             max_batched_tokens=spec.get("max_batched_tokens"),
+            kv_events=spec.get("kv_events"),
         )
     )
     engine = llm.llm_engine
@@ -356,6 +364,8 @@ class EngineProcess:
     ``num_blocks`` (vLLM's KV cache) and ``cpus`` (the CPUs its worker(s) run on, as
     ``VLLM_CPU_OMP_THREADS_BIND``: ``"0,1"``) are known once :meth:`wait_ready` returns.
 
+    ``kv_events``: vLLM's ``KVEventsConfig`` fields (:func:`engine_kwargs`).
+
     ``nice``: the engine and every process and thread it starts run this much nicer than
     the caller.  vLLM's workers busy-wait (``sched_yield``) for a second after each message
     of their shared-memory queues, so while a request runs a ``tp`` = 2 engine keeps three
@@ -376,6 +386,7 @@ class EngineProcess:
         tp: int = 1,
         max_batched_tokens: int | None = None,
         nice: int = 0,
+        kv_events: dict[str, Any] | None = None,
     ) -> None:
         spec = {
             "model": str(model),
@@ -387,6 +398,7 @@ class EngineProcess:
             "tp": tp,
             "max_batched_tokens": max_batched_tokens,
             "nice": nice,
+            "kv_events": kv_events,
         }
         self.log_path = log_path
         self._log = open(log_path, "w") if log_path else subprocess.DEVNULL

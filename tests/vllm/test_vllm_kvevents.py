@@ -1,5 +1,7 @@
 """The conductor's KV-events subscriber against vLLM itself: vLLM's own ``ZmqEventPublisher``
-publishing vLLM's own event structs, and one real engine with KV events on.
+publishing vLLM's own event structs.  A real engine with KV events on is followed in
+test_vllm_engine_registry.py (the engine those tests start anyway, through the endpoints its
+registry record advertises).
 
 The conductor never imports vLLM; these tests do, to check that what the subscriber
 decodes generically is what vLLM sends (sequence numbers, replay protocol, msgpack
@@ -8,15 +10,10 @@ shapes) and that a real engine's prefix cache is credited exactly.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -172,84 +169,3 @@ def test_vllms_publisher_is_followed_through_gaps_replays_and_restarts(ipc: Call
 
 
 # -- one real engine ------------------------------------------------------------------------------
-WRAPPER = """
-import json, sys
-import gpu_agent.vllm.engine as e
-base = e.engine_kwargs
-def with_events(*a, **k):
-    from vllm.config import KVEventsConfig
-    kw = base(*a, **k)
-    kw["kv_events_config"] = KVEventsConfig(**json.loads(sys.argv[2]))
-    return kw
-e.engine_kwargs = with_events
-e._serve(json.loads(sys.argv[1]))
-"""
-
-
-def events_engine(model: Path, log: Path, events: dict[str, Any]) -> Any:
-    """An :class:`EngineProcess` whose engine publishes KV events (``kv_events_config``,
-    which EngineProcess does not pass): the same child protocol, started through a wrapper."""
-    from gpu_agent.vllm.engine import EngineProcess
-    from kvstore.children import shm_names, spawn
-
-    spec = {
-        "model": str(model),
-        "max_tokens": 2048,
-        "kv_bytes": 64 << 20,
-        "connector": None,
-        "lora": False,
-        "prefix_caching": True,
-        "tp": 1,
-        "max_batched_tokens": None,
-    }
-    e = EngineProcess.__new__(EngineProcess)  # EngineProcess.__init__'s fields, another command
-    e.log_path = log
-    e._log = open(log, "w")
-    e._shm_before = shm_names()
-    e.proc = spawn(
-        [sys.executable, "-c", WRAPPER, json.dumps(spec), json.dumps(events)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=e._log,
-        text=True,
-        env=dict(os.environ),
-    )
-    e.started_s, e.block_size, e.num_blocks, e.cpus = 0.0, 0, 0, ""
-    return e
-
-
-def test_a_real_engine_is_credited_with_its_prompts_full_blocks(tmp_path: Path, ipc: Callable[[str], str]) -> None:
-    from gpu_agent.vllm.engine import make_model
-
-    model = make_model(tmp_path / "model", layers=2, hidden=256, max_tokens=2048)
-    pub, replay = ipc("pub"), ipc("replay")
-    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": replay}
-    engine = events_engine(model, tmp_path / "engine.log", cfg)
-    try:
-        engine.wait_ready(timeout=600)
-        bs = engine.block_size
-        ix = FleetCacheIndex()
-        sub = KVEventSubscriber("e0", pub, ix, replay=replay, block_size=bs)
-        try:
-            p = prompt(42, 600)
-            r = engine.generate(p, max_tokens=1)
-            assert r["tokens"]
-            full = 600 // bs * bs
-            wait_for(lambda: ix.match(p)["e0"] == full, f"the prompt's {600 // bs} full blocks credited", 60)
-            shared = p[:320] + prompt(43, 280)
-            assert ix.match(shared)["e0"] == 320 // bs * bs
-            assert ix.match(prompt(44, 600))["e0"] == 0
-            assert engine.reset_prefix_cache()
-            # vLLM publishes a step's events after the step: the reset goes out with the next one
-            q = prompt(45, 100)
-            engine.generate(q, max_tokens=1)
-            wait_for(lambda: ix.match(q)["e0"] == 100 // bs * bs, "the next request credited", 60)
-            # the clear may go out a step after q's blocks (the engine core resets between steps)
-            wait_for(lambda: ix.match(p)["e0"] == 0, "the reset's clear applied", 60)
-            assert sub.connected and sub.errors == 0 and sub.resyncs == 0
-            c = ix.counts("e0")
-            assert c["stored"] >= 600 // bs and c["foreign"] == 0 and c["cleared"] >= 1
-        finally:
-            sub.close()
-    finally:
-        engine.close()
