@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from kvstore.bench.serving import report
-from kvstore.bench.serving.fleet import Engine, engine_cpus, renice
+from kvstore.bench.serving.fleet import Engine, engine_cpus, pin_engine, renice
 from kvstore.bench.serving.front import PrefillDecode, RoundRobin
 from kvstore.bench.serving.runner import Record, Replay, tbt
 from kvstore.bench.serving.workload import Scaling, build, shared_block_ratio
@@ -508,6 +508,41 @@ def test_renice_sets_every_thread_of_a_process() -> None:
         assert renice(proc.pid, 7)
         tids = [int(t.name) for t in Path(f"/proc/{proc.pid}/task").iterdir()]
         assert len(tids) == 4 and {os.getpriority(os.PRIO_PROCESS, t) for t in tids} == {7}
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_pin_engine_pins_every_thread_of_the_engines_processes_but_its_workers() -> None:
+    """An engine's server and engine core (here a parent with threads and a child) go to
+    its worker's CPUs, thread by thread; a process named like vLLM's worker keeps its own
+    binding; an engine with no CPU list of its own is left alone."""
+    cpus = sorted(os.sched_getaffinity(0))
+    code = (
+        "import os, subprocess, sys, threading, time\n"
+        "WORKER = os.environ['WORKER']\n"
+        "[threading.Thread(target=time.sleep, args=(30,), daemon=True).start() for _ in range(2)]\n"
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
+        "w = subprocess.Popen([sys.executable, '-c', WORKER])\n"
+        "while open(f'/proc/{w.pid}/comm').read().strip() != 'VLLM::Worker': time.sleep(0.01)\n"
+        "print(c.pid, w.pid, flush=True)\n"
+        "time.sleep(30)"
+    )
+    # vLLM names its worker processes (the kernel's comm, what psutil's name() reads)
+    worker_code = "import ctypes, time; ctypes.CDLL(None).prctl(15, b'VLLM::Worker', 0, 0, 0); time.sleep(30)"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env={**os.environ, "WORKER": worker_code}
+    )
+    try:
+        assert proc.stdout is not None
+        child, worker = (int(x) for x in proc.stdout.readline().split())
+        e = Engine("e0", "http://127.0.0.1:1", "both", str(cpus[-1]), proc=proc)
+        assert pin_engine(e)
+        for pid in (proc.pid, child):
+            tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+            assert {frozenset(os.sched_getaffinity(t)) for t in tids} == {frozenset({cpus[-1]})}, pid
+        assert os.sched_getaffinity(worker) == set(cpus)  # vLLM bound its workers already
+        assert not pin_engine(Engine("e1", "http://127.0.0.1:1", "both", "any", proc=proc))
     finally:
         proc.kill()
         proc.wait()
