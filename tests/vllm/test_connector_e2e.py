@@ -44,6 +44,7 @@ from vllm_rig import (  # noqa: F401 - fixtures
 
 from client import KVClient
 from gpu_agent.vllm.engine import request
+from kvstore.children import log_tail
 from kvstore.keys import Namespace, chunk_keys
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -85,7 +86,9 @@ def consume(
     got = engine.generate(tokens, max_tokens=max_tokens, **kw)
     assert same(got, want), diff(got, want)
     handed = reads(client) - before
-    assert handed == blocks, f"the node handed out {handed} blocks, not {blocks}{engine.log_tail()}"
+    assert handed == blocks, (
+        f"the node handed out {handed} blocks, not {blocks}{engine.log_tail()}{log_tail(rig.dir / 'node.log')}"
+    )
     kv = info(got)
     assert (kv.get("local_tokens"), kv.get("external_tokens")) == (local, external), kv
     return got

@@ -133,9 +133,9 @@ class Rig:
         # up and pulls them through a cluster client, as `kvstore demo vllm` does
         cluster_target, member = local_cluster(stack, d)
         assert cluster_target, "etcd is not installed: scripts/setup.sh installs it"
-        self.node = private_node(d / "node", *member, dram="256MiB", nvme="256MiB")
+        self.node = private_node(d / "node", *member, dram="256MiB", nvme="256MiB", log_path=d / "node.log")
         stack.callback(self.node.close)
-        self.other_node = private_node(d / "other", *member, dram="256MiB", nvme="256MiB")
+        self.other_node = private_node(d / "other", *member, dram="256MiB", nvme="256MiB", log_path=d / "other.log")
         stack.callback(self.other_node.close)
         # these engines pin the data path: every prompt they compute is stored (save_policy
         # always), so one request is enough to test a load; what `auto` stores is tested in
