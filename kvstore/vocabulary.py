@@ -127,6 +127,7 @@ NODE_COUNTERS = frozenset(
         "quota_rejected_nvme",
         "reservations_reclaimed",
         "reserve_no_space",
+        "reserve_stalled",
         "reserve_tenant_limit",
         "reserve_tenant_quota",
         "stored_blocks",

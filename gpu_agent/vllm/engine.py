@@ -147,7 +147,9 @@ def engine_kwargs(
     ``max_batched_tokens``: tokens one step may compute (``max_num_batched_tokens``; default
     ``max_tokens``, a whole prompt per step); below a prompt's length its prefill is chunked.
     ``kv_events``: vLLM's ``KVEventsConfig`` fields (its prefix cache's events published over
-    ZMQ: what ``kvstore conductor`` follows), None for none."""
+    ZMQ: what ``kvstore conductor`` follows), None for none.  ``connector``: ``{"role",
+    "extra"}`` of kvstore's connector (``"name"`` and ``"module"`` name another one: a
+    reference to compare with)."""
     kw: dict[str, Any] = dict(
         model=model,
         skip_tokenizer_init=True,
@@ -167,8 +169,8 @@ def engine_kwargs(
         from vllm.config import KVTransferConfig
 
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVStoreConnector",
-            kv_connector_module_path="gpu_agent.vllm",
+            kv_connector=connector.get("name", "KVStoreConnector"),
+            kv_connector_module_path=connector.get("module", "gpu_agent.vllm"),
             kv_role=connector.get("role", "kv_both"),
             kv_connector_extra_config=connector.get("extra", {}),
             kv_load_failure_policy="recompute",

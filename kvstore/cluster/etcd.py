@@ -38,6 +38,7 @@ from typing import Any, Generic, TypeVar
 import aetcd
 import aetcd.exceptions
 
+from kvstore.aio import cancel_and_wait
 from kvstore.cluster import hot as _hot
 from kvstore.cluster import state
 from kvstore.cluster.state import (
@@ -369,7 +370,7 @@ class ClusterWatcher:
                 t.cancel()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(watch.cancel(), 1.0)
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait(tasks, timeout=1.0)
 
     async def close(self) -> None:
         await self.session.close()

@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from kvstore import __version__
+from kvstore.aio import cancel_and_wait
 from kvstore.cluster import hot as _hot
 from kvstore.cluster.etcd import ETCD_ERRORS, ClusterWatcher, OwnerRegistry, Registration
 from kvstore.cluster.owners import OwnersFollower
@@ -131,18 +132,16 @@ class NodeAgent:
 
     async def stop(self) -> None:
         """Deregister first (clients stop routing here), then stop watching."""
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        stuck = await cancel_and_wait(self._tasks)
+        if stuck:
+            log.warning("stopping: %d cluster tasks did not end on cancellation: %s", len(stuck), stuck)
         if self.registration.lease_id is not None and not await self.registration.deregister():
             log.warning("could not deregister from etcd; the record expires with its lease")
         await self.registration.close()
         await self.watcher.close()
         if self.owners is not None:
             await self.owners.stop()
-        for t in list(self._pending):
-            t.cancel()
-        await asyncio.gather(*self._pending, return_exceptions=True)
+        await cancel_and_wait(list(self._pending))
 
     # -- hot keys (kvstore.cluster.hot) ----------------------------------------------------------
     def _on_hits(self, hits: list[tuple[str, Any]]) -> None:

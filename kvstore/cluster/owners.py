@@ -23,6 +23,7 @@ import asyncio
 import logging
 from typing import Any
 
+from kvstore.aio import cancel_and_wait
 from kvstore.cluster.etcd import OwnerRegistry, OwnersUpdate
 from kvstore.errors import KVStoreError
 from kvstore.node.tenants import Ownership
@@ -117,7 +118,5 @@ class OwnersFollower:
             log.error("namespace owners: %s", task.exception())
 
     async def stop(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(list(self._tasks))
         await self.registry.close()

@@ -57,6 +57,12 @@ from tiers.dram import DRAMTier
 
 log = logging.getLogger("kvstore.node.manager")  # the tier manager's log, as before the split
 
+STALL_S = 1.0
+"""Most seconds one allocation waits while no DRAM block is evictable but background work
+(demotions, write-through groups, the cleaner) may free some: past it the allocation fails
+(``CapacityExceeded``: a Reserve answers ``NO_SPACE``, a save becomes a future miss) instead
+of holding its caller until the caller's deadline."""
+
 Forget = Callable[[ChunkKey, str, BlockMeta | None], None]
 """Loop only: remember that a key left the node, and why (``TierManager._forget``)."""
 
@@ -92,6 +98,7 @@ class TierMovers:
         self._wt_writer: asyncio.Task[Any] | None = None
         self.clean_ahead_bytes = 0  # DRAM kept free or clean (on NVMe too) at the victims' end; 0: no cleaner
         self.clean_batch_bytes = 64 << 20  # most bytes one cleaning write carries
+        self.stall_s = STALL_S  # most seconds one allocation waits with nothing evictable
         self._cleaner: asyncio.Task[Any] | None = None
 
     # -- executor ---------------------------------------------------------------------
@@ -134,10 +141,14 @@ class TierMovers:
 
     # -- DRAM space ---------------------------------------------------------------------
     async def allocate(self, nbytes: int) -> list[Extent]:
+        """DRAM extents for ``nbytes``, evicting (and demoting) victims to make room.
+        ``CapacityExceeded`` if it can never fit, or nothing became evictable within
+        ``stall_s`` (every block pinned, leased or reserved)."""
         extents = self.dram.reserve(nbytes)  # raises CapacityExceeded if it can never fit
         waited = False
+        give_up_at = asyncio.get_running_loop().time() + self.stall_s
         while extents is None:
-            waited = await self._evict_dram(nbytes) or waited
+            waited = await self._evict_dram(nbytes, give_up_at) or waited
             extents = self.dram.reserve(nbytes)
         if waited:  # the cleaner fell behind (or there is none): this put waited on the disk
             self.counters["reserve_waited_on_nvme"] += 1
@@ -211,9 +222,11 @@ class TierMovers:
         finally:
             self._cleaner = None
 
-    async def _evict_dram(self, nbytes: int) -> bool:
+    async def _evict_dram(self, nbytes: int, give_up_at: float) -> bool:
         """Free DRAM for ``nbytes`` by evicting victims, writing the dirty ones to NVMe first;
         True if this waited on the disk (a write, or the cleaner's blocks in flight).
+        With no victim at all it waits a moment for background work to free some, until
+        the loop's clock reaches ``give_up_at``, then raises ``CapacityExceeded``.
 
         With a cleaner, clean victims (already on NVMe) within the cleaned window at the
         eviction end go first: the policy's order moves as blocks come and go, so the
@@ -231,10 +244,18 @@ class TierMovers:
                 break
         if not batch:
             # another round is demoting, or write-through persists hold blocks for a moment:
-            # let them finish, then retry (those blocks are not pinned or leased)
+            # let them finish, then retry (those blocks are not pinned or leased), but not
+            # for ever: background work need not free anything (the cleaner, a write of
+            # blocks that stay), and the caller's deadline is better spent elsewhere
             if self._busy or self.background:
-                await asyncio.sleep(0.001)
-                return True
+                if asyncio.get_running_loop().time() < give_up_at:
+                    await asyncio.sleep(0.001)
+                    return True
+                self.counters["reserve_stalled"] += 1
+                raise CapacityExceeded(
+                    f"DRAM tier has nothing evictable after {self.stall_s:g} s ({self.dram.used_bytes} of "
+                    f"{self.dram.capacity_bytes} bytes pinned, leased, reserved or being demoted)"
+                )
             raise CapacityExceeded(
                 f"DRAM tier is full of pinned, leased or reserved blocks ({self.dram.used_bytes} of "
                 f"{self.dram.capacity_bytes} bytes); release leases, unpin, or raise --dram"

@@ -562,12 +562,33 @@ def _to_devnull(stream: Any) -> None:
         stream.flush()  # what the failed write left in the buffer now goes to /dev/null
 
 
+def dump_tasks(out: Any = sys.stderr) -> None:
+    """Write every asyncio task of the running loop with the chain of awaits it waits in
+    (``SIGUSR1`` on a serving node): what a node that does not stop, or a call that does
+    not end, waits on."""
+    tasks = asyncio.all_tasks()
+    print(f"kvstore: {len(tasks)} asyncio tasks (SIGUSR1)", file=out)
+    for t in sorted(tasks, key=lambda t: t.get_name()):
+        print(f"task {t.get_name()}:", file=out)
+        aw: Any = t.get_coro()
+        for _ in range(32):  # an await chain is short; a cycle must not hang the dump
+            if aw is None:
+                break
+            f = getattr(aw, "cr_frame", None) or getattr(aw, "gi_frame", None) or getattr(aw, "ag_frame", None)
+            where = f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}" if f is not None else repr(aw)[:200]
+            print(f"    {where}", file=out)
+            aw = getattr(aw, "cr_await", None) or getattr(aw, "gi_yieldfrom", None) or getattr(aw, "ag_await", None)
+    with contextlib.suppress(OSError, ValueError):
+        out.flush()
+
+
 async def serve(config: NodeConfig, *, out: Any = sys.stdout) -> int:
     node = Node(config)
     ep = await node.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, node.request_stop)
+    loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
     tls = {"on": " (TLS)", "mutual": " (TLS, client certificates required)"}.get(ep["tls"], "")
     remote_kw = (
         ", tls_ca_file=CA"

@@ -101,3 +101,17 @@ def test_entering_a_started_node_does_not_start_it_again(tmp_path: Path) -> None
         assert round_trip(node, b"e" * 16) == b"e" * 16 * 256
     assert not node.running()
     assert node.proc.returncode == 0  # SIGTERM: a graceful stop
+
+
+def test_sigusr1_writes_every_asyncio_task_and_the_node_serves_on(tmp_path: Path) -> None:
+    """An operator's view of a node that does not stop or answer: SIGUSR1 writes each task
+    with the awaits it waits in to the node's log (stderr), and changes nothing."""
+    log = tmp_path / "node.log"
+    with private_node(tmp_path / "n", nvme=0, log_path=log) as node:
+        os.kill(node.proc.pid, signal.SIGUSR1)
+        wait_for(lambda: "asyncio tasks (SIGUSR1)" in log.read_text(), 10.0, "the dump")
+        wait_for(lambda: "kvstore/node/server.py" in log.read_text(), 10.0, "the serve task")
+        text = log.read_text()
+        assert "task Task-1:" in text and "in serve" in text, text[-2000:]
+        with KVClient(node.target) as c:
+            assert "counters" in c.stats()  # still serving

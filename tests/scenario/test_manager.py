@@ -291,6 +291,27 @@ def test_block_bigger_than_dram_is_an_error(mgr: TierManager) -> None:
     run(go())
 
 
+def test_a_reserve_with_nothing_evictable_answers_no_space_while_background_work_runs(mgr: TierManager) -> None:
+    """DRAM full of reserved blocks and a background task that frees nothing (a cleaner or
+    a write that keeps its blocks): the next Reserve answers NO_SPACE after ``stall_s``,
+    it does not spin until its caller's deadline (the TP=2 engine's saves timed out so)."""
+
+    async def go() -> None:
+        held = [(await mgr.reserve([BlockMeta.for_payload(key(i), payload(i))]))[0] for i in range(4)]
+        assert all(r.status == Status.OK for r in held) and mgr.dram.allocator.free_bytes < MiB
+        never = asyncio.Event()
+        mgr.movers.spawn(never.wait())
+        mgr.movers.stall_s = 0.05
+        (r,) = await asyncio.wait_for(mgr.reserve([BlockMeta.for_payload(key(9), payload(9))]), 10.0)
+        assert r.status == Status.NO_SPACE and mgr.counters["reserve_stalled"] == 1
+        never.set()
+        mgr.abort([h.reservation_id for h in held])
+        (r,) = await mgr.reserve([BlockMeta.for_payload(key(9), payload(9))])  # room again
+        assert r.status == Status.OK
+
+    run(go())
+
+
 def test_write_through_persists_at_commit(tmp_path: Path, clock: FakeClock) -> None:
     m = build(tmp_path, clock, write_through=True, policy=LRUPolicy)
 
