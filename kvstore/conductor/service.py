@@ -74,6 +74,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from kvstore.aio import cancel_and_wait
 from kvstore.conductor.cost import CostModel, Load, Priors
 from kvstore.conductor.engines import Engines, EngineState, Stream, scrape_counts
 from kvstore.conductor.metrics import ConductorMetrics
@@ -181,12 +182,9 @@ class Conductor:
             self.local.follow(e)
 
     async def close(self) -> None:
-        tasks = [*self._tasks, *self._pool_inflight]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        stuck = await cancel_and_wait([*self._tasks, *self._pool_inflight])
+        if stuck:
+            log.warning("closing: %d conductor tasks did not end on cancellation: %s", len(stuck), stuck)
         self.local.close()
         if self._membership is not None:
             await asyncio.to_thread(self._membership.close)
