@@ -562,10 +562,11 @@ def _to_devnull(stream: Any) -> None:
         stream.flush()  # what the failed write left in the buffer now goes to /dev/null
 
 
-def dump_tasks(out: Any = sys.stderr) -> None:
+def dump_tasks(out: Any = None) -> None:
     """Write every asyncio task of the running loop with the chain of awaits it waits in
     (``SIGUSR1`` on a serving node): what a node that does not stop, or a call that does
-    not end, waits on."""
+    not end, waits on.  ``out``: a text stream (default: ``sys.stderr`` at the call, the log)."""
+    out = sys.stderr if out is None else out
     tasks = asyncio.all_tasks()
     print(f"kvstore: {len(tasks)} asyncio tasks (SIGUSR1)", file=out)
     for t in sorted(tasks, key=lambda t: t.get_name()):
