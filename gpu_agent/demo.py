@@ -62,7 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="torch device of the workers (default: cuda if available, else cpu)")
     p.add_argument("--repeat", type=int, default=3, help="runs per scenario; TTFT is the fastest (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--log-dir", help="vllm: keep each engine's log in this directory (default: a temporary one)")
+    p.add_argument(
+        "--log-dir", help="vllm: keep each engine's and node's log in this directory (default: a temporary one)"
+    )
     p.add_argument(
         "--async-loads",
         choices=["auto", "always", "never"],

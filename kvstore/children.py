@@ -95,6 +95,18 @@ def _in_forker(fn: Callable[[], subprocess.Popen[Any]]) -> subprocess.Popen[Any]
     return done.result()
 
 
+def nice_prefix(nice: int) -> list[str]:
+    """The words that run a command at nice value ``nice`` (``nice -n N``; none for 0).
+
+    Set as the program is exec'd, so every thread it ever starts inherits it (Linux keeps a
+    nice value per thread; renicing a running process misses threads started meanwhile).
+    A negative value needs privileges; without them ``nice`` warns and runs the program at
+    its default priority."""
+    if isinstance(nice, bool) or not isinstance(nice, int) or not -20 <= nice <= 19:
+        raise ValueError(f"a nice value is an integer from -20 to 19, got {nice!r}")
+    return ["nice", "-n", str(nice)] if nice else []
+
+
 def spawn(cmd: Sequence[str], **popen: Any) -> subprocess.Popen[Any]:
     """``subprocess.Popen(cmd, **popen)`` in a new session, dying with this process (stdin: /dev/null
     unless given).  The child asks for ``PR_SET_PDEATHSIG`` (SIGTERM) itself and then execs
@@ -281,8 +293,11 @@ class ServeProcess:
         log_path: Path | None = None,
         listen: str | None = None,
         cwd: Path | None = None,
+        nice: int = 0,
     ) -> None:
         self.data_dir = Path(data_dir)
+        nice_prefix(nice)  # a bad value is refused here, not at the first spawn
+        self.nice = nice  # the child's nice value, set as it is exec'd (``nice -n``): every thread inherits it
         self.node_id = node_id
         self.arena_path = arena_path
         self.listen = listen
@@ -298,6 +313,7 @@ class ServeProcess:
     def command(self) -> list[str]:
         """The command line the next ``spawn`` runs."""
         return [
+            *nice_prefix(self.nice),
             sys.executable,
             "-m",
             "kvstore",
@@ -423,6 +439,7 @@ def private_node(
     log_path: Path | None = None,
     timeout: float = 60.0,
     start: bool = True,
+    nice: int = 0,
 ) -> ServeProcess:
     """A private ``kvstore serve``, started: READY, on free ports (``listen``), its data under
     ``data_dir``, ``dram`` / ``nvme`` tiers (sizes as the flags take them; ``nvme=0``: none),
@@ -434,7 +451,7 @@ def private_node(
     thread, it lives until it is stopped or this process ends.  If it does not start within
     ``timeout`` s it is stopped and :class:`NodeStartError` (a ``RuntimeError``) says why, with
     its output.  ``start=False``: not started yet (``spawn`` then ``wait_ready`` each of several
-    to start them together)."""
+    to start them together).  ``nice``: the node's nice value (see :func:`nice_prefix`)."""
     node = ServeProcess(
         Path(data_dir),
         "--dram",
@@ -449,6 +466,7 @@ def private_node(
         env=env,
         log_path=log_path,
         listen=listen,
+        nice=nice,
     )
     if not start:
         return node

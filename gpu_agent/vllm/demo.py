@@ -112,10 +112,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             target = a.target
         else:
             cluster = local_cluster(stack, d)
-            node = stack.enter_context(private_node(d / "node", *cluster[1], dram=a.dram, nvme=a.nvme))
+            node = stack.enter_context(
+                private_node(d / "node", *cluster[1], dram=a.dram, nvme=a.nvme, log_path=logs / "node.log")
+            )
             target = node.target
             if cluster[0]:
-                other = stack.enter_context(private_node(d / "other", *cluster[1], dram=a.dram, nvme=a.nvme))
+                other = stack.enter_context(
+                    private_node(d / "other", *cluster[1], dram=a.dram, nvme=a.nvme, log_path=logs / "other.log")
+                )
                 remote_extra = {"target": other.target, "lookup_target": cluster[0], "retry_s": RETRY_S}
         heads = max(2, hidden // 64)
         kv_per_token = layers * 2 * max(1, heads // 2) * 64 * 4

@@ -40,7 +40,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class LocalEtcd:
     def __init__(
-        self, data_dir: Path, *, host: str = "127.0.0.1", binary: str | None = None, name: str = "kvstore"
+        self,
+        data_dir: Path,
+        *,
+        host: str = "127.0.0.1",
+        binary: str | None = None,
+        name: str = "kvstore",
+        nice: int = 0,
     ) -> None:
         exe = find_etcd(binary)
         if exe is None:
@@ -49,6 +55,8 @@ class LocalEtcd:
         self.data_dir = Path(data_dir)
         self.host = host
         self.name = name
+        children.nice_prefix(nice)  # a bad value is refused here, not at start
+        self.nice = nice  # etcd's nice value (kvstore.children.nice_prefix), set at exec
         self.client_port = free_port(host)
         self.peer_port = free_port(host)
         self.proc: subprocess.Popen[bytes] | None = None
@@ -75,6 +83,7 @@ class LocalEtcd:
         client = f"http://{self.host}:{self.client_port}"
         peer = f"http://{self.host}:{self.peer_port}"
         cmd = [
+            *children.nice_prefix(self.nice),
             self.exe,
             "--name",
             self.name,

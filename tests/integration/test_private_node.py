@@ -115,3 +115,27 @@ def test_sigusr1_writes_every_asyncio_task_and_the_node_serves_on(tmp_path: Path
         assert "task Task-1:" in text and "in serve" in text, text[-2000:]
         with KVClient(node.target) as c:
             assert "counters" in c.stats()  # still serving
+
+
+def _nice_of_every_thread(pid: int) -> set[int]:
+    return {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+def test_a_niced_node_runs_every_thread_at_its_nice_value_and_keeps_it_across_a_restart(tmp_path: Path) -> None:
+    """``nice`` is set as the node is exec'd (``nice -n``), so threads it starts later
+    (gRPC's, the movers') have it too; the PID is the node's own (signals reach it)."""
+    with private_node(tmp_path / "n", nice=7, **SMALL) as node:
+        assert node.proc is not None
+        assert _nice_of_every_thread(node.proc.pid) == {7}
+        assert round_trip(node, b"n" * 16) == b"n" * 16 * 256  # the threads a put starts are niced too
+        assert _nice_of_every_thread(node.proc.pid) == {7}
+        node.restart()
+        assert _nice_of_every_thread(node.proc.pid) == {7}
+    assert node.proc.returncode == 0  # SIGTERM reached the node itself, not a wrapper
+
+
+@pytest.mark.parametrize("bad", [20, -21, True, 1.5])
+def test_a_nice_value_out_of_range_is_refused_before_anything_starts(tmp_path: Path, bad: object) -> None:
+    with pytest.raises(ValueError, match="nice value"):
+        private_node(tmp_path / "n", nice=bad, **SMALL)  # type: ignore[arg-type]
+    assert not (tmp_path / "n").exists()

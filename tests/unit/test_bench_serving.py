@@ -824,6 +824,45 @@ def test_fault_specs_parse_into_a_plan_and_bad_ones_are_clear_errors() -> None:
         assert want in str(e.value), (spec, str(e.value))
 
 
+def test_the_null_connector_fleet_runs_vllm_with_a_connector_and_no_node(tmp_path: Path) -> None:
+    """``null-connector``: the same vLLM command as ``pool`` but kvstore's connector, with
+    vLLM's connector path on (a KV connector configured) and no node, etcd or session ids."""
+    from kvstore.bench.serving.cli import _configs
+    from kvstore.bench.serving.fleet import NULL_CONNECTOR, Fleet, FleetSpec
+
+    spec = FleetSpec(model="m", engines=2)
+    null, base = Fleet("null-connector", spec, log_dir=tmp_path), Fleet("baseline", spec, log_dir=tmp_path)
+    assert not null.uses_store and null.roles == ["both", "both"]
+    cmd, ref = null._command(0, "both", 8000), base._command(0, "both", 8000)
+    i = cmd.index("--kv-transfer-config")
+    assert cmd[:i] == ref  # otherwise the very command baseline runs
+    cfg = json.loads(cmd[i + 1])
+    assert (cfg["kv_connector"], cfg["kv_connector_module_path"]) == NULL_CONNECTOR
+    assert cfg["kv_role"] == "kv_both" and "kv_connector_extra_config" not in cfg
+    mod, name = NULL_CONNECTOR[1], NULL_CONNECTOR[0]
+    assert (ROOT / (mod.replace(".", "/") + ".py")).is_file() and f"class {name}(" in (
+        ROOT / (mod.replace(".", "/") + ".py")
+    ).read_text()
+    # a reference: asked for by name, never in the default run
+    assert "null-connector" not in _configs(None, None) and _configs("baseline,null-connector", None)[1]
+    for c in (null, base):
+        c.close()
+
+
+def test_node_nice_is_checked_and_reaches_the_nodes_and_etcd(tmp_path: Path) -> None:
+    """``--node-nice``: the fleet's nodes and etcd start at that nice value (set at exec)."""
+    from kvstore.bench.serving.fleet import Fleet, FleetSpec
+
+    with pytest.raises(InvalidArgument, match="--node-nice"):
+        FleetSpec(model="", node_nice=20)
+    with Fleet("pool", FleetSpec(model="", engines=1, node_nice=3), log_dir=tmp_path) as fleet:
+        fleet._start_store()
+        procs = [fleet.nodes[0].proc.pid, fleet._etcd.pid]
+        for pid in procs:
+            nices = {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+            assert nices == {3}, (pid, nices)
+
+
 def test_the_fault_scheduler_kills_and_restarts_a_fleets_node(tmp_path: Path) -> None:
     """A real `kvstore serve` started by the fleet's own node code (one node in a cluster
     over a private etcd): killed, then back on the same socket, arena and ports."""

@@ -747,3 +747,17 @@ def test_the_default_policy_stores_a_first_seen_prompt_and_stops_where_nothing_i
     side.finished(later)
     assert side.counters["skipped_save_chunks"] >= 3
     side.close()
+
+
+def test_the_benchmarks_null_connector_implements_every_hook_and_never_loads() -> None:
+    """``kvstore bench serving --configs null-connector``'s reference: a complete v1 connector
+    (vLLM instantiates it) that answers every request "nothing to load" at once."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+
+    from kvstore.bench.serving.null_connector import NullConnector
+
+    assert issubclass(NullConnector, KVConnectorBase_V1) and not NullConnector.__abstractmethods__
+    c = NullConnector.__new__(NullConnector)  # its hooks read no state: vLLM's config is not needed
+    assert c.get_num_new_matched_tokens(types.SimpleNamespace(request_id="r"), 0) == (0, False)
+    assert isinstance(c.build_connector_meta(types.SimpleNamespace()), KVConnectorMetadata)
+    assert c.update_state_after_alloc(None, None, 0) is None and c.wait_for_save() is None

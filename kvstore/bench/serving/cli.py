@@ -53,6 +53,7 @@ from kvstore.bench.serving import fleet as fleetmod
 from kvstore.bench.serving import report
 from kvstore.bench.serving.fleet import (
     CONFIGS,
+    DEFAULT_CONFIGS,
     DEFAULT_KV_SCALE,
     ENGINE_KINDS,
     SIM_CONFIGS,
@@ -117,8 +118,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = add_workload_arguments(p)
     p.add_argument(
         "--configs",
-        help=f"configurations to run, in order (default {','.join(CONFIGS)}; with --engine sim "
-        f"{','.join(SIM_CONFIGS)}, the only ones it runs)",
+        help=f"configurations to run, in order (default {','.join(DEFAULT_CONFIGS)}; with --engine sim "
+        f"{','.join(SIM_CONFIGS)}, the only ones it runs; also null-connector: vLLM with a KV connector that "
+        "does nothing, no node, the reference for what vLLM's connector path costs by itself)",
     )
     p.add_argument("--target", metavar="URL", help="benchmark this OpenAI-compatible endpoint instead of a fleet")
     g.add_argument("--sweep-rate", metavar="R1,R2,...", help="replay at each offered rate and report goodput per step")
@@ -183,6 +185,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the engines' busy-waiting workers, scheduled first as on hosts of its own (default -10; 0: off; "
         "needs root, else it stays 0 and the JSON says so)",
     )
+    g.add_argument(
+        "--node-nice",
+        type=int,
+        default=0,
+        help="nice value of the fleet's kvstore nodes and etcd, set as they start (default 0): a positive value "
+        "gives the engines' workers the cores first, as on hosts where the node has cores of its own",
+    )
     g.add_argument("--warmup", type=int, default=2, help="warm-up requests per engine, not measured (default 2)")
     g.add_argument("--request-timeout", type=float, default=300.0, help="seconds one request may take (default 300)")
     g.add_argument("--start-timeout", type=float, default=900.0, help="seconds a fleet may take to start (default 900)")
@@ -227,7 +236,7 @@ def _configs(text: str | None, target: str | None, engine: str = "vllm") -> list
     if target:
         return ["target"]
     if text is None:
-        text = ",".join(SIM_CONFIGS if engine == "sim" else CONFIGS)
+        text = ",".join(SIM_CONFIGS if engine == "sim" else DEFAULT_CONFIGS)
     names = [c.strip() for c in text.split(",") if c.strip()]
     bad = [c for c in names if c not in CONFIGS]
     if bad or not names:
@@ -347,6 +356,8 @@ def run(a: argparse.Namespace) -> tuple[dict[str, Any], list[Record]]:
         "failures": [f"trace: {s}" for s in base.skipped],
         "cpus": sorted(os.sched_getaffinity(0)),
     }
+    if a.node_nice:
+        result["node_nice"] = a.node_nice
     if len(steps) > 1:
         result["steps"] = [{"offered_rps": round(w.offered_rps, 4), "configs": {}} for w in steps]
     if plan:
@@ -390,6 +401,7 @@ def run(a: argparse.Namespace) -> tuple[dict[str, Any], list[Record]]:
             connector_extra=tuple(sorted(extra.items())),
             conductor_args=_conductor_args(a),
             front_nice=a.front_nice,
+            node_nice=a.node_nice,
             start_timeout_s=a.start_timeout,
             engine=a.engine,
             profile=a.profile or "local",
@@ -465,7 +477,10 @@ def _run_config(
                     more = {"baseline": "", "pool": " and kvstore nodes"}.get(name, " and etcd")
                     p.step(f"{spec.engines} mock engines{more}")
                 else:
-                    p.step(f"{spec.engines} vLLM servers" + (" and kvstore nodes" if name != "baseline" else ""))
+                    p.step(
+                        f"{spec.engines} vLLM servers"
+                        + (" and kvstore nodes" if name not in ("baseline", "null-connector") else "")
+                    )
                 fleet = stack.enter_context(Fleet(name, spec, log_dir=log_dir).start())
                 p.update()
             engines = fleet.engines
@@ -504,7 +519,7 @@ def _run_config(
                     step=k,
                     on_done=done,
                     on_close=fleet.close_session if fleet is not None and fleet.uses_store else None,
-                    sessions=name != "baseline",
+                    sessions=name not in ("baseline", "null-connector"),
                     repeat=repeat,
                     on_start=faults.start if faults is not None else None,
                 )

@@ -18,7 +18,10 @@ Configurations (:data:`CONFIGS`):
 * ``conductor`` and ``conductor-pd``: the fleets of ``pool`` and ``pd``, each engine also
   publishing vLLM's KV events and registered in the cluster (connector setting
   ``advertise_url``), behind ``kvstore conductor`` (a process of its own): requests go
-  to the conductor, which picks the engine (:mod:`kvstore.conductor`).
+  to the conductor, which picks the engine (:mod:`kvstore.conductor`);
+* ``null-connector`` (a reference, not run by default): every engine with a KV connector
+  that does nothing (:mod:`kvstore.bench.serving.null_connector`), no node: what vLLM's
+  own connector path costs, so that ``pool`` against it is what kvstore's connector costs.
 
 Mock engines (``FleetSpec.engine = "sim"``, ``--engine sim``): ``kvstore sim serve``
 processes of this Python (:mod:`kvstore.sim.server`, the simulator's engine model behind
@@ -68,7 +71,11 @@ from kvstore.children import VLLM_CPU_ENV, log_tail, reclaim_shm, shm_names, spa
 from kvstore.errors import InvalidArgument
 from kvstore.sim.server import DEFAULT_KV_SCALE
 
-CONFIGS = ("baseline", "pool", "pd", "conductor", "conductor-pd")
+DEFAULT_CONFIGS = ("baseline", "pool", "pd", "conductor", "conductor-pd")
+"""What ``kvstore bench serving`` runs when ``--configs`` is not given."""
+CONFIGS = (*DEFAULT_CONFIGS, "null-connector")
+NULL_CONNECTOR = ("NullConnector", "kvstore.bench.serving.null_connector")
+"""``null-connector``'s KV connector class and module (:mod:`kvstore.bench.serving.null_connector`)."""
 SIM_CONFIGS = ("baseline", "pool", "conductor")
 """What mock engines (``engine="sim"``) run."""
 SIM_STORE_CONFIGS = ("pool",)
@@ -109,6 +116,7 @@ class FleetSpec:
     connector_extra: tuple[tuple[str, Any], ...] = ()
     conductor_args: tuple[str, ...] = ()  # extra flags of `kvstore conductor` (conductor configurations)
     front_nice: int = 0  # the conductor's nice value (see renice)
+    node_nice: int = 0  # the nodes' and etcd's nice value, set at exec (kvstore.children.nice_prefix)
     python: str = sys.executable
     start_timeout_s: float = 900.0
     engine: str = "vllm"  # "sim": mock engines (`kvstore sim serve`) instead of vLLM servers
@@ -122,6 +130,8 @@ class FleetSpec:
             raise InvalidArgument(f"--engines must be at least 1, got {self.engines}")
         if not 1 <= self.prefill < max(2, self.engines):
             raise InvalidArgument(f"--prefill must be between 1 and --engines - 1, got {self.prefill}")
+        if not -20 <= self.node_nice <= 19:
+            raise InvalidArgument(f"--node-nice must be from -20 to 19, got {self.node_nice}")
         if isinstance(self.kv_scale, bool) or self.kv_scale < 1:
             raise InvalidArgument(f"--kv-scale must be at least 1, got {self.kv_scale}")
 
@@ -245,7 +255,7 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
         """Whether the fleet has kvstore nodes (mock engines: in :data:`SIM_STORE_CONFIGS` only)."""
         if self.simulated:
             return self.config in SIM_STORE_CONFIGS
-        return self.config != "baseline"
+        return self.config not in ("baseline", "null-connector")
 
     def node_sizes(self) -> tuple[int | str, int | str]:
         """Each node's DRAM and NVMe (``--node-dram``, ``--node-nvme``); for mock engines
@@ -297,7 +307,7 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
 
         if find_etcd() is None:
             raise InvalidArgument("etcd is not installed (scripts/setup.sh installs Debian's etcd-server)")
-        etcd = self._etcd = self._stack.enter_context(LocalEtcd(self._tmp / "etcd"))
+        etcd = self._etcd = self._stack.enter_context(LocalEtcd(self._tmp / "etcd", nice=self.spec.node_nice))
         name = f"serving-{uuid.uuid4().hex[:8]}"
         self.cluster_target = f"etcd://{etcd.endpoint}/{name}"
         return etcd, name
@@ -328,6 +338,7 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
                 nvme=nvme,
                 log_path=self.log_dir / f"{self.config}-node{i}.log",
                 start=False,
+                nice=self.spec.node_nice,
             )
             for i in range(len(self.roles))
         ]
@@ -381,6 +392,10 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
         ]
         if s.max_num_batched_tokens:
             cmd += ["--max-num-batched-tokens", str(s.max_num_batched_tokens)]
+        if self.config == "null-connector":
+            name, module = NULL_CONNECTOR
+            cfg = {"kv_connector": name, "kv_connector_module_path": module, "kv_role": "kv_both"}
+            cmd += ["--kv-transfer-config", json.dumps(cfg)]
         if self.uses_store:
             kv_role = {"both": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}[role]
             extra = {"target": self.nodes[i].target, "lookup_target": self.cluster_target, **dict(s.connector_extra)}
