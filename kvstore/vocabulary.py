@@ -103,6 +103,8 @@ NODE_COUNTERS = frozenset(
         "leases_expired",
         "local_bytes_in",
         "local_bytes_out",
+        "loop_stalled_ms",
+        "loop_stalls",
         "match_prefix_calls",
         "match_prefix_hits",
         "match_prefix_keys",

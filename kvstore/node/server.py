@@ -43,6 +43,7 @@ from kvstore.errors import DataDirLocked, InvalidArgument
 from kvstore.node.config import NodeConfig
 from kvstore.node.datachannel import ConnectionCaps, DataChannelServer, raise_open_files_limit
 from kvstore.node.holds import TenantLimits
+from kvstore.node.loopwatch import LoopWatch
 from kvstore.node.manager import TierManager
 from kvstore.node.metrics import MetricsServer, NodeMetrics, manager_snapshot
 from kvstore.node.service import AuthInterceptor, DecodeGuard, KVStoreService
@@ -127,6 +128,7 @@ class Node:
         self.data: DataChannelServer | None = None
         self.server: grpc.aio.Server | None = None
         self.cluster: Any = None  # kvstore.cluster.node.NodeAgent when cfg.etcd is set
+        self._loopwatch: LoopWatch | None = None  # started with the reaper (kvstore.node.loopwatch)
         self.metrics: NodeMetrics | None = None
         self.metrics_server: MetricsServer | None = None
         self.owners: Ownership | None = None  # with tenants: which tenant owns which namespace
@@ -378,13 +380,15 @@ class Node:
             ) from e
 
     async def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start every listener, report SERVING, start the reaper."""
-        assert self.server is not None and self.data is not None
+        """Start every listener, report SERVING, start the reaper and the loop watchdog."""
+        assert self.server is not None and self.data is not None and self.manager is not None
         await self.server.start()
         self.data.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("kvstore.v1.KVStore", health_pb2.HealthCheckResponse.SERVING)
         self._reaper = loop.create_task(self._reap_forever())
+        self._loopwatch = LoopWatch(self.manager.counters)  # says when and where the loop was blocked
+        self._loopwatch.start(loop)
         if self.metrics_server is not None:
             self.metrics_server.start()
 
@@ -473,6 +477,8 @@ class Node:
         flushed = await manager.flush(self.cfg.flush_on_shutdown_s)
         if flushed:
             log.info("demoted %d dirty blocks to NVMe before exit", flushed)
+        if self._loopwatch is not None:
+            await self._loopwatch.stop()
 
 
 def _fitted(cfg: NodeConfig) -> NodeConfig:

@@ -1,0 +1,100 @@
+"""The node's event-loop watchdog: says when, for how long and where the loop was blocked.
+
+Every RPC of a node is served on one asyncio loop (the tier manager's owner).  A call that
+blocks it — a synchronous pass over a large arena, a slow disk, a starved core — delays
+every caller at once, and they see only ``DEADLINE_EXCEEDED``.  :class:`LoopWatch` makes
+that visible from inside the node:
+
+* a heartbeat task on the loop stamps :func:`time.monotonic` every ``interval_s``;
+* a daemon thread (not on the loop, so it runs while the loop is stuck) checks the stamp;
+  once it is ``stall_s`` old it writes the loop thread's current stack to the log (the
+  code holding the loop, once per stall), and when the loop beats again it logs the
+  stall's length and counts it: ``loop_stalls`` and ``loop_stalled_ms`` (their total
+  length) in the node's counters (``Stats``, ``/metrics``).
+
+Owned by the node server (:class:`kvstore.node.server.Node`): started with the loop's
+other tasks, stopped before the loop closes.  The counters dict is the tier manager's;
+only the heartbeat (on the loop) writes to it, so the manager's single-owner rule holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import threading
+import time
+import traceback
+from collections import Counter
+
+log = logging.getLogger("kvstore.node.loopwatch")
+
+INTERVAL_S = 0.1
+"""How often the loop stamps its heartbeat."""
+STALL_S = 1.0
+"""A loop that has not stamped for this long is stalled: its stack is written to the log."""
+
+
+class LoopWatch:
+    """A heartbeat on ``loop`` and a thread that reports when it stops (see the module doc).
+
+    ``counters``: where ``loop_stalls`` (stalls of at least ``stall_s``) and
+    ``loop_stalled_ms`` (their total length) are counted, from the loop's thread."""
+
+    def __init__(self, counters: Counter[str], *, interval_s: float = INTERVAL_S, stall_s: float = STALL_S) -> None:
+        if not 0 < interval_s < stall_s:
+            raise ValueError(f"need 0 < interval_s < stall_s, got {interval_s} and {stall_s}")
+        self.counters = counters
+        self.interval_s = interval_s
+        self.stall_s = stall_s
+        self._beat = time.monotonic()  # written by the loop, read by the thread (a float: atomic)
+        self._loop_thread: int | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._reported = 0.0  # the beat whose stall the thread reported (one stack per stall)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the heartbeat on ``loop`` (call from the loop's thread) and the watching thread."""
+        self._loop_thread = threading.get_ident()
+        self._beat = time.monotonic()
+        self._task = loop.create_task(self._heartbeat(), name="loopwatch")
+        self._thread = threading.Thread(target=self._watch, name="kvstore-loopwatch", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Stop both (on the loop's thread); idempotent."""
+        self._stop.set()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.interval_s + 1.0)
+            self._thread = None
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            now = time.monotonic()
+            gap = now - self._beat
+            self._beat = now
+            if gap >= self.stall_s:
+                self.counters["loop_stalls"] += 1
+                self.counters["loop_stalled_ms"] += int(gap * 1000)
+                log.warning("the node's event loop was blocked for %.2f s: every call waited that long", gap)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            beat = self._beat
+            if time.monotonic() - beat < self.stall_s or beat == self._reported:
+                continue
+            self._reported = beat
+            frame = sys._current_frames().get(self._loop_thread or -1)
+            where = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)\n"
+            log.warning(
+                "the node's event loop has been blocked for over %.1f s; it is running:\n%s", self.stall_s, where
+            )
