@@ -6,15 +6,20 @@ every caller at once, and they see only ``DEADLINE_EXCEEDED``.  :class:`LoopWatc
 that visible from inside the node:
 
 * a heartbeat task on the loop stamps :func:`time.monotonic` every ``interval_s``;
-* a daemon thread (not on the loop, so it runs while the loop is stuck) checks the stamp;
-  once it is ``stall_s`` old it writes the loop thread's current stack to the log (the
-  code holding the loop, once per stall), and when the loop beats again it logs the
-  stall's length and counts it: ``loop_stalls`` and ``loop_stalled_ms`` (their total
+* a daemon thread (not on the loop, so it runs while the loop is stuck in code that
+  releases the GIL) checks the stamp; once it is ``stall_s`` old it writes the loop
+  thread's current stack to the log (the code holding the loop, once per stall), and when
+  the loop beats again it logs the stall's length and counts it: ``loop_stalls`` and ``loop_stalled_ms`` (their total
   length) in the node's counters (``Stats``, ``/metrics``).
 
 Owned by the node server (:class:`kvstore.node.server.Node`): started with the loop's
 other tasks, stopped before the loop closes.  The counters dict is the tier manager's;
 only the heartbeat (on the loop) writes to it, so the manager's single-owner rule holds.
+
+A stall in which something holds the GIL (a C extension that does not release it) stops
+the thread too: its stack is then written as the stall ends, and shows where the loop
+thread was waiting for the GIL, not the holder.
+
 """
 
 from __future__ import annotations
