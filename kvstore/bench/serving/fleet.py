@@ -67,7 +67,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstore.children import VLLM_CPU_ENV, log_tail, reclaim_shm, shm_names, spawn, stop
+from kvstore.children import VLLM_CPU_ENV, log_tail, nice_prefix, reclaim_shm, shm_names, spawn, stop
 from kvstore.errors import InvalidArgument
 from kvstore.sim.server import DEFAULT_KV_SCALE
 
@@ -130,8 +130,10 @@ class FleetSpec:
             raise InvalidArgument(f"--engines must be at least 1, got {self.engines}")
         if not 1 <= self.prefill < max(2, self.engines):
             raise InvalidArgument(f"--prefill must be between 1 and --engines - 1, got {self.prefill}")
-        if not -20 <= self.node_nice <= 19:
-            raise InvalidArgument(f"--node-nice must be from -20 to 19, got {self.node_nice}")
+        try:
+            nice_prefix(self.node_nice)
+        except ValueError as e:
+            raise InvalidArgument(f"--node-nice: {e}") from None
         if isinstance(self.kv_scale, bool) or self.kv_scale < 1:
             raise InvalidArgument(f"--kv-scale must be at least 1, got {self.kv_scale}")
 
