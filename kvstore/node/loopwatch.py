@@ -18,13 +18,18 @@ only the heartbeat (on the loop) writes to it, so the manager's single-owner rul
 
 A stall in which something holds the GIL (a C extension that does not release it) stops
 the thread too: its stack is then written as the stall ends, and shows where the loop
-thread was waiting for the GIL, not the holder.
-
+thread was waiting for the GIL, not the holder.  For those, the heartbeat also keeps
+:func:`faulthandler.dump_traceback_later` armed (re-armed about once a second, ``dump_s``
+ahead): CPython's own watchdog thread needs no GIL, so a loop that has not beaten for
+``dump_s`` gets **every** thread's stack written to standard error (the node's log, after a
+``Timeout (0:00:06)!`` line), the GIL's holder among them.  faulthandler has one such timer
+per process: ``dump_s=None`` leaves it alone (an embedding process that uses it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import sys
 import threading
@@ -38,17 +43,31 @@ INTERVAL_S = 0.1
 """How often the loop stamps its heartbeat."""
 STALL_S = 1.0
 """A loop that has not stamped for this long is stalled: its stack is written to the log."""
+DUMP_S = 5.0
+"""A loop that has not stamped for this long has every thread's stack written by faulthandler."""
 
 
 class LoopWatch:
     """A heartbeat on ``loop`` and a thread that reports when it stops (see the module doc).
 
     ``counters``: where ``loop_stalls`` (stalls of at least ``stall_s``) and
-    ``loop_stalled_ms`` (their total length) are counted, from the loop's thread."""
+    ``loop_stalled_ms`` (their total length) are counted, from the loop's thread.  ``dump_s``:
+    after how long a stall has all threads' stacks written by faulthandler (None: never)."""
 
-    def __init__(self, counters: Counter[str], *, interval_s: float = INTERVAL_S, stall_s: float = STALL_S) -> None:
+    def __init__(
+        self,
+        counters: Counter[str],
+        *,
+        interval_s: float = INTERVAL_S,
+        stall_s: float = STALL_S,
+        dump_s: float | None = DUMP_S,
+    ) -> None:
         if not 0 < interval_s < stall_s:
             raise ValueError(f"need 0 < interval_s < stall_s, got {interval_s} and {stall_s}")
+        if dump_s is not None and dump_s < 2 * stall_s:
+            raise ValueError(f"need dump_s >= 2 * stall_s (a dump is for long stalls), got {dump_s} and {stall_s}")
+        self.dump_s = dump_s
+        self._armed = 0.0  # when the heartbeat last armed faulthandler's timer
         self.counters = counters
         self.interval_s = interval_s
         self.stall_s = stall_s
@@ -70,6 +89,8 @@ class LoopWatch:
     async def stop(self) -> None:
         """Stop both (on the loop's thread); idempotent."""
         self._stop.set()
+        if self.dump_s is not None:
+            faulthandler.cancel_dump_traceback_later()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -87,6 +108,10 @@ class LoopWatch:
             now = time.monotonic()
             gap = now - self._beat
             self._beat = now
+            # re-arming starts a new C thread: about once a second, not every beat
+            if self.dump_s is not None and now - self._armed >= self.stall_s:
+                faulthandler.dump_traceback_later(self.dump_s + self.stall_s, repeat=False)
+                self._armed = now
             if gap >= self.stall_s:
                 self.counters["loop_stalls"] += 1
                 self.counters["loop_stalled_ms"] += int(gap * 1000)

@@ -419,6 +419,9 @@ class TierMovers:
                         self.nvme.write_many([item])
                         written += 1
                         continue
+                    log.warning(
+                        "NVMe tier has no room for %s: every block there is pinned or being read", item[0].key.hex()
+                    )
                 except (KVStoreError, OSError) as e:
                     # a cache fails open: the block is not demoted (counted), and the put or
                     # get that needed its DRAM space does not fail with the disk's error
