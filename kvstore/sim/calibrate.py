@@ -7,6 +7,10 @@ cache (``--engine-kv``), and times two kinds of step:
 
 * **prefill**: one fresh prompt of T tokens, one output token, on an idle engine: its TTFT
   is one step of T prefill tokens and T² attention pairs (T from 32 to ``--max-prefill``);
+* **prefill over a cached prefix**: a C-token prompt is computed first (into the engine's
+  prefix cache, C a whole number of KV blocks), then the same C tokens and T new ones: its
+  TTFT is one step of T prefill tokens and T × (C + T) attention pairs, what a hit from the
+  pool leaves the engine to compute (T of 32, 128, 384; C of 2, 4, 8 blocks);
 * **decode**: B requests of P-token prompts decoding together: the gaps between their
   tokens, past the first few, are steps of B sequences over a context of B × (P + i) tokens.
 
@@ -113,6 +117,28 @@ def measure(engine: Any, a: argparse.Namespace) -> list[dict[str, Any]]:
         for t in sizes:
             r = engine.generate(prompts(rng, 1, t)[0], max_tokens=1)
             samples.append({"kind": "prefill", "t": t, "pairs": t * t, "b": 0, "ctx": 0, "ms": float(r["ttft_ms"])})
+    # a prefill over a cached prefix: the C-token prefix is computed first (not timed), then
+    # the prompt of C + T tokens, whose TTFT is one step of T new tokens attending to C + T:
+    # what a hit from the pool leaves the engine to do (C in whole KV blocks, so all of it hits)
+    bs = max(1, int(getattr(engine, "block_size", 16) or 16))
+    cached = [c for c in (2, 4, 8) if c * bs + 384 <= a.max_prefill]
+    for _ in range(a.repeats):
+        for blocks in cached:
+            c = blocks * bs
+            for t in (32, 128, 384):
+                prefix = prompts(rng, 1, c)[0]
+                engine.generate(prefix, max_tokens=1)  # into the engine's prefix cache
+                r = engine.generate(prefix + prompts(rng, 1, t)[0], max_tokens=1)
+                samples.append(
+                    {
+                        "kind": "prefill-cached",
+                        "t": t,
+                        "pairs": t * (c + t),
+                        "b": 0,
+                        "ctx": 0,
+                        "ms": float(r["ttft_ms"]),
+                    }
+                )
     decode_tokens = 24
     for _ in range(a.repeats):
         for b, p in ((1, 32), (4, 32), (16, 32), (32, 32), (1, 512), (4, 512), (8, 512)):

@@ -90,6 +90,52 @@ def test_calibration_recovers_a_step_model_from_its_steps() -> None:
         fit(samples[:3])
 
 
+class _PrefixCachingEngine:
+    """An engine stand-in with a prefix cache of whole blocks and known step costs: what
+    ``kvstore sim calibrate``'s measurements ask of a vLLM engine (``generate``, ``batch``)."""
+
+    block_size = 16
+    overhead, per_token, per_pair, per_seq = 5.0, 0.1, 1e-4, 0.3
+
+    def __init__(self) -> None:
+        self.cached: set[tuple[int, ...]] = set()
+
+    def generate(self, tokens: list[int], max_tokens: int) -> dict[str, float]:
+        bs = self.block_size
+        hit = 0
+        while (hit + 1) * bs < len(tokens) and tuple(tokens[: (hit + 1) * bs]) in self.cached:
+            hit += 1
+        c = hit * bs
+        for end in range(bs, len(tokens) + 1, bs):
+            self.cached.add(tuple(tokens[:end]))
+        new = len(tokens) - c
+        return {"ttft_ms": self.overhead + self.per_token * new + self.per_pair * new * (c + new)}
+
+    def batch(self, requests: list[object]) -> list[dict[str, list[float]]]:
+        step = self.overhead + self.per_seq * len(requests)
+        return [{"token_ms": [i * step for i in range(24)]}]
+
+
+def test_calibration_times_prefills_over_a_cached_prefix_and_fits_their_attention() -> None:
+    """A pool's hit leaves the engine the prompt's tail to compute, attending to the whole
+    prompt: calibration times such steps (a prefix computed first, then the prompt) and
+    the fit takes their attention pairs, so the simulator charges a hit's tail its context."""
+    import argparse
+
+    from kvstore.sim.calibrate import fit, measure
+
+    engine = _PrefixCachingEngine()
+    samples = measure(engine, argparse.Namespace(seed=0, max_prefill=2048, repeats=1))
+    cached = [s for s in samples if s["kind"] == "prefill-cached"]
+    bs = engine.block_size
+    assert {(s["t"], s["pairs"]) for s in cached} == {(t, t * (c * bs + t)) for c in (2, 4, 8) for t in (32, 128, 384)}
+    for s in cached:  # each timed step computed only the new tokens: the prefix hit
+        assert s["ms"] == pytest.approx(engine.overhead + engine.per_token * s["t"] + engine.per_pair * s["pairs"])
+    c = fit(samples)["constants"]
+    assert c["prefill_attn_ms"] == pytest.approx(engine.per_pair, rel=0.01)
+    assert c["prefill_ms_per_token"] == pytest.approx(engine.per_token, rel=0.01)
+
+
 def test_calibrating_without_vllm_says_where_to_run_it(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
