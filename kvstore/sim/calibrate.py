@@ -3,7 +3,7 @@
 It starts one vLLM engine (:class:`gpu_agent.vllm.engine.EngineProcess`: vLLM's own engine,
 stepped one step at a time, prefix caching on) on one CPU, as ``kvstore bench serving`` runs
 each engine, with the benchmark's locally made model (``--layers``, ``--hidden``) and KV
-cache (``--engine-kv``), and times two kinds of step:
+cache (``--engine-kv``), and times three kinds of step:
 
 * **prefill**: one fresh prompt of T tokens, one output token, on an idle engine: its TTFT
   is one step of T prefill tokens and T² attention pairs (T from 32 to ``--max-prefill``);

@@ -57,6 +57,7 @@ from kvstore.bench.serving.fleet import (
     DEFAULT_KV_SCALE,
     ENGINE_KINDS,
     SIM_CONFIGS,
+    STORELESS_CONFIGS,
     Engine,
     Fault,
     FaultScheduler,
@@ -478,8 +479,7 @@ def _run_config(
                     p.step(f"{spec.engines} mock engines{more}")
                 else:
                     p.step(
-                        f"{spec.engines} vLLM servers"
-                        + (" and kvstore nodes" if name not in ("baseline", "null-connector") else "")
+                        f"{spec.engines} vLLM servers" + (" and kvstore nodes" if name not in STORELESS_CONFIGS else "")
                     )
                 fleet = stack.enter_context(Fleet(name, spec, log_dir=log_dir).start())
                 p.update()
@@ -519,7 +519,7 @@ def _run_config(
                     step=k,
                     on_done=done,
                     on_close=fleet.close_session if fleet is not None and fleet.uses_store else None,
-                    sessions=name not in ("baseline", "null-connector"),
+                    sessions=name not in STORELESS_CONFIGS,
                     repeat=repeat,
                     on_start=faults.start if faults is not None else None,
                 )

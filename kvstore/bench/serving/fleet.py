@@ -74,6 +74,8 @@ from kvstore.sim.server import DEFAULT_KV_SCALE
 DEFAULT_CONFIGS = ("baseline", "pool", "pd", "conductor", "conductor-pd")
 """What ``kvstore bench serving`` runs when ``--configs`` is not given."""
 CONFIGS = (*DEFAULT_CONFIGS, "null-connector")
+STORELESS_CONFIGS = ("baseline", "null-connector")
+"""The vLLM configurations with no kvstore node (no store, no sessions to close)."""
 NULL_CONNECTOR = ("NullConnector", "kvstore.bench.serving.null_connector")
 """``null-connector``'s KV connector class and module (:mod:`kvstore.bench.serving.null_connector`)."""
 SIM_CONFIGS = ("baseline", "pool", "conductor")
@@ -257,7 +259,7 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
         """Whether the fleet has kvstore nodes (mock engines: in :data:`SIM_STORE_CONFIGS` only)."""
         if self.simulated:
             return self.config in SIM_STORE_CONFIGS
-        return self.config not in ("baseline", "null-connector")
+        return self.config not in STORELESS_CONFIGS
 
     def node_sizes(self) -> tuple[int | str, int | str]:
         """Each node's DRAM and NVMe (``--node-dram``, ``--node-nvme``); for mock engines
