@@ -22,6 +22,11 @@ for p in "${phases[@]}"; do
   esac
 done
 [ -x .venv/bin/pytest ] || { echo "test.sh: .venv/bin/pytest missing: run scripts/setup.sh" >&2; exit 2; }
+# The suite starts hundreds of Python processes (nodes, engines, conductors, CLIs) from this tree:
+# with PYTHONDONTWRITEBYTECODE set (some images set it) each compiled the project anew (about 1 s
+# of CPU for the conductor's imports) and pytest rewrote every test module in every phase and worker
+# (15 s each).  The tests write bytecode (git ignores __pycache__), whatever the caller's setting.
+unset PYTHONDONTWRITEBYTECODE
 cores=$(nproc 2>/dev/null || echo 1)
 workers=${TEST_WORKERS:-$((cores < 2 ? 1 : 2))}
 
