@@ -14,6 +14,14 @@ cache (``--engine-kv``), and times three kinds of step:
 * **decode**: B requests of P-token prompts decoding together: the gaps between their
   tokens, past the first few, are steps of B sequences over a context of B × (P + i) tokens.
 
+With ``--served`` the same steps are timed through the engine's OpenAI server, started as
+``kvstore bench serving`` starts each engine of ``baseline`` (``vllm.entrypoints.openai.api_server``,
+its API server, engine core and worker on the one CPU) and asked by the benchmark's own
+streaming client (:class:`ServedEngine`): a TTFT is then one step plus what the server adds, a
+gap between streamed tokens one decode step as a served engine takes it (its three processes
+hand each step over on one core).  That is what ``kvstore bench serving`` measures, so a served
+profile is the one to validate against it (docs/sim.md).
+
 Each kind is repeated ``--repeats`` times; the step model of :mod:`kvstore.sim.profile`
 (``overhead_ms`` + ``prefill_ms_per_token``·T + ``prefill_attn_ms``·pairs +
 ``decode_ms_per_seq``·B + ``decode_ms_per_kv_token``·context) is fitted to every sample
@@ -31,6 +39,7 @@ minutes.  Holds no state between calls.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import platform
@@ -61,6 +70,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="times each measurement is taken (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids (default 0)")
     p.add_argument("--json", action="store_true", help="print the samples and the fit as JSON (after the profile)")
+    p.add_argument(
+        "--served",
+        action="store_true",
+        help="time the engine through its OpenAI server, as `kvstore bench serving` runs it (default: vLLM's "
+        "engine stepped directly)",
+    )
 
 
 def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -153,6 +168,80 @@ def measure(engine: Any, a: argparse.Namespace) -> list[dict[str, Any]]:
     return samples
 
 
+class ServedEngine:
+    """One vLLM OpenAI server of a ``baseline`` fleet (:class:`kvstore.bench.serving.fleet.Fleet`),
+    driven the way :func:`measure` drives an :class:`~gpu_agent.vllm.engine.EngineProcess`:
+    ``generate`` and ``batch`` send the requests through the benchmark's streaming client
+    (:class:`kvstore.bench.serving.runner.Replay`) and answer the same fields (``ttft_ms``;
+    ``token_ms``, each streamed token's time since the request was sent).  ``block_size`` and
+    ``num_blocks`` come from the server's ``vllm:cache_config_info``.  Owns nothing: the fleet
+    owns the processes."""
+
+    def __init__(self, engine: Any, served_name: str, timeout_s: float = 300.0) -> None:
+        from kvstore.bench.serving.fleet import _get
+
+        self.engine = engine
+        self.served_name = served_name
+        self.timeout_s = timeout_s
+        code, text = _get(engine.url + "/metrics", timeout=10.0)
+        if code != 200:
+            raise RuntimeError(f"{engine.name}: GET /metrics answered HTTP {code}")
+        self.block_size, self.num_blocks = cache_config(text)
+
+    def _send(self, reqs: list[tuple[list[int], int]]) -> list[Any]:
+        from kvstore.bench.serving.front import RoundRobin
+        from kvstore.bench.serving.runner import Replay
+        from kvstore.bench.serving.workload import Scaling, Work, Workload
+
+        items = tuple(Work(i, 0.0, tuple(t), n, ()) for i, (t, n) in enumerate(reqs))
+        wl = Workload("calibrate", Scaling(), items, ())
+        recs = Replay(
+            "calibrate", wl, RoundRobin([self.engine]), model=self.served_name, timeout_s=self.timeout_s, sessions=False
+        ).run()
+        for r in recs:
+            if r.error is not None or r.ttft_ms is None:
+                raise RuntimeError(f"a calibration request failed: {r.error or 'no token came back'}")
+        return recs
+
+    def generate(self, tokens: list[int], max_tokens: int = 1) -> dict[str, Any]:
+        r = self._send([(tokens, max_tokens)])[0]
+        return {"ttft_ms": r.ttft_ms}
+
+    def batch(self, reqs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        recs = self._send([(list(q["tokens"]), int(q["max_tokens"])) for q in reqs])
+        out = []
+        for r in recs:
+            times = [float(r.ttft_ms)]
+            for gap in r.itl_ms:
+                times.append(times[-1] + gap)
+            out.append({"token_ms": times})
+        return out
+
+
+def cache_config(metrics: str) -> tuple[int, int]:
+    """``(block_size, num_gpu_blocks)`` from a vLLM server's ``/metrics`` text (its
+    ``vllm:cache_config_info`` labels); a clear error where they are missing."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(metrics):
+        for smp in fam.samples:
+            if smp.name.startswith("vllm:cache_config_info"):
+                try:
+                    return int(smp.labels["block_size"]), int(smp.labels["num_gpu_blocks"])
+                except (KeyError, ValueError):
+                    break
+    raise RuntimeError("the server's /metrics has no vllm:cache_config_info with block_size and num_gpu_blocks")
+
+
+def _served(stack: Any, model: Path, a: argparse.Namespace, cpu: str, kv: int) -> ServedEngine:
+    """A one-engine ``baseline`` fleet on CPU ``cpu``, as the benchmark starts one (entered on ``stack``)."""
+    from kvstore.bench.serving.fleet import SERVED_NAME, Fleet, FleetSpec
+
+    spec = FleetSpec(model=str(model), engines=1, max_model_len=a.max_prefill + 64, kv_cache_bytes=kv, cpus=(cpu,))
+    fleet = stack.enter_context(Fleet("baseline", spec).start())
+    return ServedEngine(fleet.engines[0], SERVED_NAME)
+
+
 def run(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     """The calibrated profile (as a dict) and the report (samples, fit)."""
     import importlib.util
@@ -172,8 +261,12 @@ def run(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         model = make_model(Path(d) / "model", layers=a.layers, hidden=a.hidden, max_tokens=a.max_prefill + 64)
         kv = parse_size(a.engine_kv)
         env = {"VLLM_CPU_OMP_THREADS_BIND": cpu}
-        with EngineProcess(model, max_tokens=a.max_prefill + 64, kv_bytes=kv, env=env) as engine:
-            engine.wait_ready(timeout=900)
+        with contextlib.ExitStack() as stack:
+            if a.served:
+                engine: Any = _served(stack, model, a, cpu, kv)
+            else:
+                engine = stack.enter_context(EngineProcess(model, max_tokens=a.max_prefill + 64, kv_bytes=kv, env=env))
+                engine.wait_ready(timeout=900)
             samples = measure(engine, a)
             block_size, blocks = engine.block_size, engine.num_blocks
     f = fit(samples)
@@ -186,8 +279,9 @@ def run(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
                 break
     except OSError:
         pass
+    how = "through its OpenAI server (--served)" if a.served else "stepped directly"
     where = (
-        f"measured: `kvstore sim calibrate` on {when}, one vLLM CPU engine on CPU {cpu} ({cpu_name}), "
+        f"measured: `kvstore sim calibrate` on {when}, one vLLM CPU engine {how} on CPU {cpu} ({cpu_name}), "
         f"the made model of {a.layers} layers x {a.hidden}, {len(samples)} steps fitted by non-negative "
         f"least squares (R^2 {f['r2']:.3f}, median |error| {f['median_abs_rel_err']:.1%})"
     )

@@ -46,7 +46,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import xxhash
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from kvstore.errors import InvalidArgument
 from kvstore.sim import kvevents_pub
@@ -115,6 +115,10 @@ class _Metrics:
         def hist(name: str, doc: str, buckets: Sequence[float]) -> Any:
             return Histogram(name, doc, names, buckets=buckets, registry=r).labels(**lab)
 
+        # vLLM's cache_config_info: its cache config as labels (what `kvstore sim calibrate --served` reads)
+        Info("vllm:cache_config", "Information of the LLMEngine CacheConfig", ["engine"], registry=r).labels(
+            engine="0"
+        ).info({"block_size": str(live.profile.block_size), "num_gpu_blocks": str(live.profile.num_gpu_blocks)})
         gauge("vllm:num_requests_running", "Requests in model execution batches", lambda: live.model.num_running)
         gauge("vllm:num_requests_waiting", "Requests waiting to be processed", lambda: live.model.num_waiting)
         gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = 100 %)", lambda: live.model.kv_usage)

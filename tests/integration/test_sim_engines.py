@@ -422,3 +422,41 @@ def test_bench_serving_engine_sim_runs_pool_through_real_nodes(tmp_path: Path) -
     assert connector["load_tokens"] >= pool["store"]
     assert all(e["node"] for e in result["fleets"]["pool"]["engines"])
     assert not any(e["node"] for e in result["fleets"]["baseline"]["engines"])
+
+
+def test_a_served_calibration_times_an_engine_through_its_openai_api(tmp_path: Path) -> None:
+    """``kvstore sim calibrate --served`` drives an engine through its OpenAI server with the
+    benchmark's client: pointed at a mock engine whose steps follow a known profile, its
+    samples carry every kind of step, the server's cache config is read from ``/metrics``, and
+    the fit finds the profile's per-token and per-sequence costs (loosely: these are real
+    seconds on a shared machine; the constants are large beside the noise)."""
+    import argparse
+
+    from kvstore.bench.serving.fleet import Engine
+    from kvstore.sim.calibrate import ServedEngine, fit, measure
+    from kvstore.sim.profile import EngineProfile
+
+    truth = {
+        "overhead_ms": 25.0,
+        "prefill_ms_per_token": 0.4,
+        "prefill_attn_ms": 0.0,
+        "decode_ms_per_seq": 2.0,
+        "decode_ms_per_kv_token": 0.0,
+    }
+    prof = {**EngineProfile.load("local").to_dict(), **truth, "name": "calibrated-here", "block_size": 16}
+    prof["num_gpu_blocks"] = 512
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(prof))
+    e = MockEngine("--profile", str(path), "--model", "m")
+    try:
+        served = ServedEngine(Engine("mock", e.url, "both", "any"), "m")
+        assert (served.block_size, served.num_blocks) == (16, 512)
+        samples = measure(served, argparse.Namespace(seed=0, repeats=1, max_prefill=512))
+    finally:
+        e.close()
+    kinds = {s["kind"] for s in samples}
+    assert kinds == {"prefill", "prefill-cached", "decode"}, kinds
+    c = fit(samples)["constants"]
+    assert c["prefill_ms_per_token"] == pytest.approx(truth["prefill_ms_per_token"], rel=0.5), c
+    assert c["overhead_ms"] >= 0.8 * truth["overhead_ms"], c  # the server adds to it, never takes away
+    assert c["decode_ms_per_seq"] == pytest.approx(truth["decode_ms_per_seq"], rel=0.5), c

@@ -124,6 +124,7 @@ class FleetSpec:
     engine: str = "vllm"  # "sim": mock engines (`kvstore sim serve`) instead of vLLM servers
     profile: str = "local"  # the mock engines' profile (name or file)
     kv_scale: int = DEFAULT_KV_SCALE  # mock engines' pool: KV bytes (and node sizes) divided by it
+    cpus: tuple[str, ...] = ()  # each vLLM engine's CPUs ("0", "0,1"); () splits this process's evenly
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINE_KINDS:
@@ -433,7 +434,14 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
 
     def _start_engines(self) -> None:
         # mock engines are not bound: each is one light asyncio process
-        cpus = ["any"] * len(self.roles) if self.simulated else engine_cpus(len(self.roles))
+        if self.simulated:
+            cpus = ["any"] * len(self.roles)
+        elif self.spec.cpus:
+            if len(self.spec.cpus) != len(self.roles):
+                raise InvalidArgument(f"{len(self.spec.cpus)} CPU bindings for {len(self.roles)} engines")
+            cpus = list(self.spec.cpus)
+        else:
+            cpus = engine_cpus(len(self.roles))
         for i, role in enumerate(self.roles):
             port = _free_port()
             name = f"{self.config}-{role}{i}" if role != "both" else f"{self.config}-engine{i}"
