@@ -279,7 +279,9 @@ def run(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
                 break
     except OSError:
         pass
-    how = "through its OpenAI server (--served)" if a.served else "stepped directly"
+    how = (
+        "through its OpenAI server as `kvstore bench serving` starts it (--served)" if a.served else "stepped directly"
+    )
     where = (
         f"measured: `kvstore sim calibrate` on {when}, one vLLM CPU engine {how} on CPU {cpu} ({cpu_name}), "
         f"the made model of {a.layers} layers x {a.hidden}, {len(samples)} steps fitted by non-negative "

@@ -471,6 +471,8 @@ class EngineModel:
                 context += c + 1
             req.num_computed = c + n
         forward_ms = self.profile.step_ms(prefill, pairs, decode, context)
+        if forward_ms > 0 and self._lookup_external is not None:  # the connector's own cost
+            forward_ms += self.profile.connector_step_ms + self.profile.connector_request_ms * len(admitted)
         if forward_ms > 0 and self._rng is not None:
             forward_ms *= self.profile.jitter(self._rng)
         step_s = forward_ms / 1000 + sync_load_s

@@ -21,6 +21,12 @@ still attended, through ``c``.  ``jitter_cv`` (default 0) multiplies a step's ti
 lognormal factor of mean 1 and that coefficient of variation, drawn from the caller's
 ``random.Random``.
 
+An engine with the pool's connector (every configuration with a store) adds
+``connector_step_ms`` to each step that runs a batch and ``connector_request_ms`` for each
+request the step schedules for the first time: what the connector's hooks, its saves and the
+node beside the engine cost it besides bytes over bandwidth (on a CPU engine they share its
+core; both default to 0).
+
 Loading KV from a tier (``dram``, ``nvme``, ``network``) takes
 ``latency_s + bytes / bandwidth_Bps`` (:meth:`EngineProfile.load_s`).
 
@@ -62,8 +68,10 @@ _NON_NEGATIVE = (
     "nvme_latency_s",
     "network_latency_s",
     "jitter_cv",
+    "connector_step_ms",
+    "connector_request_ms",
 )
-_OPTIONAL = {"jitter_cv": 0.0}
+_OPTIONAL = {"jitter_cv": 0.0, "connector_step_ms": 0.0, "connector_request_ms": 0.0}
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,6 +102,9 @@ class EngineProfile:
     nvme_latency_s: float
     network_latency_s: float
     jitter_cv: float = 0.0  # coefficient of variation of a step's time (lognormal); 0: none
+    # what the pool's connector costs an engine besides moving bytes (engines with a store only)
+    connector_step_ms: float = 0.0  # every step that runs a batch
+    connector_request_ms: float = 0.0  # per request, in the step that first schedules it
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False)  # constant → citation
 
     def __post_init__(self) -> None:

@@ -7,6 +7,12 @@ of this project's CPU engines), then prints, per configuration, the relative err
 simulator's TTFT p50 and p90, TBT p50 and output throughput against the real run's, and
 whether the ``pool``/``baseline`` TTFT ratio falls on the same side of 1 in both.
 
+``--fit-connector FILE`` first fits the profile's two connector constants
+(``connector_step_ms``, ``connector_request_ms``: what the pool's connector costs an engine
+besides bytes) to the real run's ``pool``/``baseline`` ratios by a grid search of simulated
+runs, writes that profile to FILE and compares with it: a fit on one workload (best one
+without reuse, where the pool can only cost), to validate on another.
+
 Both sides take the workload from the same flags (:func:`kvstore.bench.serving.cli.add_workload_arguments`
 and :func:`~kvstore.bench.serving.cli.scaling`), so they replay the same requests at the
 same offered times; a ``--real`` file made with other flags is refused, naming what
@@ -64,6 +70,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"largest relative error that passes (default {DEFAULT_TOLERANCE})",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table goes to stderr)")
+    p.add_argument(
+        "--fit-connector",
+        metavar="FILE",
+        help="fit --profile's connector_step_ms and connector_request_ms to this run's `pool` (a grid "
+        "search), write the profile to FILE and compare with it; validate it on another workload",
+    )
 
 
 def workload_argv(a: argparse.Namespace) -> list[str]:
@@ -176,6 +188,97 @@ def sim_run(a: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     return simcli.run(ns)
 
 
+FIT_STEP_MS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+FIT_REQUEST_MS = (0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 15.0, 20.0, 30.0)
+"""The grid ``--fit-connector`` searches (ms): every pair is one simulated ``pool`` run."""
+
+FIT_FIGURES = ("ttft_p50_ms", "ttft_p90_ms", "tbt_p50_ms")
+"""The figures whose pool/baseline ratios the fit matches (throughput follows the offered load)."""
+
+
+def _shown(argv: list[str]) -> list[str]:
+    """``argv`` as a profile's source cites it: the trace's path relative to the working
+    directory where it lies under it, else its name (no machine's paths in a profile)."""
+    import os
+
+    out = list(argv)
+    for i, v in enumerate(out[:-1]):
+        if v == "--trace":
+            path = Path(out[i + 1]).resolve()
+            try:
+                out[i + 1] = str(path.relative_to(Path.cwd()))
+            except ValueError:
+                out[i + 1] = path.name
+    return [os.fspath(x) for x in out]
+
+
+def fit_connector(
+    a: argparse.Namespace, argv: list[str], real: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The profile ``a.profile`` with ``connector_step_ms`` and ``connector_request_ms`` set to
+    the grid's pair whose simulated ``pool`` costs what the real one did *relative to
+    baseline*: least sum over :data:`FIT_FIGURES` of the squared log of (sim pool ÷ sim
+    baseline) ÷ (real pool ÷ real baseline).  Ratios, so that the profile's own error on
+    ``baseline`` (which these constants do not touch) is not loaded onto the connector."""
+    import datetime
+    import math
+    import tempfile
+
+    from kvstore.sim.profile import EngineProfile
+
+    if not {"baseline", "pool"} <= set(real["configs"]):
+        raise InvalidArgument("--fit-connector needs `baseline` and `pool` in the real run (--configs baseline,pool)")
+
+    def figures(summary: dict[str, Any], what: str) -> dict[str, float]:
+        got = {k: figure(summary, path) for k, path in METRICS if k in FIT_FIGURES}
+        ok = {k: v for k, v in got.items() if v is not None and v > 0}
+        if len(ok) != len(FIT_FIGURES):
+            raise InvalidArgument(f"--fit-connector: {what}'s figures are incomplete: {got}")
+        return ok
+
+    real_base, real_pool = (
+        figures(real["configs"]["baseline"], "the real baseline"),
+        figures(real["configs"]["pool"], "the real pool"),
+    )
+    target = {k: real_pool[k] / real_base[k] for k in FIT_FIGURES}
+    base = EngineProfile.load(a.profile).to_dict()
+    sim_base = figures(
+        sim_run(argparse.Namespace(**{**vars(a), "configs": "baseline"}), argv)["configs"]["baseline"],
+        "the simulated baseline",
+    )
+    grid: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kvstore-fit-") as d:
+        path = Path(d) / "profile.json"
+        for step_ms in FIT_STEP_MS:
+            for request_ms in FIT_REQUEST_MS:
+                path.write_text(json.dumps({**base, "connector_step_ms": step_ms, "connector_request_ms": request_ms}))
+                one = argparse.Namespace(**{**vars(a), "configs": "pool", "profile": str(path)})
+                sim = figures(sim_run(one, argv)["configs"]["pool"], "the simulated pool")
+                ratio = {k: sim[k] / sim_base[k] for k in FIT_FIGURES}
+                loss = sum(math.log(ratio[k] / target[k]) ** 2 for k in FIT_FIGURES)
+                grid.append(
+                    {"connector_step_ms": step_ms, "connector_request_ms": request_ms, "loss": loss, "ratio": ratio}
+                )
+    best = min(grid, key=lambda g: g["loss"])
+    when = datetime.date.today().isoformat()
+    where = (
+        f"fitted: `kvstore sim validate --fit-connector` on {when}, a grid search matching the simulated "
+        f"pool/baseline ratios of TTFT p50/p90 and TBT p50 to a real `kvstore bench serving` run "
+        f"({' '.join(_shown(argv))}): real "
+        + ", ".join(f"{target[k]:.3f}" for k in FIT_FIGURES)
+        + ", fitted "
+        + ", ".join(f"{best['ratio'][k]:.3f}" for k in FIT_FIGURES)
+    )
+    prof = dict(base)
+    sources = dict(prof.get("sources") or {})
+    for k in ("connector_step_ms", "connector_request_ms"):
+        prof[k] = best[k]
+        sources[k] = where
+    prof["sources"] = sources
+    EngineProfile.from_dict(prof, "the fitted profile")
+    return prof, {"best": best, "target": target, "grid": grid}
+
+
 def run(a: argparse.Namespace) -> dict[str, Any]:
     from kvstore.bench.serving.cli import scaling
     from kvstore.bench.serving.workload import build
@@ -189,6 +292,17 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     wl = build(a.trace, scaling(a))
     real = real_run(a, argv)
     check_same_workload(real, wl.scaling.to_json(), len(wl.items))
+    fitted = None
+    if a.fit_connector:
+        prof, fitted = fit_connector(a, argv, real)
+        Path(a.fit_connector).write_text(json.dumps(prof, indent=2) + "\n")
+        b = fitted["best"]
+        print(
+            f"fitted connector_step_ms {b['connector_step_ms']}, connector_request_ms {b['connector_request_ms']} "
+            f"over {len(fitted['grid'])} simulated runs; wrote {a.fit_connector}",
+            file=sys.stderr,
+        )
+        a = argparse.Namespace(**{**vars(a), "profile": a.fit_connector})
     sim = sim_run(a, argv)
     out = compare(real, sim, configs, a.tolerance)
     out["real_run"] = {
@@ -197,6 +311,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     }
     out["sim"] = sim["sim"]
     out["workload"] = {"argv": argv, "requests": len(wl.items)}
+    if fitted is not None:
+        out["fit_connector"] = {"best": fitted["best"], "target": fitted["target"], "profile": a.profile}
     return out
 
 

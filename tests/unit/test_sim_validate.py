@@ -147,3 +147,64 @@ def test_calibrating_without_vllm_says_where_to_run_it(
     assert "run `.venv-vllm/bin/kvstore sim calibrate`" in capsys.readouterr().err
     assert main(["sim", "calibrate", "--repeats", "0"]) == 2
     assert "--repeats must be at least 1" in capsys.readouterr().err
+
+
+def test_the_connector_constants_are_fitted_back_from_a_run_they_made(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``--fit-connector``: a "real" run made by the simulator with known connector costs
+    (2 ms a step, 8 ms a request) is fitted back to exactly those (both on the grid), the
+    profile written cites the fit, and the comparison after it is exact."""
+    from kvstore.sim.profile import EngineProfile
+
+    trace = str(shared_trace(tmp_path / "t.jsonl"))
+    prof = EngineProfile.load("local").to_dict()
+    truth = tmp_path / "truth.json"
+    truth.write_text(json.dumps({**prof, "connector_step_ms": 2.0, "connector_request_ms": 8.0}))
+    flags = ["--trace", trace, "--block-tokens", str(BT), "--rate", "4", "--configs", "baseline,pool"]
+    assert main(["sim", *flags, "--profile", str(truth), "--json"]) == 0
+    saved = tmp_path / "real.json"
+    saved.write_text(capsys.readouterr().out)
+    out_profile = tmp_path / "fitted.json"
+    argv = ["sim", "validate", *flags, "--real", str(saved), "--fit-connector", str(out_profile), "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    best = out["fit_connector"]["best"]
+    assert (best["connector_step_ms"], best["connector_request_ms"]) == (2.0, 8.0) and best["loss"] == pytest.approx(0)
+    fitted = EngineProfile.load(str(out_profile))
+    assert (fitted.connector_step_ms, fitted.connector_request_ms) == (2.0, 8.0)
+    assert fitted.sources["connector_step_ms"].startswith("fitted: `kvstore sim validate --fit-connector`")
+    assert out["ok"] and all(e == 0 for c in out["configs"].values() for e in c["error"].values())
+    # the costs matter: without them the simulated pool is faster than the run they made
+    assert main(["sim", "validate", *flags, "--real", str(saved), "--json"]) in (0, 1)
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["configs"]["pool"]["sim"]["ttft_p50_ms"] < out["configs"]["pool"]["sim"]["ttft_p50_ms"]
+    # a real run without pool cannot be fitted
+    only_base = tmp_path / "base.json"
+    only_base.write_text(json.dumps({**json.loads(saved.read_text()), "configs": {"baseline": {}}}))
+    bad = ["sim", "validate", *flags[:-2], "--configs", "baseline", "--real", str(only_base)]
+    assert main([*bad, "--fit-connector", str(tmp_path / "x.json")]) == 2
+    assert "--fit-connector needs `baseline` and `pool` in the real run" in capsys.readouterr().err
+
+
+def test_an_engine_with_the_connector_pays_its_step_and_request_costs() -> None:
+    """``connector_step_ms`` and ``connector_request_ms`` lengthen the steps of an engine that
+    has the pool (a ``lookup_external``), per step and per request first scheduled, and
+    nothing of an engine without it."""
+    from kvstore.sim.engine import EngineModel, ExternalHit
+    from kvstore.sim.profile import EngineProfile
+
+    prof = EngineProfile.from_dict(
+        {**EngineProfile.load("local").to_dict(), "connector_step_ms": 3.0, "connector_request_ms": 5.0}, "test"
+    )
+
+    def steps(lookup: object) -> list[float]:
+        m = EngineModel(prof, lookup_external=lookup)  # type: ignore[arg-type]
+        for i in range(2):
+            m.add_request(f"r{i}", 100, [], max_tokens=2, arrival_s=0.0)
+        return [m.step(0.0).step_time_s, m.step(1.0).step_time_s]
+
+    plain = steps(None)
+    pooled = steps(lambda req_id, hashes: ExternalHit())
+    assert pooled[0] == pytest.approx(plain[0] + (3.0 + 2 * 5.0) / 1000)  # both admitted in the first step
+    assert pooled[1] == pytest.approx(plain[1] + 3.0 / 1000)  # the decode step: the per-step cost alone
