@@ -125,6 +125,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table goes to stderr)")
+    g.add_argument(
+        "--records",
+        metavar="FILE",
+        help="write every request's record here (JSON lines, as `kvstore bench serving --records`; not the "
+        "--capacity search's runs)",
+    )
 
 
 def parse_configs(text: str) -> list[str]:
@@ -166,8 +172,10 @@ def run_config(
     conductor: Any = None,
     nodes: int | None = None,
     prefill: int | None = None,
+    records: list[Any] | None = None,
 ) -> dict[str, Any]:
-    """One configuration's summary (the benchmark's figures and the simulator's).
+    """One configuration's summary (the benchmark's figures and the simulator's); with
+    ``records``, every request's :class:`~kvstore.bench.serving.runner.Record` is appended to it.
     ``conductor``: the conductor's configuration (default :func:`kvstore.sim.conductor.conductor_config`
     at the SLO targets, ``--pd`` for ``conductor-pd``); ``prefill``: the prefill engines of
     ``pd`` and ``conductor-pd`` (default :func:`default_prefill`)."""
@@ -225,9 +233,10 @@ def run_config(
     finally:
         if hooks is not None:
             hooks.close()
-    out = report.summarise(
-        fr.records(name), slo_ttft_ms=slo_ttft_ms, slo_tbt_ms=slo_tbt_ms, baseline=None, greedy=False
-    )
+    recs = fr.records(name)
+    if records is not None:
+        records.extend(recs)
+    out = report.summarise(recs, slo_ttft_ms=slo_ttft_ms, slo_tbt_ms=slo_tbt_ms, baseline=None, greedy=False)
     out["prompt_tokens"] = fr.prompt_tokens()
     out["engine_steps"] = fr.engine_steps()
     out.update(pool)
@@ -296,7 +305,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     }
     runs = 0
 
-    def one(name: str, w: Workload) -> dict[str, Any]:
+    records: list[Any] = []
+
+    def one(name: str, w: Workload, keep: list[Any] | None = None) -> dict[str, Any]:
         nonlocal runs
         runs += 1
         return run_config(
@@ -314,10 +325,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             conductor=cond,
             nodes=a.nodes,
             prefill=prefill,
+            records=keep,
         )
 
     for name in configs:
-        c = result["configs"][name] = one(name, wl)
+        c = result["configs"][name] = one(name, wl, records)
         result["fleets"][name] = {"engines": fleet_engines(name, a.engines, prefill, a.nodes)}
         if c["errors"]:
             result["failures"].append(f"{name}: {c['errors']} requests refused by their engine (too long for its KV)")
@@ -340,6 +352,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "runs": runs,
         "wall_s": round(time.perf_counter() - t0, 2),
     }
+    if getattr(a, "records", None):
+        with open(a.records, "w") as f:
+            for r in records:
+                f.write(json.dumps(r.to_json()) + "\n")
     return result
 
 

@@ -18,7 +18,9 @@ and :func:`~kvstore.bench.serving.cli.scaling`), so they replay the same request
 same offered times; a ``--real`` file made with other flags is refused, naming what
 differs.  The JSON (``--json``): ``{"configs": {NAME: {"real": {...}, "sim": {...},
 "error": {...}, "within": bool}}, "ttft_ratio": {"real", "sim", "same_side"}, "tolerance",
-"real_run", "sim"}``; the exit status is 0 when every error is within ``--tolerance``
+"real_run", "sim"}``, and with ``--real-records`` (the real run's ``--records``)
+``per_request``: TTFT compared request by request (:func:`per_request`), which a gap in a
+run's TTFTs cannot swing as it swings a percentile; the exit status is 0 when every error is within ``--tolerance``
 (default 0.25) and the ratios agree, else 1.
 
 Holds no state between calls.
@@ -30,6 +32,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--real",
         metavar="FILE",
         help="a saved `kvstore bench serving --json` of the same workload flags, instead of running one",
+    )
+    p.add_argument(
+        "--real-records",
+        metavar="FILE",
+        help="the real run's `--records` (with --real): also compare TTFT request by request (a run this "
+        "command makes keeps its own)",
     )
     p.add_argument(
         "--bench-args",
@@ -170,6 +179,8 @@ def real_run(a: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         )
     cmd = [sys.executable, "-m", "kvstore", "bench", "serving", *argv]
     cmd += ["--configs", a.configs, "--engines", str(a.engines), "--json", *shlex.split(a.bench_args)]
+    if a.real_records:
+        cmd += ["--records", a.real_records]
     print("real run: " + " ".join(shlex.quote(c) for c in cmd[1:]), file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
     if proc.returncode not in (0, 1) or not proc.stdout.strip():
@@ -178,14 +189,62 @@ def real_run(a: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     return result
 
 
-def sim_run(a: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    """``kvstore sim --json`` of the workload, in this process."""
+def sim_run(a: argparse.Namespace, argv: list[str], records: str | None = None) -> dict[str, Any]:
+    """``kvstore sim --json`` of the workload, in this process (its records to ``records``)."""
     from kvstore.sim import cli as simcli
 
     p = argparse.ArgumentParser(prog="kvstore sim")
     simcli.add_arguments(p)
-    ns = p.parse_args([*argv, "--configs", a.configs, "--engines", str(a.engines), "--profile", a.profile])
+    more = ["--records", records] if records else []
+    ns = p.parse_args([*argv, "--configs", a.configs, "--engines", str(a.engines), "--profile", a.profile, *more])
     return simcli.run(ns)
+
+
+def read_ttfts(path: str) -> dict[tuple[str, int], float]:
+    """``(config, request index) -> TTFT`` (ms) of a records file, the median over its repeats
+    (requests that failed are left out)."""
+    import statistics
+
+    runs: dict[tuple[str, int], list[float]] = {}
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise InvalidArgument(f"records {path}: {e}") from None
+    for n, line in enumerate(lines, 1):
+        try:
+            r = json.loads(line)
+            key, ttft = (str(r["config"]), int(r["index"])), r.get("ttft_ms")
+        except (ValueError, KeyError, TypeError) as e:
+            raise InvalidArgument(f"records {path}, line {n}: not a request's record ({e})") from None
+        if isinstance(ttft, int | float) and r.get("error") is None:
+            runs.setdefault(key, []).append(float(ttft))
+    return {k: statistics.median(v) for k, v in runs.items()}
+
+
+def per_request(
+    real: dict[tuple[str, int], float], sim: dict[tuple[str, int], float], configs: list[str]
+) -> dict[str, Any]:
+    """TTFT request by request: per configuration the median of sim ÷ real − 1 and of its
+    absolute value over the requests both completed; with ``baseline`` and ``pool``, the
+    median per-request difference pool − baseline (ms) on each side.  Unlike a percentile of
+    the whole run, these do not jump where the run's TTFTs have a gap."""
+    import statistics
+
+    out: dict[str, Any] = {"configs": {}}
+    for name in configs:
+        rel = [sim[k] / real[k] - 1 for k in real if k[0] == name and k in sim and real[k] > 0]
+        out["configs"][name] = {
+            "requests": len(rel),
+            "ttft_median_rel_err": round(statistics.median(rel), 4) if rel else None,
+            "ttft_median_abs_rel_err": round(statistics.median(abs(x) for x in rel), 4) if rel else None,
+        }
+    if "baseline" in configs and "pool" in configs:
+        diff: dict[str, float | None] = {}
+        for side, t in (("real", real), ("sim", sim)):
+            d = [t[("pool", i)] - t[("baseline", i)] for (c, i) in t if c == "pool" and ("baseline", i) in t]
+            diff[side] = round(statistics.median(d), 2) if d else None
+        out["pool_minus_baseline_ttft_ms"] = diff
+    return out
 
 
 FIT_STEP_MS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
@@ -222,7 +281,6 @@ def fit_connector(
     ``baseline`` (which these constants do not touch) is not loaded onto the connector."""
     import datetime
     import math
-    import tempfile
 
     from kvstore.sim.profile import EngineProfile
 
@@ -303,8 +361,15 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             file=sys.stderr,
         )
         a = argparse.Namespace(**{**vars(a), "profile": a.fit_connector})
-    sim = sim_run(a, argv)
+    if a.real_records and a.real and not Path(a.real_records).exists():
+        raise InvalidArgument(f"--real-records {a.real_records}: no such file")
+    with tempfile.TemporaryDirectory(prefix="kvstore-validate-") as d:
+        sim_records = str(Path(d) / "sim.jsonl") if a.real_records else None
+        sim = sim_run(a, argv, sim_records)
+        by_request = per_request(read_ttfts(a.real_records), read_ttfts(sim_records), configs) if sim_records else None
     out = compare(real, sim, configs, a.tolerance)
+    if by_request is not None:
+        out["per_request"] = by_request
     out["real_run"] = {
         "configs": list(real["configs"]),
         "repeats": {n: (c.get("repeats") or {}).get("n", 1) for n, c in real["configs"].items()},
@@ -323,6 +388,18 @@ def print_table(out: dict[str, Any], f: Any) -> None:
             rv, sv, e = row["real"][key], row["sim"][key], row["error"][key]
             fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
             print(f"{name:<10} {key:<18} {fmt(rv):>10} {fmt(sv):>10} {'-' if e is None else f'{e:+.0%}':>8}", file=f)
+    pr = out.get("per_request")
+    if pr is not None:
+        for name, row in pr["configs"].items():
+            if row["requests"]:
+                print(
+                    f"{name:<10} TTFT request by request: median error {row['ttft_median_rel_err']:+.0%}, "
+                    f"median |error| {row['ttft_median_abs_rel_err']:.0%} over {row['requests']} requests",
+                    file=f,
+                )
+        d = pr.get("pool_minus_baseline_ttft_ms")
+        if d and d["real"] is not None and d["sim"] is not None:
+            print(f"pool - baseline TTFT, median per request: real {d['real']:+.1f} ms, sim {d['sim']:+.1f} ms", file=f)
     r = out["ttft_ratio"]
     if r["real"] is not None:
         print(

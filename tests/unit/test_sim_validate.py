@@ -195,7 +195,13 @@ def test_an_engine_with_the_connector_pays_its_step_and_request_costs() -> None:
     from kvstore.sim.profile import EngineProfile
 
     prof = EngineProfile.from_dict(
-        {**EngineProfile.load("local").to_dict(), "connector_step_ms": 3.0, "connector_request_ms": 5.0}, "test"
+        {
+            **EngineProfile.load("local").to_dict(),
+            "connector_step_ms": 3.0,
+            "connector_request_ms": 5.0,
+            "jitter_cv": 0,
+        },
+        "test",
     )
 
     def steps(lookup: object) -> list[float]:
@@ -208,3 +214,57 @@ def test_an_engine_with_the_connector_pays_its_step_and_request_costs() -> None:
     pooled = steps(lambda req_id, hashes: ExternalHit())
     assert pooled[0] == pytest.approx(plain[0] + (3.0 + 2 * 5.0) / 1000)  # both admitted in the first step
     assert pooled[1] == pytest.approx(plain[1] + 3.0 / 1000)  # the decode step: the per-step cost alone
+
+
+def test_sim_writes_every_requests_record_as_the_benchmark_does(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``kvstore sim --records``: one JSON line per request and configuration, in the shape
+    of ``kvstore bench serving --records`` (so the two can be compared request by request)."""
+    trace = str(shared_trace(tmp_path / "t.jsonl"))
+    out = tmp_path / "records.jsonl"
+    flags = ["--trace", trace, "--block-tokens", str(BT), "--rate", "4", "--configs", "baseline,pool"]
+    assert main(["sim", *flags, "--records", str(out), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(recs) == 2 * 24 and {r["config"] for r in recs} == {"baseline", "pool"}
+    for name in ("baseline", "pool"):
+        mine = [r for r in recs if r["config"] == name]
+        assert sorted(r["index"] for r in mine) == list(range(24))
+        assert len([r for r in mine if r["error"] is None]) == result["configs"][name]["completed"]
+        assert all(r["prompt_tokens"] == 224 and r["ttft_ms"] > 0 and r["engine"] for r in mine)
+        ttfts = sorted(r["ttft_ms"] for r in mine)
+        assert ttfts[0] - 1e-3 <= result["configs"][name]["ttft_ms"]["p50"] <= ttfts[-1] + 1e-3  # (rounded)
+        assert all(r["e2e_ms"] >= r["ttft_ms"] and len(r["itl_ms"]) == r["max_tokens"] - 1 for r in mine)
+
+
+def test_ttft_is_compared_request_by_request_from_both_runs_records(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``--real-records``: the real run's records against the simulator's own, request by
+    request (median error, median |error|, pool − baseline per request): a "real" run that
+    is the simulator's with another connector cost shows it there; a bad file is refused."""
+    from kvstore.sim.profile import EngineProfile
+
+    trace = str(shared_trace(tmp_path / "t.jsonl"))
+    flags = ["--trace", trace, "--block-tokens", str(BT), "--rate", "4", "--configs", "baseline,pool"]
+    prof = tmp_path / "costly.json"
+    prof.write_text(json.dumps({**EngineProfile.load("local").to_dict(), "connector_request_ms": 30.0}))
+    real_records = tmp_path / "real.jsonl"
+    assert main(["sim", *flags, "--profile", str(prof), "--records", str(real_records), "--json"]) == 0
+    saved = tmp_path / "real.json"
+    saved.write_text(capsys.readouterr().out)
+    args = ["sim", "validate", *flags, "--real", str(saved), "--real-records", str(real_records), "--json"]
+    main([*args, "--profile", str(prof)])
+    same = json.loads(capsys.readouterr().out)["per_request"]
+    assert all(c["requests"] == 24 and c["ttft_median_abs_rel_err"] == 0 for c in same["configs"].values())
+    assert same["pool_minus_baseline_ttft_ms"]["real"] == same["pool_minus_baseline_ttft_ms"]["sim"] > 0
+    main(args)  # the bundled profile: 4 ms a request, not 30
+    cheap = json.loads(capsys.readouterr().out)["per_request"]
+    assert cheap["configs"]["baseline"]["ttft_median_abs_rel_err"] == 0  # untouched by the connector's cost
+    assert cheap["configs"]["pool"]["ttft_median_rel_err"] < 0
+    diff = cheap["pool_minus_baseline_ttft_ms"]
+    assert diff["sim"] < diff["real"]
+    real_records.write_text("not json\n")
+    assert main(args) == 2
+    assert "line 1: not a request's record" in capsys.readouterr().err
