@@ -20,7 +20,7 @@ State (blocks in flight, by key):
   waiting on the disk;
 * ``_wt_queue``: write-through commits waiting for the next group (``write_through``);
 * ``_corrupt_demoted``: dirty blocks that failed their checksum on the way out (so their
-  eviction is remembered as ``corrupt``; bounded).
+  eviction is remembered as ``corrupt``; bounded); the cleaner drops them at once.
 
 Invariants: a block is evicted from DRAM only if ``can_evict`` (not being demoted, not
 pinned, no reference); its bytes are read by an executor thread only under a reference
@@ -213,6 +213,10 @@ class TierMovers:
                     await self.persist(batch)
                 finally:
                     self._busy.difference_update(batch)
+                # a block whose payload failed its checksum on the way out can never be written
+                # nor served: dropped now (as corrupt), or every later commit would read and
+                # check it again (a node holding one spent its loop on it, a retry per commit)
+                self._drop([k for k in batch if k in self._corrupt_demoted])
                 wrote = self.counters["demotions"] - before
                 self.counters["cleaned_ahead"] += wrote
                 if not wrote:

@@ -374,6 +374,36 @@ def test_the_cleaner_writes_the_next_victims_ahead_so_a_full_dram_put_never_wait
         m.close()
 
 
+def test_the_cleaner_drops_a_corrupt_block_once_never_checks_it_again(tmp_path: Path, clock: FakeClock) -> None:
+    """A dirty block whose bytes do not match its checksum, met by the cleaner, is dropped as
+    corrupt at once: later commits do not read and check it again (a node that kept it spent
+    its loop on it, one retry per commit), and the blocks around it are cleaned as usual."""
+    m = build(tmp_path, clock, dram=8 * MiB, nvme=32 * MiB, policy=LRUPolicy, clean_ahead=0.25)
+
+    async def settle() -> None:
+        while m.movers.background:
+            await asyncio.gather(*m.movers.background, return_exceptions=True)
+
+    async def go() -> None:
+        meta = BlockMeta.for_payload(key(0), payload(0))
+        (r,) = await m.reserve([meta])
+        m.dram.arena.write(list(r.extents), memoryview(np.zeros(MiB, np.uint8)))  # bytes that do not match
+        await m.commit([r.reservation_id])
+        for i in range(1, 10):  # past 6 of 8 MiB the cleaner runs at every commit; DRAM fills
+            assert await put(m, i) == Status.OK
+            await settle()
+        assert m.counters["corrupt_demotions"] == 1, "the corrupt block was checked more than once"
+        assert m.where(key(0)) is None and not m.movers.on_nvme(key(0))  # dropped, never written
+        assert m.counters["cleaned_ahead"] >= 1
+        for i in range(1, 10):  # the others: cleaned and evicted as usual, nothing lost
+            assert await read(m, i) == payload(i).tobytes()
+
+    try:
+        run(go())
+    finally:
+        m.close()
+
+
 def test_without_clean_ahead_a_full_dram_put_waits_on_the_disk(tmp_path: Path, clock: FakeClock) -> None:
     m = build(tmp_path, clock, dram=8 * MiB, nvme=32 * MiB, policy=LRUPolicy)
 
