@@ -258,17 +258,12 @@ FIT_FIGURES = ("ttft_p50_ms", "ttft_p90_ms", "tbt_p50_ms")
 def _shown(argv: list[str]) -> list[str]:
     """``argv`` as a profile's source cites it: the trace's path relative to the working
     directory where it lies under it, else its name (no machine's paths in a profile)."""
-    import os
-
     out = list(argv)
     for i, v in enumerate(out[:-1]):
         if v == "--trace":
             path = Path(out[i + 1]).resolve()
-            try:
-                out[i + 1] = str(path.relative_to(Path.cwd()))
-            except ValueError:
-                out[i + 1] = path.name
-    return [os.fspath(x) for x in out]
+            out[i + 1] = str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else path.name
+    return out
 
 
 def fit_connector(
