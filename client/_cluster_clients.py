@@ -245,6 +245,25 @@ class ClusterClient(_ClusterBase, BlockCalls):
 
     # -- API (as KVClient) --------------------------------------------------------------------------
 
+    def warm(self) -> int:
+        """Connect to every node of the current membership now, side by side (each node's
+        client made and its Hello answered), so that the first call to a node does not pay
+        for it (about 90 ms on a two-core machine, several times a pulled chunk's own copy).
+        Returns the nodes reached; one that does not answer is left to its first call."""
+        if self._core.closed:
+            raise Unavailable("this client is closed; create a new one")
+        routing = self._core.routing()
+
+        def hello(node: str) -> bool:
+            try:
+                c = self._client(self._core.node_info(routing, node))
+                c._run(c._core.ensure_hello())
+                return True
+            except KVStoreError:
+                return False
+
+        return sum(self._pool.map(hello, list(routing.nodes)))
+
     def lookup(self, keys: Sequence[bytes], *, session_id: str | None = None) -> list[str | None]:
         return self._run(self._core.lookup(keys, session=session_id))[0]
 

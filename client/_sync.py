@@ -207,6 +207,16 @@ class KVClient(BlockCalls):
     def stats(self) -> dict[str, Any]:
         return self._run(self._core.stats())
 
+    def warm(self) -> int:
+        """Connect now (the node's Hello answered, the transport set up), so that the first
+        call does not pay for it; 1 once connected, 0 if the node does not answer (its first
+        call tries again)."""
+        try:
+            self._run(self._core.ensure_hello())
+        except KVStoreError:
+            return 0
+        return 1
+
     # -- zero-copy views (local targets; used by gpu_agent) --------------------------------
     def arena_buffer(self) -> memoryview:
         """The node's whole shared-memory arena as this process maps it (connecting if needed).

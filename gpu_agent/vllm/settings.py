@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from client import KVClient, Timeouts
+from client import Timeouts, connect
 from gpu_agent.layout import KVCacheLayout
 from kvstore.block import DTYPES
 from kvstore.cluster.state import check_engine_id, parse_target
@@ -251,7 +251,8 @@ class ConnectorSettings:
         return self.chunk_tokens
 
     def client(self, target: str | None = None) -> Any:
-        """A kvstore client for ``target`` (default: ``self.target``) with these credentials and deadlines."""
+        """A kvstore client for ``target`` (default: ``self.target``) with these credentials and
+        deadlines: a node's client, or a cluster's for an ``etcd://`` target (``client.connect``)."""
         import os
 
         t = target or self.target
@@ -263,7 +264,7 @@ class ConnectorSettings:
                 kw[name] = getattr(self, name)
         if self.tls:
             kw["tls"] = True
-        return KVClient(t, **kw)
+        return connect(t, **kw)
 
 
 def advertised_host_port(url: str) -> tuple[str, int]:

@@ -115,6 +115,8 @@ class WorkerSide:
         self._events: list[KVCacheEvent] = []
         self.counters: dict[str, int] = {k: 0 for k in WORKER_KEYS}
         self._remote: Any = None  # a client of lookup_target, for chunks only other nodes hold
+        self._remote_lock = threading.Lock()  # guards _remote and _closed (the warm-up, pulls and close race)
+        self._closed = False
         self._puller: concurrent.futures.ThreadPoolExecutor | None = None  # runs the pulls (bounded waits)
         self._make_agent: Any = None
         self._next_try = 0.0
@@ -170,6 +172,7 @@ class WorkerSide:
         )
         self._make_agent = lambda client: GPUAgent(client, layout, ns, device=tensors[0].device, config=cfg)
         self._connect()
+        self.warm()
         log.info(
             "KVStoreConnector: rank tp=%d pp=%d, %d layers, page geometry %s, chunks of %d tokens, namespace %s",
             tp_rank,
@@ -229,6 +232,42 @@ class WorkerSide:
                 self.settings.deadline_s,
             )
 
+    def _remote_client(self) -> Any:
+        """The client of ``lookup_target``, made by whichever thread asks first (the warm-up,
+        a pull); None once the worker is closed."""
+        with self._remote_lock:
+            if self._remote is None and not self._closed:
+                self._remote = self.settings.client(self.settings.lookup_target)
+            return self._remote
+
+    def warm(self) -> threading.Thread | None:
+        """Start :meth:`_warm_remote` on a thread of its own (None: no ``lookup_target``)."""
+        if not self.settings.lookup_target:
+            return None
+        t = threading.Thread(target=self._warm_remote, name="kvstore-warm", daemon=True)
+        t.start()
+        return t
+
+    def _warm_remote(self) -> None:
+        """Make the ``lookup_target`` client, connect it to every node and import the pull
+        path at start, off the engine's threads.  Done lazily, the first chunk pulled from
+        another node paid for them (the cluster client's imports, its etcd connection and
+        membership read, then the node's connection) in that request's time to first token:
+        0.3-0.4 s on two cores, several times a short prompt's whole prefill.  A cluster not
+        reachable yet is tried again by that pull."""
+        try:
+            import gpu_agent.pull  # noqa: F401 - imported for its cost, here rather than in a request
+
+            remote = self._remote_client()
+            if remote is not None:
+                remote.warm()
+        except Exception as e:  # noqa: BLE001 - the first pull makes the client (and reports) instead
+            log.info(
+                "KVStoreConnector: %s not reachable yet (%s); the first pull tries again",
+                self.settings.lookup_target,
+                e,
+            )
+
     def _pull_remote(self, agent: Any, spec: LoadSpec, ns: Namespace) -> None:
         """Chunks the scheduler found through ``lookup_target`` that this machine's node lacks
         (``gpu_agent.pull``) into ``agent``'s node; a failure leaves them missing and the load
@@ -239,15 +278,16 @@ class WorkerSide:
             return
         t0 = time.perf_counter()
         try:
-            if self._remote is None:
-                self._remote = self.settings.client(self.settings.lookup_target)
+            remote = self._remote_client()
+            if remote is None:
+                return  # closed
             chain = chunk_keys(spec.tokens, ns)
             tail = tail_key(spec.tokens, ns, chain) if spec.tail else None
             if tail is not None:
                 chain.append(tail)
             self.counters["pulled_blocks"] += pull_missing(
                 agent.client,
-                self._remote,
+                remote,
                 chain,
                 spec.first_token // self.chunk,
                 ns,
@@ -687,7 +727,9 @@ class WorkerSide:
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader = None
-        if self._remote is not None:
-            self._remote.close()
-            self._remote = None
+        with self._remote_lock:
+            self._closed = True
+            remote, self._remote = self._remote, None
+        if remote is not None:
+            remote.close()
         self._retire_agent()

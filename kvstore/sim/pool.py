@@ -48,7 +48,8 @@ last poll, as the scheduler does (its poll is answered at once here, where the r
 is taken in at a later sighting).  The save cost it weighs (:meth:`Evidence.observe`,
 ``save_us`` over ``save_chunks``, per step as the workers report them) is what a save
 costs in the simulation: one per request and step, as the workers save, its chunks'
-bytes over the profile's DRAM link and one transfer's latency (``load_s("dram", ...)``:
+bytes over the profile's DRAM link, one transfer's latency and ``connector_save_ms``
+(:meth:`~kvstore.sim.profile.EngineProfile.save_s`:
 the same copy and commit a handoff waits for).  The other policies plan with :func:`gpu_agent.vllm.admission.plan`
 (``auto``: a request with a session id stores everything, others the chunks seen at
 least twice).  ``skipped_save_chunks`` counts, as the connector does, the full prompt
@@ -72,8 +73,8 @@ prefill engine's connector is a producer only (``kv_producer``): it never looks 
 saves the prompt's chunks as above and, when the prompt is computed, its trailing partial
 chunk (:func:`tail_key`).  When its request (``max_tokens`` 1) finishes, what it saved is
 its :class:`Handoff` (the ``kv_transfer_params["kvstore"]`` of its answer), and the decode
-engine gets the request once its last step's saves are copied and committed (``save_s``:
-their bytes over the profile's DRAM link).  A decode engine's connector is a consumer only
+engine gets the request once its last step's saves are copied and committed
+(:meth:`~kvstore.sim.profile.EngineProfile.save_s`).  A decode engine's connector is a consumer only
 (``kv_consumer``): it sights and saves nothing; its lookup of a handed-off request skips
 the load gate and loads every chunk found (own node: DRAM; another node: network), then,
 with the whole prompt saved and found, the partial chunk and the blocks up to the prompt's
@@ -510,8 +511,8 @@ class Connector:
             self.evidence.update(self.pool.read_back_rows(self.node))
 
     def save_s(self, chunks: int) -> float:
-        """What saving ``chunks`` chunks costs in the simulation: their bytes over the DRAM link."""
-        return self.profile.load_s("dram", chunks * self.pool.chunk_tokens * self.profile.kv_bytes_per_token)
+        """What saving ``chunks`` chunks costs in the simulation (:meth:`EngineProfile.save_s`)."""
+        return self.profile.save_s(chunks * self.pool.chunk_tokens * self.profile.kv_bytes_per_token)
 
     def lookup_external(self, req_id: str, candidates: Sequence[BlockHash]) -> ExternalHit:
         r = self.reqs[req_id]

@@ -25,7 +25,10 @@ An engine with the pool's connector (every configuration with a store) adds
 ``connector_step_ms`` to each step that runs a batch and ``connector_request_ms`` for each
 request the step schedules for the first time: what the connector's hooks, its saves and the
 node beside the engine cost it besides bytes over bandwidth (on a CPU engine they share its
-core; both default to 0).
+core; both default to 0).  One save of ``n`` chunks takes ``connector_save_ms`` besides
+their bytes over the DRAM link (:meth:`EngineProfile.save_s`: the Reserve and commit round
+trips, the copy and checksum on the worker's thread); that is the cost the connector's
+``evidence`` admission weighs a chunk's recompute time against, and what a handoff waits for.
 
 Loading KV from a tier (``dram``, ``nvme``, ``network``) takes
 ``latency_s + bytes / bandwidth_Bps`` (:meth:`EngineProfile.load_s`).
@@ -70,8 +73,9 @@ _NON_NEGATIVE = (
     "jitter_cv",
     "connector_step_ms",
     "connector_request_ms",
+    "connector_save_ms",
 )
-_OPTIONAL = {"jitter_cv": 0.0, "connector_step_ms": 0.0, "connector_request_ms": 0.0}
+_OPTIONAL = {"jitter_cv": 0.0, "connector_step_ms": 0.0, "connector_request_ms": 0.0, "connector_save_ms": 0.0}
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,6 +109,7 @@ class EngineProfile:
     # what the pool's connector costs an engine besides moving bytes (engines with a store only)
     connector_step_ms: float = 0.0  # every step that runs a batch
     connector_request_ms: float = 0.0  # per request, in the step that first schedules it
+    connector_save_ms: float = 0.0  # per save, besides its bytes over the DRAM link
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False)  # constant → citation
 
     def __post_init__(self) -> None:
@@ -173,6 +178,12 @@ class EngineProfile:
         if nbytes <= 0:
             return 0.0
         return self.latency_s(tier) + nbytes / self.bandwidth_Bps(tier)
+
+    def save_s(self, nbytes: int) -> float:
+        """Seconds one save of ``nbytes`` of KV takes the connector's worker (0 bytes: no save)."""
+        if nbytes <= 0:
+            return 0.0
+        return self.load_s("dram", nbytes) + self.connector_save_ms / 1000
 
     def uncited(self) -> list[str]:
         """The constants ``sources`` does not cite."""

@@ -17,7 +17,7 @@ import pytest
 from cluster_fixtures import LEASE_TTL, Cluster, cluster, etcd, wait_until  # noqa: F401 - fixtures
 from conftest import ROOT
 
-from client import KVClient, Namespace, connect, connect_async
+from client import KVClient, Namespace, Unavailable, connect, connect_async
 from kvstore.cluster.membership import Membership
 from kvstore.cluster.placement import BoundedTable
 from kvstore.cluster.state import effective_fingerprint
@@ -143,6 +143,33 @@ def test_writes_go_to_all_r_owners_and_reads_find_them(cluster: Cluster) -> None
     st = kv.stats()
     assert set(st["nodes"]) == {"n1", "n2", "n3"} and st["replication"] == 2
     assert sum(s["tiers"]["dram"]["blocks"] for s in st["nodes"].values()) == 2 * (len(keys) - 1)
+
+
+def test_warm_connects_to_every_node_before_the_first_call(cluster: Cluster) -> None:
+    """``ClusterClient.warm()`` connects to every member side by side (each node's Hello
+    answered), so no later call pays for a connection; a node that does not answer counts
+    0 and is no error (its first call tries again).  ``KVClient.warm()`` does the same for
+    its one node."""
+    cluster.start("w1", "w2", "w3")
+    kv = cluster.client()
+    assert kv.wait_for_nodes(3, 10)
+    assert kv._clients == {}  # no call yet: no node's client made
+    assert kv.warm() == 3
+    assert set(kv._clients) == {"w1", "w2", "w3"} and all(c._core.hello for _, c in kv._clients.values())
+    cluster.sigstop("w3")
+    try:
+        other = cluster.client()
+        assert other.wait_for_nodes(3, 10) and other.warm() == 2  # w3 frozen: not reached, not raised
+    finally:
+        cluster.sigcont("w3")
+    one = KVClient(cluster.nodes["w1"].tcp)
+    try:
+        assert one._core.hello is None and one.warm() == 1 and one._core.hello is not None
+    finally:
+        one.close()
+    kv.close()
+    with pytest.raises(Unavailable, match="closed"):
+        kv.warm()
 
 
 def test_async_cluster_client(cluster: Cluster) -> None:

@@ -268,3 +268,27 @@ def test_ttft_is_compared_request_by_request_from_both_runs_records(
     real_records.write_text("not json\n")
     assert main(args) == 2
     assert "line 1: not a request's record" in capsys.readouterr().err
+
+
+def test_a_costlier_save_is_declined_sooner_by_the_evidence_admission(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``connector_save_ms`` is what one save costs the worker besides its bytes over the DRAM
+    link (``EngineProfile.save_s``); the simulated connector's ``evidence`` admission weighs
+    it as the real one weighs its workers' save timings: on the shared trace's first 100
+    requests (little reuse), a costlier save stores fewer chunks and skips more."""
+    from kvstore.sim.profile import EngineProfile
+
+    local = EngineProfile.load("local")
+    assert local.save_s(0) == 0
+    assert local.save_s(2 << 20) == pytest.approx(local.load_s("dram", 2 << 20) + local.connector_save_ms / 1000)
+    got = {}
+    for ms in (0.0, 20.0):
+        prof = tmp_path / f"save{ms}.json"
+        prof.write_text(json.dumps({**local.to_dict(), "connector_save_ms": ms}))
+        assert main(["sim", "--requests", "100", "--configs", "pool", "--profile", str(prof), "--json"]) == 0
+        got[ms] = json.loads(capsys.readouterr().out)["configs"]["pool"]["connector"]
+    assert got[20.0]["saved_chunks"] < got[0.0]["saved_chunks"]
+    assert got[20.0]["skipped_save_chunks"] > got[0.0]["skipped_save_chunks"]
+    with pytest.raises(InvalidArgument, match="connector_save_ms"):
+        EngineProfile.from_dict({**local.to_dict(), "connector_save_ms": -1.0}, "bad")

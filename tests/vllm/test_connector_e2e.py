@@ -87,7 +87,7 @@ def consume(
     assert same(got, want), diff(got, want)
     handed = reads(client) - before
     assert handed == blocks, (
-        f"the node handed out {handed} blocks, not {blocks}{engine.log_tail()}{log_tail(rig.dir / 'node.log')}"
+        f"the node handed out {handed} blocks, not {blocks}{engine.log_tail()}{log_tail(rig.dir / 'node.log')}{rig.stalls.report()}"
     )
     kv = info(got)
     assert (kv.get("local_tokens"), kv.get("external_tokens")) == (local, external), kv

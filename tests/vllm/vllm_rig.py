@@ -169,13 +169,28 @@ class Rig:
         # two ranks busy-polling on two cores starve the node and each rank's saver thread:
         # a save's Reserve can take longer than 2 s there (a lost save, a recompute, but
         # this engine's tests are about each rank's shard, not the deadline)
-        self.tp2 = engine("tp2", connector={"role": "kv_both", "extra": {**extra, "deadline_s": 15.0}}, tp=2)
+        # (and nicer than the rest: its three spinners, not the node, should wait for a core)
+        self.tp2 = engine(
+            "tp2", connector={"role": "kv_both", "extra": {**extra, "deadline_s": 15.0}}, tp=2, nice=2 * NICE
+        )
         engines = (self.ref, self.prefill, self.decode, self.remote, self.small, self.tp2)
         stack.callback(lambda: [e.quit() for e in engines])  # runs first: they shut down together
         t0 = time.perf_counter()
         for e in engines:
             e.wait_ready(timeout=900)
         self.started_s = time.perf_counter() - t0
+        from stalls import Stalls, find, tree
+
+        self.stalls = Stalls(
+            {
+                "node": [self.node.proc.pid],
+                "other": [self.other_node.proc.pid],
+                "etcd": find(str(d / "etcd")),
+                "tp2": tree(self.tp2.proc.pid),
+                "engines": [p for e in engines if e is not self.tp2 for p in tree(e.proc.pid)],
+            }
+        )
+        stack.callback(self.stalls.close)
         self.client = KVClient(self.node.target)
         stack.callback(self.client.close)
         self.other = KVClient(self.other_node.target)
