@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
 
 from kvstore.bench.serving.workload import Workload
 from kvstore.errors import InvalidArgument
@@ -66,7 +67,7 @@ class Capacity:
     capacity_rps: float
     steps: tuple[tuple[float, float], ...]
 
-    def to_json(self) -> dict[str, object]:
+    def to_json(self) -> dict[str, Any]:
         return {
             "capacity_rps": round(self.capacity_rps, 4),
             "steps": [{"rate_rps": round(r, 4), "slo_met": m} for r, m in self.steps],

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -130,6 +131,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="write every request's record here (JSON lines, as `kvstore bench serving --records`; not the "
         "--capacity search's runs)",
+    )
+    g.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="with --capacity: goodput (and TTFT p50) against offered load per configuration, each capacity marked",
     )
 
 
@@ -274,6 +280,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     configs = parse_configs(a.configs)
     if a.slo_ttft_ms <= 0 or a.slo_tbt_ms <= 0:
         raise InvalidArgument("--slo-ttft-ms and --slo-tbt-ms must be positive")
+    if getattr(a, "plot", None) and not a.capacity:
+        raise InvalidArgument("--plot needs --capacity: it plots the capacity search's runs")
     if a.engines < 1:
         raise InvalidArgument(f"--engines must be at least 1, got {a.engines}")
     if a.nodes is not None:
@@ -359,6 +367,16 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def steps_json(found: Capacity, at: Callable[[float], dict[str, Any]]) -> dict[str, Any]:
+    """A search's JSON, each run with the goodput and TTFT p50 it gave (``--plot``'s points)."""
+    out = found.to_json()
+    for step, (r, _) in zip(out["steps"], found.steps):
+        got = at(r)
+        step["goodput_rps"] = got["goodput_rps"]
+        step["ttft_p50_ms"] = got["ttft_ms"]["p50"]
+    return out
+
+
 def capacity(
     result: dict[str, Any],
     wl: Workload,
@@ -390,11 +408,11 @@ def capacity(
         found[name] = find_capacity(met, rate, tolerance=tolerance)
         if name in result["configs"]:
             result["configs"][name]["capacity_rps"] = round(found[name].capacity_rps, 4)
-            result["configs"][name]["capacity"] = found[name].to_json()
+            result["configs"][name]["capacity"] = steps_json(found[name], functools.partial(at, name))
     base = found["baseline"].capacity_rps
     out: dict[str, Any] = {"rate_rps": round(base, 4), "slo_target": SLO_TARGET, "configs": {}}
     if "baseline" not in configs:
-        out["baseline_capacity"] = found["baseline"].to_json()
+        out["baseline_capacity"] = steps_json(found["baseline"], functools.partial(at, "baseline"))
     if base > 0:
         for name in (*(() if "baseline" in configs else ("baseline",)), *configs):
             out["configs"][name] = at(name, base)
@@ -426,6 +444,11 @@ def main(a: argparse.Namespace) -> int:
             report.print_table({**table, "steps": steps}, out, title="at baseline's capacity")
     sim = result["sim"]
     print(f"  simulated {sim['virtual_s']:.1f} s in {sim['wall_s']:.1f} s ({sim['runs']} runs)", file=out)
+    if getattr(a, "plot", None):
+        from kvstore.sim.plot import plot_capacity
+
+        plot_capacity(result, a.plot, title=f"{sim['profile']}, {a.engines} engines")
+        print(f"  plot: {a.plot}", file=out)
     if a.json:
         print(json.dumps(result), flush=True)
     return 1 if any(c["completed"] == 0 for c in result["configs"].values()) else 0

@@ -82,9 +82,15 @@ last token less one (:class:`~kvstore.sim.engine.ExternalHit`'s ``tail_tokens``)
 decode engine computes one prompt token.  Fewer found than saved (evicted since) counts in
 ``handoff_short``; the live connector would first wait up to ``deadline_s``.
 
-Left out: in ``pool``, the prompt's trailing partial chunk (the connector keys it by its
-exact tokens; only handoffs save and load it here) and loads to the prompt's last token
-less one (``pool`` loads whole engine blocks), decode chunks (``save_decode``), the
+**The prompt's trailing partial chunk** (:func:`tail_key`; the connector keys it by the
+prompt's exact tokens): every producing connector saves it with the prompt's last full
+chunks when the plan admits it (``tail``; a sighting policy counts its sightings as the
+connector does), and a lookup that found every full chunk of a prompt with no output yet
+asks for it as one more chunk of the run (the load gate weighs it as one): found, the hit
+reaches the prompt's last token less one, and the request never saves it again.
+
+Left out: a prompt shorter than one engine block (the engine model offers no block to
+look up, where vLLM asks the connector anyway), decode chunks (``save_decode``), the
 lookup's own latency and its wait budget (answers are immediate), lookup odds
 (``patience``).
 
@@ -414,7 +420,7 @@ class _Req:
     saved: int = 0  # leading chunks stored or found stored (the connector's saved_chunks)
     answer: _Answer | None = None  # the last lookup's, for the load that follows
     loaded: bool = False  # the nodes were asked for that load already (an async one, at its start)
-    tail: ChunkKey | None = None  # pd: the prompt's partial chunk's key (None: none, or not a pd engine)
+    tail: ChunkKey | None = None  # the prompt's partial chunk's key (None: the prompt ends on a chunk boundary)
     tail_saved: bool = False
     handoff: Handoff | None = None  # a consumer's: what its producer saved
 
@@ -473,10 +479,10 @@ class Connector:
 
     def arrived(self, req_id: str, work: Work, hashes: tuple[BlockHash, ...]) -> None:
         keys = chunk_keys(hashes, self.k)
-        tail = tail_key(work, hashes, self.pool.chunk_tokens) if self.role != "both" else None
+        tail = tail_key(work, hashes, self.pool.chunk_tokens)
         plan = admission.NOTHING  # a consumer saves nothing
-        if self.produce:  # (the connector sights only where it saves)
-            counts = self.sightings.sight(keys)
+        if self.produce:  # (the connector sights only where it saves: the chunks, then the tail)
+            counts = self.sightings.sight(keys + ([tail] if tail is not None else []))
             if self.settings.save_policy == "evidence":  # as the scheduler's _sight plans
                 self._poll_read_back()
                 per_token = self.gate.recompute.per_token(self.gate.min_samples)
@@ -491,8 +497,8 @@ class Connector:
             else:
                 plan = admission.plan(
                     self.settings.save_policy,
-                    counts=counts,
-                    tail_count=None,
+                    counts=counts[: len(keys)],
+                    tail_count=counts[-1] if tail is not None else None,
                     hint=work.session_id is not None,
                     producer_only=self.role == "prefill",
                     save_decode=self.settings.save_decode,
@@ -526,12 +532,48 @@ class Connector:
         self.counters["lookups"] += 1
         if r.handoff is not None:  # a producer's handoff loads whatever is there: no gate
             return self._handoff_hit(r, first, local, max_hit, where)
-        n = self._gate([_KIND[t] for t, _ in where]) if where else 0
-        if n < len(where):
-            self.counters["gated_chunks"] += len(where) - n
-        end = min((first + n) * self.k, max_hit)
-        per = hit_blocks([t for t, _ in where[:n]], first, local, end, self.k)
-        return self._answer(r, first, len(where), where[:n], per, 0, "dram")
+        # every full chunk found: the prompt's partial chunk may follow (keyed by the prompt's
+        # exact tokens, so only before any output), as one more chunk of the run
+        tail = r.tail if self._tail_may_follow(r, first, where) else None
+        got = self.pool.locate(self.node, [tail]) if tail is not None else []
+        if got:
+            r.tail_saved = True  # the whole prompt is stored, its tail too: never saved again
+        run = [*where, *got]
+        n = self._gate([_KIND[t] for t, _ in run]) if run else 0
+        if n < len(run):
+            self.counters["gated_chunks"] += len(run) - n
+        if n <= len(where):
+            end = min((first + n) * self.k, max_hit)
+            per = hit_blocks([t for t, _ in where[:n]], first, local, end, self.k)
+            return self._answer(r, first, len(where), where[:n], per, 0, "dram")
+        assert tail is not None
+        tier, node = got[0]
+        return self._with_tail(r, first, local, max_hit, where, tier, (tail, node))
+
+    def _tail_may_follow(self, r: _Req, first: int, where: Sequence[tuple[Tier, int]]) -> bool:
+        """Whether a lookup asks for the prompt's partial chunk: it has one, the run found
+        every full chunk, and the request has no output yet (its tokens are the prompt)."""
+        return r.tail is not None and r.outputs == 0 and first + len(where) == len(r.keys)
+
+    def _with_tail(
+        self,
+        r: _Req,
+        first: int,
+        local: int,
+        max_hit: int,
+        where: Sequence[tuple[Tier, int]],
+        tier: Tier,
+        tail: tuple[ChunkKey, int],
+    ) -> ExternalHit:
+        """The hit of every full chunk found and the prompt's partial chunk (on ``tier``):
+        the blocks to ``max_hit``, and the tokens of the last one up to the prompt's last
+        token less one (vLLM computes that one), as the connector loads them."""
+        per = hit_blocks([t for t, _ in where], first, local, max_hit, self.k)
+        per[tier] += max(0, max_hit - max(len(r.keys) * self.k, local))
+        tail_tokens = 0
+        if local + sum(per.values()) == max_hit:
+            tail_tokens = max(0, r.prompt_tokens - 1 - max_hit * self.bs)
+        return self._answer(r, first, len(where), where, per, tail_tokens, tier, tail)
 
     def _answer(
         self,
@@ -665,7 +707,7 @@ class Connector:
                 r.saved = limit
         for o in res.outputs:
             r = self.reqs[o.req_id]
-            if self.role == "prefill" and o.first_token:
+            if self.produce and o.first_token:
                 await self._save_tail(o.req_id, r, written)
             if not o.finished:
                 r.outputs = o.output_tokens

@@ -107,3 +107,30 @@ def _no_wall(x: Any) -> Any:
     if isinstance(x, dict):
         return {k: _no_wall(v) for k, v in x.items() if k != "wall_s"}
     return x
+
+
+def test_the_plot_is_goodput_against_offered_load_with_each_capacity_marked(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``--plot PNG`` (with ``--capacity``): every search run is a point (offered rate, the
+    goodput and TTFT p50 it gave, also in the JSON's steps); the PNG is written; without
+    ``--capacity`` it is refused before anything runs."""
+    from kvstore.sim.plot import curves
+
+    trace = shared_trace(tmp_path / "t.jsonl", n=40)
+    prof = tmp_path / "p.json"
+    profile(name="small", num_gpu_blocks=24).save(prof)
+    png = tmp_path / "cap.png"
+    args = ["--trace", str(trace), "--block-tokens", str(BT), "--profile", str(prof), "--engines", "2",
+            "--slo-ttft-ms", "300", "--configs", "baseline", "--capacity", "--capacity-tolerance", "0.05"]  # fmt: skip
+    r = sim_json(capsys, *args, "--plot", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    steps = r["configs"]["baseline"]["capacity"]["steps"]
+    assert all(s["goodput_rps"] is not None and s["ttft_p50_ms"] > 0 for s in steps)
+    (pts,) = curves(r).values()
+    assert [p["rate_rps"] for p in pts] == sorted({s["rate_rps"] for s in steps})
+    knee = next(p for p in pts if p["rate_rps"] == r["configs"]["baseline"]["capacity_rps"])
+    assert knee["slo_met"] >= 0.9 and all(p["slo_met"] < 0.9 for p in pts if p["rate_rps"] > knee["rate_rps"])
+    assert main(["sim", *[x for x in args if x != "--capacity"], "--plot", str(tmp_path / "x.png")]) == 2
+    assert "--plot needs --capacity" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()

@@ -94,9 +94,12 @@ def test_conversations_are_stored_and_served_from_the_store(tmp_path: Path) -> N
     evidence = pool_run(wl, p)
     assert evidence["completed"] == 200 and evidence["errors"] == 0
     c = evidence["connector"]
-    assert c["saved_chunks"] >= 0.95 * always["connector"]["saved_chunks"]  # (almost) everything
-    assert c["skipped_save_chunks"] <= 0.05 * (c["saved_chunks"] + c["skipped_save_chunks"])
-    assert stored(evidence) >= 0.95 * stored(always)
+    # nearly everything: what it declines is the turns' trailing partial chunks, keyed by their
+    # prompt's exact tokens, which the next turn (a longer prompt) never reads (serving below
+    # is as with `always`)
+    assert c["saved_chunks"] >= 0.8 * always["connector"]["saved_chunks"]
+    assert c["skipped_save_chunks"] <= 0.15 * (c["saved_chunks"] + c["skipped_save_chunks"])
+    assert stored(evidence) >= 0.8 * stored(always)
     sb = evidence["store_blocks"]
     assert 0.1 * sb["stored_bytes"] < sb["read_back_bytes"] <= sb["stored_bytes"]
     pt = evidence["prompt_tokens"]

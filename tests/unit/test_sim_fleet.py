@@ -151,6 +151,28 @@ def test_shared_prefixes_are_served_from_the_store_and_unique_prompts_are_not(tm
     assert pool_run(workload(path, unique=True), p, save_policy="always")["connector"]["saved_chunks"] > 0
 
 
+def test_a_repeated_prompt_loads_its_partial_chunk_to_its_last_token_less_one(tmp_path: Path) -> None:
+    """As the connector does, a prompt's trailing partial chunk is saved (keyed by its exact
+    tokens) and a lookup that found every full chunk of the same prompt loads it too: the
+    second request of an 80-token prompt (two 32-token chunks and 16 tokens) computes one
+    token, where full chunks alone left it 16; a prompt that only shares the full chunks
+    does not get the other's partial chunk."""
+    rows = [(0, [1, 2, 3, 4, 5], 8), (1000, [1, 2, 3, 4, 5], 8), (2000, [1, 2, 3, 4, 6], 8), (3000, [7, 8], 8)]
+    wl = workload(write_trace(tmp_path / "t.jsonl", rows))
+    got = pool_run(wl, profile(), save_policy="always")
+    pt, c = got["prompt_tokens"], got["connector"]
+    # the repeat (engine 1, from engine 0's node): 79 of its 80 tokens; the third prompt (engine
+    # 0, its own cache holds the full chunks) nothing of the other tail; the fourth is fresh
+    assert pt["store"] == 79 and pt["engine_cache"] == 64
+    assert pt["recomputed"] == pt["total"] - 79 - 64
+    assert c["loads"] == 1 and c["load_misses"] == 0
+    assert got["store_blocks"]["remote_pulls"] == 3  # the repeat's two chunks and tail, into its own node
+    # committed: the first prompt's 2 chunks and tail, the 3 pulled, the third prompt's tail (its
+    # chunks were stored already: as the connector, it saves from chunk 0 when its hit was local)
+    # and the fourth's chunk
+    assert c["saved_chunks"] == 3 + 3 + 1 + 1 and c["save_exists"] == 2
+
+
 def test_save_policy_auto_stores_a_sessions_prompt_at_its_first_sighting(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     rows = [
