@@ -23,12 +23,14 @@ hand each step over on one core).  That is what ``kvstore bench serving`` measur
 profile is the one to validate against it (docs/sim.md).
 
 Each kind is repeated ``--repeats`` times; the step model of :mod:`kvstore.sim.profile`
-(``overhead_ms`` + ``prefill_ms_per_token``·T + ``prefill_attn_ms``·pairs +
-``decode_ms_per_seq``·B + ``decode_ms_per_kv_token``·context) is fitted to every sample
-by non-negative least squares (a coefficient the data makes negative is dropped and the
-rest refitted), and ``jitter_cv`` is the coefficient of variation of the samples around the
-fit.  The profile written (``--out``, default stdout) is ``--base`` (default ``local``) with
-those six constants, the engine's block size and KV blocks, and each constant's source
+(``overhead_ms`` + ``prefill_ms_per_token``·T + ``prefill_attn_ms``·T² +
+``prefill_cached_attn_ms``·T·C + ``decode_ms_per_seq``·B + ``decode_ms_per_kv_token``·context)
+is fitted to every sample by non-negative least squares (a coefficient the data makes
+negative is dropped and the rest refitted), and ``jitter_cv`` is the coefficient of
+variation of the samples around the fit.  ``--samples FILE`` fits the samples of an earlier
+``--json`` run instead of measuring (no vLLM needed; the block geometry is ``--base``'s).
+The profile written (``--out``, default stdout) is ``--base`` (default ``local``) with
+those seven constants, the engine's block size and KV blocks, and each constant's source
 saying what was measured, when and on what CPU.  ``--json`` also prints the samples and
 the fit's residuals.
 
@@ -54,8 +56,24 @@ import numpy as np
 
 from kvstore.errors import InvalidArgument
 
-COLUMNS = ("overhead_ms", "prefill_ms_per_token", "prefill_attn_ms", "decode_ms_per_seq", "decode_ms_per_kv_token")
-"""The fitted constants, in the order of a sample's regressors (1, T, pairs, B, context)."""
+COLUMNS = (
+    "overhead_ms",
+    "prefill_ms_per_token",
+    "prefill_attn_ms",
+    "prefill_cached_attn_ms",
+    "decode_ms_per_seq",
+    "decode_ms_per_kv_token",
+)
+"""The fitted constants, in the order of a sample's regressors (1, T, the new tokens' pairs
+among themselves, their pairs with a cached prefix, B, context)."""
+
+
+def cached_pairs(sample: dict[str, Any]) -> int:
+    """A sample's attention pairs of new tokens with a cached prefix (``cached_pairs``; a
+    ``prefill-cached`` sample saved before it was recorded: its pairs less T²)."""
+    if "cached_pairs" in sample:
+        return int(sample["cached_pairs"])
+    return int(sample["pairs"]) - int(sample["t"]) ** 2 if sample.get("kind") == "prefill-cached" else 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,6 +88,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="times each measurement is taken (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids (default 0)")
     p.add_argument("--json", action="store_true", help="print the samples and the fit as JSON (after the profile)")
+    p.add_argument(
+        "--samples",
+        metavar="FILE",
+        help="fit the samples of an earlier run's --json output instead of measuring (no vLLM needed; the block "
+        "size and KV blocks stay --base's)",
+    )
     p.add_argument(
         "--served",
         action="store_true",
@@ -97,7 +121,7 @@ def fit(samples: list[dict[str, Any]]) -> dict[str, Any]:
     decode sequences, ``ctx`` context tokens, ``ms`` the step's time)."""
     if len(samples) < len(COLUMNS):
         raise InvalidArgument(f"{len(samples)} samples cannot fit {len(COLUMNS)} constants")
-    x = np.array([[1.0, s["t"], s["pairs"], s["b"], s["ctx"]] for s in samples])
+    x = np.array([[1.0, s["t"], s["pairs"] - cached_pairs(s), cached_pairs(s), s["b"], s["ctx"]] for s in samples])
     y = np.array([s["ms"] for s in samples])
     coef = nnls(x, y)
     if coef[0] <= 0 or coef[1] <= 0:
@@ -149,6 +173,7 @@ def measure(engine: Any, a: argparse.Namespace) -> list[dict[str, Any]]:
                         "kind": "prefill-cached",
                         "t": t,
                         "pairs": t * (c + t),
+                        "cached_pairs": t * c,
                         "b": 0,
                         "ctx": 0,
                         "ms": float(r["ttft_ms"]),
@@ -253,6 +278,8 @@ def run(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
 
     if a.repeats < 1 or a.max_prefill < 64:
         raise InvalidArgument("--repeats must be at least 1 and --max-prefill at least 64")
+    if getattr(a, "samples", None):
+        return refit(a)
     if importlib.util.find_spec("vllm") is None:
         raise InvalidArgument("calibrating needs vLLM in this interpreter: run `.venv-vllm/bin/kvstore sim calibrate`")
     base = EngineProfile.load(a.base)
@@ -301,6 +328,54 @@ def run(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     )
     prof["sources"] = sources
     EngineProfile.from_dict(prof, "the calibrated profile")  # refuses anything out of range
+    return prof, {"samples": samples, "fit": f}
+
+
+def load_samples(path: str) -> list[dict[str, Any]]:
+    """The samples of an earlier ``--json`` run (its second JSON document, or the only one)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise InvalidArgument(f"--samples: cannot read {path}: {e.strerror or e}") from None
+    dec, i, found = json.JSONDecoder(), 0, None
+    while i < len(text):
+        if text[i].isspace():
+            i += 1
+            continue
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            raise InvalidArgument(f"--samples: {path} is not `kvstore sim calibrate --json` output ({e.msg})") from None
+        if isinstance(obj, dict) and isinstance(obj.get("samples"), list):
+            found = obj["samples"]
+    need = {"kind", "t", "pairs", "b", "ctx", "ms"}
+    if not found or not all(isinstance(x, dict) and need <= set(x) for x in found):
+        raise InvalidArgument(f"--samples: {path} has no samples ({', '.join(sorted(need))} each)")
+    return list(found)
+
+
+def refit(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``--samples``: the fit of an earlier run's samples into ``--base``."""
+    from kvstore.sim.profile import EngineProfile
+
+    base = EngineProfile.load(a.base)
+    samples = load_samples(a.samples)
+    f = fit(samples)
+    where = (
+        f"fitted: `kvstore sim calibrate --samples` on {datetime.date.today().isoformat()} to the {len(samples)} "
+        f"steps of an earlier calibration ({Path(a.samples).name}) by non-negative least squares "
+        f"(R^2 {f['r2']:.3f}, median |error| {f['median_abs_rel_err']:.1%})"
+    )
+    prof = base.to_dict()
+    prof["name"] = a.name or base.name
+    sources = dict(prof.get("sources") or {})
+    for k, v in f["constants"].items():
+        prof[k] = round(v, 9)
+        sources[k] = where
+    prof["jitter_cv"] = round(f["jitter_cv"], 4)
+    sources["jitter_cv"] = where + ": the coefficient of variation of the steps around the fit"
+    prof["sources"] = sources
+    EngineProfile.from_dict(prof, "the calibrated profile")
     return prof, {"samples": samples, "fit": f}
 
 

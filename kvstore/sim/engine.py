@@ -460,17 +460,18 @@ class EngineModel:
         if not preempted and (self._waiting or self._holding):  # as vLLM: a step that preempted admits nobody
             sync_load_s = self._schedule_waiting(now_s, budget, sched, admitted, loading)
 
-        prefill = pairs = decode = context = 0
+        prefill = pairs = cached_pairs = decode = context = 0
         for req, n in sched:
             c = req.num_computed
             if req.in_prefill:
                 prefill += n
                 pairs += n * (c + n)
+                cached_pairs += n * c
             else:
                 decode += 1
                 context += c + 1
             req.num_computed = c + n
-        forward_ms = self.profile.step_ms(prefill, pairs, decode, context)
+        forward_ms = self.profile.step_ms(prefill, pairs, decode, context, cached_pairs)
         if forward_ms > 0 and self._lookup_external is not None:  # the connector's own cost
             forward_ms += self.profile.connector_step_ms + self.profile.connector_request_ms * len(admitted)
         if forward_ms > 0 and self._rng is not None:

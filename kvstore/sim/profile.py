@@ -7,9 +7,11 @@ package, or any file), one key per field of :class:`EngineProfile`.  The step-ti
     step_ms = overhead_ms
             + prefill_ms_per_token   × P    P: prefill tokens computed in the step (chunks of
                                                prompts, and recomputed tokens after a preemption)
-            + prefill_attn_ms        × A    A: Σ over the step's prefill chunks of p × (c + p), p the
-                                               chunk's new tokens, c the tokens before it (cached
-                                               prefix hits and earlier chunks): attention pairs
+            + prefill_attn_ms        × A    A: Σ over the step's prefill chunks of p × p, p the
+                                               chunk's new tokens: attention pairs among them
+            + prefill_cached_attn_ms × C    C: Σ over those chunks of p × c, c the tokens before
+                                               the chunk (a cached prefix, earlier chunks): its
+                                               new tokens' attention pairs with them
             + decode_ms_per_seq      × D    D: sequences decoding one token in the step
             + decode_ms_per_kv_token × K    K: Σ over those sequences of the context each attends
                                                (its computed tokens + 1): the KV bytes the step reads
@@ -17,7 +19,9 @@ package, or any file), one key per field of :class:`EngineProfile`.  The step-ti
 This is BLIS's β0 + β1·prefill tokens + β2·decode tokens with two attention terms.  For
 one fresh prompt of T tokens in one step (c = 0) the prefill part is NVIDIA Dynamo's
 mocker polynomial, ``overhead + b·T + a·T²``; a cached prefix is not recomputed but is
-still attended, through ``c``.  ``jitter_cv`` (default 0) multiplies a step's time by a
+still attended, through ``c``: ``prefill_cached_attn_ms`` (default: ``prefill_attn_ms``)
+prices those pairs apart, since an engine reads that KV back from its cache (on the
+project's CPU engines, measured by ``kvstore sim calibrate``, about twice as dear a pair).  ``jitter_cv`` (default 0) multiplies a step's time by a
 lognormal factor of mean 1 and that coefficient of variation, drawn from the caller's
 ``random.Random``.
 
@@ -65,6 +69,7 @@ _POSITIVE_INT = ("max_num_batched_tokens", "max_num_seqs", "block_size", "num_gp
 _POSITIVE = ("overhead_ms", "prefill_ms_per_token", "dram_bandwidth_Bps", "nvme_bandwidth_Bps", "network_bandwidth_Bps")
 _NON_NEGATIVE = (
     "prefill_attn_ms",
+    "prefill_cached_attn_ms",
     "decode_ms_per_seq",
     "decode_ms_per_kv_token",
     "dram_latency_s",
@@ -75,7 +80,13 @@ _NON_NEGATIVE = (
     "connector_request_ms",
     "connector_save_ms",
 )
-_OPTIONAL = {"jitter_cv": 0.0, "connector_step_ms": 0.0, "connector_request_ms": 0.0, "connector_save_ms": 0.0}
+_OPTIONAL = {
+    "prefill_cached_attn_ms": None,
+    "jitter_cv": 0.0,
+    "connector_step_ms": 0.0,
+    "connector_request_ms": 0.0,
+    "connector_save_ms": 0.0,
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,7 +100,7 @@ class EngineProfile:
     # step time, milliseconds
     overhead_ms: float  # every step that runs a batch
     prefill_ms_per_token: float  # per prefill token computed
-    prefill_attn_ms: float  # per attention pair of a prefill chunk: new token × token attended
+    prefill_attn_ms: float  # per attention pair of a prefill chunk's new tokens among themselves
     decode_ms_per_seq: float  # per sequence decoding one token
     decode_ms_per_kv_token: float  # per context token a decoding sequence attends
     # engine limits (vLLM's names)
@@ -106,6 +117,8 @@ class EngineProfile:
     nvme_latency_s: float
     network_latency_s: float
     jitter_cv: float = 0.0  # coefficient of variation of a step's time (lognormal); 0: none
+    # per attention pair of a chunk's new token with a token before the chunk (None: prefill_attn_ms)
+    prefill_cached_attn_ms: float | None = None
     # what the pool's connector costs an engine besides moving bytes (engines with a store only)
     connector_step_ms: float = 0.0  # every step that runs a batch
     connector_request_ms: float = 0.0  # per request, in the step that first schedules it
@@ -119,6 +132,8 @@ class EngineProfile:
                 raise InvalidArgument(f"{where}: {k!r} must be a string, got {getattr(self, k)!r:.60}")
         if not self.name:
             raise InvalidArgument("profile: 'name' must be non-empty")
+        if self.prefill_cached_attn_ms is None:
+            object.__setattr__(self, "prefill_cached_attn_ms", self.prefill_attn_ms)
         for k in _POSITIVE_INT:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -148,14 +163,25 @@ class EngineProfile:
     def block_bytes(self) -> int:
         return self.kv_bytes_per_token * self.block_size
 
-    def step_ms(self, prefill_tokens: int, attention_pairs: int, decode_seqs: int, decode_context_tokens: int) -> float:
-        """A step's time without jitter, in ms (a step that runs nothing: 0)."""
+    def step_ms(
+        self,
+        prefill_tokens: int,
+        attention_pairs: int,
+        decode_seqs: int,
+        decode_context_tokens: int,
+        cached_pairs: int = 0,
+    ) -> float:
+        """A step's time without jitter, in ms (a step that runs nothing: 0).
+        ``attention_pairs`` counts every pair, Σ p × (c + p); ``cached_pairs`` those of them
+        with a token before the chunk, Σ p × c (see the module docstring)."""
         if prefill_tokens == 0 and decode_seqs == 0:
             return 0.0
+        cached = self.prefill_attn_ms if self.prefill_cached_attn_ms is None else self.prefill_cached_attn_ms
         return (
             self.overhead_ms
             + self.prefill_ms_per_token * prefill_tokens
-            + self.prefill_attn_ms * attention_pairs
+            + self.prefill_attn_ms * (attention_pairs - cached_pairs)
+            + cached * cached_pairs
             + self.decode_ms_per_seq * decode_seqs
             + self.decode_ms_per_kv_token * decode_context_tokens
         )

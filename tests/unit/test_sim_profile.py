@@ -60,6 +60,11 @@ def test_the_local_profile_says_where_its_step_figures_come_from() -> None:
     assert p.step_ms(512, 512 * 512, 0, 0) == pytest.approx(124.5, rel=0.1)
     assert p.step_ms(2048, 2048 * 2048, 0, 0) == pytest.approx(617.6, rel=0.1)
     assert p.jitter_cv == pytest.approx(0.155)  # measured; seeded (--seed), so a run is still deterministic
+    # a prefill over a cached prefix: its new tokens' pairs with the prefix, priced apart, about twice
+    # a pair among new tokens (the served calibration's 27 such steps)
+    assert "served calibration" in p.sources["prefill_cached_attn_ms"]
+    assert 1.5 < p.prefill_cached_attn_ms / p.prefill_attn_ms < 2.5  # type: ignore[operator]
+    assert p.step_ms(384, 384 * (1024 + 384), 0, 0, 384 * 1024) > p.step_ms(384, 384 * (1024 + 384), 0, 0)
 
 
 def test_the_h100_profile_is_the_published_figures() -> None:
@@ -109,6 +114,10 @@ def test_optional_fields_default(tmp_path: Path) -> None:
     del obj["jitter_cv"], obj["sources"]
     p = EngineProfile.load(_write(tmp_path, obj))
     assert p.jitter_cv == 0.0 and "jitter_cv" in p.uncited() and len(p.uncited()) == len(CONSTANTS)
+    del obj["prefill_cached_attn_ms"], obj["connector_save_ms"]
+    q = EngineProfile.load(_write(tmp_path, obj))
+    assert q.prefill_cached_attn_ms == q.prefill_attn_ms and q.connector_save_ms == 0.0  # the earlier model
+    assert q.step_ms(100, 100 * 300, 0, 0, 100 * 200) == q.step_ms(100, 100 * 300, 0, 0)
 
 
 def test_a_saved_profile_loads_back_equal(tmp_path: Path) -> None:

@@ -95,7 +95,7 @@ class _PrefixCachingEngine:
     ``kvstore sim calibrate``'s measurements ask of a vLLM engine (``generate``, ``batch``)."""
 
     block_size = 16
-    overhead, per_token, per_pair, per_seq = 5.0, 0.1, 1e-4, 0.3
+    overhead, per_token, per_pair, per_cached_pair, per_seq = 5.0, 0.1, 1e-4, 2e-4, 0.3
 
     def __init__(self) -> None:
         self.cached: set[tuple[int, ...]] = set()
@@ -109,7 +109,8 @@ class _PrefixCachingEngine:
         for end in range(bs, len(tokens) + 1, bs):
             self.cached.add(tuple(tokens[:end]))
         new = len(tokens) - c
-        return {"ttft_ms": self.overhead + self.per_token * new + self.per_pair * new * (c + new)}
+        ms = self.overhead + self.per_token * new + self.per_pair * new * new + self.per_cached_pair * new * c
+        return {"ttft_ms": ms}
 
     def batch(self, requests: list[object]) -> list[dict[str, list[float]]]:
         step = self.overhead + self.per_seq * len(requests)
@@ -119,21 +120,61 @@ class _PrefixCachingEngine:
 def test_calibration_times_prefills_over_a_cached_prefix_and_fits_their_attention() -> None:
     """A pool's hit leaves the engine the prompt's tail to compute, attending to the whole
     prompt: calibration times such steps (a prefix computed first, then the prompt) and
-    the fit takes their attention pairs, so the simulator charges a hit's tail its context."""
+    the fit prices the new tokens' pairs with the cached prefix apart from their pairs
+    among themselves (``prefill_cached_attn_ms``: an engine reads that KV back), so the
+    simulator charges a hit's tail its context at the engine's own rate."""
     import argparse
 
-    from kvstore.sim.calibrate import fit, measure
+    from kvstore.sim.calibrate import cached_pairs, fit, measure
 
     engine = _PrefixCachingEngine()
     samples = measure(engine, argparse.Namespace(seed=0, max_prefill=2048, repeats=1))
     cached = [s for s in samples if s["kind"] == "prefill-cached"]
     bs = engine.block_size
-    assert {(s["t"], s["pairs"]) for s in cached} == {(t, t * (c * bs + t)) for c in (2, 4, 8) for t in (32, 128, 384)}
+    want = {(t, t * (c * bs + t), t * c * bs) for c in (2, 4, 8) for t in (32, 128, 384)}
+    assert {(s["t"], s["pairs"], s["cached_pairs"]) for s in cached} == want
     for s in cached:  # each timed step computed only the new tokens: the prefix hit
-        assert s["ms"] == pytest.approx(engine.overhead + engine.per_token * s["t"] + engine.per_pair * s["pairs"])
+        new_pairs = s["pairs"] - s["cached_pairs"]
+        expect = engine.per_token * s["t"] + engine.per_pair * new_pairs + engine.per_cached_pair * s["cached_pairs"]
+        assert s["ms"] == pytest.approx(engine.overhead + expect)
+        old = {k: v for k, v in s.items() if k != "cached_pairs"}  # a sample saved before the field
+        assert cached_pairs(old) == s["cached_pairs"]
     c = fit(samples)["constants"]
     assert c["prefill_attn_ms"] == pytest.approx(engine.per_pair, rel=0.01)
+    assert c["prefill_cached_attn_ms"] == pytest.approx(engine.per_cached_pair, rel=0.01)
     assert c["prefill_ms_per_token"] == pytest.approx(engine.per_token, rel=0.01)
+
+
+def test_a_calibrations_samples_are_fitted_again_without_vllm(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``kvstore sim calibrate --samples FILE`` fits the samples of an earlier ``--json``
+    run into ``--base`` (its block geometry kept), citing the file; a file without samples
+    is refused."""
+    import argparse
+
+    from kvstore.sim.calibrate import measure
+    from kvstore.sim.profile import EngineProfile
+
+    engine = _PrefixCachingEngine()
+    samples = measure(engine, argparse.Namespace(seed=0, max_prefill=2048, repeats=1))
+    saved = tmp_path / "cal.json"
+    saved.write_text(json.dumps({"name": "a profile first"}) + "\n" + json.dumps({"samples": samples, "fit": {}}))
+    out = tmp_path / "refit.json"
+    assert main(["sim", "calibrate", "--samples", str(saved), "--out", str(out), "--name", "refit"]) == 0
+    p = EngineProfile.load(out)
+    local = EngineProfile.load("local")
+    assert p.name == "refit" and (p.block_size, p.num_gpu_blocks) == (local.block_size, local.num_gpu_blocks)
+    assert p.prefill_cached_attn_ms == pytest.approx(engine.per_cached_pair, rel=0.01)
+    assert p.overhead_ms == pytest.approx(engine.overhead, rel=0.01)
+    assert (
+        "kvstore sim calibrate --samples" in p.sources["prefill_cached_attn_ms"]
+        and "cal.json" in p.sources["overhead_ms"]
+    )
+    capsys.readouterr()
+    (tmp_path / "bad.json").write_text(json.dumps({"fit": {}}))
+    assert main(["sim", "calibrate", "--samples", str(tmp_path / "bad.json")]) == 2
+    assert "has no samples" in capsys.readouterr().err
 
 
 def test_calibrating_without_vllm_says_where_to_run_it(
