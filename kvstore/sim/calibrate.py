@@ -314,14 +314,8 @@ def run(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         f"the made model of {a.layers} layers x {a.hidden}, {len(samples)} steps fitted by non-negative "
         f"least squares (R^2 {f['r2']:.3f}, median |error| {f['median_abs_rel_err']:.1%})"
     )
-    prof = base.to_dict()
-    prof["name"] = a.name or base.name
-    sources = dict(prof.get("sources") or {})
-    for k, v in f["constants"].items():
-        prof[k] = round(v, 9)
-        sources[k] = where
-    prof["jitter_cv"] = round(f["jitter_cv"], 4)
-    sources["jitter_cv"] = where + ": the coefficient of variation of the steps around the fit"
+    prof = fitted_profile(base, a.name, f, where)
+    sources = prof["sources"]
     prof["block_size"], prof["num_gpu_blocks"] = block_size, max(1, blocks - 1)  # less vLLM's null block
     sources["block_size"] = sources["num_gpu_blocks"] = (
         f"measured: `kvstore sim calibrate` on {when}: the engine's KV cache ({a.engine_kv}), less vLLM's null block"
@@ -329,6 +323,21 @@ def run(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     prof["sources"] = sources
     EngineProfile.from_dict(prof, "the calibrated profile")  # refuses anything out of range
     return prof, {"samples": samples, "fit": f}
+
+
+def fitted_profile(base: Any, name: str | None, f: dict[str, Any], where: str) -> dict[str, Any]:
+    """``base`` (an :class:`~kvstore.sim.profile.EngineProfile`) as a dict with the fit
+    ``f``'s constants and jitter, each cited as ``where``."""
+    prof: dict[str, Any] = base.to_dict()
+    prof["name"] = name or base.name
+    sources = dict(prof.get("sources") or {})
+    for k, v in f["constants"].items():
+        prof[k] = round(v, 9)
+        sources[k] = where
+    prof["jitter_cv"] = round(f["jitter_cv"], 4)
+    sources["jitter_cv"] = where + ": the coefficient of variation of the steps around the fit"
+    prof["sources"] = sources
+    return prof
 
 
 def load_samples(path: str) -> list[dict[str, Any]]:
@@ -366,15 +375,7 @@ def refit(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         f"steps of an earlier calibration ({Path(a.samples).name}) by non-negative least squares "
         f"(R^2 {f['r2']:.3f}, median |error| {f['median_abs_rel_err']:.1%})"
     )
-    prof = base.to_dict()
-    prof["name"] = a.name or base.name
-    sources = dict(prof.get("sources") or {})
-    for k, v in f["constants"].items():
-        prof[k] = round(v, 9)
-        sources[k] = where
-    prof["jitter_cv"] = round(f["jitter_cv"], 4)
-    sources["jitter_cv"] = where + ": the coefficient of variation of the steps around the fit"
-    prof["sources"] = sources
+    prof = fitted_profile(base, a.name, f, where)
     EngineProfile.from_dict(prof, "the calibrated profile")
     return prof, {"samples": samples, "fit": f}
 
