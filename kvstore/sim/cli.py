@@ -42,7 +42,9 @@ the SLO (the benchmark's ``slo_met``): ``configs.NAME.capacity_rps`` and
 ``configs.NAME.capacity`` (every rate tried and its ``slo_met``); and runs every
 configuration at ``baseline``'s capacity (``baseline`` is searched even when not in
 ``--configs``): ``at_baseline_capacity`` with ``rate_rps`` and ``configs.NAME``, the same
-figures as ``configs``.  ``sim.runs`` counts the fleet runs.
+figures as ``configs``.  ``--overload F`` also runs each configuration at F × its own
+capacity: ``configs.NAME.overload`` (its goodput, the search's peak goodput, their ratio
+``goodput_vs_peak``, ``slo_met``, ``rejected``).  ``sim.runs`` counts the fleet runs.
 
 Runs are deterministic for a seed: only the ``wall_s`` figures differ between two runs.
 """
@@ -123,6 +125,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_TOLERANCE,
         metavar="F",
         help=f"stop the search once the passing and failing rates are within this share (default {DEFAULT_TOLERANCE})",
+    )
+    g.add_argument(
+        "--overload",
+        type=float,
+        default=None,
+        metavar="F",
+        help="with --capacity: also run each configuration at F times its capacity and report its goodput against "
+        "the search's peak (configs.NAME.overload; with --conductor-reject, what early rejection holds)",
     )
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table goes to stderr)")
@@ -282,6 +292,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         raise InvalidArgument("--slo-ttft-ms and --slo-tbt-ms must be positive")
     if getattr(a, "plot", None) and not a.capacity:
         raise InvalidArgument("--plot needs --capacity: it plots the capacity search's runs")
+    if getattr(a, "overload", None) is not None and (not a.capacity or not a.overload > 1):
+        raise InvalidArgument("--overload F needs --capacity and F above 1 (a multiple of each capacity)")
     if a.engines < 1:
         raise InvalidArgument(f"--engines must be at least 1, got {a.engines}")
     if a.nodes is not None:
@@ -342,7 +354,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         if c["errors"]:
             result["failures"].append(f"{name}: {c['errors']} requests refused by their engine (too long for its KV)")
     if a.capacity:
-        capacity(result, wl, configs, one, tolerance=a.capacity_tolerance)
+        capacity(result, wl, configs, one, tolerance=a.capacity_tolerance, overload=getattr(a, "overload", None))
     result["sim"] = {
         "profile": profile.name,
         "engines": a.engines,
@@ -384,9 +396,11 @@ def capacity(
     run: Callable[[str, Workload], dict[str, Any]],
     *,
     tolerance: float,
+    overload: float | None = None,
 ) -> None:
-    """``--capacity``: each configuration's search and the runs at ``baseline``'s capacity,
-    into ``result`` (see the module docstring).  A run at a rate is made once and reused."""
+    """``--capacity``: each configuration's search and the runs at ``baseline``'s capacity
+    (and with ``overload`` F, each configuration at F × its own capacity), into ``result``
+    (see the module docstring).  A run at a rate is made once and reused."""
     rate = wl.offered_rps
     if not math.isfinite(rate):
         raise InvalidArgument("--capacity needs a workload of at least two requests over some time")
@@ -419,6 +433,30 @@ def capacity(
     else:
         result["failures"].append("capacity: baseline met the SLO at no rate tried: nothing runs at its capacity")
     result["at_baseline_capacity"] = out
+    if overload is not None:
+        for name in configs:
+            result["configs"][name]["overload"] = overloaded(found[name], overload, functools.partial(at, name))
+
+
+def overloaded(found: Capacity, factor: float, at: Callable[[float], dict[str, Any]]) -> dict[str, Any] | None:
+    """``--overload``: the run at ``factor`` × the capacity against the peak goodput of the
+    search's runs (what early rejection should hold: goodput near its peak past the knee,
+    not collapsing); None where the capacity is 0."""
+    if found.capacity_rps <= 0:
+        return None
+    rate = found.capacity_rps * factor
+    got = at(rate)
+    peak = max(float(at(r)["goodput_rps"] or 0.0) for r, _ in found.steps)
+    return {
+        "factor": factor,
+        "rate_rps": round(rate, 4),
+        "goodput_rps": got["goodput_rps"],
+        "peak_goodput_rps": round(peak, 4),
+        "goodput_vs_peak": round(float(got["goodput_rps"] or 0.0) / peak, 4) if peak > 0 else None,
+        "slo_met": got["slo_met"],
+        "rejected": got["rejected"],
+        "ttft_ms": got["ttft_ms"],
+    }
 
 
 def main(a: argparse.Namespace) -> int:
@@ -442,6 +480,15 @@ def main(a: argparse.Namespace) -> int:
         if at_base["configs"]:
             steps = [{"offered_rps": at_base["rate_rps"], "configs": at_base["configs"]}]
             report.print_table({**table, "steps": steps}, out, title="at baseline's capacity")
+        for n, c in caps.items():
+            o = c.get("overload")
+            if o:
+                print(
+                    f"  {n} at {o['factor']:g}x its capacity ({o['rate_rps']:.3f} req/s): goodput {o['goodput_rps']:.3f} "
+                    f"req/s, {o['goodput_vs_peak']:.2f}x its peak; {o['slo_met']:.0%} within the SLO, "
+                    f"{o['rejected']} rejected",
+                    file=out,
+                )
     sim = result["sim"]
     print(f"  simulated {sim['virtual_s']:.1f} s in {sim['wall_s']:.1f} s ({sim['runs']} runs)", file=out)
     if getattr(a, "plot", None):

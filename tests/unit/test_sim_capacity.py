@@ -134,3 +134,30 @@ def test_the_plot_is_goodput_against_offered_load_with_each_capacity_marked(
     assert main(["sim", *[x for x in args if x != "--capacity"], "--plot", str(tmp_path / "x.png")]) == 2
     assert "--plot needs --capacity" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_overload_runs_each_configuration_past_its_capacity_against_its_peak(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``--overload F``: each configuration also runs at F times its own capacity, reported
+    against the best goodput of its search (``goodput_vs_peak``): past the knee a fleet
+    without rejection serves fewer requests within the SLO than at its peak.  F must be
+    above 1, and only with ``--capacity``."""
+    trace = shared_trace(tmp_path / "t.jsonl", n=40)
+    prof = tmp_path / "p.json"
+    profile(name="small", num_gpu_blocks=24).save(prof)
+    args = ["--trace", str(trace), "--block-tokens", str(BT), "--profile", str(prof), "--engines", "2",
+            "--slo-ttft-ms", "300", "--configs", "baseline", "--capacity", "--capacity-tolerance", "0.05"]  # fmt: skip
+    r = sim_json(capsys, *args, "--overload", "2")
+    c = r["configs"]["baseline"]
+    o = c["overload"]
+    assert o["factor"] == 2 and o["rate_rps"] == pytest.approx(2 * c["capacity_rps"], rel=1e-3)
+    peak = max(s["goodput_rps"] for s in c["capacity"]["steps"])
+    assert o["peak_goodput_rps"] == pytest.approx(peak, rel=1e-3)
+    assert o["goodput_vs_peak"] == pytest.approx(o["goodput_rps"] / peak, rel=1e-3) and o["goodput_vs_peak"] < 0.9
+    assert o["slo_met"] < 0.9 and o["rejected"] == 0  # no rejection in baseline: it collapses
+    for bad in (["--overload", "1"], ["--overload", "0.5"]):
+        assert main(["sim", *args, *bad]) == 2
+        assert "--overload F needs --capacity and F above 1" in capsys.readouterr().err
+    assert main(["sim", *[x for x in args if x != "--capacity"], "--overload", "2"]) == 2
+    assert "--overload F needs --capacity" in capsys.readouterr().err
