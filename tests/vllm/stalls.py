@@ -30,15 +30,15 @@ def _read(path: str) -> str:
         return ""
 
 
-def _sched(pid: int) -> tuple[int, int]:
-    """(ns on a CPU, ns runnable but waiting for one), summed over ``pid``'s threads."""
-    run = wait = 0
+def _threads(pid: int) -> dict[int, tuple[int, int, str]]:
+    """Each of ``pid``'s threads: (ns on a CPU, ns runnable but waiting for one, its name)."""
+    out: dict[int, tuple[int, int, str]] = {}
     with contextlib.suppress(OSError):
         for task in Path(f"/proc/{pid}/task").iterdir():
             f = _read(f"{task}/schedstat").split()
             if len(f) >= 2:
-                run, wait = run + int(f[0]), wait + int(f[1])
-    return run, wait
+                out[int(task.name)] = (int(f[0]), int(f[1]), _read(f"{task}/comm").strip())
+    return out
 
 
 def _machine() -> dict[str, int]:
@@ -91,15 +91,26 @@ class Stalls:
         self._samples: collections.deque[tuple[float, dict[str, tuple[int, int]], dict[str, int]]] = collections.deque(
             maxlen=KEEP
         )
+        # every thread's figures at each sample: (group, pid, tid) -> (run ns, wait ns, name)
+        self._threads: collections.deque[dict[tuple[str, int, int], tuple[int, int, str]]] = collections.deque(
+            maxlen=KEEP
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stalls", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(PERIOD_S):
-            procs = {n: [_sched(p) for p in pids] for n, pids in self.pids.items()}
-            sums = {n: (sum(r for r, _ in v), sum(w for _, w in v)) for n, v in procs.items()}
+            threads = {(n, p, t): v for n, pids in self.pids.items() for p in pids for t, v in _threads(p).items()}
+            sums = {
+                n: (
+                    sum(v[0] for k, v in threads.items() if k[0] == n),
+                    sum(v[1] for k, v in threads.items() if k[0] == n),
+                )
+                for n in self.pids
+            }
             self._samples.append((time.time(), sums, _machine()))
+            self._threads.append(threads)
 
     def close(self) -> None:
         self._stop.set()
@@ -131,4 +142,23 @@ class Stalls:
                 + f"  {d.get('cpu_some', 0) // 1000:7d} {d.get('io_some', 0) // 1000:4d}"
                 + f" {d.get('io_full', 0) // 1000:4d} {d.get('memory_some', 0) // 1000:3d}"
             )
+        lines.extend(self._longest_gap())
         return "\n".join(lines)
+
+    def _longest_gap(self, top: int = 10) -> list[str]:
+        """The threads that ran and that waited most over the longest time between two
+        samples (a stall of the sampler itself), named."""
+        samples, threads = list(self._samples), list(self._threads)
+        if len(samples) < 2 or len(threads) != len(samples):
+            return []
+        i = max(range(1, len(samples)), key=lambda j: samples[j][0] - samples[j - 1][0])
+        before, after = threads[i - 1], threads[i]
+        d = {k: (v[0] - before[k][0], v[1] - before[k][1], v[2]) for k, v in after.items() if k in before}
+        gap = samples[i][0] - samples[i - 1][0]
+        when = time.strftime("%H:%M:%S", time.localtime(samples[i][0]))
+        out = [f"--- the longest gap between samples: {gap:.1f} s, to {when} ---"]
+        for what, idx in (("ran", 0), ("waited for a CPU", 1)):
+            rows = sorted(d.items(), key=lambda kv: -kv[1][idx])[:top]
+            out.append(f"threads that {what} most (group pid/tid name: ms on a CPU / ms waiting):")
+            out.extend(f"  {k[0]} {k[1]}/{k[2]} {v[2]}: {v[0] / 1e6:.0f} / {v[1] / 1e6:.0f}" for k, v in rows)
+        return out

@@ -168,10 +168,14 @@ class Rig:
         )
         # two ranks busy-polling on two cores starve the node and each rank's saver thread:
         # a save's Reserve can take longer than 2 s there (a lost save, a recompute, but
-        # this engine's tests are about each rank's shard, not the deadline)
-        # (and nicer than the rest: its three spinners, not the node, should wait for a core)
+        # this engine's tests are about each rank's shard, not the deadline), and nicer than
+        # the rest: its three spinners, not the node, should wait for a core.  Its deadline
+        # outlasts a pause of the whole machine: a clean-clone CI run caught one with the
+        # rig's sampler (stalls.py): no sample for 17 s, the spinners on the CPUs charged 28 s
+        # of CPU in those 17 s, the node and etcd asleep and not waiting for a CPU (0.35 s
+        # of run-queue wait), no I/O or memory pressure; 15 s of deadline lost the save
         self.tp2 = engine(
-            "tp2", connector={"role": "kv_both", "extra": {**extra, "deadline_s": 15.0}}, tp=2, nice=2 * NICE
+            "tp2", connector={"role": "kv_both", "extra": {**extra, "deadline_s": 60.0}}, tp=2, nice=2 * NICE
         )
         engines = (self.ref, self.prefill, self.decode, self.remote, self.small, self.tp2)
         stack.callback(lambda: [e.quit() for e in engines])  # runs first: they shut down together
@@ -183,6 +187,7 @@ class Rig:
 
         self.stalls = Stalls(
             {
+                "pytest": [os.getpid()],  # the sampler's own process: runnable but not run, or paused
                 "node": [self.node.proc.pid],
                 "other": [self.other_node.proc.pid],
                 "etcd": find(str(d / "etcd")),
