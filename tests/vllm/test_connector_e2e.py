@@ -308,7 +308,7 @@ def test_a_corrupt_block_in_a_background_load_is_recomputed_never_loaded(rig: Ri
         reset(rig.decode)
 
 
-# -- engine configurations: chunked prefill, preemption, aborts, tensor parallelism --
+# -- engine configurations: chunked prefill, preemption, aborts (tensor parallelism: test_connector_tp2.py) --
 def test_chunked_prefill_saves_and_loads(rig: Rig) -> None:
     """The ``small`` engine computes SMALL_STEP tokens a step: a prompt it computes over
     several steps is saved whole (the decode engine loads it), and of a prompt it loads
@@ -365,20 +365,6 @@ def test_an_abort_mid_prefill_frees_its_blocks_and_the_engine_serves_on(rig: Rig
     want = rig.want(fresh, 8)
     got = rig.decode.generate(fresh, max_tokens=8)  # whatever of it was saved before the abort is right
     assert same(got, want), diff(got, want)
-
-
-def test_tensor_parallel_ranks_store_and_load_their_own_shards(rig: Rig) -> None:
-    """A TP=2 engine saves each rank's shard of a chunk under the rank's own key (a chunk
-    is two blocks on the node); with its own prefix cache dropped, its ranks load them
-    back, each its own."""
-    for seed, n in ((901, N), (902, 4 * CHUNK)):
-        toks = prompt(seed, n)
-        first = rig.tp2.generate(toks, max_tokens=8)
-        want = rig.want(toks, 8)
-        assert same(first, want), diff(first, want)
-        assert info(first).get("saved"), first["kv_transfer_params"]
-        reset(rig.tp2)
-        consume(rig, rig.tp2, toks, made(first, toks), ranks=2)
 
 
 # -- the node fails: these run last, and `healthy_node` brings it back for whatever follows --

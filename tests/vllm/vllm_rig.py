@@ -16,7 +16,8 @@ test is about the setting: prefix caching on everywhere, a whole prompt per step
   and a KV cache of one ``MAX``-token request, so concurrent requests are preempted
   (and a request of ``MAX`` tokens runs only when every block has come back);
 * ``tp2``: ``kv_both`` on ``node`` with two tensor-parallel ranks (each stores its own
-  shard: a chunk is two blocks on the node).
+  shard: a chunk is two blocks on the node), in a rig of its own with ``ref`` only
+  (``tp2_rig``; its module runs after the others' engines are shut down).
 
 Every check that KV came from the store counts the node's block reads
 (``get_hits_dram + get_hits_nvme``): an engine that recomputed everything reads none.
@@ -118,9 +119,11 @@ def found(client: Any) -> int:
 
 
 class Rig:
-    """The nodes, the engines (see the module docstring) and clients of both nodes."""
+    """The nodes, the engines (see the module docstring) and clients of both nodes.
+    ``tp2``: the reference engine and the ``tp2`` engine only (:func:`tp2_rig`); else every
+    other engine."""
 
-    def __init__(self, d: Path, stack: contextlib.ExitStack) -> None:
+    def __init__(self, d: Path, stack: contextlib.ExitStack, *, tp2: bool = False) -> None:
         from client import KVClient
         from gpu_agent.vllm.demo import local_cluster
         from gpu_agent.vllm.engine import EngineProcess, make_lora, make_model
@@ -156,28 +159,21 @@ class Rig:
             stack.callback(e.close)
             return e
 
-        self.ref = engine("ref", lora=True)
-        self.prefill = engine("prefill", connector={"role": "kv_both", "extra": extra}, lora=True)
-        self.decode = engine("decode", connector={"role": "kv_consumer", "extra": extra}, lora=True)
-        self.remote = engine("remote", connector={"role": "kv_consumer", "extra": remote_extra})
-        self.small = engine(
-            "small",
-            connector={"role": "kv_both", "extra": extra},
-            max_batched_tokens=SMALL_STEP,
-            kv_bytes=(MAX + 128) * KV_PER_TOKEN,  # and vLLM's null block (128 tokens on the CPU)
-        )
-        # two ranks busy-polling on two cores starve the node and each rank's saver thread:
-        # a save's Reserve can take longer than 2 s there (a lost save, a recompute, but
-        # this engine's tests are about each rank's shard, not the deadline), and nicer than
-        # the rest: its three spinners, not the node, should wait for a core.  Its deadline
-        # outlasts a pause of the whole machine: a clean-clone CI run caught one with the
-        # rig's sampler (stalls.py): no sample for 17 s, the spinners on the CPUs charged 28 s
-        # of CPU in those 17 s, the node and etcd asleep and not waiting for a CPU (0.35 s
-        # of run-queue wait), no I/O or memory pressure; 15 s of deadline lost the save
-        self.tp2 = engine(
-            "tp2", connector={"role": "kv_both", "extra": {**extra, "deadline_s": 60.0}}, tp=2, nice=2 * NICE
-        )
-        engines = (self.ref, self.prefill, self.decode, self.remote, self.small, self.tp2)
+        self.ref = engine("ref", lora=not tp2)
+        if tp2:
+            self._tp2(engine, extra)
+            engines: tuple[Any, ...] = (self.ref, self.tp2)
+        else:
+            self.prefill = engine("prefill", connector={"role": "kv_both", "extra": extra}, lora=True)
+            self.decode = engine("decode", connector={"role": "kv_consumer", "extra": extra}, lora=True)
+            self.remote = engine("remote", connector={"role": "kv_consumer", "extra": remote_extra})
+            self.small = engine(
+                "small",
+                connector={"role": "kv_both", "extra": extra},
+                max_batched_tokens=SMALL_STEP,
+                kv_bytes=(MAX + 128) * KV_PER_TOKEN,  # and vLLM's null block (128 tokens on the CPU)
+            )
+            engines = (self.ref, self.prefill, self.decode, self.remote, self.small)
         stack.callback(lambda: [e.quit() for e in engines])  # runs first: they shut down together
         t0 = time.perf_counter()
         for e in engines:
@@ -191,8 +187,7 @@ class Rig:
                 "node": [self.node.proc.pid],
                 "other": [self.other_node.proc.pid],
                 "etcd": find(str(d / "etcd")),
-                "tp2": tree(self.tp2.proc.pid),
-                "engines": [p for e in engines if e is not self.tp2 for p in tree(e.proc.pid)],
+                "engines": [p for e in engines for p in tree(e.proc.pid)],
             }
         )
         stack.callback(self.stalls.close)
@@ -201,6 +196,21 @@ class Rig:
         self.other = KVClient(self.other_node.target)
         stack.callback(self.other.close)
         self._refs: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+    def _tp2(self, engine: Any, extra: dict[str, Any]) -> None:
+        # two ranks busy-polling on two cores starve the node and each rank's saver thread:
+        # a save's Reserve can take longer than 2 s there (a lost save, a recompute, but
+        # this engine's tests are about each rank's shard, not the deadline), and nicer than
+        # the rest: its three spinners, not the node, should wait for a core.  Its deadline
+        # outlasts a pause of the whole machine: a clean-clone CI run caught one with the
+        # rig's sampler (stalls.py): no sample for 17 s, the spinners on the CPUs charged 28 s
+        # of CPU in those 17 s, the node and etcd asleep and not waiting for a CPU (0.35 s
+        # of run-queue wait), no I/O or memory pressure; 15 s of deadline lost the save.  It
+        # runs in a module of its own, with the reference engine only: beside the five other
+        # engines (about a hundred of their threads runnable) it stalled for 17 s to 2 min
+        self.tp2 = engine(
+            "tp2", connector={"role": "kv_both", "extra": {**extra, "deadline_s": 60.0}}, tp=2, nice=2 * NICE
+        )
 
     def want(self, tokens: list[int], max_tokens: int, **kw: Any) -> dict[str, Any]:
         """The reference engine's result (computed once per prompt and settings)."""
@@ -214,6 +224,15 @@ class Rig:
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     with contextlib.ExitStack() as stack:
         r = Rig(tmp_path_factory.mktemp("vllm"), stack)
+        print(f"\nvLLM engines up in {r.started_s:.0f} s", flush=True)
+        yield r
+
+
+@pytest.fixture(scope="module")
+def tp2_rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    """The rig with the reference and the ``tp2`` engines only (the five others shut down)."""
+    with contextlib.ExitStack() as stack:
+        r = Rig(tmp_path_factory.mktemp("vllm-tp2"), stack, tp2=True)
         print(f"\nvLLM engines up in {r.started_s:.0f} s", flush=True)
         yield r
 
