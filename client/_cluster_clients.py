@@ -254,13 +254,11 @@ class ClusterClient(_ClusterBase, BlockCalls):
             raise Unavailable("this client is closed; create a new one")
         routing = self._core.routing()
 
-        def hello(node: str) -> bool:
+        def hello(node: str) -> int:
             try:
-                c = self._client(self._core.node_info(routing, node))
-                c._run(c._core.ensure_hello())
-                return True
+                return int(self._client(self._core.node_info(routing, node)).warm())
             except KVStoreError:
-                return False
+                return 0
 
         return sum(self._pool.map(hello, list(routing.nodes)))
 
