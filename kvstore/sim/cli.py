@@ -439,14 +439,15 @@ def capacity(
 
 
 def overloaded(found: Capacity, factor: float, at: Callable[[float], dict[str, Any]]) -> dict[str, Any] | None:
-    """``--overload``: the run at ``factor`` × the capacity against the peak goodput of the
-    search's runs (what early rejection should hold: goodput near its peak past the knee,
-    not collapsing); None where the capacity is 0."""
+    """``--overload``: the run at ``factor`` × the capacity against the peak goodput of every
+    run made (the search's and this one; what early rejection should hold: goodput near its
+    peak past the knee, not collapsing); None where the capacity is 0."""
     if found.capacity_rps <= 0:
         return None
     rate = found.capacity_rps * factor
     got = at(rate)
-    peak = max(float(at(r)["goodput_rps"] or 0.0) for r, _ in found.steps)
+    # the peak over every rate run (the search's and this one: past the SLO's knee goodput may still rise)
+    peak = max(float(at(r)["goodput_rps"] or 0.0) for r in (*(r for r, _ in found.steps), rate))
     return {
         "factor": factor,
         "rate_rps": round(rate, 4),
