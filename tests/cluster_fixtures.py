@@ -123,12 +123,22 @@ class Cluster:
 
         asyncio.run(go())
 
-    def client(self, **kw: Any) -> Any:
+    def client(self, *, warm: bool = True, **kw: Any) -> Any:
+        """A cluster client with the fault tests' short deadlines.  With ``warm`` it first sees
+        every running (not stopped) node in its view and has connected to each: a test's first
+        call then measures the cluster, not the client's first connection racing a 1 s deadline
+        on a busy machine (a first ``put_many`` right after two nodes started once came back all
+        False in CI)."""
         from client import Timeouts, connect
 
         kw.setdefault("timeouts", Timeouts(**FAST))
         c = connect(self.target, **kw)
         self.clients.append(c)
+        if warm:
+            running = [p for p in self.nodes.values() if p.proc is not None and p.proc.poll() is None]
+            live = sum(1 for p in running if p.proc.pid not in self.stopped)
+            assert c.wait_for_nodes(live, 30), f"the client's view did not show {live} nodes in 30 s"
+            c.warm()
         return c
 
     def sigstop(self, node_id: str) -> None:

@@ -151,7 +151,7 @@ def test_warm_connects_to_every_node_before_the_first_call(cluster: Cluster) -> 
     0 and is no error (its first call tries again).  ``KVClient.warm()`` does the same for
     its one node."""
     cluster.start("w1", "w2", "w3")
-    kv = cluster.client()
+    kv = cluster.client(warm=False)
     assert kv.wait_for_nodes(3, 10)
     assert kv._clients == {}  # no call yet: no node's client made
     assert kv.warm() == 3

@@ -177,6 +177,45 @@ def test_a_calibrations_samples_are_fitted_again_without_vllm(
     assert "has no samples" in capsys.readouterr().err
 
 
+def test_a_fleet_calibration_times_every_engine_at_once_and_tags_their_steps() -> None:
+    """``--served --engines N`` times each engine of the fleet from a thread of its own, at
+    the same time, with prompts of its own (seed + i), and tags each sample with its engine:
+    the fit then takes what sharing the machine costs the steps."""
+    import argparse
+    import threading
+
+    from kvstore.sim.calibrate import fit, measure_all
+
+    class _Counting(_PrefixCachingEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.threads: set[int] = set()
+            self.prompts: list[tuple[int, ...]] = []
+
+        def generate(self, tokens: list[int], max_tokens: int) -> dict[str, float]:
+            self.threads.add(threading.get_ident())
+            self.prompts.append(tuple(tokens))
+            return super().generate(tokens, max_tokens)
+
+    engines = [_Counting(), _Counting()]
+    samples = measure_all(engines, argparse.Namespace(seed=3, repeats=1, max_prefill=512))
+    by = [[smp for smp in samples if smp["engine"] == i] for i in (0, 1)]
+    assert len(by[0]) == len(by[1]) > 0 and len(samples) == 2 * len(by[0])
+    assert engines[0].threads and engines[1].threads and not engines[0].threads & engines[1].threads
+    assert not set(engines[0].prompts) & set(engines[1].prompts)  # each its own prompts
+    c = fit(samples)["constants"]
+    assert c["prefill_ms_per_token"] == pytest.approx(_PrefixCachingEngine.per_token, rel=0.05)
+
+
+def test_a_fleet_calibration_is_served_and_placed_by_the_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", "calibrate", "--engines", "2"]) == 2
+    assert "it needs --served" in capsys.readouterr().err
+    assert main(["sim", "calibrate", "--served", "--engines", "2", "--cpu", "0"]) == 2
+    assert "--cpu places one engine" in capsys.readouterr().err
+    assert main(["sim", "calibrate", "--served", "--engines", "0"]) == 2
+    assert "--engines must be 1 to 64" in capsys.readouterr().err
+
+
 def test_calibrating_without_vllm_says_where_to_run_it(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
