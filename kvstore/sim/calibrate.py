@@ -20,22 +20,20 @@ its API server, engine core and worker on the one CPU) and asked by the benchmar
 streaming client (:class:`ServedEngine`): a TTFT is then one step plus what the server adds, a
 gap between streamed tokens one decode step as a served engine takes it (its three processes
 hand each step over on one core).  That is what ``kvstore bench serving`` measures, so a served
-profile is the one to validate against it (docs/sim.md).  ``--served --engines N`` starts the
-benchmark's whole ``baseline`` fleet of N engines (each on its share of this process's CPUs,
-as ``kvstore bench serving --engines N`` places them) and times every engine at once, each
-from a thread of its own with its own prompts: the steps then carry what the benchmark's
-engines pay for sharing the machine (the other engines' processes, the client's), which an
-engine timed alone on an idle machine does not (the samples say which engine took them).
+profile is the one to validate against it (docs/sim.md).
 
 Each kind is repeated ``--repeats`` times; the step model of :mod:`kvstore.sim.profile`
 (``overhead_ms`` + ``prefill_ms_per_token``·T + ``prefill_attn_ms``·T² +
-``prefill_cached_attn_ms``·T·C + ``decode_ms_per_seq``·B + ``decode_ms_per_kv_token``·context)
-is fitted to every sample by non-negative least squares (a coefficient the data makes
-negative is dropped and the rest refitted), and ``jitter_cv`` is the coefficient of
-variation of the samples around the fit.  ``--samples FILE`` fits the samples of an earlier
+``prefill_cached_attn_ms``·T·C + ``decode_ms_per_seq``·B + ``decode_ms_per_kv_token``·context
++ ``request_ms`` for a prefill, the step that takes its request in) is fitted to every
+sample by non-negative least squares (a coefficient the data makes negative is dropped and
+the rest refitted), and ``jitter_cv`` is the coefficient of variation of the samples around
+the fit.  ``request_ms`` is what a served engine spends taking a request in besides its
+tokens (on the project's CPU engines about 6 ms, which a decode step does not pay: without
+it the per-step overhead, set by the many decode steps, left every served TTFT short).  ``--samples FILE`` fits the samples of an earlier
 ``--json`` run instead of measuring (no vLLM needed; the block geometry is ``--base``'s).
 The profile written (``--out``, default stdout) is ``--base`` (default ``local``) with
-those seven constants, the engine's block size and KV blocks, and each constant's source
+those eight constants, the engine's block size and KV blocks, and each constant's source
 saying what was measured, when and on what CPU.  ``--json`` also prints the samples and
 the fit's residuals.
 
@@ -68,9 +66,11 @@ COLUMNS = (
     "prefill_cached_attn_ms",
     "decode_ms_per_seq",
     "decode_ms_per_kv_token",
+    "request_ms",
 )
 """The fitted constants, in the order of a sample's regressors (1, T, the new tokens' pairs
-among themselves, their pairs with a cached prefix, B, context)."""
+among themselves, their pairs with a cached prefix, B, context, new requests: 1 for a
+prefill's TTFT, the step that takes the request in, 0 for a decode step)."""
 
 
 def cached_pairs(sample: dict[str, Any]) -> int:
@@ -105,13 +105,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="time the engine through its OpenAI server, as `kvstore bench serving` runs it (default: vLLM's "
         "engine stepped directly)",
     )
-    p.add_argument(
-        "--engines",
-        type=int,
-        default=1,
-        help="with --served: start the benchmark's fleet of this many engines and time them all at once, as "
-        "they share the machine in `kvstore bench serving --engines N` (default 1)",
-    )
 
 
 def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -133,7 +126,12 @@ def fit(samples: list[dict[str, Any]]) -> dict[str, Any]:
     decode sequences, ``ctx`` context tokens, ``ms`` the step's time)."""
     if len(samples) < len(COLUMNS):
         raise InvalidArgument(f"{len(samples)} samples cannot fit {len(COLUMNS)} constants")
-    x = np.array([[1.0, s["t"], s["pairs"] - cached_pairs(s), cached_pairs(s), s["b"], s["ctx"]] for s in samples])
+    x = np.array(
+        [
+            [1.0, s["t"], s["pairs"] - cached_pairs(s), cached_pairs(s), s["b"], s["ctx"], 0.0 if s["b"] else 1.0]
+            for s in samples
+        ]
+    )
     y = np.array([s["ms"] for s in samples])
     coef = nnls(x, y)
     if coef[0] <= 0 or coef[1] <= 0:
@@ -270,33 +268,13 @@ def cache_config(metrics: str) -> tuple[int, int]:
     raise RuntimeError("the server's /metrics has no vllm:cache_config_info with block_size and num_gpu_blocks")
 
 
-def _served(stack: Any, model: Path, a: argparse.Namespace, cpu: str | None, kv: int) -> list[ServedEngine]:
-    """A ``baseline`` fleet of ``a.engines`` engines as the benchmark starts one (entered on
-    ``stack``): one engine on CPU ``cpu``, or (``cpu`` None) the benchmark's own split."""
+def _served(stack: Any, model: Path, a: argparse.Namespace, cpu: str, kv: int) -> ServedEngine:
+    """A one-engine ``baseline`` fleet on CPU ``cpu``, as the benchmark starts one (entered on ``stack``)."""
     from kvstore.bench.serving.fleet import SERVED_NAME, Fleet, FleetSpec
 
-    spec = FleetSpec(
-        model=str(model),
-        engines=a.engines,
-        max_model_len=a.max_prefill + 64,
-        kv_cache_bytes=kv,
-        cpus=(cpu,) if cpu is not None else (),
-    )
+    spec = FleetSpec(model=str(model), engines=1, max_model_len=a.max_prefill + 64, kv_cache_bytes=kv, cpus=(cpu,))
     fleet = stack.enter_context(Fleet("baseline", spec).start())
-    return [ServedEngine(e, SERVED_NAME) for e in fleet.engines]
-
-
-def measure_all(engines: list[Any], a: argparse.Namespace) -> list[dict[str, Any]]:
-    """:func:`measure` on every engine at once (a thread each, engine i's prompts seeded
-    ``a.seed + i``), the samples of all, each tagged with its ``engine``."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def one(i: int) -> list[dict[str, Any]]:
-        mine = argparse.Namespace(**{**vars(a), "seed": a.seed + i})
-        return [{**smp, "engine": i} for smp in measure(engines[i], mine)]
-
-    with ThreadPoolExecutor(max_workers=len(engines)) as pool:
-        return [smp for part in pool.map(one, range(len(engines))) for smp in part]
+    return ServedEngine(fleet.engines[0], SERVED_NAME)
 
 
 def run(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -310,34 +288,24 @@ def run(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
 
     if a.repeats < 1 or a.max_prefill < 64:
         raise InvalidArgument("--repeats must be at least 1 and --max-prefill at least 64")
-    engines_n = int(getattr(a, "engines", 1))
-    if engines_n < 1 or engines_n > 64:
-        raise InvalidArgument(f"--engines must be 1 to 64, not {engines_n}")
-    if engines_n > 1 and not a.served:
-        raise InvalidArgument("--engines N times the benchmark's fleet of N engines: it needs --served")
-    if engines_n > 1 and a.cpu is not None:
-        raise InvalidArgument("--cpu places one engine; with --engines N the engines take the benchmark's CPUs")
     if getattr(a, "samples", None):
         return refit(a)
     if importlib.util.find_spec("vllm") is None:
         raise InvalidArgument("calibrating needs vLLM in this interpreter: run `.venv-vllm/bin/kvstore sim calibrate`")
     base = EngineProfile.load(a.base)
     cpu = a.cpu if a.cpu is not None else str(min(os.sched_getaffinity(0)))
-    a.engines = engines_n
     with tempfile.TemporaryDirectory(prefix="kvstore-calibrate-") as d:
         model = make_model(Path(d) / "model", layers=a.layers, hidden=a.hidden, max_tokens=a.max_prefill + 64)
         kv = parse_size(a.engine_kv)
         env = {"VLLM_CPU_OMP_THREADS_BIND": cpu}
         with contextlib.ExitStack() as stack:
             if a.served:
-                served = _served(stack, model, a, cpu if engines_n == 1 else None, kv)
-                samples = measure_all(served, a)
-                block_size, blocks = served[0].block_size, served[0].num_blocks
+                engine: Any = _served(stack, model, a, cpu, kv)
             else:
                 engine = stack.enter_context(EngineProcess(model, max_tokens=a.max_prefill + 64, kv_bytes=kv, env=env))
                 engine.wait_ready(timeout=900)
-                samples = measure(engine, a)
-                block_size, blocks = engine.block_size, engine.num_blocks
+            samples = measure(engine, a)
+            block_size, blocks = engine.block_size, engine.num_blocks
     f = fit(samples)
     when = datetime.date.today().isoformat()
     cpu_name = platform.processor() or platform.machine()
@@ -351,14 +319,8 @@ def run(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     how = (
         "through its OpenAI server as `kvstore bench serving` starts it (--served)" if a.served else "stepped directly"
     )
-    who = (
-        f"one vLLM CPU engine {how} on CPU {cpu}"
-        if engines_n == 1
-        else f"{engines_n} vLLM CPU engines timed at once through their OpenAI servers as `kvstore bench serving "
-        f"--engines {engines_n}` starts them (--served --engines {engines_n}), each on its share of the CPUs"
-    )
     where = (
-        f"measured: `kvstore sim calibrate` on {when}, {who} ({cpu_name}), "
+        f"measured: `kvstore sim calibrate` on {when}, one vLLM CPU engine {how} on CPU {cpu} ({cpu_name}), "
         f"the made model of {a.layers} layers x {a.hidden}, {len(samples)} steps fitted by non-negative "
         f"least squares (R^2 {f['r2']:.3f}, median |error| {f['median_abs_rel_err']:.1%})"
     )

@@ -46,6 +46,13 @@ figures as ``configs``.  ``--overload F`` also runs each configuration at F × i
 capacity: ``configs.NAME.overload`` (its goodput, the search's peak goodput, their ratio
 ``goodput_vs_peak``, ``slo_met``, ``rejected``).  ``sim.runs`` counts the fleet runs.
 
+``--repeat N`` runs each configuration N times, seeds ``--seed`` to ``--seed + N - 1`` (the
+profile's step-time jitter), and reports each figure's median over the runs with
+``repeats`` and ``runs`` as the benchmark's ``--repeat`` does; records carry their
+``repeat``.  A percentile of a small run can move between seeds the way it moves between
+real runs (a run's TTFTs with a gap at the median), so a simulation is compared with a real
+``--repeat 3`` run at ``--repeat 3``.
+
 Runs are deterministic for a seed: only the ``wall_s`` figures differ between two runs.
 """
 
@@ -106,6 +113,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "load_gate and async_loads (default {})",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of the engines' step-time jitter (default 0)")
+    g.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run each configuration N times, seeds --seed to --seed+N-1, and report each figure's median over "
+        "the runs as `kvstore bench serving --repeat N` does (repeats.ranges, runs; default 1). With a profile's "
+        "jitter a percentile moves between seeds as it does between real runs; compare like with like",
+    )
     g.add_argument(
         "--conductor-reject",
         action="store_true",
@@ -296,6 +312,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         raise InvalidArgument("--overload F needs --capacity and F above 1 (a multiple of each capacity)")
     if a.engines < 1:
         raise InvalidArgument(f"--engines must be at least 1, got {a.engines}")
+    repeat = int(getattr(a, "repeat", 1))
+    if not 1 <= repeat <= 100:
+        raise InvalidArgument(f"--repeat must be 1 to 100, got {repeat}")
     if a.nodes is not None:
         from kvstore.sim.pool import node_of
 
@@ -328,6 +347,27 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     records: list[Any] = []
 
     def one(name: str, w: Workload, keep: list[Any] | None = None) -> dict[str, Any]:
+        """``name`` on ``w``, ``--repeat`` times (seeds ``--seed`` on): one run's summary, or
+        the runs' medians (:func:`kvstore.bench.serving.report.combine_runs`); each run's
+        records, tagged with its repeat, appended to ``keep``."""
+        each = []
+        for i in range(repeat):
+            mine: list[Any] | None = [] if keep is not None else None
+            each.append(single(name, w, a.seed + i, mine))
+            if keep is not None and mine is not None:
+                for r in mine:
+                    r.repeat = i
+                keep.extend(mine)
+        if repeat == 1:
+            return each[0]
+        out = report.combine_runs(each)
+        out["sim"] = {
+            "virtual_s": max(c["sim"]["virtual_s"] for c in each),
+            "wall_s": round(sum(c["sim"]["wall_s"] for c in each), 2),
+        }
+        return out
+
+    def single(name: str, w: Workload, seed: int, keep: list[Any] | None) -> dict[str, Any]:
         nonlocal runs
         runs += 1
         return run_config(
@@ -335,7 +375,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             w,
             profile,
             engines=a.engines,
-            seed=a.seed,
+            seed=seed,
             node_dram=node_dram,
             node_nvme=node_nvme,
             slo_ttft_ms=a.slo_ttft_ms,
@@ -360,6 +400,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "engines": a.engines,
         "prefill": prefill if any(c in PD_CONFIGS for c in configs) else None,
         "seed": a.seed,
+        "repeat": repeat,
         "nodes": a.nodes if a.nodes is not None else a.engines,
         "node_dram_bytes": node_dram,
         "node_nvme_bytes": node_nvme,

@@ -471,7 +471,7 @@ class EngineModel:
                 decode += 1
                 context += c + 1
             req.num_computed = c + n
-        forward_ms = self.profile.step_ms(prefill, pairs, decode, context, cached_pairs)
+        forward_ms = self.profile.step_ms(prefill, pairs, decode, context, cached_pairs, len(admitted))
         if forward_ms > 0 and self._lookup_external is not None:  # the connector's own cost
             forward_ms += self.profile.connector_step_ms + self.profile.connector_request_ms * len(admitted)
         if forward_ms > 0 and self._rng is not None:

@@ -15,6 +15,7 @@ package, or any file), one key per field of :class:`EngineProfile`.  The step-ti
             + decode_ms_per_seq      × D    D: sequences decoding one token in the step
             + decode_ms_per_kv_token × K    K: Σ over those sequences of the context each attends
                                                (its computed tokens + 1): the KV bytes the step reads
+            + request_ms             × N    N: requests the step schedules for the first time
 
 This is BLIS's β0 + β1·prefill tokens + β2·decode tokens with two attention terms.  For
 one fresh prompt of T tokens in one step (c = 0) the prefill part is NVIDIA Dynamo's
@@ -23,7 +24,10 @@ still attended, through ``c``: ``prefill_cached_attn_ms`` (default: ``prefill_at
 prices those pairs apart, since an engine reads that KV back from its cache (on the
 project's CPU engines, measured by ``kvstore sim calibrate``, about twice as dear a pair).  ``jitter_cv`` (default 0) multiplies a step's time by a
 lognormal factor of mean 1 and that coefficient of variation, drawn from the caller's
-``random.Random``.
+``random.Random``.  ``request_ms`` (default 0) is what taking a request in costs a served
+engine besides its tokens (its API server's and scheduler's work, on a CPU engine on the
+same core): ``kvstore sim calibrate --served`` finds about 6 ms on the project's CPU engines,
+which a prefill's TTFT pays and a decode step does not.
 
 An engine with the pool's connector (every configuration with a store) adds
 ``connector_step_ms`` to each step that runs a batch and ``connector_request_ms`` for each
@@ -65,7 +69,13 @@ Tier = Literal["dram", "nvme", "network"]
 TIERS: tuple[Tier, ...] = ("dram", "nvme", "network")
 
 _TEXT = ("name", "description", "model", "hardware")
-_POSITIVE_INT = ("max_num_batched_tokens", "max_num_seqs", "block_size", "num_gpu_blocks", "kv_bytes_per_token")
+_POSITIVE_INT = (
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "block_size",
+    "num_gpu_blocks",
+    "kv_bytes_per_token",
+)
 _POSITIVE = ("overhead_ms", "prefill_ms_per_token", "dram_bandwidth_Bps", "nvme_bandwidth_Bps", "network_bandwidth_Bps")
 _NON_NEGATIVE = (
     "prefill_attn_ms",
@@ -79,6 +89,7 @@ _NON_NEGATIVE = (
     "connector_step_ms",
     "connector_request_ms",
     "connector_save_ms",
+    "request_ms",
 )
 _OPTIONAL = {
     "prefill_cached_attn_ms": None,
@@ -86,6 +97,7 @@ _OPTIONAL = {
     "connector_step_ms": 0.0,
     "connector_request_ms": 0.0,
     "connector_save_ms": 0.0,
+    "request_ms": 0.0,
 }
 
 
@@ -123,6 +135,7 @@ class EngineProfile:
     connector_step_ms: float = 0.0  # every step that runs a batch
     connector_request_ms: float = 0.0  # per request, in the step that first schedules it
     connector_save_ms: float = 0.0  # per save, besides its bytes over the DRAM link
+    request_ms: float = 0.0  # per request, in the step that first schedules it (any engine)
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False)  # constant → citation
 
     def __post_init__(self) -> None:
@@ -170,10 +183,12 @@ class EngineProfile:
         decode_seqs: int,
         decode_context_tokens: int,
         cached_pairs: int = 0,
+        new_requests: int = 0,
     ) -> float:
         """A step's time without jitter, in ms (a step that runs nothing: 0).
         ``attention_pairs`` counts every pair, Σ p × (c + p); ``cached_pairs`` those of them
-        with a token before the chunk, Σ p × c (see the module docstring)."""
+        with a token before the chunk, Σ p × c; ``new_requests`` the requests it schedules for
+        the first time (see the module docstring)."""
         if prefill_tokens == 0 and decode_seqs == 0:
             return 0.0
         cached = self.prefill_attn_ms if self.prefill_cached_attn_ms is None else self.prefill_cached_attn_ms
@@ -184,6 +199,7 @@ class EngineProfile:
             + cached * cached_pairs
             + self.decode_ms_per_seq * decode_seqs
             + self.decode_ms_per_kv_token * decode_context_tokens
+            + self.request_ms * new_requests
         )
 
     def jitter(self, rng: random.Random) -> float:

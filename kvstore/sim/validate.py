@@ -20,7 +20,9 @@ differs.  The JSON (``--json``): ``{"configs": {NAME: {"real": {...}, "sim": {..
 "error": {...}, "within": bool}}, "ttft_ratio": {"real", "sim", "same_side"}, "tolerance",
 "real_run", "sim"}``, and with ``--real-records`` (the real run's ``--records``)
 ``per_request``: TTFT compared request by request (:func:`per_request`), which a gap in a
-run's TTFTs cannot swing as it swings a percentile; the exit status is 0 when every error is within ``--tolerance``
+run's TTFTs cannot swing as it swings a percentile.  The simulator runs as many times as
+the real run did (its ``--repeat``; seeds 0 to N-1 of the profile's jitter; ``--sim-repeat``
+to choose), and both sides' figures are medians over their runs: like against like.  The exit status is 0 when every error is within ``--tolerance``
 (default 0.25) and the ratios agree, else 1.
 
 Holds no state between calls.
@@ -77,6 +79,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_TOLERANCE,
         help=f"largest relative error that passes (default {DEFAULT_TOLERANCE})",
+    )
+    p.add_argument(
+        "--sim-repeat",
+        type=int,
+        default=None,
+        metavar="N",
+        help="simulated runs per configuration, seeds 0 to N-1, their medians compared (default: as many as the "
+        "real run's --repeat)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table goes to stderr)")
     p.add_argument(
@@ -196,6 +206,8 @@ def sim_run(a: argparse.Namespace, argv: list[str], records: str | None = None) 
     p = argparse.ArgumentParser(prog="kvstore sim")
     simcli.add_arguments(p)
     more = ["--records", records] if records else []
+    if getattr(a, "sim_repeat", None):
+        more += ["--repeat", str(a.sim_repeat)]
     ns = p.parse_args([*argv, "--configs", a.configs, "--engines", str(a.engines), "--profile", a.profile, *more])
     return simcli.run(ns)
 
@@ -273,7 +285,13 @@ def fit_connector(
     the grid's pair whose simulated ``pool`` costs what the real one did *relative to
     baseline*: least sum over :data:`FIT_FIGURES` of the squared log of (sim pool ÷ sim
     baseline) ÷ (real pool ÷ real baseline).  Ratios, so that the profile's own error on
-    ``baseline`` (which these constants do not touch) is not loaded onto the connector."""
+    ``baseline`` (which these constants do not touch) is not loaded onto the connector.
+
+    With the real run's records (``a.real_records``) TTFT is matched request by request
+    instead: the loss is the squared log of the TBT p50 ratio as above plus the square of
+    (sim − real median per-request ``pool`` − ``baseline`` TTFT difference) ÷ real
+    ``baseline``'s TTFT p50.  A percentile of a run whose TTFTs have a gap at it swings
+    between grid points a millisecond a request apart; the per-request difference does not."""
     import datetime
     import math
 
@@ -294,34 +312,58 @@ def fit_connector(
         figures(real["configs"]["pool"], "the real pool"),
     )
     target = {k: real_pool[k] / real_base[k] for k in FIT_FIGURES}
+    by_request = bool(getattr(a, "real_records", None))
+    matched = ("tbt_p50_ms",) if by_request else FIT_FIGURES
+    real_diff = 0.0
+    if by_request:
+        diff = per_request(read_ttfts(a.real_records), {}, ["baseline", "pool"])["pool_minus_baseline_ttft_ms"]
+        if diff["real"] is None:
+            raise InvalidArgument("--fit-connector: the real records have no request both baseline and pool completed")
+        real_diff = float(diff["real"])
     base = EngineProfile.load(a.profile).to_dict()
-    sim_base = figures(
-        sim_run(argparse.Namespace(**{**vars(a), "configs": "baseline"}), argv)["configs"]["baseline"],
-        "the simulated baseline",
-    )
     grid: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvstore-fit-") as d:
+        recs = str(Path(d) / "records.jsonl") if by_request else None
+        sim_base = figures(
+            sim_run(argparse.Namespace(**{**vars(a), "configs": "baseline"}), argv, recs)["configs"]["baseline"],
+            "the simulated baseline",
+        )
+        base_ttfts = read_ttfts(recs) if recs else {}
         path = Path(d) / "profile.json"
         for step_ms in FIT_STEP_MS:
             for request_ms in FIT_REQUEST_MS:
                 path.write_text(json.dumps({**base, "connector_step_ms": step_ms, "connector_request_ms": request_ms}))
                 one = argparse.Namespace(**{**vars(a), "configs": "pool", "profile": str(path)})
-                sim = figures(sim_run(one, argv)["configs"]["pool"], "the simulated pool")
+                sim = figures(sim_run(one, argv, recs)["configs"]["pool"], "the simulated pool")
                 ratio = {k: sim[k] / sim_base[k] for k in FIT_FIGURES}
-                loss = sum(math.log(ratio[k] / target[k]) ** 2 for k in FIT_FIGURES)
-                grid.append(
-                    {"connector_step_ms": step_ms, "connector_request_ms": request_ms, "loss": loss, "ratio": ratio}
-                )
+                loss = sum(math.log(ratio[k] / target[k]) ** 2 for k in matched)
+                point: dict[str, Any] = {"connector_step_ms": step_ms, "connector_request_ms": request_ms}
+                if recs:
+                    got = per_request({}, {**base_ttfts, **read_ttfts(recs)}, ["baseline", "pool"])
+                    sim_diff = got["pool_minus_baseline_ttft_ms"]["sim"]
+                    if sim_diff is None:
+                        raise InvalidArgument("--fit-connector: the simulated runs completed no request in common")
+                    loss += ((sim_diff - real_diff) / real_base["ttft_p50_ms"]) ** 2
+                    point["pool_minus_baseline_ttft_ms"] = sim_diff
+                grid.append({**point, "loss": loss, "ratio": ratio})
     best = min(grid, key=lambda g: g["loss"])
     when = datetime.date.today().isoformat()
-    where = (
-        f"fitted: `kvstore sim validate --fit-connector` on {when}, a grid search matching the simulated "
-        f"pool/baseline ratios of TTFT p50/p90 and TBT p50 to a real `kvstore bench serving` run "
-        f"({' '.join(_shown(argv))}): real "
-        + ", ".join(f"{target[k]:.3f}" for k in FIT_FIGURES)
-        + ", fitted "
-        + ", ".join(f"{best['ratio'][k]:.3f}" for k in FIT_FIGURES)
-    )
+    if by_request:
+        how = (
+            f"the simulated pool's median per-request TTFT over baseline's and TBT p50 ratio to a real `kvstore bench "
+            f"serving` run's ({' '.join(_shown(argv))}, its --records): real +{real_diff:.1f} ms and "
+            f"{target['tbt_p50_ms']:.3f}, fitted +{best['pool_minus_baseline_ttft_ms']:.1f} ms and "
+            f"{best['ratio']['tbt_p50_ms']:.3f}"
+        )
+    else:
+        how = (
+            f"the simulated pool/baseline ratios of TTFT p50/p90 and TBT p50 to a real `kvstore bench serving` run "
+            f"({' '.join(_shown(argv))}): real "
+            + ", ".join(f"{target[k]:.3f}" for k in FIT_FIGURES)
+            + ", fitted "
+            + ", ".join(f"{best['ratio'][k]:.3f}" for k in FIT_FIGURES)
+        )
+    where = f"fitted: `kvstore sim validate --fit-connector` on {when}, a grid search matching " + how
     prof = dict(base)
     sources = dict(prof.get("sources") or {})
     for k in ("connector_step_ms", "connector_request_ms"):
@@ -345,6 +387,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     wl = build(a.trace, scaling(a))
     real = real_run(a, argv)
     check_same_workload(real, wl.scaling.to_json(), len(wl.items))
+    real_repeats = {n: int((c.get("repeats") or {}).get("n", 1)) for n, c in real["configs"].items()}
+    if a.sim_repeat is None:
+        a = argparse.Namespace(**{**vars(a), "sim_repeat": max(real_repeats.values(), default=1)})
+    elif not 1 <= a.sim_repeat <= 100:
+        raise InvalidArgument(f"--sim-repeat must be 1 to 100, got {a.sim_repeat}")
+    if a.real_records and a.real and not Path(a.real_records).exists():
+        raise InvalidArgument(f"--real-records {a.real_records}: no such file")
     fitted = None
     if a.fit_connector:
         prof, fitted = fit_connector(a, argv, real)
@@ -356,8 +405,6 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             file=sys.stderr,
         )
         a = argparse.Namespace(**{**vars(a), "profile": a.fit_connector})
-    if a.real_records and a.real and not Path(a.real_records).exists():
-        raise InvalidArgument(f"--real-records {a.real_records}: no such file")
     with tempfile.TemporaryDirectory(prefix="kvstore-validate-") as d:
         sim_records = str(Path(d) / "sim.jsonl") if a.real_records else None
         sim = sim_run(a, argv, sim_records)
@@ -367,7 +414,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         out["per_request"] = by_request
     out["real_run"] = {
         "configs": list(real["configs"]),
-        "repeats": {n: (c.get("repeats") or {}).get("n", 1) for n, c in real["configs"].items()},
+        "repeats": real_repeats,
     }
     out["sim"] = sim["sim"]
     out["workload"] = {"argv": argv, "requests": len(wl.items)}

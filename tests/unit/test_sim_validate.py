@@ -66,11 +66,22 @@ def test_calibration_recovers_a_step_model_from_its_steps() -> None:
 
     from kvstore.sim.calibrate import fit
 
-    truth = {"overhead_ms": 16.0, "prefill_ms_per_token": 0.3, "prefill_attn_ms": 2e-5, "decode_ms_per_seq": 0.4}
+    truth = {
+        "overhead_ms": 16.0,
+        "prefill_ms_per_token": 0.3,
+        "prefill_attn_ms": 2e-5,
+        "decode_ms_per_seq": 0.4,
+        "request_ms": 6.0,
+    }
     rng = random.Random(1)
     samples = []
     for t in (32, 64, 128, 256, 512, 1024, 2048) * 3:
-        ms = truth["overhead_ms"] + truth["prefill_ms_per_token"] * t + truth["prefill_attn_ms"] * t * t
+        ms = (
+            truth["overhead_ms"]
+            + truth["request_ms"]
+            + truth["prefill_ms_per_token"] * t
+            + truth["prefill_attn_ms"] * t * t
+        )
         samples.append({"t": t, "pairs": t * t, "b": 0, "ctx": 0, "ms": ms * rng.lognormvariate(0, 0.05)})
     for b, p in ((1, 32), (4, 32), (16, 32), (32, 32), (1, 512), (4, 512), (8, 512)) * 10:
         ms = truth["overhead_ms"] + truth["decode_ms_per_seq"] * b  # no cost per context token
@@ -79,10 +90,16 @@ def test_calibration_recovers_a_step_model_from_its_steps() -> None:
     c = f["constants"]
     for k in ("overhead_ms", "prefill_ms_per_token", "decode_ms_per_seq"):
         assert c[k] == pytest.approx(truth[k], rel=0.15), k
+    assert c["request_ms"] == pytest.approx(truth["request_ms"], rel=0.3)  # a prefill's, not a decode step's
     assert c["prefill_attn_ms"] == pytest.approx(truth["prefill_attn_ms"], rel=0.5)  # small beside T: loosely
     for t in (64, 1024, 2048):  # what the simulator uses: step times, within the noise
-        want = truth["overhead_ms"] + truth["prefill_ms_per_token"] * t + truth["prefill_attn_ms"] * t * t
-        got = c["overhead_ms"] + c["prefill_ms_per_token"] * t + c["prefill_attn_ms"] * t * t
+        want = (
+            truth["overhead_ms"]
+            + truth["request_ms"]
+            + truth["prefill_ms_per_token"] * t
+            + truth["prefill_attn_ms"] * t * t
+        )
+        got = c["overhead_ms"] + c["request_ms"] + c["prefill_ms_per_token"] * t + c["prefill_attn_ms"] * t * t
         assert got == pytest.approx(want, rel=0.05)
     assert c["decode_ms_per_kv_token"] < 1e-3  # not in the data: (nearly) nothing, never negative
     assert 0.03 < f["jitter_cv"] < 0.08 and f["r2"] > 0.95
@@ -177,45 +194,6 @@ def test_a_calibrations_samples_are_fitted_again_without_vllm(
     assert "has no samples" in capsys.readouterr().err
 
 
-def test_a_fleet_calibration_times_every_engine_at_once_and_tags_their_steps() -> None:
-    """``--served --engines N`` times each engine of the fleet from a thread of its own, at
-    the same time, with prompts of its own (seed + i), and tags each sample with its engine:
-    the fit then takes what sharing the machine costs the steps."""
-    import argparse
-    import threading
-
-    from kvstore.sim.calibrate import fit, measure_all
-
-    class _Counting(_PrefixCachingEngine):
-        def __init__(self) -> None:
-            super().__init__()
-            self.threads: set[int] = set()
-            self.prompts: list[tuple[int, ...]] = []
-
-        def generate(self, tokens: list[int], max_tokens: int) -> dict[str, float]:
-            self.threads.add(threading.get_ident())
-            self.prompts.append(tuple(tokens))
-            return super().generate(tokens, max_tokens)
-
-    engines = [_Counting(), _Counting()]
-    samples = measure_all(engines, argparse.Namespace(seed=3, repeats=1, max_prefill=512))
-    by = [[smp for smp in samples if smp["engine"] == i] for i in (0, 1)]
-    assert len(by[0]) == len(by[1]) > 0 and len(samples) == 2 * len(by[0])
-    assert engines[0].threads and engines[1].threads and not engines[0].threads & engines[1].threads
-    assert not set(engines[0].prompts) & set(engines[1].prompts)  # each its own prompts
-    c = fit(samples)["constants"]
-    assert c["prefill_ms_per_token"] == pytest.approx(_PrefixCachingEngine.per_token, rel=0.05)
-
-
-def test_a_fleet_calibration_is_served_and_placed_by_the_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["sim", "calibrate", "--engines", "2"]) == 2
-    assert "it needs --served" in capsys.readouterr().err
-    assert main(["sim", "calibrate", "--served", "--engines", "2", "--cpu", "0"]) == 2
-    assert "--cpu places one engine" in capsys.readouterr().err
-    assert main(["sim", "calibrate", "--served", "--engines", "0"]) == 2
-    assert "--engines must be 1 to 64" in capsys.readouterr().err
-
-
 def test_calibrating_without_vllm_says_where_to_run_it(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -265,6 +243,20 @@ def test_the_connector_constants_are_fitted_back_from_a_run_they_made(
     bad = ["sim", "validate", *flags[:-2], "--configs", "baseline", "--real", str(only_base)]
     assert main([*bad, "--fit-connector", str(tmp_path / "x.json")]) == 2
     assert "--fit-connector needs `baseline` and `pool` in the real run" in capsys.readouterr().err
+    # with the run's records the fit matches TTFT request by request, and finds the same costs
+    records = tmp_path / "real.jsonl"
+    assert main(["sim", *flags, "--profile", str(truth), "--records", str(records), "--json"]) == 0
+    capsys.readouterr()
+    by_request = [*argv, "--real-records", str(records)]
+    assert main(by_request) == 0
+    out = json.loads(capsys.readouterr().out)
+    best = out["fit_connector"]["best"]
+    assert (best["connector_step_ms"], best["connector_request_ms"]) == (2.0, 8.0) and best["loss"] == pytest.approx(0)
+    assert best["pool_minus_baseline_ttft_ms"] == out["per_request"]["pool_minus_baseline_ttft_ms"]["real"]
+    assert (
+        "median per-request TTFT over baseline's"
+        in EngineProfile.load(str(out_profile)).sources["connector_request_ms"]
+    )
 
 
 def test_an_engine_with_the_connector_pays_its_step_and_request_costs() -> None:
@@ -296,6 +288,25 @@ def test_an_engine_with_the_connector_pays_its_step_and_request_costs() -> None:
     assert pooled[1] == pytest.approx(plain[1] + 3.0 / 1000)  # the decode step: the per-step cost alone
 
 
+def test_every_engine_pays_request_ms_in_the_step_that_takes_a_request_in() -> None:
+    """``request_ms``: each request a step schedules for the first time lengthens it (with
+    the pool's connector or without); a decode step pays nothing of it."""
+    from kvstore.sim.engine import EngineModel
+    from kvstore.sim.profile import EngineProfile
+
+    base = {**EngineProfile.load("local").to_dict(), "jitter_cv": 0}
+
+    def steps(request_ms: float) -> list[float]:
+        m = EngineModel(EngineProfile.from_dict({**base, "request_ms": request_ms}, "test"))
+        for i in range(3):
+            m.add_request(f"r{i}", 100, [], max_tokens=2, arrival_s=0.0)
+        return [m.step(0.0).step_time_s, m.step(1.0).step_time_s]
+
+    without, with_ = steps(0.0), steps(6.0)
+    assert with_[0] == pytest.approx(without[0] + 3 * 6.0 / 1000)
+    assert with_[1] == pytest.approx(without[1])
+
+
 def test_sim_writes_every_requests_record_as_the_benchmark_does(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -316,6 +327,39 @@ def test_sim_writes_every_requests_record_as_the_benchmark_does(
         ttfts = sorted(r["ttft_ms"] for r in mine)
         assert ttfts[0] - 1e-3 <= result["configs"][name]["ttft_ms"]["p50"] <= ttfts[-1] + 1e-3  # (rounded)
         assert all(r["e2e_ms"] >= r["ttft_ms"] and len(r["itl_ms"]) == r["max_tokens"] - 1 for r in mine)
+
+
+def test_sim_repeats_with_seeds_and_reports_medians_as_the_benchmark_does(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``kvstore sim --repeat 3``: three runs a configuration, seeds 0, 1, 2, each figure the
+    median of the three runs' (each one the same as ``--seed i`` alone), ``repeats`` and
+    ``runs`` as the benchmark's, every record tagged with its repeat; ``sim validate`` runs the
+    simulator as many times as the saved real run did."""
+    import statistics
+
+    trace = str(shared_trace(tmp_path / "t.jsonl"))
+    flags = ["--trace", trace, "--block-tokens", str(BT), "--rate", "4", "--configs", "baseline"]
+    out = tmp_path / "records.jsonl"
+    assert main(["sim", *flags, "--repeat", "3", "--records", str(out), "--json"]) == 0
+    three = json.loads(capsys.readouterr().out)
+    singles = []
+    for seed in range(3):
+        assert main(["sim", *flags, "--seed", str(seed), "--json"]) == 0
+        singles.append(json.loads(capsys.readouterr().out)["configs"]["baseline"])
+    base = three["configs"]["baseline"]
+    assert base["repeats"]["n"] == 3 and len(base["runs"]) == 3 and three["sim"]["repeat"] == 3
+    assert len({s["ttft_ms"]["p90"] for s in singles}) > 1  # the local profile's jitter moves it
+    assert base["ttft_ms"]["p90"] == pytest.approx(statistics.median(s["ttft_ms"]["p90"] for s in singles), abs=1e-3)
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted({r["repeat"] for r in recs}) == [0, 1, 2] and len(recs) == 3 * 24
+    saved = tmp_path / "real.json"
+    saved.write_text(json.dumps(three))
+    assert main(["sim", "validate", *flags, "--real", str(saved), "--json"]) == 0  # itself: no error
+    v = json.loads(capsys.readouterr().out)
+    assert v["sim"]["repeat"] == 3 and v["configs"]["baseline"]["error"]["ttft_p50_ms"] == 0
+    assert main(["sim", *flags, "--repeat", "0"]) == 2
+    assert "--repeat must be 1 to 100" in capsys.readouterr().err
 
 
 def test_ttft_is_compared_request_by_request_from_both_runs_records(
