@@ -201,6 +201,29 @@ def test_with_targets_a_long_prefill_goes_where_it_stalls_no_decode_that_meets_i
     assert decide(m, [a, b], 1000).engine.engine_id == "a"  # type: ignore[union-attr]
 
 
+def test_with_rejection_a_request_every_placement_would_cost_a_target_is_refused() -> None:
+    """Past the knee a request that would push running decodes over their TBT target
+    wherever it went, or miss its own TTFT, serves nothing the fleet keeps: with rejection
+    on it is refused before any engine works on it (a 429 with the reason); where one
+    engine can take it at no cost it goes there; without rejection it is placed (the
+    fewest targets lost), as before."""
+    m = model()
+    for r in range(1, 30):
+        m.observe_tbt(r, 0.010 + 0.001 * r)
+    healthy = ((0.15, 5.0),) * 3  # each can take a 150 ms stall, and decodes 5 s more
+    a = dataclasses.replace(eng("a"), at_risk=healthy)
+    late_b = dataclasses.replace(eng("b"), queued_s=3.0)  # the request would miss 2 s there
+    reject = Slo(ttft_s=2.0, tbt_s=0.2, min_samples=0, reject=True)
+    d = decide(m, [a, late_b], 1000, slo=reject)  # 1 s of prefill: a's decodes lose, or its own TTFT
+    assert d.engine is None and d.refused == "tbt" and d.retry_after_s >= 1, d
+    assert d.reason == "every placement loses 1" and d.predicted_ttft_s < 2.0
+    assert decide(m, [a, late_b], 100, slo=reject).engine.engine_id == "a"  # type: ignore[union-attr]
+    free = eng("c", queued=300)
+    assert decide(m, [a, late_b, free], 1000, slo=reject).engine.engine_id == "c"  # type: ignore[union-attr]
+    placed = decide(m, [a, late_b], 1000, slo=dataclasses.replace(reject, reject=False))
+    assert placed.engine is not None and placed.reason == "fewest SLOs lost (1)"
+
+
 def test_targets_without_rejection_refuse_nothing() -> None:
     m = model()
     for _ in range(3):
