@@ -11,8 +11,8 @@ loaded engine (fewer queued prefill tokens, then fewer running decodes).  With S
 an engine whose predicted time between tokens misses ``slo_tbt_s`` is no candidate, a
 request whose best estimated TTFT misses ``slo_ttft_s`` is refused before any engine
 spends time on it, and so is one that every placement would cost a target (its own TTFT,
-or a running decode's TBT: :func:`_lost`); both only once the model has ``min_samples`` measurements (an
-uncalibrated model refuses nothing), and the TBT target only while an idle engine would
+or a running decode's TBT: :func:`_lost`); all only once the model has ``min_samples``
+measurements (an uncalibrated model refuses nothing), and the TBT target only while an idle engine would
 meet it (when even one decode alone misses it, load is not the cause and refusing
 requests would only idle the fleet).
 
@@ -335,10 +335,10 @@ def decide(
         return Decision(None, refused="ttft", retry_after_s=_retry(lowest, slo.ttft_s), best_ttft_s=lowest_any)
     least_lost = min(c.lost for c in ok)
     if calibrated and slo.reject and slo.tbt_s and least_lost > 0:
-        # every placement costs a target, the request's own or a running decode's: refused
-        # before any engine works on it, it costs none (goodput holds past the knee: a
-        # request sent to miss, or to push decodes over, serves nothing the fleet keeps)
-        # (some engine meets the request's TTFT, above: what it would cost is decodes' TBT)
+        # every placement costs a target (some engine meets the request's own TTFT, above:
+        # what it costs there is decodes' TBT): refused before any engine works on it, it
+        # costs none; past the knee a request sent to miss, or to push decodes over, serves
+        # nothing the fleet keeps
         return Decision(
             None, refused="tbt", retry_after_s=1, best_ttft_s=lowest_any, reason=f"every placement loses {least_lost}"
         )

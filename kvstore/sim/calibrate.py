@@ -29,9 +29,9 @@ Each kind is repeated ``--repeats`` times; the step model of :mod:`kvstore.sim.p
 sample by non-negative least squares (a coefficient the data makes negative is dropped and
 the rest refitted), and ``jitter_cv`` is the coefficient of variation of the samples around
 the fit.  ``request_ms`` is what a served engine spends taking a request in besides its
-tokens (on the project's CPU engines about 6 ms, which a decode step does not pay: without
-it the per-step overhead, set by the many decode steps, left every served TTFT short).  ``--samples FILE`` fits the samples of an earlier
-``--json`` run instead of measuring (no vLLM needed; the block geometry is ``--base``'s).
+tokens (4.7 ms on the project's CPU engines, which a decode step does not pay: without it
+the per-step overhead, set by the many decode steps, left every served TTFT short).
+``--samples FILE`` fits the samples of an earlier ``--json`` run instead of measuring (no vLLM needed; the block geometry is ``--base``'s).
 The profile written (``--out``, default stdout) is ``--base`` (default ``local``) with
 those eight constants, the engine's block size and KV blocks, and each constant's source
 saying what was measured, when and on what CPU.  ``--json`` also prints the samples and

@@ -352,11 +352,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         records, tagged with its repeat, appended to ``keep``."""
         each = []
         for i in range(repeat):
-            mine: list[Any] | None = [] if keep is not None else None
-            each.append(single(name, w, a.seed + i, mine))
-            if keep is not None and mine is not None:
-                for r in mine:
-                    r.repeat = i
+            mine: list[Any] = []
+            each.append(single(name, w, a.seed + i, mine if keep is not None else None))
+            for r in mine:
+                r.repeat = i
+            if keep is not None:
                 keep.extend(mine)
         if repeat == 1:
             return each[0]
