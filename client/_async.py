@@ -13,7 +13,15 @@ from typing import Any, Unpack
 import grpc
 
 from client._api import AsyncBlockCalls
-from client._channel import CHANNEL_OPTIONS, RETRIES, etcd_route, resolve_token, rpc_error, stream_metadata
+from client._channel import (
+    CHANNEL_OPTIONS,
+    RETRIES,
+    call_metadata,
+    etcd_route,
+    resolve_token,
+    rpc_error,
+    stream_metadata,
+)
 from client._core import IDEMPOTENT, ClientCore, Op, T, as_key_list, fingerprint, report_request, skipped_request
 from client._instructions import GetStream, Io, PutStream, Rpc, RpcNoWait, instruction
 from client._options import ClientKwargs, ClientOptions
@@ -49,7 +57,7 @@ class AsyncKVClient(AsyncBlockCalls):
             target, transport=opts.transport, timeouts=opts.timeouts, verify=opts.verify, tls=self._tls
         )
         tok = resolve_token(opts.token, opts.token_file)
-        self._metadata = (("authorization", f"Bearer {tok}"),) if tok else ()
+        self._metadata = call_metadata(tok, opts.agent)
         # made on first use: a grpc.aio channel belongs to the loop it was created on, and
         # clients are often constructed before the loop that uses them (asyncio.run(main()))
         self._channel: grpc.aio.Channel | None = None

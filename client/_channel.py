@@ -20,7 +20,7 @@ import grpc
 
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.tls import ClientTLS, explain
-from kvstore.wire import BLOCKS_METADATA_KEY, error_from_rpc
+from kvstore.wire import AGENT_METADATA_KEY, BLOCKS_METADATA_KEY, error_from_rpc
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
@@ -143,6 +143,12 @@ def resolve_token(token: str | None, token_file: str | None) -> str:
         except OSError as e:
             raise InvalidArgument(f"cannot read token file {path}: {e}") from e
     return os.environ.get("KVSTORE_TOKEN", "")
+
+
+def call_metadata(token: str, agent: str) -> tuple[tuple[str, str], ...]:
+    """Every call's metadata: the bearer token (if any) and the agent name (if any)."""
+    md: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+    return (*md, (AGENT_METADATA_KEY, agent)) if agent else md
 
 
 def stream_metadata(metadata: tuple[tuple[str, str], ...], blocks: int | None) -> tuple[tuple[str, str], ...]:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from kvstore.errors import InvalidArgument
 from kvstore.tls import ClientTLS
+from kvstore.wire import check_agent
 
 if TYPE_CHECKING:
     from client._transports import Transport
@@ -39,7 +40,10 @@ class ClientOptions:
     with ``tls_cert_file``: ``tls_ca_file`` (PEM roots that verify the node; ``tls=True`` alone
     uses the system's roots), ``tls_cert_file`` / ``tls_key_file`` (a client certificate, for
     nodes that require one) and ``tls_server_name`` (the name to verify instead of the host
-    dialled)."""
+    dialled).  ``agent``: which integration makes the calls (``"vllm-connector"``,
+    ``"sglang-hicache"``, ...; 1-48 of ``[A-Za-z0-9._-]``): sent with every call, so the node's
+    metrics and the dashboard count lookups, hits, bytes and time per agent ("" = a plain SDK
+    client, counted as ``sdk``)."""
 
     token: str | None = None
     token_file: str | None = None
@@ -51,6 +55,10 @@ class ClientOptions:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_server_name: str | None = None
+    agent: str = ""
+
+    def __post_init__(self) -> None:
+        check_agent(self.agent)
 
     @classmethod
     def of(cls, options: ClientOptions | None, kwargs: dict[str, Any], *, extra: tuple[str, ...] = ()) -> ClientOptions:
@@ -96,3 +104,4 @@ class ClientKwargs(TypedDict, total=False):
     tls_cert_file: str | None
     tls_key_file: str | None
     tls_server_name: str | None
+    agent: str

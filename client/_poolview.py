@@ -44,7 +44,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from client._channel import CHANNEL_OPTIONS, resolve_token
+from client._channel import CHANNEL_OPTIONS, call_metadata, resolve_token
 from client._core import Target
 from client._holdings import NodeHoldings, best_holders, entries, key_hashes
 from client._options import ClientOptions
@@ -269,7 +269,7 @@ class PoolView:
         self.prefer_local = prefer_local
         self._tls: ClientTLS | None = opts.client_tls()
         token = resolve_token(opts.token, opts.token_file)
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._metadata = call_metadata(token, opts.agent)
         self._lock = threading.Lock()
         self._followers: tuple[_Follower, ...] = ()
         self._retired: list[_Follower] = []

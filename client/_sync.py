@@ -20,6 +20,7 @@ from client._channel import (
     FINALIZE_WAIT_S,
     RETRIES,
     Inflight,
+    call_metadata,
     etcd_route,
     finalize_channel,
     resolve_token,
@@ -78,7 +79,7 @@ class KVClient(BlockCalls):
             target, transport=opts.transport, timeouts=opts.timeouts, verify=opts.verify, tls=self._tls
         )
         tok = resolve_token(opts.token, opts.token_file)
-        self._metadata = (("authorization", f"Bearer {tok}"),) if tok else ()
+        self._metadata = call_metadata(tok, opts.agent)
         self._channel = secure_channel(self._core.target.grpc_target, self._tls, CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._inflight = Inflight()

@@ -24,6 +24,22 @@ ERROR_METADATA_KEY = "kvstore-error"
 PACKED_VERSION = 1
 # request metadata of PutStream: at most this many blocks follow (the node refuses a count over max_batch up front)
 BLOCKS_METADATA_KEY = "kvstore-blocks"
+# request metadata of every call: which integration makes it (ClientOptions.agent), for the
+# node's per-agent metrics; absent = a plain SDK client
+AGENT_METADATA_KEY = "kvstore-agent"
+AGENT_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+AGENT_MAX = 48
+
+
+def check_agent(agent: object) -> str:
+    """``agent`` if it is a valid agent name (1-48 of ``[A-Za-z0-9._-]``, or "" for none), else
+    :class:`~kvstore.errors.InvalidArgument`."""
+    if not isinstance(agent, str) or len(agent) > AGENT_MAX or not set(agent) <= AGENT_CHARS:
+        raise errors.InvalidArgument(
+            f"agent must be at most {AGENT_MAX} of letters, digits, '.', '_' and '-' (e.g. 'sglang-hicache'); got {agent!r:.60}"
+        )
+    return agent
+
 
 _CODES: list[tuple[type[errors.KVStoreError], grpc.StatusCode]] = [
     (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),

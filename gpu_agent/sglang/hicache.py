@@ -48,6 +48,9 @@ from kvstore.keys import NO_PARENT, ChunkKey, Namespace
 
 log = logging.getLogger(__name__)
 
+AGENT = "sglang-hicache"
+"""The backend's ``ClientOptions.agent``: the node counts its calls as this agent's."""
+
 try:  # SGLang's own metrics record (its scheduler logs it when storage metrics are on)
     from sglang.srt.observability.metrics_collector import StorageMetrics
 except ImportError:  # pragma: no cover - an SGLang without it gets None from get_stats
@@ -107,6 +110,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             self.settings.target,
             token_file=self.settings.token_file,
             timeouts=Timeouts(rpc=d, data=d, connect=d),
+            agent=AGENT,
         )
         self._fingerprint = b""
         self._warned: set[str] = set()

@@ -22,6 +22,8 @@ from kvstore.errors import Incompatible, InvalidArgument
 from kvstore.keys import Namespace
 
 DEFAULT_TARGET = "unix://~/.local/share/kvstore/kvstore.sock"
+AGENT = "vllm-connector"
+"""The connector's ``ClientOptions.agent``: the node counts its calls as this agent's."""
 RETRY_S = 5.0
 """After a failed store call, how long the connector serves without the store before trying
 it again: ``ConnectorSettings.retry_s``'s default."""
@@ -258,7 +260,10 @@ class ConnectorSettings:
         t = target or self.target
         if t.startswith("unix://~"):
             t = "unix://" + os.path.expanduser(t[len("unix://") :])
-        kw: dict[str, Any] = {"timeouts": Timeouts(rpc=self.deadline_s, data=self.deadline_s, connect=self.deadline_s)}
+        kw: dict[str, Any] = {
+            "timeouts": Timeouts(rpc=self.deadline_s, data=self.deadline_s, connect=self.deadline_s),
+            "agent": AGENT,
+        }
         for name in ("token", "token_file", "tls_ca_file", "tls_cert_file", "tls_key_file"):
             if getattr(self, name):
                 kw[name] = getattr(self, name)

@@ -27,7 +27,7 @@ import os
 import time
 
 from client import ClientOptions, PoolView
-from gpu_agent.vllm.settings import ConnectorSettings
+from gpu_agent.vllm.settings import AGENT, ConnectorSettings
 from gpu_agent.vllm.spec import rank_lookup_keys
 from gpu_agent.vllm.storelink import LookupAnswer
 from kvstore.keys import Namespace
@@ -58,6 +58,7 @@ class ViewLookups:
             tls_ca_file=settings.tls_ca_file,
             tls_cert_file=settings.tls_cert_file,
             tls_key_file=settings.tls_key_file,
+            agent=AGENT,
         )
         nodes: str | list[str] = self.target if self.target.startswith("etcd://") else [self.target]
         # a cluster's etcd that does not answer yet is no reason to hold the engine's start:

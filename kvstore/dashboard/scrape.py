@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 MAX_BODY = 8 << 20
 MAX_SAMPLES = 50_000
 MAX_NAMESPACES = 64
+MAX_AGENTS = 32  # agent labels kept per scrape (a node exports at most 16 and "sdk" and "other")
 
 
 def metrics_url(spec: str, scheme: str = "http") -> str:
@@ -153,6 +154,7 @@ def parse(text: str) -> Scrape:
     c, g = s.counters, s.gauges
     buckets: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
     namespaces: set[str] = set()
+    agents: set[str] = set()
     n = 0
     for fam in text_string_to_metric_families(text):
         if not fam.name.startswith("kvstore_"):
@@ -214,6 +216,23 @@ def parse(text: str) -> Scrape:
                 g[f"tier/{lb['tier']}/{name.removeprefix('kvstore_tier_').removesuffix('_bytes')}"] = v
             elif name in ("kvstore_leases", "kvstore_reservations", "kvstore_pins"):
                 g[name.removeprefix("kvstore_")] = v
+            elif name in (
+                "kvstore_agent_blocks_total",
+                "kvstore_agent_bytes_total",
+                "kvstore_agent_calls_total",
+                "kvstore_agent_call_seconds_total",
+            ):
+                agent = lb.get("agent", "")
+                if agent not in agents and len(agents) >= MAX_AGENTS:
+                    agent = "other"  # a node labels 16 at most; a forged scrape folds, never loses counts
+                agents.add(agent)
+                if name == "kvstore_agent_blocks_total":
+                    key = f"agent/{agent}/{lb.get('op', '')}/{lb.get('result', '')}"
+                elif name == "kvstore_agent_bytes_total":
+                    key = f"agent/{agent}/bytes/{lb.get('direction', '')}"
+                else:
+                    key = f"agent/{agent}/{'calls' if name == 'kvstore_agent_calls_total' else 'seconds'}/all"
+                c[key] = c.get(key, 0.0) + v
             elif name == "kvstore_rpc_duration_seconds_bucket":
                 le = lb.get("le", "+Inf")
                 buckets[lb["method"]].append((float("inf") if le == "+Inf" else float(le), v))

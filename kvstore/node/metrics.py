@@ -38,12 +38,18 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from kvstore import errors
 from kvstore.node.ledger import OPS, OTHER, REASONS, TIERS
 from kvstore.vocabulary import bucket_label
+from kvstore.wire import check_agent
 
 log = logging.getLogger("kvstore.node.metrics")
 
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+MAX_AGENTS = 16
+"""Distinct agent names a node labels its per-agent metrics with; later ones count as ``other``."""
+SDK_AGENT = "sdk"
+"""The agent label of calls that name none (plain SDK clients)."""
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 # bytes moved per path: (path, direction) -> manager counter.  "read" = out of the store
@@ -120,7 +126,68 @@ class NodeMetrics:
             ["tenant", "kind"],
             registry=self.registry,
         )
+        # per agent (ClientOptions.agent: the integration making the calls): labels bounded by agent_label
+        self.agent_calls = Counter(
+            "kvstore_agent_calls",
+            "Data calls (lookups, reads, writes) by the agent that made them and method.",
+            ["agent", "method"],
+            registry=self.registry,
+        )
+        self.agent_call_seconds = Counter(
+            "kvstore_agent_call_seconds",
+            "Server seconds of those calls, summed (divide by kvstore_agent_calls_total for the mean).",
+            ["agent", "method"],
+            registry=self.registry,
+        )
+        self.agent_blocks = Counter(
+            "kvstore_agent_blocks",
+            "Blocks each agent asked for, by operation and result: lookup and read hit | miss, "
+            "write stored | refused (no room, expired, already there counts stored).",
+            ["agent", "op", "result"],
+            registry=self.registry,
+        )
+        self.agent_bytes = Counter(
+            "kvstore_agent_bytes",
+            "Payload bytes each agent read (out of the store) and wrote (stored), any path.",
+            ["agent", "direction"],
+            registry=self.registry,
+        )
+        self._agents: dict[str, str] = {}
+        self._agents_lock = threading.Lock()
         self.registry.register(_NodeCollector(self))
+
+    def agent_label(self, agent: str | None) -> str:
+        """The label value of a call's ``kvstore-agent`` metadata: ``sdk`` when absent, the name
+        itself for the first :data:`MAX_AGENTS` valid names seen, ``other`` for later or invalid
+        ones (a client cannot blow up the label cardinality)."""
+        if not agent:
+            return SDK_AGENT
+        with self._agents_lock:
+            label = self._agents.get(agent)
+            if label is None:
+                try:
+                    check_agent(agent)
+                    label = agent if len(self._agents) < MAX_AGENTS and agent not in (SDK_AGENT, OTHER) else OTHER
+                except errors.InvalidArgument:
+                    label = OTHER
+                if len(self._agents) < 4 * MAX_AGENTS:  # remembers a few invalid names too, boundedly
+                    self._agents[agent] = label
+            return label
+
+    def observe_agent_call(self, agent: str, method: str, seconds: float) -> None:
+        self.agent_calls.labels(agent, method).inc()
+        self.agent_call_seconds.labels(agent, method).inc(seconds)
+
+    def observe_agent_blocks(self, agent: str, op: str, good: int, bad: int, nbytes: int = 0) -> None:
+        """``good`` hits (stored, for writes) and ``bad`` misses (refused) of ``op`` (lookup,
+        read or write), and the payload bytes moved."""
+        ok, no = ("stored", "refused") if op == "write" else ("hit", "miss")
+        if good:
+            self.agent_blocks.labels(agent, op, ok).inc(good)
+        if bad:
+            self.agent_blocks.labels(agent, op, no).inc(bad)
+        if nbytes:
+            self.agent_bytes.labels(agent, "write" if op == "write" else "read").inc(nbytes)
 
     def observe_rpc(self, method: str, seconds: float, error: str | None = None) -> None:
         self.rpc_seconds.labels(method).observe(seconds)

@@ -49,6 +49,7 @@ from kvstore.node.tenants import ADMIN, Caller, Callers, Ownership, authorizatio
 from kvstore.node.transfers import Transfers
 from kvstore.node.watch import HoldingsLog, holdings_stream
 from kvstore.wire import (
+    AGENT_METADATA_KEY,
     BLOCKS_METADATA_KEY,
     ERROR_METADATA_KEY,
     PACKED_VERSION,
@@ -92,6 +93,19 @@ class _StreamBlock:
 # call's duration (``GetStream`` identifies its caller itself).  Unset means "not
 # identified": ``KVStoreService._caller`` refuses then, it never defaults to the admin.
 _CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("kvstore_caller", default=None)
+_AGENT: contextvars.ContextVar[str] = contextvars.ContextVar("kvstore_agent", default="")
+AGENT_METHODS = frozenset(
+    {"Lookup", "MatchPrefix", "Acquire", "StartGet", "GetStream", "Reserve", "Commit", "StartPut", "PutStream"}
+)
+"""The data calls counted per agent (``kvstore_agent_*``): lookups, reads and writes."""
+
+
+def _agent_of(metadata: Any) -> str:
+    """The ``kvstore-agent`` value of a call's metadata ("" when absent)."""
+    for k, v in metadata or ():
+        if k == AGENT_METADATA_KEY:
+            return str(v)
+    return ""
 
 
 class Malformed:
@@ -144,6 +158,8 @@ def _rpc(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         start = time.perf_counter()
         error: str | None = None
         identified = None
+        agent = self.metrics.agent_label(_agent_of(context.invocation_metadata())) if self.metrics else ""
+        named = _AGENT.set(agent)
         try:
             if isinstance(request, Malformed):
                 raise request.invalid()
@@ -162,8 +178,12 @@ def _rpc(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         finally:
             if identified is not None:
                 _CALLER.reset(identified)
+            _AGENT.reset(named)
             if self.metrics is not None:
-                self.metrics.observe_rpc(method, time.perf_counter() - start, error)
+                seconds = time.perf_counter() - start
+                self.metrics.observe_rpc(method, seconds, error)
+                if method in AGENT_METHODS:
+                    self.metrics.observe_agent_call(agent, method, seconds)
 
     return wrapper
 
@@ -250,6 +270,23 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if caller is None:
             raise errors.Unauthenticated("the call was not identified")
         return caller
+
+    def _agent_blocks(self, op: str, good: int, bad: int, nbytes: int = 0, agent: str | None = None) -> None:
+        """Count one call's blocks for the agent that made it (``kvstore_agent_*``)."""
+        if self.metrics is not None:
+            self.metrics.observe_agent_blocks(_AGENT.get() if agent is None else agent, op, good, bad, nbytes)
+
+    def _count_reads(self, leased: Sequence[Leased], agent: str | None = None) -> None:
+        """Blocks handed to a reader (leased or streamed): hits, misses and their payload bytes."""
+        ok = [x.meta.payload_len for x in leased if x.status == Status.OK and x.meta is not None]
+        self._agent_blocks("read", len(ok), len(leased) - len(ok), sum(ok), agent)
+
+    def _count_writes(self, statuses: Sequence[int], sizes: Sequence[int]) -> None:
+        """A write's final statuses (OK and EXISTS: stored; the rest refused), and the bytes of
+        those stored now (``sizes`` per status where known)."""
+        stored = sum(st in (Status.OK, Status.EXISTS) for st in statuses)
+        nbytes = sum(n for n, st in zip(sizes, statuses) if st == Status.OK)
+        self._agent_blocks("write", stored, len(statuses) - stored, nbytes)
 
     def _denied(self, kind: str, n: int = 1, caller: Caller | None = None) -> None:
         """Count a tenant's denials: ``refused`` calls, ``hidden`` blocks, ``skipped`` keys and ids."""
@@ -379,17 +416,21 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             tenant=caller.tenant,
             session=check_session_id(request.session_id),
         )
+        hits = sum(t is not None for t in found)
+        self._agent_blocks("lookup", hits, len(found) - hits)
         return pb.LookupResponse(tiers=[_tier(tier_to_pb(t)) for t in found])
 
     @_rpc
     async def MatchPrefix(self, request: pb.KeysRequest, context: Any) -> pb.MatchPrefixResponse:
         caller = self._caller()
+        keys = self._request_keys(request)
         n, tiers = self.manager.match_prefix(
-            self._request_keys(request),
+            keys,
             visible=self._visible(caller),
             tenant=caller.tenant,
             session=check_session_id(request.session_id),
         )
+        self._agent_blocks("lookup", n, len(keys) - n)
         return pb.MatchPrefixResponse(matched=n, tiers=[_tier(int(t)) for t in tiers])
 
     @_rpc
@@ -407,6 +448,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         res = await self.manager.reserve(
             metas, tenant=caller.tenant, visible=self._visible(caller), session=check_session_id(request.session_id)
         )
+        self._count_writes([r.status for r in res if r.status != Status.OK], [])
         if request.HasField("packed"):
             return pb.ReserveResponse(packed=_packed_reservations(res), ttl_s=self.manager.reservation_ttl)
         return pb.ReserveResponse(
@@ -436,6 +478,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         sizes = [r[0].payload_len if (r := self.manager.reservation(rid)) else 0 for rid in ids]
         statuses = await self.manager.commit(ids, sums)
         self.manager.moved("local", "in", sum(n for n, st in zip(sizes, statuses) if st == Status.OK))
+        self._count_writes(statuses, sizes)
         return pb.StatusesResponse(statuses=_statuses(statuses))
 
     @_rpc
@@ -455,6 +498,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             session=check_session_id(request.session_id),
         )
         failpoints.hit("node.acquire")
+        self._count_reads(leased)
         if request.packed_keys:
             packed, nbytes = _packed_leases(leased)
             self.manager.moved("local", "out", nbytes)
@@ -483,6 +527,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             visible=self._visible(caller),
             session=check_session_id(request.session_id),
         )
+        self._count_reads(leased)
         tid = self.transfers.start_get(leased)
         if request.packed_keys:
             packed, _ = _packed_leases(leased, extents=False)
@@ -498,7 +543,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         res = await self.manager.reserve(
             metas, tenant=caller.tenant, visible=self._visible(caller), session=check_session_id(request.session_id)
         )
-        tid = self.transfers.start_put(metas, res)
+        self._count_writes([r.status for r in res if r.status != Status.OK], [])
+        tid = self.transfers.start_put(metas, res, agent=_AGENT.get())
         return pb.StartPutResponse(
             transfer_id=tid, statuses=_statuses(r.status for r in res), ttl_s=self.manager.reservation_ttl
         )
@@ -525,6 +571,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise errors.InvalidArgument(f"a put stream of {declared} blocks; the limit is max_batch={limit}")
         stage = min(STREAM_STAGE_BYTES, max(1, self.cfg.max_block_bytes // 2))
         statuses: list[int] = []  # per block, in order (set when it is reserved, then committed)
+        lens: list[int] = []  # per block, its payload bytes
         whole: list[tuple[int, int, BlockMeta]] = []  # (index, reservation id, meta): filled, committed at the end
         staged: list[_StreamBlock] = []  # whole blocks in memory, not yet reserved
         staged_bytes = [0]
@@ -585,6 +632,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     (meta,) = self._metas([chunk.block])
                     await self._claim(caller, [meta])
                     statuses.append(int(Status.OK))
+                    lens.append(meta.payload_len)
                     current = _StreamBlock(len(statuses) - 1, meta, check_session_id(chunk.session_id))
                 if current is None:
                     raise errors.InvalidArgument("the first chunk of a put stream must carry its block header")
@@ -623,13 +671,17 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             self.manager.abort(
                 [rid for _, rid, _ in whole] + ([current.rid] if current is not None and current.rid > 0 else [])
             )
+        self._count_writes(statuses, lens)
         return pb.StatusesResponse(statuses=_statuses(statuses))
 
     async def GetStream(self, request: pb.KeysRequest, context: Any) -> Any:
         start = time.perf_counter()
         error: str | None = None
+        agent = self.metrics.agent_label(_agent_of(context.invocation_metadata())) if self.metrics else ""
         try:
-            async with contextlib.aclosing(self._get_stream(request, context)) as chunks:  # leases go back at once
+            async with contextlib.aclosing(
+                self._get_stream(request, context, agent)
+            ) as chunks:  # leases go back at once
                 async for chunk in chunks:
                     yield chunk
         except BaseException as e:  # noqa: B036 - only named, then re-raised
@@ -638,8 +690,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         finally:
             if self.metrics is not None:
                 self.metrics.observe_rpc("GetStream", time.perf_counter() - start, error)
+                self.metrics.observe_agent_call(agent, "GetStream", time.perf_counter() - start)
 
-    async def _get_stream(self, request: pb.KeysRequest, context: Any) -> Any:
+    async def _get_stream(self, request: pb.KeysRequest, context: Any, agent: str = "") -> Any:
         try:
             if isinstance(request, Malformed):
                 raise request.invalid()
@@ -656,6 +709,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             (x,) = await self.manager.acquire(
                 [key], request=i == 0, tenant=caller.tenant, visible=visible, session=session
             )
+            self._count_reads([x], agent)
             if x.status != Status.OK:
                 yield pb.BlockChunk(block=pb.BlockInfo(key=key), status=_key_status(x.status))
                 continue

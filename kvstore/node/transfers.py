@@ -49,6 +49,7 @@ class Transfer:
     items: list[tuple[int, BlockMeta, list[Extent]]]
     # once taken: per item, the arena views of its payload (read from for GET, written into for PUT)
     views: list[list[memoryview]] = dataclasses.field(default_factory=list)
+    agent: str = ""  # the agent label of the call that started it (its writes are counted at the commit)
 
     @property
     def nbytes(self) -> int:
@@ -132,13 +133,14 @@ class Transfers:
         m = self.manager
         return self._table.add(Transfer(OP_GET, m.clock() + m.lease_ttl, items))
 
-    def start_put(self, metas: Sequence[BlockMeta], reserved: Sequence[Reserved]) -> bytes:
-        """A PUT of the blocks reserved OK; its id (``b""``: nothing to move)."""
+    def start_put(self, metas: Sequence[BlockMeta], reserved: Sequence[Reserved], *, agent: str = "") -> bytes:
+        """A PUT of the blocks reserved OK; its id (``b""``: nothing to move).  ``agent``: whose
+        writes the commit counts (``kvstore_agent_*``)."""
         items = [(r.reservation_id, meta, list(r.extents)) for meta, r in zip(metas, reserved) if r.status == Status.OK]
         if not items:
             return b""
         m = self.manager
-        return self._table.add(Transfer(OP_PUT, m.clock() + m.reservation_ttl, items))
+        return self._table.add(Transfer(OP_PUT, m.clock() + m.reservation_ttl, items, agent=agent))
 
     # -- the data channel (on the loop, called from its connection threads) ---------------
     async def take(self, tid: bytes, op: int) -> Transfer | None:
@@ -185,10 +187,19 @@ class Transfers:
         ids = [rid for rid, _, _ in t.items]
         if not complete:
             self.manager.abort_cut(ids)
+            self._count_put(t, [int(Status.EXPIRED)] * len(ids))
             return [int(Status.EXPIRED)] * len(ids)
         statuses = await self.manager.commit(ids, verify=True)
         self.manager.moved("tcp", "in", t.nbytes)
+        self._count_put(t, [int(s) for s in statuses])
         return [int(s) for s in statuses]
+
+    def _count_put(self, t: Transfer, statuses: list[int]) -> None:
+        if self.metrics is None:
+            return
+        stored = sum(s in (Status.OK, Status.EXISTS) for s in statuses)
+        nbytes = sum(meta.payload_len for (_, meta, _), s in zip(t.items, statuses) if s == Status.OK)
+        self.metrics.observe_agent_blocks(t.agent or "sdk", "write", stored, len(statuses) - stored, nbytes)
 
     def released(self, lease_ids: Sequence[int]) -> int:
         """The caller released ``lease_ids`` (``Release``): a pending GET left with none of its

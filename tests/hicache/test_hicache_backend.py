@@ -9,10 +9,12 @@ Every read is checked byte for byte against what was written; every failure is a
 from __future__ import annotations
 
 import time
+import urllib.request
 from typing import Any
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from sglang_rig import (
     LAYOUTS,
     MODEL,
@@ -233,3 +235,34 @@ def test_the_model_name_defaults_to_sglangs_and_kvstore_model_overrides_it(node:
     assert b.namespace.chunk_tokens == PAGE and b.namespace.layout.page_layout == "sglang:page_first"
     b.close()
     c.close()
+
+
+def test_the_node_counts_the_backends_calls_under_its_agent(node_factory: Any) -> None:
+    """The node's metrics name the SGLang backend (agent ``sglang-hicache``): its pages
+    written, its reads' hits and misses and their bytes, apart from plain SDK clients."""
+    n = node_factory("--dram", "64MiB", "--nvme", "0", "--metrics-port", "0")
+    _, host = pools()
+    b = backend(host, extra_config(n.unix))
+    fill(host, seed=9)
+    keys = page_keys(tokens(7))
+    assert all(b.batch_set_v1(keys, host.alloc(len(keys) * PAGE)))
+    assert b.batch_get_v1([*keys[:4], "9" * 64], host.alloc(5 * PAGE)) == [True] * 4 + [False]
+    page_bytes = b.geometry.page_bytes
+    with urllib.request.urlopen(n.endpoints["metrics"], timeout=10) as r:
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(r.read().decode())
+            for s in fam.samples
+            if s.name.startswith("kvstore_agent_")
+        }
+
+    def v(name: str, **labels: str) -> float:
+        return samples.get((name, tuple(sorted({"agent": "sglang-hicache", **labels}.items()))), 0.0)
+
+    assert v("kvstore_agent_blocks_total", op="write", result="stored") == len(keys)
+    assert v("kvstore_agent_blocks_total", op="read", result="hit") == 4
+    assert v("kvstore_agent_blocks_total", op="read", result="miss") == 1
+    assert v("kvstore_agent_bytes_total", direction="read") == 4 * page_bytes
+    assert v("kvstore_agent_bytes_total", direction="write") == len(keys) * page_bytes
+    assert not any(dict(labels).get("agent") == "sdk" for _, labels in samples)
+    b.close()

@@ -130,7 +130,7 @@ def test_dashboard_in_a_real_browser(traffic_node: NodeProcess) -> None:
                 key, np.full(BLOCK, i, np.uint8), namespace=ns, parent=keys[i - 1] if i else None, token_count=16
             )
         assert kv.delete([keys[9]]) == 1
-        kv.get_many(keys[:12])  # 7 hits; evicted 2, invalidated 1, never stored 2
+        first = kv.get_many(keys[:12])  # 7 hits; evicted 2, invalidated 1, never stored 2
         assert kv.match_prefix(keys[2:6]) == 4
 
     dash = Dashboard(
@@ -156,8 +156,8 @@ def test_dashboard_in_a_real_browser(traffic_node: NodeProcess) -> None:
                 assert page.get_attribute(up_card, "data-status") == "up"
                 assert page.text_content(f"{up_card} .name") == traffic_node.node_id  # its id, not its address
 
-                with KVClient(traffic_node.unix) as kv:  # more traffic: 6 hits, 1 more invalidated miss
-                    kv.get_many(keys[2:9])
+                with KVClient(traffic_node.unix, agent="sglang-hicache") as kv:  # 6 hits, 1 more invalidated miss
+                    later = kv.get_many(keys[2:9])
                     kv.report_skipped_saves(5, namespace=ns)  # an engine's save policy spared 5 chunks
                 newer = expected(traffic_node)
                 assert (
@@ -166,6 +166,17 @@ def test_dashboard_in_a_real_browser(traffic_node: NodeProcess) -> None:
                     and newer["ratio"] != want["ratio"]
                 )
                 wait_for(lambda: matches(page, newer), 15, f"the page to update to {newer}")
+                # the agents panel: the plain SDK's reads and writes apart from the named agent's
+                agent = '#agents [data-agent="sglang-hicache"]'
+                wait_for(lambda: page.locator(agent).count() == 1, 15, "the agent to show")
+                reads = (page.get_attribute(agent, "data-reads"), page.get_attribute(agent, "data-read-hits"))
+                found = sum(g is not None for g in later)
+                assert reads == ("7", str(found))
+                assert page.get_attribute(agent, "data-read-bytes") == str(found * BLOCK)
+                sdk = '#agents [data-agent="sdk"]'
+                reads = (page.get_attribute(sdk, "data-reads"), page.get_attribute(sdk, "data-read-hits"))
+                assert reads == ("12", str(sum(g is not None for g in first)))
+                assert page.get_attribute(sdk, "data-written") == "10"
                 skipped = '#capacity-note [data-k="skipped_saves"]'
                 wait_for(lambda: page.locator(skipped).count() == 1, 15, "the skipped saves to show")
                 assert page.get_attribute(skipped, "data-value") == "5"

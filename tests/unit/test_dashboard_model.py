@@ -13,7 +13,19 @@ from kvstore.node.metrics import families
 
 
 def exposition(ledger: Ledger, counters: dict[str, int] | None = None) -> str:
-    snap = {
+    snap = snapshot(ledger, counters)
+
+    class C:
+        def collect(self):  # type: ignore[no-untyped-def]
+            return families(snap, node_id="n1", version="9.9", started=1.0)
+
+    reg = CollectorRegistry()
+    reg.register(C())  # type: ignore[arg-type]
+    return generate_latest(reg).decode()
+
+
+def snapshot(ledger: Ledger, counters: dict[str, int] | None = None) -> dict[str, object]:
+    return {
         "tiers": {"dram": {"capacity_bytes": 100, "used_bytes": 40, "blocks": 4}},
         "counters": counters or {},
         "reservations": 0,
@@ -23,14 +35,6 @@ def exposition(ledger: Ledger, counters: dict[str, int] | None = None) -> str:
         "history": {"capacity": 16, "records": 0},
         "extra": {},
     }
-
-    class C:
-        def collect(self):  # type: ignore[no-untyped-def]
-            return families(snap, node_id="n1", version="9.9", started=1.0)
-
-    reg = CollectorRegistry()
-    reg.register(C())  # type: ignore[arg-type]
-    return generate_latest(reg).decode()
 
 
 def scrape_of(hits: int, misses: int, evictions: int = 0) -> Scrape:
@@ -149,3 +153,30 @@ def test_metrics_url_forms() -> None:
     assert metrics_url("http://h:1/custom") == "http://h:1/custom"
     with pytest.raises(ValueError):
         metrics_url("nohost")
+
+
+def test_parse_reads_the_per_agent_counters_a_node_exports() -> None:
+    """The node's kvstore_agent_* families (NodeMetrics, as the service observes into them) come
+    through as agent/<name>/<op>/<result> counters; a forged scrape with more agent labels
+    than a node makes folds the rest into "other", losing no count."""
+    from kvstore.node.metrics import NodeMetrics
+
+    snap = exposition(Ledger())
+    m = NodeMetrics("n1", "9.9", lambda: snapshot(Ledger()))
+    sg = m.agent_label("sglang-hicache")
+    m.observe_agent_blocks(sg, "read", 3, 1, 300)
+    m.observe_agent_blocks(sg, "write", 2, 1, 200)
+    m.observe_agent_blocks(m.agent_label(""), "lookup", 5, 0)
+    m.observe_agent_call(sg, "Acquire", 0.25)
+    s = parse(generate_latest(m.registry).decode())
+    c = s.counters
+    assert (c["agent/sglang-hicache/read/hit"], c["agent/sglang-hicache/read/miss"]) == (3, 1)
+    assert (c["agent/sglang-hicache/write/stored"], c["agent/sglang-hicache/write/refused"]) == (2, 1)
+    assert (c["agent/sglang-hicache/bytes/read"], c["agent/sglang-hicache/bytes/write"]) == (300, 200)
+    assert (c["agent/sglang-hicache/calls/all"], c["agent/sglang-hicache/seconds/all"]) == (1, 0.25)
+    assert c["agent/sdk/lookup/hit"] == 5
+    forged = "\n".join(f'kvstore_agent_blocks_total{{agent="a{i}",op="read",result="hit"}} 1' for i in range(100))
+    s = parse("# TYPE kvstore_agent_blocks counter\n" + forged + "\n" + snap)
+    agents = {k.split("/")[1] for k in s.counters if k.startswith("agent/")}
+    assert len(agents) <= 33 and "other" in agents
+    assert sum(v for k, v in s.counters.items() if k.startswith("agent/")) == 100

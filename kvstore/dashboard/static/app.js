@@ -372,6 +372,31 @@ function renderNamespaces(d) {
   }).join("") || `<div class="note">no lookups yet</div>`;
 }
 
+function renderAgents(d) {
+  // kvstore_agent_*: which integration (vLLM connector, SGLang HiCache, plain SDK...) reads and writes what
+  const c = d.totals, rows = {};
+  for (const key in c) {
+    if (!key.startsWith("agent/")) continue;
+    const [, agent, op, result] = key.split("/");
+    const r = rows[agent] || (rows[agent] = { agent, read: {}, lookup: {}, write: {}, bytes: {}, calls: {}, seconds: {} });
+    if (r[op]) r[op][result] = (r[op][result] || 0) + c[key];
+  }
+  const list = Object.values(rows).map((r) => {
+    const hit = r.read.hit || 0, n = hit + (r.read.miss || 0);
+    const calls = r.calls.all || 0;
+    return { ...r, hit, n, mean: calls ? (r.seconds.all || 0) / calls : null, any: n + (r.lookup.hit || 0) + (r.lookup.miss || 0) + (r.write.stored || 0) };
+  }).filter((r) => r.any > 0).sort((a, b) => b.n - a.n || b.any - a.any).slice(0, 8);
+  $("agents").innerHTML = list.map((r) => {
+    const lk = (r.lookup.hit || 0) + (r.lookup.miss || 0);
+    const title = `${r.agent}: reads ${num(r.hit)} hits of ${num(r.n)} (${bytes(r.bytes.read || 0)}), lookups ${num(r.lookup.hit || 0)} of ${num(lk)}, ` +
+      `writes ${num(r.write.stored || 0)} stored (${bytes(r.bytes.write || 0)}), ${num(r.write.refused || 0)} refused; ` +
+      `${num(r.calls.all || 0)} calls, mean ${r.mean == null ? "—" : dur(r.mean)}`;
+    return barRow({ label: esc(r.agent), value: r.n, frac: r.n ? r.hit / r.n : 0, color: "#a78bfa",
+      text: `${r.n ? pct(r.hit / r.n, 0) : "—"} <small>${bytes(r.bytes.read || 0)} · ${r.mean == null ? "—" : dur(r.mean)}</small>`,
+      attrs: `data-agent="${esc(r.agent)}" data-reads="${r.n}" data-read-hits="${r.hit}" data-read-bytes="${r.bytes.read || 0}" data-written="${r.write.stored || 0}"`, title });
+  }).join("") || `<div class="note">no agent has called yet</div>`;
+}
+
 function renderLatency(d) {
   const lo = Math.log10(2e-5), hi = Math.log10(10);
   const pos = (s) => Math.max(0, Math.min(100, ((Math.log10(Math.max(s, 2e-5)) - lo) / (hi - lo)) * 100));
@@ -397,6 +422,7 @@ function render() {
   renderNodes(d);
   renderEngines(d);
   renderNamespaces(d);
+  renderAgents(d);
   renderLatency(d);
   const banner = $("banner");
   banner.hidden = !d.source_status;
