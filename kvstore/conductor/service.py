@@ -92,6 +92,8 @@ POOL_RPC_S = 2.0
 routed around).  Not the decision's budget, ``pool_timeout_s`` (see the module docstring)."""
 POOL_INFLIGHT = 16
 """Pool lookups that may run at once, late ones included; past that the pool is not asked."""
+ENGINE_TTFT_SAMPLES = 200
+"""First tokens kept per engine for its predicted-against-measured TTFT (``ttft_per_engine``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +149,9 @@ class Conductor:
         self.decision_cpu_us: collections.deque[float] = collections.deque(maxlen=10_000)
         self.refusal_s: collections.deque[float] = collections.deque(maxlen=10_000)
         self.ttft_err: collections.deque[float] = collections.deque(maxlen=10_000)
+        # per engine (the one that computes the first token: the prefill engine in PD), the last
+        # ENGINE_TTFT_SAMPLES (predicted, measured) pairs: the dashboard's per-engine columns
+        self.engine_ttft: dict[str, collections.deque[tuple[float, float]]] = {}
         self.mean_prompt = 0.0
         self.mean_work_s = 0.0
         self.pool_down_until = 0.0
@@ -447,6 +452,10 @@ class Conductor:
         predicted = sent.decision.predicted_ttft_s
         if measured_s > 0:
             self.ttft_err.append(abs(predicted - measured_s) / measured_s)
+            first = sent.decision.prefill or sent.decision.engine
+            if first is not None:
+                pairs = self.engine_ttft.setdefault(first.engine_id, collections.deque(maxlen=ENGINE_TTFT_SAMPLES))
+                pairs.append((predicted, measured_s))
         self.metrics.ttft.labels("predicted").observe(predicted)
         self.metrics.ttft.labels("measured").observe(measured_s)
         log.info(
@@ -476,6 +485,7 @@ class Conductor:
     def routing(self) -> dict[str, Any]:
         return {
             "predicted_ttft_abs_err_median": round(statistics.median(self.ttft_err), 4) if self.ttft_err else None,
+            "ttft_per_engine": {eid: _ttft_report(pairs) for eid, pairs in sorted(self.engine_ttft.items()) if pairs},
             "decisions_per_engine": dict(sorted(self.decisions.items())),
             "decision_us": _pcts(self.decision_us),
             "decision_cpu_us": _pcts(self.decision_cpu_us),
@@ -502,6 +512,18 @@ def _owner_misses(pool: Any) -> int:
     deadline (``miss_counts()``: node_down, deadline); 0 for a client that counts none."""
     counts = getattr(pool, "miss_counts", None)
     return sum(counts().values()) if counts is not None else 0
+
+
+def _ttft_report(pairs: Iterable[tuple[float, float]]) -> dict[str, float | int]:
+    """One engine's recent first tokens: predicted and measured TTFT medians (ms) and the
+    median of |predicted - measured| / measured, over the same requests."""
+    ps = list(pairs)
+    return {
+        "n": len(ps),
+        "predicted_p50_ms": round(statistics.median(p for p, _ in ps) * 1e3, 1),
+        "measured_p50_ms": round(statistics.median(m for _, m in ps) * 1e3, 1),
+        "abs_err_median": round(statistics.median(abs(p - m) / m for p, m in ps), 4),
+    }
 
 
 def _pcts(xs: Iterable[float]) -> dict[str, float | None]:

@@ -73,6 +73,8 @@ class EngineReport:
     tokens: dict[str, float] = dataclasses.field(default_factory=dict)  # SOURCES -> prompt tokens
     last_error: str = ""
     view: dict[str, float] | None = None  # its KV-event subscriber: connected, events, resyncs, staleness_s
+    # its recent first tokens, predicted against measured: n, predicted_p50_ms, measured_p50_ms, abs_err_median
+    ttft: dict[str, float] | None = None
 
 
 @dataclasses.dataclass
@@ -110,6 +112,7 @@ def parse_state(obj: Any) -> ConductorScrape:
         raise ValueError("not a conductor's state (no engines list)")
     routing, views = _dict(obj.get("routing")), _dict(obj.get("views"))
     decisions = _dict(routing.get("decisions_per_engine"))
+    ttfts = _dict(routing.get("ttft_per_engine"))
     s = ConductorScrape(at=time.time(), ok=True)
     for e in obj["engines"]:
         if not isinstance(e, dict) or not isinstance(e.get("engine_id"), str) or not e["engine_id"]:
@@ -117,7 +120,7 @@ def parse_state(obj: Any) -> ConductorScrape:
         if len(s.engines) >= MAX_ENGINES:
             raise ValueError(f"more than {MAX_ENGINES} engines")
         eid = e["engine_id"]
-        scraped, view = _dict(e.get("scraped")), views.get(eid)
+        scraped, view, ttft = _dict(e.get("scraped")), views.get(eid), ttfts.get(eid)
         s.engines[eid] = EngineReport(
             engine_id=eid,
             url=str(e.get("url") or ""),
@@ -134,6 +137,14 @@ def parse_state(obj: Any) -> ConductorScrape:
             served=int(_num(e.get("served"))),
             tokens={k: _num(v) for k, v in _dict(e.get("tokens")).items() if k in SOURCES},
             last_error=str(e.get("last_error") or ""),
+            ttft=None
+            if not isinstance(ttft, dict) or not _num(ttft.get("n"))
+            else {
+                "n": _num(ttft.get("n")),
+                "predicted_p50_ms": _num(ttft.get("predicted_p50_ms")),
+                "measured_p50_ms": _num(ttft.get("measured_p50_ms")),
+                "abs_err_median": _num(ttft.get("abs_err_median")),
+            },
             view=None
             if not isinstance(view, dict)
             else {
@@ -248,6 +259,7 @@ class FleetModel:
             else:
                 status = "up" if all(alive) else "down" if not any(alive) else "partial"
             views = [r.view for _, r in live if r.view is not None]
+            ttfts = [r.ttft for _, r in live if r.ttft is not None]
             stale = [v["staleness_s"] for v in views if v["staleness_s"] >= 0]
             out.append(
                 {
@@ -269,6 +281,8 @@ class FleetModel:
                     else None,
                     "tokens": tokens,
                     "hit_ratio": None if not n_tokens else 1 - tokens["compute"] / n_tokens,
+                    # the conductor that saw most of its first tokens: medians do not add up
+                    "ttft": max(ttfts, key=lambda t: t["n"]) if ttfts else None,
                     "view": None
                     if not views
                     else {

@@ -22,8 +22,9 @@ import torch.distributed as dist
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str
 from sglang.srt.runtime_context import get_parallel
@@ -66,7 +67,29 @@ def pools(layout: str = "page_first", *, dtype: torch.dtype = torch.bfloat16, he
     return device, host
 
 
-def storage_config(extra: dict[str, Any], *, model: str = MODEL, tp_rank: int = 0, tp_size: int = 1) -> Any:
+def mla_pools(layout: str = "page_first") -> tuple[Any, Any]:
+    """An MLA model's device pool (on CPU: a 32-wide latent and a 16-wide rope part) and host pool."""
+    device = MLATokenToKVPool(
+        256, PAGE, torch.bfloat16, 32, 16, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS - 1
+    )
+    host = MLATokenToKVPoolHost(
+        device.get_device_pool_infos()[0].buffer_info,
+        2,
+        0,
+        PAGE,
+        layout,
+        pin_memory=False,
+        device_capacity_tokens=device.size,
+        start_layer=0,
+        end_layer=LAYERS - 1,
+        target_layer_num=LAYERS,
+    )
+    return device, host
+
+
+def storage_config(
+    extra: dict[str, Any], *, model: str = MODEL, tp_rank: int = 0, tp_size: int = 1, mla: bool = False
+) -> Any:
     return HiCacheStorageConfig(
         tp_rank=tp_rank,
         tp_size=tp_size,
@@ -74,7 +97,7 @@ def storage_config(extra: dict[str, Any], *, model: str = MODEL, tp_rank: int = 
         pp_size=1,
         attn_cp_rank=0,
         attn_cp_size=1,
-        is_mla_model=False,
+        is_mla_model=mla,
         enable_storage_metrics=True,
         is_page_first_layout=True,
         model_name=model,

@@ -23,6 +23,7 @@ from sglang_rig import (
     controller,
     extra_config,
     fill,
+    mla_pools,
     one_rank,
     page_keys,
     pages,
@@ -266,3 +267,32 @@ def test_the_node_counts_the_backends_calls_under_its_agent(node_factory: Any) -
     assert v("kvstore_agent_bytes_total", direction="write") == len(keys) * page_bytes
     assert not any(dict(labels).get("agent") == "sdk" for _, labels in samples)
     b.close()
+
+
+def test_mla_pages_are_written_by_rank_0_and_read_by_every_rank(node: Any) -> None:
+    """MLA's latent KV is the same on every tensor rank: rank 0 writes it (rank 1's writes
+    store nothing and report success, as SGLang expects of a non-writer), rank 1 reads rank
+    0's pages, and the pages are read straight into the pool (a contiguous page)."""
+    _, host0 = mla_pools()
+    _, host1 = mla_pools()
+    extra = extra_config(node.unix)
+    r0 = backend(host0, extra, tp_rank=0, tp_size=2, mla=True)
+    r1 = backend(host1, extra, tp_rank=1, tp_size=2, mla=True)
+    assert r0.namespace == r1.namespace and r0.is_writer and not r1.is_writer
+    fill(host0, seed=10)
+    fill(host1, seed=11)
+    keys = page_keys(tokens(8))
+    src1 = host1.alloc(len(keys) * PAGE)
+    assert r1.batch_set_v1(keys, src1) == [True] * len(keys)
+    assert r1.batch_exists(keys) == 0  # rank 1 stored nothing
+    src0 = host0.alloc(len(keys) * PAGE)
+    want = pages(host0, src0, len(keys))
+    assert r0.batch_set_v1(keys, src0) == [True] * len(keys)
+    dst = host1.alloc(len(keys) * PAGE)
+    assert r1.batch_get_v1(keys, dst) == [True] * len(keys)
+    assert all(torch.equal(w, g) for w, g in zip(want, pages(host1, dst, len(keys)), strict=True))
+    _, mha = pools()
+    other = backend(mha, extra)  # the same page hashes from a non-MLA pool: another namespace
+    assert other.batch_exists(keys) == 0
+    for b in (r0, r1, other):
+        b.close()

@@ -208,7 +208,8 @@ ENGINES_SHOWN = """() => {
         for (const x of r.querySelectorAll('[data-source]')) tokens[x.dataset.source] = parseFloat(x.dataset.value);
         out.engines[r.dataset.engine] = {status: r.dataset.status, routed: val(r, 'routed'), running: val(r, 'running'),
             queued: val(r, 'queued'), hit_ratio: val(r, 'hit_ratio'), hit_text: r.querySelector('[data-k="hit_ratio"]').textContent,
-            tokens, view: r.querySelector('[data-k="staleness"]').textContent, err: (r.querySelector('.err') || {}).textContent || ''};
+            tokens, view: r.querySelector('[data-k="staleness"]').textContent, err: (r.querySelector('.err') || {}).textContent || '',
+            ttft: val(r, 'ttft'), ttft_predicted: r.querySelector('[data-k="ttft"]').dataset.predicted ?? null};
     }
     for (const c of document.querySelectorAll('#conductors [data-conductor]'))
         out.conductors[c.dataset.conductor] = {status: c.dataset.status, routed: val(c, 'routed'), rejected: val(c, 'rejected'),
@@ -261,6 +262,9 @@ def test_engines_panel_against_real_conductors(tmp_path: Path) -> None:
                 return False
             for eid, e in got["engines"].items():
                 ratio = 0.0 if tokens[eid] else None  # no KV view, no pool: every prompt token is computed
+                # predicted against measured TTFT: the conductor with most of the engine's first tokens
+                seen = [t for st in states.values() if (t := st["routing"]["ttft_per_engine"].get(eid))]
+                best = max(seen, key=lambda t: t["n"]) if seen else None
                 want = {
                     "status": "up",
                     "routed": str(routed[eid]),
@@ -270,6 +274,8 @@ def test_engines_panel_against_real_conductors(tmp_path: Path) -> None:
                     "hit_text": "0%" if ratio is not None else "—",
                     "tokens": {"compute": tokens[eid]} if tokens[eid] else {},
                     "view": "no KV events",
+                    "ttft": value(best["measured_p50_ms"]) if best else "",
+                    "ttft_predicted": value(best["predicted_p50_ms"]) if best else None,
                 }
                 if {k: e[k] for k in want} != want:
                     return False

@@ -452,7 +452,32 @@ def test_a_rate_sweep_reports_goodput_per_step(server: StreamingServer, tmp_path
     assert all(s["configs"]["target"]["completed"] == 4 for s in r["steps"])
     assert r["configs"]["target"] == r["steps"][-1]["configs"]["target"]
     assert r["capacity_goodput_rps"]["target"] > 0
+    met = [s["configs"]["target"]["slo_met"] >= 0.9 for s in r["steps"]]
+    assert r["capacity_rps"]["target"] == (None if not met[0] else 20.0 if not met[1] else 40.0)
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_a_sweeps_capacity_is_the_highest_rate_with_nine_in_ten_within_the_slo(tmp_path: Path) -> None:
+    """The knee the plot marks: the highest offered rate up to which every rate had >= 90 %
+    within the SLO (a passing rate past a failing one is noise), None where the first failed."""
+    from kvstore.bench.serving import report
+
+    def step(rate: float, a: float, b: float) -> dict[str, object]:
+        return {
+            "offered_rps": rate,
+            "configs": {n: {"slo_met": m, "goodput_rps": rate * m} for n, m in (("a", a), ("b", b))},
+        }
+
+    result = {
+        "configs": {"a": {}, "b": {}},
+        "steps": [step(1, 1.0, 0.5), step(2, 0.95, 0.4), step(4, 0.5, 0.1), step(8, 0.9, 0.0)],
+        "slo": {"ttft_ms": 1000},
+    }
+    assert report.sweep_capacity(result) == {"a": 2, "b": None}
+    result["steps"][2]["configs"]["a"]["slo_met"] = 0.92
+    assert report.sweep_capacity(result) == {"a": 8, "b": None}
+    report.plot(result, [], str(tmp_path / "knee.png"))
+    assert (tmp_path / "knee.png").stat().st_size > 10_000
 
 
 def test_sessions_reach_the_connector_and_their_closes_are_sent(server: StreamingServer, tmp_path: Path) -> None:

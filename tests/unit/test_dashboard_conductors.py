@@ -47,6 +47,7 @@ def state(engines: list[dict[str, Any]], decisions: dict[str, int], **routing: A
             "decision_us": {"p50": routing.get("p50"), "p99": routing.get("p99")},
             "rejected": routing.get("rejected", {}),
             "pool_errors": routing.get("pool_errors", 0),
+            "ttft_per_engine": routing.get("ttft", {}),
         },
         "model": {},
         "views": routing.get("views", {}),
@@ -83,9 +84,11 @@ def test_parse_reads_what_the_page_uses() -> None:
             p99=900.0,
             rejected={"ttft": 3},
             views={A: {"connected": True, "events": 15, "resyncs": 0, "staleness_s": 1.0}},
+            ttft={A: {"n": 12, "predicted_p50_ms": 80.5, "measured_p50_ms": 95.0, "abs_err_median": 0.18}},
         )
     )
     assert s.ok and list(s.engines) == [A]
+    assert s.engines[A].ttft == {"n": 12, "predicted_p50_ms": 80.5, "measured_p50_ms": 95.0, "abs_err_median": 0.18}
     e = s.engines[A]
     assert (e.decisions, e.served, e.prefilling, e.decoding, e.waiting, e.running) == (17, 17, 1, 2, 3, 4)
     assert e.tokens == {"engine": 1200, "pool_dram": 512, "pool_nvme": 0, "pool_remote": 0, "compute": 900}
@@ -96,6 +99,7 @@ def test_parse_reads_what_the_page_uses() -> None:
 def test_parse_is_lenient_with_fields_and_refuses_what_is_not_a_conductor() -> None:
     s = parse_state({"engines": [{"engine_id": A}, {"no": "id"}, "junk"], "routing": None})
     assert list(s.engines) == [A] and s.engines[A].alive is False and s.engines[A].tokens == {}
+    assert s.engines[A].ttft is None
     assert s.decision_us == (None, None) and s.ttft_err_median is None
     for bad in ({"status": "ok"}, [], "x", {"engines": {}}):
         with pytest.raises(ValueError):
@@ -220,3 +224,21 @@ def test_conductor_url_forms() -> None:
     assert conductor_url("https://h:1/custom/state") == "https://h:1/custom/state"
     with pytest.raises(ValueError, match="HOST:PORT"):
         conductor_url("nohost")
+
+
+def test_an_engines_ttft_comes_from_the_conductor_that_saw_most_of_its_first_tokens() -> None:
+    """Two conductors route to one engine: medians do not add up, so the engine's predicted and
+    measured TTFT are those of the conductor with more samples; an engine no request reached
+    its first token on has none."""
+    m = FleetModel({"c1": "http://c1", "c2": "http://c2"})
+    few = {A: {"n": 3, "predicted_p50_ms": 10.0, "measured_p50_ms": 50.0, "abs_err_median": 0.8}}
+    many = {A: {"n": 40, "predicted_p50_ms": 90.0, "measured_p50_ms": 100.0, "abs_err_median": 0.1}}
+    m.update(
+        {
+            "c1": parse_state(state([engine(A), engine(B)], {A: 3}, ttft=few)),
+            "c2": parse_state(state([engine(A)], {A: 40}, ttft=many)),
+        },
+        now=10.0,
+    )
+    es = engines_of(m)
+    assert es[A]["ttft"] == many[A] and es[B]["ttft"] is None

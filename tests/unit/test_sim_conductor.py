@@ -64,6 +64,14 @@ def test_the_conductor_sends_each_prompt_family_where_its_prefix_is_cached(tmp_p
     r = cond["routing"]
     assert sum(r["decisions_per_engine"].values()) == 32 and set(r["decisions_per_engine"]) == {"engine0", "engine1"}
     assert r["decision_us"]["p50"] is not None and r["predicted_ttft_abs_err_median"] is not None
+    # per engine: the same first tokens, predicted against measured (the dashboard's columns)
+    per = r["ttft_per_engine"]
+    assert set(per) == {"engine0", "engine1"} and sum(e["n"] for e in per.values()) == 32
+    assert all(
+        e["predicted_p50_ms"] > 0 and e["measured_p50_ms"] > 0 and e["abs_err_median"] >= 0 for e in per.values()
+    )
+    assert min(e["abs_err_median"] for e in per.values()) <= r["predicted_ttft_abs_err_median"]
+    assert max(e["abs_err_median"] for e in per.values()) >= r["predicted_ttft_abs_err_median"]
     assert r["rejected"] == {} and r["pool_errors"] == r["pool_late"] == 0
     assert cond["kv_events"] > 0 and "connector" in cond and "store_blocks" in cond
 

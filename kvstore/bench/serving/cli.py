@@ -433,6 +433,7 @@ def run(a: argparse.Namespace) -> tuple[dict[str, Any], list[Record]]:
         result["capacity_goodput_rps"] = {
             n: max(s["configs"][n]["goodput_rps"] for s in result["steps"] if n in s["configs"]) for n in configs
         }
+        result["capacity_rps"] = report.sweep_capacity(result)
     return result, records
 
 

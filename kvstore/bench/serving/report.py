@@ -36,6 +36,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from kvstore.bench.serving.runner import Record
+from kvstore.sim.capacity import SLO_TARGET
 
 
 def pct(values: Sequence[float], qs: Sequence[int]) -> dict[str, float | None]:
@@ -580,6 +581,24 @@ def _detail_lines(c: dict[str, Any]) -> list[str]:
     return lines
 
 
+def sweep_capacity(result: dict[str, Any], target: float = SLO_TARGET) -> dict[str, float | None]:
+    """Per configuration, the knee the plot marks: the highest offered rate of a
+    ``--sweep-rate`` up to which every rate had at least ``target`` of its requests within the
+    SLO (``slo_met``; ``kvstore sim --capacity``'s rule); a passing rate above a failing one
+    does not count (noise, not capacity).  None where the lowest rate already failed."""
+    out: dict[str, float | None] = {}
+    for name in result["configs"]:
+        knee = None
+        for s in sorted(result.get("steps") or [], key=lambda s: s["offered_rps"]):
+            if name not in s["configs"]:
+                continue
+            if (s["configs"][name].get("slo_met") or 0) < target:
+                break
+            knee = s["offered_rps"]
+        out[name] = knee
+    return out
+
+
 def plot(result: dict[str, Any], records: Sequence[Record], path: str) -> None:
     """TTFT CDF per configuration (the last step's records) and goodput against offered load."""
     import matplotlib
@@ -603,12 +622,18 @@ def plot(result: dict[str, Any], records: Sequence[Record], path: str) -> None:
     ax.legend()
     if steps:
         ax = axes[0][1]
+        knees = sweep_capacity(result)
         for name in result["configs"]:
             pts = [(s["offered_rps"], s["configs"][name]["goodput_rps"]) for s in steps if name in s["configs"]]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            knee = knees.get(name)
+            if knee is not None:  # the capacity: the highest rate with >= 90 % within the SLO
+                y = next(g for r, g in pts if r == knee)
+                ax.plot([knee], [y], marker="*", markersize=16, color=line.get_color())
+                ax.annotate(f"{knee:.3g}", (knee, y), textcoords="offset points", xytext=(6, -12), fontsize=8)
         ax.set_xlabel("offered load (req/s)")
         ax.set_ylabel("goodput at SLO (req/s)")
-        ax.set_title("capacity")
+        ax.set_title(f"capacity (*) at >= {SLO_TARGET:.0%} within the SLO")
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -326,7 +326,7 @@ function renderEngines(d) {
   const answering = d.conductors.filter((c) => c.status === "up").length;
   $("engines-note").textContent = `${d.engines.length} engine${d.engines.length === 1 ? "" : "s"} · ${answering} of ${d.conductors.length} conductor${d.conductors.length === 1 ? "" : "s"} answering`;
   const head = `<div class="erow head"><span>engine</span><span>state</span><span class="n">routed</span><span class="n">running / queued</span>` +
-    `<span>hit ratio</span><span>prompt tokens by source</span><span class="n">KV view</span></div>`;
+    `<span>hit ratio</span><span>prompt tokens by source</span><span class="n">TTFT pred / meas</span><span class="n">KV view</span></div>`;
   const rows = d.engines.map((e) => {
     const total = SOURCES.reduce((s, [k]) => s + (e.tokens[k] || 0), 0);
     const segs = SOURCES.map(([k, label, color]) => {
@@ -338,6 +338,11 @@ function renderEngines(d) {
     const view = v == null ? `<span data-k="staleness" data-value="" class="note" title="no conductor follows this engine's KV events: its cache gets no credit">no KV events</span>`
       : v.staleness_s == null ? `<span data-k="staleness" data-value="" class="note">no event yet</span>`
       : `<span data-k="staleness" data-value="${v.staleness_s}" class="${v.connected ? "" : "warn"}" title="${num(v.events)} events, ${num(v.resyncs)} resyncs${v.connected ? "" : ", not connected"}">${dur(v.staleness_s)} old</span>`;
+    const t = e.ttft;
+    const ttft = t == null ? `<span data-k="ttft" data-value="" class="note">—</span>`
+      : `<span data-k="ttft" data-value="${t.measured_p50_ms}" data-predicted="${t.predicted_p50_ms}" data-err="${t.abs_err_median}" ` +
+        `title="median over its last ${num(t.n)} first tokens; median |predicted − measured| / measured ${pct(t.abs_err_median, 0)}">` +
+        `${dur(t.predicted_p50_ms / 1e3)} / ${dur(t.measured_p50_ms / 1e3)} <small>${pct(t.abs_err_median, 0)}</small></span>`;
     const live = e.running != null;
     return `<div class="erow" data-engine="${esc(e.engine_id)}" data-status="${e.status}">` +
       `<span class="name"><span class="dot"></span><span><b title="${esc(e.url)}">${esc(e.engine_id)}</b> <small>${esc(e.role)}${e.models.length ? " · " + e.models.map(esc).join(", ") : ""}</small>` +
@@ -349,7 +354,7 @@ function renderEngines(d) {
       `<span class="ratio"><span class="track"><span style="width:${((e.hit_ratio || 0) * 100).toFixed(1)}%;background:var(--good)"></span></span>` +
       `<span data-k="hit_ratio" data-value="${e.hit_ratio ?? ""}">${pct(e.hit_ratio, 0)}</span></span>` +
       `<span class="sources"><span class="track stack" data-k="tokens" data-value="${total}">${segs}</span><small>${num(total)} · ${split}</small></span>` +
-      `<span class="n">${view}</span></div>`;
+      `<span class="n">${ttft}</span><span class="n">${view}</span></div>`;
   });
   $("engines").innerHTML = rows.length ? head + rows.join("") : `<div class="note">no engine reported yet</div>`;
 }
