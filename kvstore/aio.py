@@ -6,8 +6,10 @@ Owns no state.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Awaitable, Iterable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 async def await_to_the_end(fut: asyncio.Future[Any]) -> Any:
@@ -61,3 +63,28 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]], *, timeout: float 
         if t.done() and not t.cancelled():
             t.exception()
     return pending
+
+
+GIVE_UP_S = 1.0
+"""How long :func:`bounded` waits for a timed-out call to end after cancelling it."""
+
+
+async def bounded(aw: Awaitable[T], timeout: float) -> T:
+    """``asyncio.wait_for(aw, timeout)`` that never waits past ``timeout + GIVE_UP_S``.
+
+    Python 3.11's ``wait_for`` cancels a call that timed out and then waits, without bound,
+    for it to end: a call that does not end on cancellation (a gRPC call on a channel that
+    went bad) holds its caller for ever.  Here the call runs as a task of its own; past
+    ``timeout`` it is cancelled (again, as :func:`cancel_and_wait` does) for at most
+    ``GIVE_UP_S``, then left behind, and :class:`TimeoutError` is raised either way.  A
+    caller cancelled meanwhile cancels the call the same way and re-raises."""
+    task = asyncio.ensure_future(aw)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    except asyncio.CancelledError:
+        await cancel_and_wait([task], timeout=GIVE_UP_S)
+        raise
+    if done:
+        return task.result()
+    await cancel_and_wait([task], timeout=GIVE_UP_S)
+    raise TimeoutError(f"no answer in {timeout:g} s")

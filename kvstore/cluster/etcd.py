@@ -38,7 +38,7 @@ from typing import Any, Generic, TypeVar
 import aetcd
 import aetcd.exceptions
 
-from kvstore.aio import cancel_and_wait
+from kvstore.aio import bounded, cancel_and_wait
 from kvstore.cluster import hot as _hot
 from kvstore.cluster import state
 from kvstore.cluster.state import (
@@ -103,7 +103,7 @@ class EtcdSession:
         for _ in range(len(self.endpoints)):
             c = await self.client()
             try:
-                return await asyncio.wait_for(fn(c), self.timeout)
+                return await bounded(fn(c), self.timeout)
             except ETCD_ERRORS as e:
                 last = e
                 await self.reset()
@@ -325,7 +325,7 @@ class ClusterWatcher:
 
     async def _follow(self, b: _Builder, rev: int) -> None:
         client = await self.session.client()
-        watch = await asyncio.wait_for(client.watch_prefix(b.prefix, start_revision=rev + 1), self.session.timeout)
+        watch = await bounded(client.watch_prefix(b.prefix, start_revision=rev + 1), self.session.timeout)
 
         loop = asyncio.get_running_loop()
         pending: list[asyncio.Handle] = []
@@ -354,7 +354,7 @@ class ClusterWatcher:
             while True:
                 await asyncio.sleep(self.ping_s)
                 try:
-                    await asyncio.wait_for(client.get(b.prefix + b"nodes/"), self.session.timeout)
+                    await bounded(client.get(b.prefix + b"nodes/"), self.session.timeout)
                 except ETCD_ERRORS as e:
                     raise Unavailable(f"etcd did not answer a ping: {type(e).__name__}: {e}") from None
 
@@ -501,7 +501,7 @@ class LeasedRecord(Generic[R]):
         if lease_id is None:
             return False
         try:
-            await asyncio.wait_for(self.session.run(lambda c: c.revoke_lease(lease_id), "deregistering"), timeout)
+            await bounded(self.session.run(lambda c: c.revoke_lease(lease_id), "deregistering"), timeout)
             return True
         except (TimeoutError, Unavailable):
             return False
