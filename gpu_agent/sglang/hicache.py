@@ -331,9 +331,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
     ) -> bool:
         """Write flat page tensors; True if every one is stored."""
-        if not keys:
-            return True
-        if not self.is_writer:
+        if not keys or not self.is_writer:
             return True
         if not self._ready("batch_set") or values is None or len(values) != len(keys):
             return False

@@ -30,7 +30,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -40,6 +40,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstore import errors
 from kvstore.node.ledger import OPS, OTHER, REASONS, TIERS
+from kvstore.node.outcomes import Status
 from kvstore.vocabulary import bucket_label
 from kvstore.wire import check_agent
 
@@ -188,6 +189,13 @@ class NodeMetrics:
             self.agent_blocks.labels(agent, op, no).inc(bad)
         if nbytes:
             self.agent_bytes.labels(agent, "write" if op == "write" else "read").inc(nbytes)
+
+    def observe_agent_writes(self, agent: str, statuses: Sequence[int], sizes: Sequence[int]) -> None:
+        """A write's final per-block statuses (OK and EXISTS: stored; the rest refused) and the
+        payload bytes of those stored now (``sizes`` per status, where known)."""
+        stored = sum(st in (Status.OK, Status.EXISTS) for st in statuses)
+        nbytes = sum(n for n, st in zip(sizes, statuses) if st == Status.OK)
+        self.observe_agent_blocks(agent, "write", stored, len(statuses) - stored, nbytes)
 
     def observe_rpc(self, method: str, seconds: float, error: str | None = None) -> None:
         self.rpc_seconds.labels(method).observe(seconds)

@@ -284,9 +284,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def _count_writes(self, statuses: Sequence[int], sizes: Sequence[int]) -> None:
         """A write's final statuses (OK and EXISTS: stored; the rest refused), and the bytes of
         those stored now (``sizes`` per status where known)."""
-        stored = sum(st in (Status.OK, Status.EXISTS) for st in statuses)
-        nbytes = sum(n for n, st in zip(sizes, statuses) if st == Status.OK)
-        self._agent_blocks("write", stored, len(statuses) - stored, nbytes)
+        if self.metrics is not None:
+            self.metrics.observe_agent_writes(_AGENT.get(), statuses, sizes)
 
     def _denied(self, kind: str, n: int = 1, caller: Caller | None = None) -> None:
         """Count a tenant's denials: ``refused`` calls, ``hidden`` blocks, ``skipped`` keys and ids."""

@@ -197,9 +197,7 @@ class Transfers:
     def _count_put(self, t: Transfer, statuses: list[int]) -> None:
         if self.metrics is None:
             return
-        stored = sum(s in (Status.OK, Status.EXISTS) for s in statuses)
-        nbytes = sum(meta.payload_len for (_, meta, _), s in zip(t.items, statuses) if s == Status.OK)
-        self.metrics.observe_agent_blocks(t.agent or "sdk", "write", stored, len(statuses) - stored, nbytes)
+        self.metrics.observe_agent_writes(t.agent or "sdk", statuses, [meta.payload_len for _, meta, _ in t.items])
 
     def released(self, lease_ids: Sequence[int]) -> int:
         """The caller released ``lease_ids`` (``Release``): a pending GET left with none of its
