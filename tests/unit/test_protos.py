@@ -48,3 +48,21 @@ def test_stubs_import_from_the_package_root() -> None:
     # enums start at *_UNSPECIFIED = 0 (architecture §8)
     for enum in kvstore_pb2.DESCRIPTOR.enum_types_by_name.values():
         assert enum.values[0].number == 0 and enum.values[0].name.endswith("_UNSPECIFIED")
+
+
+def test_stub_gencode_loads_under_protobuf_6_and_7() -> None:
+    """LMCache pins ``protobuf<7``: the stubs' gencode must be 6.x (protobuf 7 loads 6.x gencode,
+    protobuf 6 refuses 7.x gencode), and the package's range must admit both majors."""
+    import re
+    import tomllib
+
+    header = (ROOT / "protos" / "kvstore" / "v1" / "kvstore_pb2.py").read_text()
+    gencode = re.search(r"# Protobuf Python Version: (\d+)\.(\d+)\.(\d+)", header)
+    assert gencode, "no gencode version in the stub's header"
+    major, minor, patch = (int(x) for x in gencode.groups())
+    assert major == 6, f"gencode {major}.{minor}.{patch}: protobuf 6 runtimes (LMCache's pin) cannot load it"
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (spec,) = [d for d in deps if d.startswith("protobuf")]
+    low = re.search(r">=(\d+)\.(\d+)\.(\d+)", spec)
+    assert low and tuple(int(x) for x in low.groups()) >= (major, minor, patch), spec
+    assert "<8" in spec, spec

@@ -5,7 +5,7 @@ import warnings
 
 from protos.kvstore.v1 import kvstore_pb2 as protos_dot_kvstore_dot_v1_dot_kvstore__pb2
 
-GRPC_GENERATED_VERSION = '1.85.4'
+GRPC_GENERATED_VERSION = '1.81.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
