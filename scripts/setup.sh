@@ -6,15 +6,20 @@
 #   --sglang also make .venv-sglang: SGLang's Python package and what its HiCache code imports,
 #            for the HiCache storage backend's tests (tests/hicache); SGLang itself cannot serve
 #            on CPUs, so its CUDA kernels and serving dependencies are left out (--no-deps)
+#   --lmcache also (with --vllm, or into an existing .venv-vllm) install LMCache into .venv-vllm, for
+#            the LMCache L2 adapter's tests (tests/lmcache) and vLLM's LMCache connectors; its CUDA
+#            packages are left out (--no-deps), protobuf is 6.x there (LMCache pins <7)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 want_vllm=0
 want_sglang=0
+want_lmcache=0
 for arg in "$@"; do
   case "$arg" in
     --vllm) want_vllm=1 ;;
     --sglang) want_sglang=1 ;;
-    *) echo "setup.sh: unknown option $arg (known: --vllm, --sglang)" >&2; exit 2 ;;
+    --lmcache) want_lmcache=1 ;;
+    *) echo "setup.sh: unknown option $arg (known: --vllm, --sglang, --lmcache)" >&2; exit 2 ;;
   esac
 done
 
@@ -85,9 +90,23 @@ setup_sglang_deps() {
   # pip reports the pins of SGLang's that were left out (its CUDA stack) as conflicts: expected
   .venv-sglang/bin/python -m pip install -q "${SGLANG_IMPORTS[@]}" "${reqs[@]}" "${VLLM_TEST[@]}"
 }
+# LMCache 0.5.6, tested: the package without its dependencies (its CUDA ones: cupy, cuda-python,
+# cufile, nvtx; and cloud stores' clients), then what its server, storage manager and vLLM
+# integration import that vLLM's environment lacks, at LMCache's pins.
+LMCACHE=lmcache==0.5.6
+LMCACHE_IMPORTS=("protobuf>=6.33.5,<7" "grpcio-health-checking>=1.81,<1.82" "grpcio-reflection>=1.81,<1.82"
+  "aiofiles" "aiofile" "redis" "setuptools_scm>=8" "opentelemetry-exporter-prometheus>=0.50b0")
+setup_lmcache_deps() {
+  [ -x .venv-vllm/bin/python ] || { echo "setup.sh: --lmcache installs into .venv-vllm: add --vllm" >&2; return 2; }
+  .venv-vllm/bin/python -m pip install -q --no-deps "$LMCACHE"
+  .venv-vllm/bin/python -m pip install -q "${LMCACHE_IMPORTS[@]}"
+}
+if [ "$want_lmcache" = 1 ] && [ "$want_vllm" = 0 ] && [ ! -x .venv-vllm/bin/python ]; then
+  echo "setup.sh: --lmcache installs into .venv-vllm: add --vllm" >&2; exit 2
+fi
 vllm_pid=
-if [ "$want_vllm" = 1 ]; then
-  setup_vllm_deps &
+if [ "$want_vllm" = 1 ] || [ "$want_lmcache" = 1 ]; then
+  { if [ "$want_vllm" = 1 ]; then setup_vllm_deps; fi; if [ "$want_lmcache" = 1 ]; then setup_lmcache_deps; fi; } &
   vllm_pid=$!
 fi
 sglang_pid=
@@ -116,6 +135,12 @@ echo "kvstore is set up in .venv"
 if [ "$want_vllm" = 1 ]; then
   .venv-vllm/bin/python -m pip install -q -e ".[$VLLM_EXTRAS]" "${VLLM_TEST[@]}"
   echo "the vLLM connector is set up in .venv-vllm"
+fi
+if [ "$want_lmcache" = 1 ]; then
+  [ "$want_vllm" = 1 ] || .venv-vllm/bin/python -m pip install -q --no-deps -e .
+  .venv-vllm/bin/python -c "import lmcache.v1.distributed.storage_manager, gpu_agent.lmcache.l2" \
+    || { echo "setup.sh: LMCache's storage manager or the kvstore L2 adapter does not import in .venv-vllm" >&2; exit 1; }
+  echo "the LMCache L2 adapter is set up in .venv-vllm"
 fi
 if [ "$want_sglang" = 1 ]; then
   .venv-sglang/bin/python -m pip install -q --no-deps -e .

@@ -20,6 +20,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # modules import SGLang at the top, so where SGLang is not installed they are not collected (the
 # `sglang` marker deselects them too); scripts/test.sh fails that phase if .venv-sglang is missing.
 collect_ignore_glob = [] if importlib.util.find_spec("sglang") else ["hicache/*"]
+# tests/lmcache (the LMCache L2 adapter) likewise runs where LMCache is installed: .venv-vllm made
+# with `scripts/setup.sh --vllm --lmcache` (`scripts/test.sh lmcache`).
+if not importlib.util.find_spec("lmcache"):
+    collect_ignore_glob.append("lmcache/*")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -170,3 +174,26 @@ def node_factory(tmp_path: Path) -> Iterator[Any]:
 def node(node_factory: Any) -> NodeProcess:
     """One node: 256 MiB DRAM, 512 MiB NVMe."""
     return node_factory("--dram", "256MiB", "--nvme", "512MiB")
+
+
+def agent_metric(metrics_url: str, agent: str) -> Callable[..., float]:
+    """A reader of one agent's ``kvstore_agent_*`` samples from a node's metrics endpoint:
+    ``v("kvstore_agent_blocks_total", op="read", result="hit")`` (0 where absent).  Its
+    ``agents`` attribute lists every agent the node reported."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as r:
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(r.read().decode())
+            for s in fam.samples
+            if s.name.startswith("kvstore_agent_")
+        }
+
+    def v(name: str, **labels: str) -> float:
+        return samples.get((name, tuple(sorted({"agent": agent, **labels}.items()))), 0.0)
+
+    v.agents = {dict(labels).get("agent") for _, labels in samples}  # type: ignore[attr-defined]
+    return v

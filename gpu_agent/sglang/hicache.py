@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -42,6 +41,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from client import Timeouts, connect
+from gpu_agent.counters import LockedCounters
 from gpu_agent.sglang.settings import HiCacheSettings, PageGeometry, page_key, page_namespace
 from kvstore.errors import KVStoreError
 from kvstore.keys import NO_PARENT, ChunkKey, Namespace
@@ -58,12 +58,11 @@ except ImportError:  # pragma: no cover - an SGLang without it gets None from ge
 
 
 @dataclasses.dataclass
-class BackendStats:
+class BackendStats(LockedCounters):
     """What this backend did, since it started: pages asked for, found, read and written,
     bytes moved and seconds spent, per direction.  Guarded by :attr:`lock`; the lists are
     SGLang's per-call metrics, drained by :meth:`KVStoreHiCacheStorage.get_stats`."""
 
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
     exists_pages: int = 0
     exists_hits: int = 0
     read_pages: int = 0
@@ -79,14 +78,6 @@ class BackendStats:
     backup_pgs: list[int] = dataclasses.field(default_factory=list)
     prefetch_bandwidth: list[float] = dataclasses.field(default_factory=list)  # GB/s, as SGLang's backends report it
     backup_bandwidth: list[float] = dataclasses.field(default_factory=list)
-
-    def snapshot(self) -> dict[str, float]:
-        with self.lock:
-            return {
-                f.name: getattr(self, f.name)
-                for f in dataclasses.fields(self)
-                if isinstance(getattr(self, f.name), int | float) and f.name != "lock"
-            }
 
 
 def _torch_dtype_name(dtype: torch.dtype) -> str:

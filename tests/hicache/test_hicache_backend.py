@@ -9,12 +9,11 @@ Every read is checked byte for byte against what was written; every failure is a
 from __future__ import annotations
 
 import time
-import urllib.request
 from typing import Any
 
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
+from conftest import agent_metric
 from sglang_rig import (
     LAYOUTS,
     MODEL,
@@ -249,23 +248,13 @@ def test_the_node_counts_the_backends_calls_under_its_agent(node_factory: Any) -
     assert all(b.batch_set_v1(keys, host.alloc(len(keys) * PAGE)))
     assert b.batch_get_v1([*keys[:4], "9" * 64], host.alloc(5 * PAGE)) == [True] * 4 + [False]
     page_bytes = b.geometry.page_bytes
-    with urllib.request.urlopen(n.endpoints["metrics"], timeout=10) as r:
-        samples = {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(r.read().decode())
-            for s in fam.samples
-            if s.name.startswith("kvstore_agent_")
-        }
-
-    def v(name: str, **labels: str) -> float:
-        return samples.get((name, tuple(sorted({"agent": "sglang-hicache", **labels}.items()))), 0.0)
-
+    v = agent_metric(n.endpoints["metrics"], "sglang-hicache")
     assert v("kvstore_agent_blocks_total", op="write", result="stored") == len(keys)
     assert v("kvstore_agent_blocks_total", op="read", result="hit") == 4
     assert v("kvstore_agent_blocks_total", op="read", result="miss") == 1
     assert v("kvstore_agent_bytes_total", direction="read") == 4 * page_bytes
     assert v("kvstore_agent_bytes_total", direction="write") == len(keys) * page_bytes
-    assert not any(dict(labels).get("agent") == "sdk" for _, labels in samples)
+    assert "sdk" not in v.agents  # type: ignore[attr-defined]
     b.close()
 
 
