@@ -15,7 +15,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_EXPORTS = {"AdapterStats": "gpu_agent.lmcache.l2", "KVStoreL2Adapter": "gpu_agent.lmcache.l2"}
+_EXPORTS = {
+    "AdapterStats": "gpu_agent.lmcache.l2",
+    "KVStoreL2Adapter": "gpu_agent.lmcache.l2",
+    "KVStoreRemoteConnector": "gpu_agent.lmcache.remote",
+    "RemoteStats": "gpu_agent.lmcache.remote",
+}
 __all__ = sorted(_EXPORTS)
 
 

@@ -224,7 +224,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                     [chunk_key(ns.fingerprint, keys[i].chunk_hash) for i in idx],
                     bufs,
                     namespace=ns,
-                    token_counts=[_tokens(objects[i]) for i in idx],
+                    token_counts=[object_tokens(objects[i]) for i in idx],
                 )
                 for i, good, buf in zip(idx, got, bufs, strict=True):
                     results[i] = bool(good)
@@ -414,11 +414,12 @@ class KVStoreL2Adapter(L2AdapterInterface):
             self._load_efd.close()
 
 
-def _tokens(obj: MemoryObj) -> int:
+def object_tokens(obj: MemoryObj) -> int:
+    """The tokens an LMCache memory object holds (0 where it has no token dimension)."""
     try:
         return max(0, int(obj.get_num_tokens()))
     except Exception:  # a narrowed (compressed) object has no token dimension
         return 0
 
 
-__all__: Sequence[str] = ("AGENT", "AdapterStats", "KVStoreL2Adapter")
+__all__: Sequence[str] = ("AGENT", "AdapterStats", "KVStoreL2Adapter", "object_tokens")

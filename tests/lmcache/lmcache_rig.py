@@ -136,3 +136,97 @@ def read(sm: StorageManager, keys: list[ObjectKey]) -> list[torch.Tensor]:
         out = [o.tensor.clone() for o in objs]
     sm.finish_read_prefetched(keys)
     return out
+
+
+# -- in-process mode: LMCache's storage backends (what LMCacheConnectorV1 builds in a worker) ---
+
+ENGINE_CHUNK = 16  # tokens per LMCache chunk in these tests
+ENGINE_KV_SHAPE = (2, 2, ENGINE_CHUNK, 2, 64)  # LMCache's (layers, K/V, chunk, kv heads, head size)
+
+
+def engine_yaml(target: str, **extra: Any) -> str:
+    """An LMCache configuration file with kvstore as its remote storage plug-in, as LMCache's
+    documentation has users write one."""
+    lines = [
+        f"chunk_size: {ENGINE_CHUNK}",
+        "local_cpu: true",
+        "max_local_cpu_size: 0.05",
+        'remote_storage_plugins: ["kvstore"]',
+        "extra_config:",
+        "  remote_storage_plugin.kvstore.module_path: gpu_agent.lmcache",
+        "  remote_storage_plugin.kvstore.class_name: KVStoreRemoteConnector",
+        f"  remote_storage_plugin.kvstore.target: {target}",
+        "  remote_storage_plugin.kvstore.deadline_s: 2.0",
+        *(f"  remote_storage_plugin.kvstore.{k}: {json.dumps(v)}" for k, v in extra.items()),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def engine_backends(
+    target: str, tmp: Any, *, model: str = MODEL, dtype: torch.dtype = torch.float16, **extra: Any
+) -> Iterator[dict[str, Any]]:
+    """LMCache's storage backends for one vLLM worker (world 1), built by LMCache's own
+    ``CreateStorageBackends`` from a configuration file: its local CPU backend and, where
+    LMCache could create it, ``RemoteBackend-kvstore``."""
+    import asyncio
+    import threading
+
+    from lmcache.v1.config import load_engine_config_with_overrides
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.storage_backend import CreateStorageBackends
+
+    path = tmp / f"lmcache-{next(_shm)}.yaml"
+    path.write_text(engine_yaml(target, **extra))
+    config = load_engine_config_with_overrides(config_file_path=str(path))
+    metadata = LMCacheMetadata(
+        model_name=model,
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=dtype,
+        kv_shape=ENGINE_KV_SHAPE,
+        chunk_size=ENGINE_CHUNK,
+    )
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    backends = CreateStorageBackends(config, metadata, loop)
+    try:
+        yield dict(backends)
+    finally:
+        for b in reversed(list(backends.values())):
+            with contextlib.suppress(Exception):
+                b.close()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+
+
+def connector(backends: dict[str, Any]) -> Any:
+    """kvstore's connector inside LMCache's ``RemoteBackend`` (LMCache wraps it to count calls)."""
+    conn = backends["RemoteBackend-kvstore"].connection
+    return getattr(conn, "_connector", conn)
+
+
+def engine_keys(seed: int, n: int, *, model: str = MODEL, dtype: torch.dtype = torch.float16) -> list[Any]:
+    from lmcache.utils import CacheEngineKey
+
+    g = torch.Generator().manual_seed(seed)
+    hashes = torch.randint(-(2**62), 2**62, (n,), generator=g).tolist()
+    return [CacheEngineKey(model, 1, 0, int(h), dtype) for h in hashes]
+
+
+def engine_chunks(backends: dict[str, Any], n: int, seed: int, tokens: int = ENGINE_CHUNK) -> list[Any]:
+    """``n`` chunks of ``tokens`` tokens in LMCache's local CPU memory, as its store path
+    makes them (the engine's KV copied into memory objects of its allocator)."""
+    cpu, c = backends["LocalCPUBackend"], connector(backends)
+    shapes = [torch.Size([*s[:2], tokens, *s[3:]]) for s in c.meta_shapes]
+    g = torch.Generator().manual_seed(seed)
+    objs = []
+    for _ in range(n):
+        o = cpu.allocate(shapes, c.meta_dtypes, c.meta_fmt)
+        assert o is not None, "LMCache's CPU allocator is full"
+        o.tensor.copy_(torch.randn(o.tensor.shape, generator=g).to(o.tensor.dtype))
+        objs.append(o)
+    return objs
