@@ -230,3 +230,106 @@ def engine_chunks(backends: dict[str, Any], n: int, seed: int, tokens: int = ENG
         o.tensor.copy_(torch.randn(o.tensor.shape, generator=g).to(o.tensor.dtype))
         objs.append(o)
     return objs
+
+
+# -- multi-process mode end to end: a real `lmcache server` and real vLLM engines -------------
+
+LMCACHE_ENGINE_EXTRA = "lmcache.mp."
+
+
+class LMCacheServer:
+    """A real ``lmcache server`` process (LMCache's own CLI, from this environment) with a CPU
+    L1 and one ``--l2-adapter``; its HTTP API clears L1 (``POST /cache/clear``)."""
+
+    def __init__(self, l2: dict[str, Any], log: Any, *, l1_gb: float = 0.25, chunk: int = 256) -> None:
+        import socket
+        import subprocess
+        import sys
+
+        from kvstore.children import spawn
+
+        def port() -> int:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                return int(s.getsockname()[1])
+
+        self.port, self.http_port = port(), port()
+        self.log = open(log, "w")
+        cli = [sys.executable, "-c", "import sys; from lmcache.cli.main import main; sys.argv[0] = 'lmcache'; main()"]
+        self.proc = spawn(
+            [
+                *cli,
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--http-port",
+                str(self.http_port),
+                "--chunk-size",
+                str(chunk),
+                "--l1-size-gb",
+                str(l1_gb),
+                "--eviction-policy",
+                "LRU",
+                "--supported-transfer-mode",
+                "auto",  # the default (lmcache_driven) has no handler for a CPU engine's registration
+                "--l2-adapter",
+                json.dumps(l2),
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"},
+        )
+
+    def wait_ready(self, timeout: float = 120.0) -> LMCacheServer:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, f"lmcache server exited: {self.log_tail()}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics", timeout=2):
+                    return self
+            except OSError:
+                assert time.monotonic() < deadline, f"lmcache server not ready: {self.log_tail()}"
+                time.sleep(0.5)
+
+    def clear_l1(self) -> None:
+        import urllib.request
+
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.http_port}/cache/clear",
+            data=json.dumps({"tier": "l1"}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200, r.read()
+
+    def engine_connector(self) -> dict[str, Any]:
+        """What an ``EngineProcess`` needs to use LMCache's multi-process connector with this
+        server (vLLM's own copy of it is CUDA-only: the module path picks LMCache's)."""
+        return {
+            "name": "LMCacheMPConnector",
+            "module": "lmcache.integration.vllm.lmcache_mp_connector",
+            "role": "kv_both",
+            "extra": {f"{LMCACHE_ENGINE_EXTRA}host": "tcp://127.0.0.1", f"{LMCACHE_ENGINE_EXTRA}port": self.port},
+        }
+
+    def log_tail(self, n: int = 30) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return "".join(f.readlines()[-n:])
+
+    def close(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=20)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.log.close()
