@@ -103,4 +103,3 @@ def test_an_unseen_prompt_misses_in_kvstore_and_is_computed(fleet: dict[str, Any
     assert same(got, ref.generate(tokens))
     assert read_chunks(node) == before
     assert got["num_cached_tokens"] == 0
-
