@@ -42,9 +42,11 @@ from typing import Any
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "scenario",
-        choices=["pd", "vllm"],
+        choices=["pd", "vllm", "lmcache"],
         help="pd: prefill -> decode handoff through the store; "
-        "vllm: the same with real vLLM engine processes and the vLLM connector (in .venv-vllm)",
+        "vllm: the same with real vLLM engine processes and the vLLM connector (in .venv-vllm); "
+        "lmcache: vLLM with LMCache's multi-process server, kvstore as its L2, against LMCache's own "
+        "disk L2 and vLLM alone (in .venv-vllm with LMCache: setup.sh --vllm --lmcache)",
     )
     p.add_argument("--prompt-tokens", type=int, default=4096, help="prompt length (default 4096)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens to generate (default 32)")
@@ -332,6 +334,10 @@ def main(a: argparse.Namespace) -> int:
         from gpu_agent.vllm.demo import main as vllm_main
 
         return vllm_main(a)
+    if a.scenario == "lmcache":
+        from gpu_agent.lmcache.demo import main as lmcache_main
+
+        return lmcache_main(a)
     a.layers = 4 if a.layers is None else a.layers
     a.hidden = 256 if a.hidden is None else a.hidden
     t0 = time.perf_counter()

@@ -7,7 +7,7 @@
 #            for the HiCache storage backend's tests (tests/hicache); SGLang itself cannot serve
 #            on CPUs, so its CUDA kernels and serving dependencies are left out (--no-deps)
 #   --lmcache also (with --vllm, or into an existing .venv-vllm) install LMCache into .venv-vllm, for
-#            the LMCache L2 adapter's tests (tests/lmcache) and vLLM's LMCache connectors; its CUDA
+#            the LMCache L2 adapter's tests (tests/lmcache_store) and vLLM's LMCache connectors; its CUDA
 #            packages are left out (--no-deps), protobuf is 6.x there (LMCache pins <7)
 set -euo pipefail
 cd "$(dirname "$0")/.."

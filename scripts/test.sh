@@ -6,7 +6,7 @@
 #          partitions, the browser, timing-sensitive fleets), run one at a time after `main`;
 #   vllm   tests/vllm in .venv-vllm (real vLLM engines, shared per module: tests/vllm/vllm_rig.py);
 #   sglang tests/hicache in .venv-sglang (SGLang's own HiCache controller and pools over a real node);
-#   lmcache tests/lmcache in .venv-vllm made with --lmcache (LMCache's own storage manager over a real node).
+#   lmcache tests/lmcache_store in .venv-vllm made with --lmcache (LMCache's own storage manager over a real node).
 # Every phase runs even if an earlier one failed (one run lists every failure); the exit status
 # is non-zero if any failed.  Each phase lists its 15 slowest tests; at the end it prints each phase's seconds and status; with
 # TEST_PHASE_LOG set, it also appends "phase seconds status" lines to that file (.ci/run's table).
@@ -53,7 +53,7 @@ run_phase() {
     lmcache)
       .venv-vllm/bin/python -c "import lmcache" 2>/dev/null \
         || { echo "test.sh: LMCache missing in .venv-vllm: run scripts/setup.sh --vllm --lmcache" >&2; return 2; }
-      .venv-vllm/bin/pytest --durations=15 -m lmcache tests/lmcache
+      .venv-vllm/bin/pytest --durations=15 -m lmcache tests/lmcache_store
       ;;
   esac
 }

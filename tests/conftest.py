@@ -20,10 +20,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # modules import SGLang at the top, so where SGLang is not installed they are not collected (the
 # `sglang` marker deselects them too); scripts/test.sh fails that phase if .venv-sglang is missing.
 collect_ignore_glob = [] if importlib.util.find_spec("sglang") else ["hicache/*"]
-# tests/lmcache (the LMCache L2 adapter) likewise runs where LMCache is installed: .venv-vllm made
+# tests/lmcache_store (the LMCache L2 adapter) likewise runs where LMCache is installed: .venv-vllm made
 # with `scripts/setup.sh --vllm --lmcache` (`scripts/test.sh lmcache`).
 if not importlib.util.find_spec("lmcache"):
-    collect_ignore_glob.append("lmcache/*")
+    collect_ignore_glob.append("lmcache_store/*")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

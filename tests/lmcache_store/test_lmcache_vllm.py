@@ -11,14 +11,17 @@ greedy tokens and logprobs equal an engine with no cache at all.
 from __future__ import annotations
 
 import contextlib
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from conftest import NodeProcess, agent_metric
-from lmcache_rig import LMCacheServer, adapter_config
 
 pytestmark = pytest.mark.lmcache
 
@@ -38,13 +41,14 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A node, an ``lmcache server`` with kvstore as its L2, a vLLM engine using it and a
     reference engine with no cache, started together (engines take most of a minute)."""
+    from gpu_agent.lmcache.demo import LMCacheServer, kvstore_l2
     from gpu_agent.vllm.engine import EngineProcess, make_model
 
     d = tmp_path_factory.mktemp("lmcache-e2e")
     with contextlib.ExitStack() as stack:
         node = NodeProcess(d / "node", "--dram", "256MiB", "--nvme", "0", "--metrics-port", "0").start()
         stack.callback(node.stop, timeout=30)
-        server = LMCacheServer(adapter_config(node.unix), d / "lmcache.log").wait_ready()
+        server = LMCacheServer(kvstore_l2(node.unix, deadline_s=2.0), d / "lmcache.log").wait_ready()
         stack.callback(server.close)
         model = make_model(d / "model", layers=2, hidden=256, max_tokens=MAX)
         engines = {
@@ -103,3 +107,21 @@ def test_an_unseen_prompt_misses_in_kvstore_and_is_computed(fleet: dict[str, Any
     assert same(got, ref.generate(tokens))
     assert read_chunks(node) == before
     assert got["num_cached_tokens"] == 0
+
+
+def test_kvstore_demo_lmcache_prints_its_summary(tmp_path: Path) -> None:
+    """``kvstore demo lmcache --json`` end to end (small: one 600-token prompt on a 2-layer
+    model): kvstore served the hit (chunks read from the node, prompt tokens not computed),
+    every configuration's tokens equal vLLM alone, a TTFT for each configuration."""
+    r = subprocess.run(
+        [sys.executable, "-m", "kvstore", "demo", "lmcache", "--json", "--prompt-tokens", "600",
+         "--new-tokens", "4", "--repeat", "1", "--layers", "2", "--hidden", "256", "--log-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["tokens_equal"] is True
+    assert out["backend_reads"] == 600 // CHUNK
+    assert out["hit_tokens"] >= (600 // CHUNK) * CHUNK - CHUNK
+    assert set(out["ttft_ms"]) == {"none", "lmcache-fs", "lmcache-kvstore"}
+    assert all(v > 0 for v in out["ttft_ms"].values())

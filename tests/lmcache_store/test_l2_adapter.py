@@ -1,4 +1,4 @@
-"""kvstore as LMCache's L2 store, driven through LMCache's own code (``tests/lmcache``).
+"""kvstore as LMCache's L2 store, driven through LMCache's own code (``tests/lmcache_store``).
 
 Each "server" is LMCache's ``StorageManager`` configured by its own command-line parser with
 kvstore's adapter on ``--l2-adapter`` (LMCache's ``plugin`` type imports it); its store
