@@ -1,10 +1,15 @@
-"""Counters an engine integration keeps under one lock (the SGLang backend's, the LMCache
-adapter's): :class:`LockedCounters` gives them a consistent :meth:`~LockedCounters.snapshot`."""
+"""What kvstore's engine integrations (the SGLang backend, the LMCache adapters) share: counters
+kept under one lock (:class:`LockedCounters`, a consistent :meth:`~LockedCounters.snapshot`)
+and a batched read in which one oversized block is one miss (:func:`read_into`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Sequence
+from typing import Any
+
+from kvstore.errors import InvalidArgument
 
 
 @dataclasses.dataclass
@@ -22,3 +27,26 @@ class LockedCounters:
                 for f in dataclasses.fields(self)
                 if f.name != "lock" and isinstance(getattr(self, f.name), int | float)
             }
+
+
+OVERSIZED = -1
+""":func:`read_into`'s count for a block larger than its buffer (never a valid length)."""
+
+
+def read_into(client: Any, keys: Sequence[bytes], outs: Sequence[object]) -> list[int | None]:
+    """``client.get_many_into(keys, outs)``, where a block too large for its buffer is that key's
+    :data:`OVERSIZED` instead of the whole batch's error: the SDK refuses a batch holding one
+    (``InvalidArgument``), and an engine integration reads a batch of chunks of which one bad
+    block must not cost the others.  Other errors propagate."""
+    try:
+        got: list[int | None] = client.get_many_into(keys, outs)
+        return got
+    except InvalidArgument:
+        pass
+    out: list[int | None] = []
+    for k, o in zip(keys, outs, strict=True):
+        try:
+            out.append(client.get_many_into([k], [o])[0])
+        except InvalidArgument:
+            out.append(OVERSIZED)
+    return out

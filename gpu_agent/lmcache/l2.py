@@ -48,7 +48,7 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.platform import create_event_notifier
 
 from client import Timeouts, connect
-from gpu_agent.counters import LockedCounters
+from gpu_agent.counters import LockedCounters, read_into
 from gpu_agent.lmcache.settings import ChunkIdentity, L2Settings, chunk_key, chunk_namespace, layout_string
 from kvstore.keys import ChunkKey, Namespace
 
@@ -347,7 +347,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
             bufs = [obj.byte_array for obj in objects]
             cks = [self._key(k, self._object_layout(obj)) for k, obj in zip(keys, objects, strict=True)]
-            got = self.client.get_many_into(cks, bufs)
+            got = read_into(self.client, cks, bufs)
             for i, (n, buf) in enumerate(zip(got, bufs, strict=True)):
                 if n is None:
                     continue

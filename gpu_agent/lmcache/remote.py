@@ -49,7 +49,7 @@ from lmcache.v1.exceptions import IrrecoverableException
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from client import Timeouts, connect
-from gpu_agent.counters import LockedCounters
+from gpu_agent.counters import OVERSIZED, LockedCounters, read_into
 from gpu_agent.lmcache.l2 import object_tokens
 from gpu_agent.lmcache.settings import L2Settings, layout_string
 from kvstore.errors import InvalidArgument
@@ -203,7 +203,7 @@ class KVStoreRemoteConnector(RemoteConnector):
         out: list[MemoryObj | None] = [None] * len(keys)
         live = [i for i, o in enumerate(objs) if o is not None]
         try:
-            got = self.client.get_many_into([self.key(keys[i]) for i in live], [objs[i].byte_array for i in live])
+            got = read_into(self.client, [self.key(keys[i]) for i in live], [objs[i].byte_array for i in live])
         except Exception as exc:
             self._failed("get", len(keys), exc)
             got = [None] * len(live)
@@ -211,6 +211,10 @@ class KVStoreRemoteConnector(RemoteConnector):
         for i, n in zip(live, got, strict=True):
             obj = objs[i]
             if n is None:
+                obj.ref_count_down()
+                continue
+            if n == OVERSIZED:
+                wrong += 1
                 obj.ref_count_down()
                 continue
             try:

@@ -41,7 +41,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from client import Timeouts, connect
-from gpu_agent.counters import LockedCounters
+from gpu_agent.counters import LockedCounters, read_into
 from gpu_agent.sglang.settings import HiCacheSettings, PageGeometry, page_key, page_namespace
 from kvstore.errors import KVStoreError
 from kvstore.keys import NO_PARENT, ChunkKey, Namespace
@@ -253,7 +253,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             outs.append(page if own else self.mem_pool_host.get_dummy_flat_data_page())
             direct.append(own)
         t0 = time.perf_counter()
-        got = self.client.get_many_into(self._keys(keys), outs)
+        got = read_into(self.client, self._keys(keys), outs)
         seconds = time.perf_counter() - t0
         ok = [n == g.page_bytes for n in got]
         for i, good in enumerate(ok):
@@ -306,7 +306,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             outs = list(target_locations) if target_locations else [None] * len(keys)
             outs = [t if t is not None else self.mem_pool_host.get_dummy_flat_data_page() for t in outs]
             t0 = time.perf_counter()
-            got = self.client.get_many_into(self._keys(keys), outs)
+            got = read_into(self.client, self._keys(keys), outs)
             seconds = time.perf_counter() - t0
             result = [t if n == g.page_bytes else None for t, n in zip(outs, got, strict=True)]
             self._count_read(len(keys), sum(r is not None for r in result), seconds)

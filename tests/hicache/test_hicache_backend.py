@@ -184,6 +184,25 @@ def test_a_block_of_the_wrong_size_under_a_page_key_is_a_miss(node: Any) -> None
     b.close()
 
 
+def test_a_block_larger_than_a_page_misses_alone(node: Any) -> None:
+    """A block larger than a page under one page's key (the SDK refuses a batch holding one)
+    is that page's miss only: the other page of the batch still reads."""
+    _, host = pools()
+    b = backend(host, extra_config(node.unix))
+    keys = page_keys(tokens(6, n_pages=2))
+    fill(host, seed=8)
+    src = host.alloc(2 * PAGE)
+    assert b.batch_set_v1(keys, src) == [True, True]
+    with KVClient(node.unix) as kv:
+        bad = page_key(b.namespace.fingerprint, keys[0])
+        assert kv.delete([bad]) == 1
+        assert kv.put(bad, b"x" * (2 * b.geometry.page_bytes), namespace=b.namespace)
+    dst = host.alloc(2 * PAGE)
+    assert b.batch_get_v1(keys, dst) == [False, True]
+    assert torch.equal(pages(host, dst, 2)[1], pages(host, src, 2)[1])
+    b.close()
+
+
 def test_a_node_killed_after_the_query_leaves_misses_and_the_host_pages_untouched(node_factory: Any) -> None:
     """The prefetch query found every page; the node dies before the read: every page is a
     miss (SGLang recomputes), within the deadline, and nothing is written into the host pool.

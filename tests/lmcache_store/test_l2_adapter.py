@@ -104,10 +104,12 @@ def test_another_model_rank_salt_or_dtype_never_reads_the_chunks(node: Any, othe
         assert adapter(b).stats.snapshot()["found"] == 0
 
 
-def test_a_block_of_the_wrong_size_under_a_chunks_key_is_a_miss(node: Any) -> None:
+@pytest.mark.parametrize("size", [CHUNK_BYTES // 2, CHUNK_BYTES * 2], ids=["smaller", "larger"])
+def test_a_block_of_the_wrong_size_under_a_chunks_key_is_a_miss(node: Any, size: int) -> None:
     """Bytes of the wrong size under a chunk's key (a writer with another layout, a bug) are
     never handed to LMCache: the chunk is a miss, and with LMCache's prefix policy so is what
-    follows it; the chunks before it load."""
+    follows it; the chunks before it load (a block too large for its buffer costs only its own
+    chunk, not the batch)."""
     keys = chunk_keys(4, 4)
     with server(node.unix) as a:
         write(a, keys, seed=4)
@@ -117,7 +119,7 @@ def test_a_block_of_the_wrong_size_under_a_chunks_key_is_a_miss(node: Any) -> No
     bad = chunk_key(ns.fingerprint, keys[2].chunk_hash)
     with KVClient(node.unix) as kv:
         assert kv.delete([bad]) == 1
-        assert kv.put_many([bad], [bytes(CHUNK_BYTES // 2)], namespace=ns) == [True]
+        assert kv.put_many([bad], [bytes(size)], namespace=ns) == [True]
     with server(node.unix) as b:
         result = prefetch(b, keys)
         assert l2_hits(result) == "1100"

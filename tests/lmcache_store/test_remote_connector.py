@@ -95,13 +95,20 @@ def test_a_partial_chunk_comes_back_with_its_tokens(node: Any, tmp_path: Any) ->
         got.ref_count_down()
 
 
-def test_a_block_that_is_no_whole_number_of_tokens_is_a_miss(node: Any, tmp_path: Any) -> None:
-    keys = engine_keys(4, 1)
+@pytest.mark.parametrize("extra", [3, "chunk"], ids=["no_whole_token", "larger_than_a_chunk"])
+def test_a_block_of_the_wrong_size_is_a_miss_alone(node: Any, tmp_path: Any, extra: Any) -> None:
+    """A block that is no whole number of tokens, or larger than a chunk, is that chunk's
+    miss; the other chunk of the batched read still comes back."""
+    keys = engine_keys(4, 2)
     with engine_backends(node.unix, tmp_path) as a:
         c = connector(a)
+        put(a, keys[1:], engine_chunks(a, 1, seed=4))
+        size = c.single_token_size + 3 if extra == 3 else 2 * c.full_chunk_size_bytes
         with KVClient(node.unix) as kv:
-            assert kv.put_many([c.key(keys[0])], [bytes(c.single_token_size + 3)], namespace=c._namespace) == [True]
-        assert backends_remote(a).get_blocking(keys[0]) is None
+            assert kv.put_many([c.key(keys[0])], [bytes(size)], namespace=c._namespace) == [True]
+        got = backends_remote(a).batched_get_blocking(keys)
+        assert got[0] is None and got[1] is not None
+        got[1].ref_count_down()
         assert c.stats.snapshot()["wrong_size"] == 1
 
 
