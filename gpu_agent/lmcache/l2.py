@@ -65,6 +65,11 @@ MAX_LAYOUTS = 64
 """Distinct layouts remembered per chunk identity (for :meth:`KVStoreL2Adapter.delete`,
 which gets keys without their layout)."""
 
+MAX_NAMESPACES = 65536
+"""Namespaces (and identities) remembered, oldest dropped first: one per model, kv rank,
+group, cache salt and layout, so per-user salts cannot grow the adapter without bound.  A key
+whose namespace was dropped is recomputed when next used; its lock's pin ends at its TTL."""
+
 
 @dataclasses.dataclass
 class AdapterStats(LockedCounters):
@@ -145,10 +150,14 @@ class KVStoreL2Adapter(L2AdapterInterface):
             ns = chunk_namespace(ident, salt=self.settings.salt)
             with self._lock:
                 self._namespaces[ident] = ns
+                while len(self._namespaces) > MAX_NAMESPACES:
+                    del self._namespaces[next(iter(self._namespaces))]
                 seen = self._layouts[(ident.model, ident.kv_rank, ident.group, ident.cache_salt)]
                 seen[layout] = None
                 while len(seen) > MAX_LAYOUTS:
                     del seen[next(iter(seen))]
+                while len(self._layouts) > MAX_NAMESPACES:
+                    del self._layouts[next(iter(self._layouts))]
         return ns
 
     def _key(self, key: ObjectKey, layout: str) -> ChunkKey:

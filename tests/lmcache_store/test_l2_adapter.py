@@ -209,3 +209,20 @@ def test_the_node_counts_the_adapters_calls_under_its_agent(node_factory: Any) -
     assert v("kvstore_agent_bytes_total", direction="read") == len(keys) * CHUNK_BYTES
     assert v("kvstore_agent_bytes_total", direction="write") == len(keys) * CHUNK_BYTES
     assert "sdk" not in v.agents  # type: ignore[attr-defined]
+
+
+def test_many_cache_salts_do_not_grow_the_adapter_without_bound(node: Any, monkeypatch: Any) -> None:
+    """Every user's ``cache_salt`` is a namespace: the adapter remembers a bounded number of
+    them (oldest dropped) and still reads a dropped one's chunks (its key is recomputed)."""
+    import gpu_agent.lmcache.l2 as l2
+
+    monkeypatch.setattr(l2, "MAX_NAMESPACES", 2)
+    users = [chunk_keys(10 + u, 2, cache_salt=f"user-{u}") for u in range(4)]
+    with server(node.unix) as a:
+        for u, keys in enumerate(users):
+            write(a, keys, seed=10 + u)
+        wait_stored(a, 2 * len(users))
+        ad = adapter(a)
+        assert len(ad._namespaces) <= 2 and len(ad._layouts) <= 2
+    with server(node.unix) as b:
+        assert l2_hits(prefetch(b, users[0])) == "11"
