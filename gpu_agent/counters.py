@@ -50,3 +50,12 @@ def read_into(client: Any, keys: Sequence[bytes], outs: Sequence[object]) -> lis
         except InvalidArgument:
             out.append(OVERSIZED)
     return out
+
+
+def deadline_client(target: str, *, token_file: str | None, deadline_s: float, agent: str) -> Any:
+    """The SDK client an engine integration uses: every call (its RPCs, its data transfers,
+    its connect) bounded by ``deadline_s``, its calls counted under ``agent`` on the node."""
+    from client import Timeouts, connect
+
+    d = deadline_s
+    return connect(target, token_file=token_file, timeouts=Timeouts(rpc=d, data=d, connect=d), agent=agent)

@@ -47,8 +47,7 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.platform import create_event_notifier
 
-from client import Timeouts, connect
-from gpu_agent.counters import LockedCounters, read_into
+from gpu_agent.counters import LockedCounters, deadline_client, read_into
 from gpu_agent.lmcache.settings import ChunkIdentity, L2Settings, chunk_key, chunk_namespace, layout_string
 from kvstore.keys import ChunkKey, Namespace
 
@@ -103,12 +102,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
     def __init__(self, config: Any, l1_memory_desc: Any = None) -> None:
         super().__init__(max_capacity_bytes=0)
         self.settings = L2Settings.from_params(_params(config))
-        d = self.settings.deadline_s
-        self.client = connect(
-            self.settings.target,
-            token_file=self.settings.token_file,
-            timeouts=Timeouts(rpc=d, data=d, connect=d),
-            agent=AGENT,
+        self.client = deadline_client(
+            self.settings.target, token_file=self.settings.token_file, deadline_s=self.settings.deadline_s, agent=AGENT
         )
         self.stats = AdapterStats()
         self._store_efd = create_event_notifier()

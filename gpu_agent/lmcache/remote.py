@@ -48,8 +48,7 @@ import xxhash
 from lmcache.v1.exceptions import IrrecoverableException
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from client import Timeouts, connect
-from gpu_agent.counters import OVERSIZED, LockedCounters, read_into
+from gpu_agent.counters import OVERSIZED, LockedCounters, deadline_client, read_into
 from gpu_agent.lmcache.l2 import object_tokens
 from gpu_agent.lmcache.settings import L2Settings, layout_string
 from kvstore.errors import InvalidArgument
@@ -112,12 +111,8 @@ class KVStoreRemoteConnector(RemoteConnector):
             self.settings = settings_from_extra_config(getattr(config, "extra_config", None))
         except InvalidArgument as exc:  # a configuration error: LMCache must not retry it every 10 s
             raise IrrecoverableException(f"the kvstore remote storage plug-in: {exc}") from exc
-        d = self.settings.deadline_s
-        self.client = connect(
-            self.settings.target,
-            token_file=self.settings.token_file,
-            timeouts=Timeouts(rpc=d, data=d, connect=d),
-            agent=AGENT,
+        self.client = deadline_client(
+            self.settings.target, token_file=self.settings.token_file, deadline_s=self.settings.deadline_s, agent=AGENT
         )
         self._pool = concurrent.futures.ThreadPoolExecutor(self.settings.workers, thread_name_prefix="kvstore-lmc")
         self.stats = RemoteStats()

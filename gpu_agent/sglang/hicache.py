@@ -40,8 +40,7 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from client import Timeouts, connect
-from gpu_agent.counters import LockedCounters, read_into
+from gpu_agent.counters import LockedCounters, deadline_client, read_into
 from gpu_agent.sglang.settings import HiCacheSettings, PageGeometry, page_key, page_namespace
 from kvstore.errors import KVStoreError
 from kvstore.keys import NO_PARENT, ChunkKey, Namespace
@@ -96,12 +95,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.namespace: Namespace | None = None
         self.geometry: PageGeometry | None = None
         self.mem_pool_host: Any = None
-        d = self.settings.deadline_s
-        self.client = connect(
-            self.settings.target,
-            token_file=self.settings.token_file,
-            timeouts=Timeouts(rpc=d, data=d, connect=d),
-            agent=AGENT,
+        self.client = deadline_client(
+            self.settings.target, token_file=self.settings.token_file, deadline_s=self.settings.deadline_s, agent=AGENT
         )
         self._fingerprint = b""
         self._warned: set[str] = set()
