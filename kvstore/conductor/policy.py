@@ -16,9 +16,12 @@ measurements (an uncalibrated model refuses nothing), and the TBT target only wh
 meet it (when even one decode alone misses it, load is not the cause and refusing
 requests would only idle the fleet).
 
-Prefill/decode: the prefill engine is picked by estimated TTFT among ``prefill`` engines
-and the decode engine by predicted TBT among the ``decode`` engines that meet the TBT
-target (ties: fewer running); the KV goes through the store.
+Prefill/decode: the pair is picked by the first token's estimated time, the prefill
+engine's estimated TTFT plus the decode engine's handoff (its queue and decodes, and the
+prefill's stored chunks loaded from its node's DRAM when both engines share a node, else
+pulled over the network: :func:`_pair`), among ``prefill`` engines and the ``decode``
+engines that meet the TBT target; near-ties go to the decode engine with the lower
+predicted TBT.  The KV goes through the store.
 
 :func:`early_refusal` gives, before the pool lookup and the cache walk, the refusals
 :func:`decide` is certain to give whatever the caches hold (a 429 under overload then
@@ -293,9 +296,7 @@ def decide(
             if not meet and slo.reject:
                 return Decision(None, refused="tbt", retry_after_s=1, best_ttft_s=p.ttft_s)
             dec = meet or dec
-        d = _pick(dec, slo, "tbt_s")
-        handoff = handoff_load(p.engine, d.engine, prompt_tokens, pool.chunk_tokens)
-        handoff_s = model.ttft(d.engine.engine_id, handoff)
+        p, d, handoff, handoff_s = _pair(model, pre, p, dec, prompt_tokens, pool.chunk_tokens, slo)
         if calibrated and slo.reject and slo.ttft_s and p.ttft_s + handoff_s > slo.ttft_s:
             return Decision(
                 None,
@@ -307,7 +308,7 @@ def decide(
         return Decision(
             est.estimate(d.engine),
             prefill=est.estimate(p.engine),
-            reason="prefill by ttft, decode by tbt",
+            reason="prefill and decode paired by ttft with the handoff",
             handoff=handoff,
             handoff_s=handoff_s,
             considered=len(pre) + len(dec),
@@ -351,6 +352,54 @@ def decide(
     else:
         reason = "near-tie, less loaded"
     return Decision(est.estimate(best.engine), reason=reason, considered=len(cands))
+
+
+def _pair(
+    model: CostModel,
+    pre: Sequence[_Cand],
+    best: _Cand,
+    dec: Sequence[_Cand],
+    prompt_tokens: int,
+    chunk_tokens: int,
+    slo: Slo,
+) -> tuple[_Cand, _Cand, Load, float]:
+    """The prefill and decode engines whose first token comes soonest: the prefill's estimate
+    plus the decode engine's handoff (its queue and decodes, and the stored chunks loaded
+    from its node's DRAM when the prefill engine shares that node, else pulled over the
+    network).  ``best`` is the prefill engine picked alone (:func:`_pick` by TTFT); for each
+    decode engine the candidates are ``best`` and the best prefill engine on the decode
+    engine's own node, so a pair costs two handoff estimates per decode engine, not one per
+    pair.  Pairs within :attr:`Slo.tie` of the soonest are ties and go to the decode engine
+    with the lower predicted TBT, then fewer running."""
+    on_node: dict[str, list[_Cand]] = {}
+    for c in pre:
+        if c.engine.node_id:
+            on_node.setdefault(c.engine.node_id, []).append(c)
+    local_best = {node: _pick(cs, slo, "ttft_s") for node, cs in on_node.items()}
+    pairs: list[tuple[float, _Cand, _Cand, Load, float]] = []
+    for d in dec:
+        options = [best]
+        near = local_best.get(d.engine.node_id) if d.engine.node_id else None
+        if near is not None and near is not best:
+            options.append(near)
+        for p in options:
+            handoff = handoff_load(p.engine, d.engine, prompt_tokens, chunk_tokens)
+            handoff_s = model.ttft(d.engine.engine_id, handoff)
+            pairs.append((p.ttft_s + handoff_s, p, d, handoff, handoff_s))
+    soonest = min(x[0] for x in pairs)
+    near_pairs = [x for x in pairs if x[0] <= soonest * (1 + slo.tie) + slo.tie_s]
+    _, p, d, handoff, handoff_s = min(
+        near_pairs,
+        key=lambda x: (
+            x[2].tbt_s,
+            x[2].engine.running,
+            x[2].engine.queued_s,
+            x[0],
+            x[2].engine.sent,
+            x[2].engine.engine_id,
+        ),
+    )
+    return p, d, handoff, handoff_s
 
 
 def early_refusal(

@@ -19,6 +19,7 @@ from kvstore.conductor.policy import (
     decide,
     early_refusal,
     estimate,
+    handoff_load,
 )
 
 # a model with exact, easy numbers: 1 ms per computed token, 0.1 ms per DRAM token,
@@ -251,6 +252,69 @@ def test_prefill_decode_picks_each_half_by_its_own_measure() -> None:
     assert d.handoff is not None and (d.handoff.dram, d.handoff.remote, d.handoff.compute) == (768, 0, 232)
     assert d.predicted_ttft_s == pytest.approx(d.prefill.ttft_s + d.handoff_s)
     assert decide(m, engines[:2], 1000, pd=True).refused
+
+
+def test_prefill_decode_pairs_by_the_first_token_with_the_handoff() -> None:
+    m = model()
+    # the fastest prefill engine alone is p_far (1.0 s), but its chunks would cross the
+    # network to the only decode engine (768 stored tokens at 0.5 ms: 0.384 s, plus 232
+    # computed): 1.616 s; p_near shares the decode engine's node: 1.1 s + 0.077 + 0.232
+    engines = [
+        eng("p_far", role="prefill", node="n2"),
+        eng("p_near", role="prefill", node="n1", queued=100),
+        eng("d1", role="decode", node="n1"),
+    ]
+    d = decide(m, engines, 1000, PoolMatch(256), pd=True)
+    assert d.prefill is not None and d.engine is not None
+    assert (d.prefill.engine_id, d.engine.engine_id) == ("p_near", "d1")
+    assert d.handoff is not None and (d.handoff.dram, d.handoff.remote) == (768, 0)
+    assert d.predicted_ttft_s == pytest.approx(1.1 + 0.0768 + 0.232)
+    # once p_near's queue costs more than the transfer saves, the faster engine is paired
+    engines[1] = eng("p_near", role="prefill", node="n1", queued=500)
+    d = decide(m, engines, 1000, PoolMatch(256), pd=True)
+    assert d.prefill is not None and d.prefill.engine_id == "p_far"
+    assert d.handoff is not None and (d.handoff.dram, d.handoff.remote) == (0, 768)
+    # a decode engine on the prefill's node beats a less loaded one across the network while
+    # its queue costs less than the transfer, and loses once it costs more
+    pre = eng("p", role="prefill", node="n1")
+    for queued, want in ((100, "d_same"), (600, "d_other")):
+        d = decide(
+            m,
+            [pre, eng("d_same", role="decode", node="n1", queued=queued), eng("d_other", role="decode", node="n2")],
+            1000,
+            PoolMatch(256),
+            pd=True,
+        )
+        assert d.engine is not None and d.engine.engine_id == want, queued
+
+
+def test_prefill_decode_pairing_is_the_best_of_every_pair() -> None:
+    # the two-options-per-decode-engine search finds the pair an exhaustive one does
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        m = model()
+        nodes = [f"n{i}" for i in range(int(rng.integers(1, 4)))]
+        engines = [
+            eng(
+                f"{role[0]}{i}",
+                role=role,
+                node=str(rng.choice(nodes)),
+                queued=float(rng.integers(0, 1500)),
+                running=int(rng.integers(0, 4)),
+            )
+            for role in ("prefill", "decode")
+            for i in range(int(rng.integers(1, 5)))
+        ]
+        n = int(rng.integers(300, 3000))
+        d = decide(m, engines, n, PoolMatch(256), pd=True, slo=Slo(tie=0.0, tie_s=0.0))
+        best = min(
+            estimate(m, p, n, PoolMatch(256)).ttft_s + m.ttft(q.engine_id, handoff_load(p, q, n, 256))
+            for p in engines
+            if p.role == "prefill"
+            for q in engines
+            if q.role == "decode"
+        )
+        assert d.predicted_ttft_s == pytest.approx(best)
 
 
 def test_the_model_learns_an_engine_speed_it_was_not_told() -> None:
