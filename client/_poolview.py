@@ -351,14 +351,17 @@ class PoolView:
                     self._count(nodes_lost=1)
 
     # -- answers ----------------------------------------------------------------------------
-    def match(self, keys: Sequence[bytes]) -> PoolMatch:
+    def match(self, keys: Sequence[bytes], prefer: str | None = None) -> PoolMatch:
         """How many leading chunks of ``keys`` (a chain of 16-byte chunk keys, first chunk
-        first) some node holds, and the fastest holder of each.  ``InvalidArgument`` for a
-        key that is not 16 bytes."""
+        first) some node holds, and the fastest holder of each (DRAM before NVMe; among
+        equally fast copies node ``prefer``'s, e.g. the caller's own node, whose copy needs
+        no network).  ``InvalidArgument`` for a key that is not 16 bytes."""
         if not keys:
             return PoolMatch(0, ())
         hashes = key_hashes(list(keys))
         followers = self._followers
+        if prefer is not None:  # stable: the preferred node first, the rest in their order
+            followers = tuple(sorted(followers, key=lambda f: f.node != prefer))
         hits, who, in_dram = best_holders([f.holdings for f in followers], hashes)
         return PoolMatch(
             hits,

@@ -63,6 +63,7 @@ from gpu_agent.vllm.events import KVStoreEvents, StoredChunks
 from gpu_agent.vllm.gate import LoadGate, background_kinds
 from gpu_agent.vllm.metadata import KVStoreMeta, LoadSpec, SaveSpec
 from gpu_agent.vllm.pacing import WaitBudget
+from gpu_agent.vllm.prefetcher import Prefetcher
 from gpu_agent.vllm.settings import ConnectorSettings, EngineSpec
 from gpu_agent.vllm.spec import all_ranks, rank_namespace, request_namespace, request_session, unkeyable
 from gpu_agent.vllm.stats import SCHEDULER_KEYS, SCHEDULER_PHASES, KVStoreStats, Timings, delta
@@ -142,6 +143,12 @@ class SchedulerSide:
         self.link = StoreLink(settings, self.ranks)  # every store call, on its own thread
         # lookups from the pool's view (lookups="view"): no store call, no "not yet"
         self.view = ViewLookups(settings, self.ranks) if consume and settings.lookups == "view" else None
+        # queued requests' remote chunks pulled while they wait (prefetch: needs the view)
+        self.prefetcher = (
+            Prefetcher(settings, self.ranks, chunk)
+            if self.view is not None and settings.prefetch and settings.lookup_target
+            else None
+        )
         self._reqs: dict[str, _Req] = {}
         self._loads: dict[str, LoadSpec] = {}
         self._events: KVStoreEvents | None = None
@@ -323,6 +330,7 @@ class SchedulerSide:
             if self.produce and not r.sighted:
                 self._sight(r, tokens)
             if self._viewing():
+                self._prefetch(r, tokens)
                 return  # answered from the view when vLLM asks: nothing to start
             if tokens and self._asks(r, self._handoff_tokens(request, r.namespace, len(tokens)) > 0):
                 r.pending = self.link.lookup(tokens, r.namespace, 0, r.session_id)
@@ -330,6 +338,18 @@ class SchedulerSide:
                 self.counters["lookups"] += 1
         finally:
             r.sched_s += time.perf_counter() - t0
+
+    def _prefetch(self, r: _Req, tokens: list[int]) -> None:
+        """A request arriving behind waiting ones: the chunks of it the view shows on other
+        nodes are pulled into the engine's own node while it waits (``gpu_agent.vllm.prefetcher``)."""
+        if self.prefetcher is None or not tokens:
+            return
+        if not any(x is not r and not x.block_ids for x in self._reqs.values()):
+            return  # nothing waits ahead of it: scheduled at the next step, its load pulls
+        assert self.view is not None
+        ans = self.view.lookup(tokens, r.namespace, 0)
+        if ans.error is None and ans.found and not all(ans.local):
+            self.prefetcher.submit(r.request.request_id, tokens, r.namespace, ans.found)
 
     # -- vLLM's calls -------------------------------------------------------------------
     def _track(self, request: Request) -> _Req:
@@ -782,9 +802,14 @@ class SchedulerSide:
         if self.view is not None:
             for ms in self.view.take_lags():
                 self.timings.add("view_lag", ms / 1e3)
+        if self.prefetcher is not None:
+            for k, v in self.prefetcher.snapshot().items():
+                self.counters[k] = int(v)
         return delta(self.counters, self._reported, SCHEDULER_KEYS, self.timings)
 
     def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         if self.view is not None:
             self.view.close()
         self.link.close()

@@ -114,6 +114,10 @@ class ConnectorSettings:
     and do not look it up at all when they find less than a lookup costs, but for one
     probe in eight (``gpu_agent.vllm.patience``; false: always look up and wait, as far as
     ``deadline_s``)."""
+    prefetch: bool = True
+    """With ``lookups="view"`` and a ``lookup_target``: a request that arrives behind
+    waiting ones has the chunks the pool holds on other nodes pulled into this engine's
+    node while it waits (``gpu_agent.vllm.prefetcher``), so its load is the local one."""
     events_resync_s: float = 1.0
     """How often the chunks this engine reported stored (KV events) are checked against the
     store, so the node's own evictions and demotions reach KV events too (0: never).  Only

@@ -73,6 +73,11 @@ SCHEDULER_KEYS = (
     "gated_tokens",
     "view_lookups",
     "loads_failed",
+    "prefetches",
+    "prefetch_blocks",
+    "prefetch_skipped",
+    "prefetch_errors",
+    "prefetch_us",
 )
 STAT_KEYS = WORKER_KEYS + SCHEDULER_KEYS
 

@@ -99,7 +99,7 @@ class ViewLookups:
         local: tuple[bool, ...] = ()
         own = self._own_node()
         for t, p in self.ranks:
-            m = self.view.match(rank_lookup_keys(tokens, ns, t, p, first))
+            m = self.view.match(rank_lookup_keys(tokens, ns, t, p, first), prefer=own)
             if n < 0:
                 tiers = tuple(_TIER[h.tier] for h in m.holders)
                 local = tuple(own is not None and h.node == own for h in m.holders)

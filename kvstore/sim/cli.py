@@ -110,7 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help="pool: the connector's kv_connector_extra_config, as the benchmark's; the simulation honours "
         "chunk_tokens, save_policy (default evidence: learnt from the simulated nodes' read-back counters), "
-        "load_gate and async_loads (default {})",
+        "load_gate, async_loads and prefetch (with lookups view, the default; rpc: no prefetch) (default {})",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of the engines' step-time jitter (default 0)")
     g.add_argument(

@@ -15,6 +15,8 @@ A discrete-event loop over one heap of events, ordered by (virtual time, kind, s
   is not streamed), and once what the prefill saved is committed (``Hooks.handoff``: the
   producer's last save) the decode engine gets the whole request;
 * a session's **close** (``Workload.closes``), handed to the hooks (the nodes' session hints);
+* a **prefetch** lands: the hooks started it when a request was queued (``Hooks.arrived``
+  said when it lands) and now put its chunks into the engine's node (``Hooks.prefetched``);
 * **step end** of engine *e*: the tokens its step sampled were emitted at that time; the engine
   then steps again at once if it has work (an engine's next step starts at
   ``max(now, its previous step's end)``: a request arriving mid-step waits for the next one);
@@ -68,7 +70,7 @@ from kvstore.sim.engine import BlockHash, EngineModel, LookupExternal, StepResul
 from kvstore.sim.profile import EngineProfile
 from kvstore.traces.simulator import TraceClock, run_replay
 
-_ARRIVE, _HANDOFF, _CLOSE, _STEP_END, _WAKE, _TICK = range(6)  # the order of events at equal times
+_ARRIVE, _HANDOFF, _CLOSE, _PREFETCH, _STEP_END, _WAKE, _TICK = range(7)  # the order of events at equal times
 
 
 class Router(Protocol):
@@ -152,7 +154,14 @@ class Hooks(Protocol):
         """Engine ``engine``'s ``lookup_external`` (None: it never looks up)."""
         ...
 
-    def arrived(self, engine: int, req_id: str, work: Work, hashes: tuple[BlockHash, ...]) -> None: ...
+    def arrived(self, engine: int, req_id: str, work: Work, hashes: tuple[BlockHash, ...]) -> float | None:
+        """The request is queued on ``engine``: the seconds until a prefetch for it lands
+        (its :meth:`prefetched` then), or None."""
+        ...
+
+    async def prefetched(self, engine: int, req_id: str) -> None:
+        """The prefetch :meth:`arrived` started for the request landed."""
+        ...
 
     async def step_started(self, engine: int, result: StepResult) -> None:
         """The step was scheduled at ``result.start_s`` (its loads begin)."""
@@ -377,6 +386,9 @@ class _Loop:
                 self.router.tick(now)
                 if self.heap:  # only while something else is to happen
                     self.push(now + tick, _TICK, None)
+            elif kind == _PREFETCH:
+                if self.hooks is not None:
+                    await self.hooks.prefetched(*x)
             elif kind == _WAKE:
                 if self.wake[x] == now:
                     self.wake[x] = None
@@ -414,7 +426,9 @@ class _Loop:
             s.error = str(err)
             return
         if self.hooks is not None:
-            self.hooks.arrived(e, req_id, w, hashes)
+            lands = self.hooks.arrived(e, req_id, w, hashes)
+            if lands is not None:
+                self.push(now + lands, _PREFETCH, (e, req_id))
         await self.step(e, now)
 
     def prefilled(self, e: int, res: StepResult) -> None:

@@ -89,6 +89,15 @@ connector does), and a lookup that found every full chunk of a prompt with no ou
 asks for it as one more chunk of the run (the load gate weighs it as one): found, the hit
 reaches the prompt's last token less one, and the request never saves it again.
 
+**Prefetch** (``prefetch``, the connector's, on with ``lookups="view"``; :mod:`gpu_agent.vllm.prefetcher`):
+a request that arrives while others wait on its engine (arrived, not scheduled) has its
+full chunks that other nodes hold pulled into the own node, one prefetch after the other
+(the prefetcher's one thread; at most ``MAX_QUEUED`` pending, more are skipped), each
+landing the network's load time of its chunks later (``Hooks.arrived`` says when; then
+:meth:`Connector.prefetched` leases them and puts them into the own node, as a load's pull
+does).  A lookup after it lands finds them on the own node (DRAM: the local load); one
+before it pulls them itself.
+
 Left out: a prompt shorter than one engine block (the engine model offers no block to
 look up, where vLLM asks the connector anyway), decode chunks (``save_decode``), the
 lookup's own latency and its wait budget (answers are immediate), lookup odds
@@ -117,6 +126,7 @@ import xxhash
 
 from gpu_agent.vllm import admission
 from gpu_agent.vllm.gate import PREFILL_STEP_TOKENS, LoadGate, background_kinds
+from gpu_agent.vllm.prefetcher import MAX_QUEUED
 from gpu_agent.vllm.settings import ConnectorSettings
 from gpu_agent.vllm.storelink import READ_BACK_EVERY_S
 from kvstore.bench.serving.workload import Work
@@ -314,9 +324,11 @@ class Pool:
         parents: Sequence[ChunkKey | None],
         where: Sequence[int],
         session: str | None,
+        what: str = "load",
     ) -> int:
         """Lease ``keys`` on the nodes ``where`` says, put those of other nodes into the own
-        node (with their ``parents``), release; the keys that were gone (misses)."""
+        node (with their ``parents``), release; the keys that were gone (misses, counted in
+        ``<what>_misses``: a ``load`` or a ``prefetch``)."""
         by_node: dict[int, list[int]] = {}
         for i, j in enumerate(where):
             by_node.setdefault(j, []).append(i)
@@ -342,7 +354,7 @@ class Pool:
             await self.save(node, [keys[i] for i in pulled], [parents[i] for i in pulled], session)
         for j, ids in leases:
             self.nodes[j].release(ids)
-        self.counters["load_misses"] += misses
+        self.counters[f"{what}_misses"] += misses
         return misses
 
     async def save(
@@ -423,6 +435,7 @@ class _Req:
     tail: ChunkKey | None = None  # the prompt's partial chunk's key (None: the prompt ends on a chunk boundary)
     tail_saved: bool = False
     handoff: Handoff | None = None  # a consumer's: what its producer saved
+    admitted: bool = False  # the engine scheduled it (its loads started): it waits no more
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -476,8 +489,13 @@ class Connector:
         self._read_back_at = 0.0  # the next poll of them is due then (virtual seconds)
         self.reqs: dict[str, _Req] = {}
         self.counters: collections.Counter[str] = collections.Counter()
+        # prefetch (gpu_agent.vllm.prefetcher): with view lookups, a queued request's chunks on
+        # other nodes are pulled into the own node, one pull after the other (its one thread)
+        self.prefetching = settings.prefetch and settings.lookups == "view" and self.consume
+        self._prefetches: dict[str, tuple[list[ChunkKey], list[ChunkKey | None], list[int], str | None]] = {}
+        self._prefetch_free_s = 0.0  # the prefetch thread is busy until then (virtual seconds)
 
-    def arrived(self, req_id: str, work: Work, hashes: tuple[BlockHash, ...]) -> None:
+    def arrived(self, req_id: str, work: Work, hashes: tuple[BlockHash, ...]) -> float | None:
         keys = chunk_keys(hashes, self.k)
         tail = tail_key(work, hashes, self.pool.chunk_tokens)
         plan = admission.NOTHING  # a consumer saves nothing
@@ -507,6 +525,40 @@ class Connector:
         if self.role == "decode":
             r.handoff = self.expect.pop(req_id, None)
             self.counters["handoffs"] += r.handoff is not None
+        return self._prefetch(req_id, r)
+
+    def _prefetch(self, req_id: str, r: _Req) -> float | None:
+        """The scheduler's ``_prefetch``: a request arriving behind waiting ones has the full
+        chunks the pool holds on other nodes pulled into the own node (at most
+        :data:`~gpu_agent.vllm.prefetcher.MAX_QUEUED` pending, one after the other, each
+        taking the network's load time of its chunks); the seconds until it lands (None:
+        none).  The prompt's partial chunk is left to the load."""
+        if not self.prefetching or not any(not x.admitted for x in self.reqs.values() if x is not r):
+            return None
+        where = self.pool.locate(self.node, r.keys)
+        remote = [i for i, (tier, _) in enumerate(where) if tier == "network"]
+        if not remote:
+            return None
+        if len(self._prefetches) >= MAX_QUEUED:
+            self.counters["prefetch_skipped"] += 1
+            return None
+        self._prefetches[req_id] = (
+            [r.keys[i] for i in remote],
+            [r.keys[i - 1] if i else None for i in remote],
+            [where[i][1] for i in remote],
+            r.session,
+        )
+        now = self.pool.clock.now
+        pull_s = self.profile.load_s("network", len(remote) * self.pool.chunk_bytes)
+        self._prefetch_free_s = max(now, self._prefetch_free_s) + pull_s
+        self.counters["prefetches"] += 1
+        return self._prefetch_free_s - now
+
+    async def prefetched(self, req_id: str) -> None:
+        """A prefetch landed: its chunks are put into the own node (as a load's pull puts them)."""
+        keys, parents, nodes, session = self._prefetches.pop(req_id)
+        misses = await self.pool.load(self.node, keys, parents, nodes, session, what="prefetch")
+        self.counters["prefetch_chunks"] += len(keys) - misses
 
     def _poll_read_back(self) -> None:
         """The scheduler's ``_poll_read_back`` on the fleet's clock: its node's read-back rows
@@ -650,9 +702,12 @@ class Connector:
             r.registered = r.saved = 0
             r.answer, r.loaded = None, False
         for a in res.loads_started:
-            await self._load(self.reqs[a.req_id], a.external_tokens)
+            r = self.reqs[a.req_id]
+            r.admitted = True
+            await self._load(r, a.external_tokens)
         for a in res.admitted:
             r = self.reqs[a.req_id]
+            r.admitted = True
             if not r.loaded:
                 await self._load(r, a.external_tokens)
             r.registered = (a.cached_tokens - a.external_tokens) // self.bs
@@ -790,8 +845,11 @@ class PoolHooks:
         self.connectors[decode].expect[req_id] = h
         return h.save_s
 
-    def arrived(self, engine: int, req_id: str, work: Work, hashes: tuple[BlockHash, ...]) -> None:
-        self.connectors[engine].arrived(req_id, work, hashes)
+    def arrived(self, engine: int, req_id: str, work: Work, hashes: tuple[BlockHash, ...]) -> float | None:
+        return self.connectors[engine].arrived(req_id, work, hashes)
+
+    async def prefetched(self, engine: int, req_id: str) -> None:
+        await self.connectors[engine].prefetched(req_id)
 
     async def step_started(self, engine: int, result: StepResult) -> None:
         await self.connectors[engine].step_started(result)
@@ -815,5 +873,7 @@ class PoolHooks:
             **({k: total[k] for k in ("handoffs", "handoff_short")} if total["handoffs"] else {}),
             **{k: self.pool.counters[k] for k in ("saved_chunks", "save_exists", "save_refused", "load_misses")},
             "skipped_save_chunks": total["skipped_save_chunks"],
+            **{k: total[k] for k in ("prefetches", "prefetch_chunks", "prefetch_skipped")},
+            "prefetch_misses": self.pool.counters["prefetch_misses"],
         }
         return out

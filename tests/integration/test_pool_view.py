@@ -96,6 +96,22 @@ def test_match_counts_leading_chunks_only(node_factory: Any) -> None:
             view.match([b"not a key"])
 
 
+def test_among_equally_fast_copies_match_names_the_preferred_node(node_factory: Any) -> None:
+    a = node_factory("--dram", "64MiB", "--nvme", "0")
+    b = node_factory("--dram", "64MiB", "--nvme", "0")
+    chain = [key(200 + i) for i in range(3)]
+    with KVClient(a.unix) as ka, KVClient(b.unix) as kb, follow([a.unix, b.unix]) as view:
+        for k in chain:
+            ka.put(k, BLOCK)
+            kb.put(k, BLOCK)
+        wait_for(lambda: view.stats().blocks == 6, 30, "both nodes' copies in the view")
+        first = view.match(chain).holders[0].node  # no preference: the first node followed
+        other = b.unix if first == a.unix else a.unix
+        for prefer, want in ((other, other), (first, first), (None, first), ("no-such-node", first)):
+            m = view.match(chain, prefer=prefer)
+            assert m.hits == 3 and {h.node for h in m.holders} == {want}, prefer
+
+
 def watch(target: str, req: pb.WatchHoldingsRequest, until: Any) -> list[pb.HoldingsUpdate]:
     """Raw ``WatchHoldings`` messages up to the first that ``until`` accepts."""
     with grpc.insecure_channel(target) as ch:

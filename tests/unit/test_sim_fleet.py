@@ -247,6 +247,30 @@ def test_engines_sharing_a_node_find_each_others_chunks_in_its_dram(tmp_path: Pa
         node_of(2, 3)
 
 
+def test_a_queued_requests_remote_chunks_are_prefetched_to_its_node_while_it_waits(tmp_path: Path) -> None:
+    # request 0 (a prefix F) is computed on engine 0 and saved in its node; at 100 ms four
+    # unrelated requests and one more of F arrive, round robin: engine 1 (one request at a
+    # time) runs one, queues the next, and F's second request arrives behind it
+    fam = list(range(10))
+    rows = [(0, [*fam, 10_000], 64)]
+    rows += [(100, [20_000 + 10 * i + j for j in range(14)], 64) for i in range(1, 5)]
+    rows += [(100, [*fam, 30_000], 64)]
+    wl = workload(write_trace(tmp_path / "queued.jsonl", rows))
+    p = profile(max_num_seqs=1)
+    on, off = pool_run(wl, p), pool_run(wl, p, prefetch=False)
+    c = on["connector"]
+    assert (c["prefetches"], c["prefetch_chunks"], c["prefetch_skipped"], c["prefetch_misses"]) == (1, 5, 0, 0)
+    assert off["connector"]["prefetches"] == off["connector"]["prefetch_chunks"] == 0
+    # prefetched while it waited, F's chunks load from the engine's own node, in the step;
+    # without, the same chunks are pulled at its load, in the background
+    assert (on["store_blocks"]["dram_reads"], on["store_blocks"]["remote_pulls"], c["async_loads"]) == (5, 5, 0)
+    assert (off["store_blocks"]["dram_reads"], off["store_blocks"]["remote_pulls"]) == (0, 5)
+    assert off["connector"]["async_loads"] == 1
+    assert on["prompt_tokens"]["store"] == off["prompt_tokens"]["store"] == 160
+    # lookups that ask the store (rpc) make no prefetcher, as in the connector's scheduler half
+    assert pool_run(wl, p, lookups="rpc")["connector"]["prefetches"] == 0
+
+
 def test_node_sizes_are_whole_chunks() -> None:
     assert chunks_of(0, 100, "--node-nvme") == 0 and chunks_of(250, 100, "--node-dram") == 2
     with pytest.raises(InvalidArgument, match="--node-dram of 99 bytes holds no chunk of 100 bytes"):

@@ -292,3 +292,59 @@ def test_a_token_the_nodes_refuse_to_show_their_holdings_falls_back_to_asking_th
         side.matched(req, 0)
         assert side.counters["lookups"] == 1 and side.counters["view_lookups"] == 0  # the store was asked
         side.close()
+
+
+def test_a_queued_requests_chunks_on_another_node_are_pulled_to_its_own_while_it_waits(tmp_path: Any) -> None:
+    """Prefetch (``prefetch``, on by default): a request that arrives behind a waiting one,
+    whose chunks the view shows on another node, has them pulled into the engine's own node
+    before vLLM asks; vLLM then hears a local hit loaded in the step (not a background
+    pull).  A request with nothing waiting ahead is not prefetched (its load pulls), and
+    ``prefetch: false`` makes no prefetcher."""
+    import contextlib
+
+    from client import KVClient
+    from gpu_agent.vllm.demo import local_cluster
+    from gpu_agent.vllm.spec import request_namespace
+    from kvstore.children import private_node
+    from kvstore.keys import chunk_keys
+
+    with contextlib.ExitStack() as stack:
+        cluster, member = local_cluster(stack, tmp_path)
+        assert cluster, "etcd is not installed: scripts/setup.sh installs it"
+        a = stack.enter_context(private_node(tmp_path / "a", *member, dram="64MiB", nvme="0"))
+        b = stack.enter_context(private_node(tmp_path / "b", *member, dram="64MiB", nvme="0"))
+
+        def side_on_a(**extra: Any) -> Any:
+            side = viewing(a, lookup_target=cluster, **extra)
+            deadline = time.monotonic() + 30
+            while not (len(side.view.view.nodes()) == 2 and side.view.view.wait_synced(1)):
+                assert time.monotonic() < deadline, "the view never followed both nodes"
+                time.sleep(0.05)
+            return side
+
+        assert side_on_a(prefetch=False).prefetcher is None
+        side = side_on_a()
+        toks = prompt(800, seed=22)
+        req = request(toks, rid="queued")
+        keys = chunk_keys(toks, request_namespace(side.spec, side.settings, CHUNK, req))[:3]
+        store(b, side, req, 3)
+        seen(side, req, 3)
+        with KVClient(a.target) as ka:
+            assert ka.lookup(keys) == [None] * 3  # on b only
+            alone = request(toks, rid="alone")
+            side.arrived(alone)  # nothing waits ahead of it: no prefetch
+            assert side.prefetcher.snapshot()["prefetches"] == 0
+            side.arrived(req)  # behind "alone", which waits (not allocated yet)
+            deadline = time.monotonic() + 30
+            while ka.lookup(keys) != ["dram"] * 3:
+                assert time.monotonic() < deadline, "the queued request's chunks never reached its engine's node"
+                time.sleep(0.01)
+        c = side.prefetcher.snapshot()
+        assert (c["prefetches"], c["prefetch_blocks"], c["prefetch_errors"]) == (1, 3, 0)
+        deadline = time.monotonic() + 30
+        while (got := side.matched(request(toks, rid=f"later{time.monotonic_ns()}"), 0)) != (768, False):
+            assert got[0] is not None and time.monotonic() < deadline, got  # the own copies show within the lag
+            time.sleep(0.01)
+        stats = side.take_stats()
+        assert stats is not None and stats.data["prefetch_blocks"] == 3
+        side.close()
