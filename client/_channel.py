@@ -97,7 +97,7 @@ class Inflight:
                 call = self._queue.popleft()
             try:
                 call()
-            except Exception:  # noqa: BLE001, S110 - see add(): the outcome is not needed
+            except Exception:  # see add(): the outcome is not needed
                 pass
             finally:
                 with self._cond:

@@ -157,7 +157,7 @@ class _Follower:
                     backoff = _BACKOFF_S[1]
                 elif code != grpc.StatusCode.CANCELLED:
                     log.debug("holdings stream of node %s broke: %s", self.node, code)
-            except Exception:  # noqa: BLE001 - a follower must outlive any one bad stream
+            except Exception:  # a follower must outlive any one bad stream
                 if self._stop.is_set():
                     return
                 log.exception("following the holdings of node %s failed; following again", self.node)

@@ -137,7 +137,7 @@ class ReservedAhead:
             self._fut.result(timeout)
         except concurrent.futures.TimeoutError:
             return False
-        except BaseException:  # noqa: BLE001 - answered with an error: batches() says which
+        except BaseException:  # answered with an error: batches() says which
             pass
         return True
 
@@ -166,13 +166,13 @@ class ReservedAhead:
 def _abort_batches(fut: concurrent.futures.Future[list[tuple[int, Any]]]) -> None:
     try:
         batches = fut.result()
-    except BaseException:  # noqa: BLE001 - nothing was reserved
+    except BaseException:  # nothing was reserved
         return
     for _, res in batches:
         if not isinstance(res, BaseException):
             try:
                 res.abort()
-            except BaseException:  # noqa: BLE001 - it lapses at the node's TTL anyway
+            except BaseException:  # it lapses at the node's TTL anyway
                 pass
 
 

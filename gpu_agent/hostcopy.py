@@ -145,7 +145,7 @@ class HostCopier:
                 for i in range(k, len(jobs), self.threads):
                     try:
                         out.append((i, fn(jobs[i])))  # type: ignore[operator]
-                    except Exception as e:  # noqa: BLE001 - handed to the caller per block
+                    except Exception as e:  # handed to the caller per block
                         out.append((i, e))
             return out
 
@@ -184,6 +184,6 @@ def _inline(jobs: Sequence[BlockJob], fn: object) -> list[object]:
         for job in jobs:
             try:
                 out.append(fn(job))  # type: ignore[operator]
-            except Exception as e:  # noqa: BLE001 - handed to the caller per block
+            except Exception as e:  # handed to the caller per block
                 out.append(e)
     return out

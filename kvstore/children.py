@@ -77,7 +77,7 @@ def _fork_loop(jobs: queue.SimpleQueue[_Job]) -> None:
         if done.set_running_or_notify_cancel():
             try:
                 done.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - handed to the thread that asked
+            except BaseException as e:  # handed to the thread that asked
                 done.set_exception(e)
 
 

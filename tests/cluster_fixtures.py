@@ -96,7 +96,7 @@ class Cluster:
         def run(p: NodeProcess) -> None:
             try:
                 p.start(timeout=60)
-            except BaseException as e:  # noqa: BLE001 - reported below
+            except BaseException as e:  # reported below
                 errors.append(e)
 
         threads = [threading.Thread(target=run, args=(p,)) for p in procs]

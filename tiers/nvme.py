@@ -47,7 +47,7 @@ Invariants:
 * A write that fails (full disk, failing media, an index that cannot grow) raises
   ``CapacityExceeded`` or ``OSError``, never an lmdb error, and leaves nothing indexed:
   its space is freed and queued deletes stay queued.  The steps of a write are named
-  failure points (``kvstore/node/failpoints.py``: ``nvme.preallocate``, ``nvme.write``,
+  failure points (``tiers/failpoints.py``: ``nvme.preallocate``, ``nvme.write``,
   ``nvme.sync``, ``nvme.index.commit``).
 """
 
@@ -68,7 +68,7 @@ import lmdb
 from kvstore.block import BlockMeta, checksum
 from kvstore.errors import BlockFormatError, CapacityExceeded, DataDirLocked, InvalidArgument, Unavailable
 from kvstore.keys import ChunkKey
-from kvstore.node import failpoints
+from tiers import failpoints
 from tiers.base import HoldingsHook, MissReason, ReadResult, TierKind
 from tiers.nvme_format import PAGE, record_bytes
 from tiers.nvme_index import Entry, LmdbIndex, load_entries

@@ -36,7 +36,7 @@ import lmdb
 from kvstore.block import BlockMeta
 from kvstore.errors import BlockFormatError, CapacityExceeded, CorruptBlock, InvalidArgument
 from kvstore.keys import ChunkKey
-from kvstore.node import failpoints
+from tiers import failpoints
 from tiers.allocator import Extent, ExtentAllocator
 from tiers.nvme_format import (
     INDEX_VALUE,

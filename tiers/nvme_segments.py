@@ -36,7 +36,7 @@ from pathlib import Path
 
 from kvstore.block import HEADER_SIZE, BlockMeta, decode_header, encode_header, verify_payload
 from kvstore.errors import CapacityExceeded, CorruptBlock, InvalidArgument
-from kvstore.node import failpoints
+from tiers import failpoints
 from tiers.allocator import Extent, ExtentAllocator
 from tiers.nvme_format import PAGE, addr, close_stage, io_all, probe_direct_io, segment_name
 from tiers.nvme_recovery import Found, Rebuild, scan_segments

@@ -26,7 +26,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,12 +37,6 @@ from typing import Any
 
 ENGINE_EXTRA = "lmcache.mp."
 """The prefix of LMCache's multi-process connector's keys in vLLM's ``kv_connector_extra_config``."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def kvstore_l2(target: str, **params: Any) -> dict[str, Any]:
@@ -63,8 +56,9 @@ class LMCacheServer:
 
     def __init__(self, l2: dict[str, Any], log: Path, *, l1_gb: float = 0.25, chunk: int = 256) -> None:
         from kvstore.children import spawn
+        from kvstore.cluster.local_etcd import free_port
 
-        self.port, self.http_port = _free_port(), _free_port()
+        self.port, self.http_port = free_port(), free_port()
         self.log_path = log
         self._log = open(log, "w")
         cli = "import sys; from lmcache.cli.main import main; sys.argv[0] = 'lmcache'; sys.exit(main())"

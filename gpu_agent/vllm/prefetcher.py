@@ -127,7 +127,7 @@ class Prefetcher:
                 put += pull_missing(local, remote, chain[:found], 0, rns, self.chunk, tail_tokens=tail_tokens)
             with self.counters.lock:
                 self.counters.prefetch_blocks += put
-        except Exception as e:  # noqa: BLE001 - advice only: the load pulls what is still remote
+        except Exception as e:  # advice only: the load pulls what is still remote
             self._drop()
             with self.counters.lock:
                 self.counters.prefetch_errors += 1

@@ -434,7 +434,7 @@ class SchedulerSide:
             self._read_back = None
             try:
                 self.evidence.update(f.result())
-            except Exception as e:  # noqa: BLE001 - no evidence this time: admission keeps what it learnt
+            except Exception as e:  # no evidence this time: admission keeps what it learnt
                 log.debug("kvstore: reading the node's read-back counters failed (%s)", e)
         now = time.monotonic()
         if self._read_back is None and now >= self._read_back_at:
@@ -791,7 +791,7 @@ class SchedulerSide:
             self._resync = None
             try:
                 events.extend(self.stored.finish_resync(held, fut.result()))
-            except Exception as e:  # noqa: BLE001 - events are advice: the engine goes on
+            except Exception as e:  # events are advice: the engine goes on
                 self._store_failed(e, "event resync")
         if self._resync is None and self.stored.due(now) and now >= self._down_until:
             held, keys = self.stored.begin_resync(now)

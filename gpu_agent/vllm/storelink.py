@@ -164,7 +164,7 @@ class StoreLink:
             return LookupAnswer(
                 n, tuple(tiers[:n]), tuple(local), time.perf_counter() - t0, cpu_seconds=time.thread_time() - c0
             )
-        except Exception as e:  # noqa: BLE001 - handed to the scheduler thread as the answer
+        except Exception as e:  # handed to the scheduler thread as the answer
             self._drop()  # a fresh channel next time, not one parked in reconnect back-off
             return LookupAnswer(seconds=time.perf_counter() - t0, error=e)
 
@@ -192,7 +192,7 @@ class StoreLink:
             if self._local is None:
                 self._local = self.settings.client(self.settings.target or None)
             return [t is not None for t in self._local.lookup(keys)]
-        except Exception as e:  # noqa: BLE001 - unknown: treated as remote (pulled, in the background)
+        except Exception as e:  # unknown: treated as remote (pulled, in the background)
             log.debug("kvstore: asking the local node which chunks it holds failed (%s)", e)
             local, self._local = self._local, None
             if local is not None:
@@ -219,7 +219,7 @@ class StoreLink:
                 self._reporter.report_hits(blocks, tokens, tier="hbm", op="match_prefix", namespace=ns)
             for ns, chunks in skipped.values():
                 self._reporter.report_skipped_saves(chunks, namespace=ns)
-        except Exception as e:  # noqa: BLE001 - metrics only: never worth an engine, nor its lookups
+        except Exception as e:  # metrics only: never worth an engine, nor its lookups
             retry = self.settings.retry_s
             log.warning("kvstore: reporting prefix-cache hits failed (%s); not reporting for %.0f s", e, retry)
             self._report_down_until = now + retry

@@ -79,7 +79,7 @@ class _BackgroundSave:
     def _handle(self) -> Any:
         try:
             return self.fut.result(0)
-        except Exception:  # noqa: BLE001 - the save failed before it was issued: nothing to wait for
+        except Exception:  # the save failed before it was issued: nothing to wait for
             return None
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -89,7 +89,7 @@ class _BackgroundSave:
             h = self.fut.result(timeout)  # a TimeoutError goes to the caller
         except concurrent.futures.TimeoutError:
             raise
-        except Exception as e:  # noqa: BLE001 - reported as a failed save
+        except Exception as e:  # reported as a failed save
             log.warning("kvstore background save failed (%s)", e)
             return SaveResult(failed=1)
         return h.wait(timeout) if h is not None else SaveResult(failed=1)
@@ -261,7 +261,7 @@ class WorkerSide:
             remote = self._remote_client()
             if remote is not None:
                 remote.warm()
-        except Exception as e:  # noqa: BLE001 - the first pull makes the client (and reports) instead
+        except Exception as e:  # the first pull makes the client (and reports) instead
             log.info(
                 "KVStoreConnector: %s not reachable yet (%s); the first pull tries again",
                 self.settings.lookup_target,
@@ -294,7 +294,7 @@ class WorkerSide:
                 self.chunk,
                 tail_tokens=len(spec.tokens) % self.chunk if tail is not None else 0,
             )
-        except Exception as e:  # noqa: BLE001 - the load goes on with what this node has (the rest recomputes)
+        except Exception as e:  # the load goes on with what this node has (the rest recomputes)
             log.warning(
                 "kvstore: fetching %s's chunks from %s failed (%s); loading what this node has",
                 spec.req_id,
@@ -384,7 +384,7 @@ class WorkerSide:
         if h is not None:
             try:
                 got = h.num_tokens if h.wait(timeout=self.settings.wait_s) else 0
-            except Exception as e:  # noqa: BLE001 - the engine recomputes what did not load
+            except Exception as e:  # the engine recomputes what did not load
                 log.warning("kvstore load for %s did not finish (%s)", spec.req_id, e)
         return got, int((time.perf_counter() - t0) * 1e6), short
 
@@ -401,7 +401,7 @@ class WorkerSide:
             del self._async[rid]
             try:
                 got, us, short = fut.result()
-            except Exception as e:  # noqa: BLE001 - a bug in the loader: recompute, never hang the request
+            except Exception as e:  # a bug in the loader: recompute, never hang the request
                 log.warning("kvstore background load for %s failed (%s); recomputing", rid, e)
                 got, us, short = 0, 0, False
             if got < spec.num_tokens:
@@ -506,7 +506,7 @@ class WorkerSide:
         for s in meta.saves:
             try:
                 self._ahead[id(s)] = self.agent, self.agent.reserve_ahead(s.tokens, s.block_ids, **self._save_kw(s))
-            except Exception as e:  # noqa: BLE001 - the save reserves for itself then
+            except Exception as e:  # the save reserves for itself then
                 log.debug("kvstore: reserving ahead for %s failed (%s)", s.req_id, e)
 
     def _save_kw(self, s: SaveSpec) -> dict[str, Any]:

@@ -34,6 +34,7 @@ import numpy as np
 
 from kvstore import children
 from kvstore.bench.kit import batched, blocks, buffer
+from kvstore.cluster.local_etcd import free_port
 from kvstore.errors import Unavailable
 
 
@@ -169,12 +170,6 @@ class SocketPeer:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)  # it exits on the quit frame
         children.stop(self.proc, timeout=0.1, sig=signal.SIGKILL)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- Redis ----------------------------------------------------------------------------------

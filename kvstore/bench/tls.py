@@ -75,7 +75,7 @@ class TLSBench:
         for fn in reversed(self._closers):
             try:
                 fn()
-            except Exception:  # noqa: BLE001 - best-effort teardown of a benchmark
+            except Exception:  # best-effort teardown of a benchmark
                 pass
         self._closers = []
 

@@ -33,6 +33,11 @@ def find_etcd(binary: str | None = None) -> str | None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the kernel's pick; free until something binds it).
+
+    The project's one such helper: etcd's ports here, the benchmarks' reference servers
+    (``kvstore/bench/refs.py``) and serving fleet (``kvstore/bench/serving/fleet.py``).
+    It lives in this light module (no ``aetcd``), which the tool layers above may import."""
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

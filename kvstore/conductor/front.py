@@ -62,7 +62,7 @@ def prompt_tokens(c: Conductor, body: dict[str, Any], chat: bool) -> tuple[list[
             return None, max(1, len(json.dumps(msgs)) // 4)
         try:
             ids = c.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        except Exception:  # noqa: BLE001 - a template the tokenizer cannot apply: the engine will say why
+        except Exception:  # a template the tokenizer cannot apply: the engine will say why
             return None, max(1, len(json.dumps(msgs)) // 4)
         if not isinstance(ids, list):  # transformers 5: a BatchEncoding (a mapping, not a dict)
             ids = ids["input_ids"]

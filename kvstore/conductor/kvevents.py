@@ -581,7 +581,7 @@ class KVEventSubscriber:
             while not self._stop.is_set():
                 try:
                     self._step(poller, recv_monitor_message)
-                except Exception:  # noqa: BLE001 - the view is dropped, never left half-true
+                except Exception:  # the view is dropped, never left half-true
                     log.exception("engine %s: KV events failed: its cache view is cleared", self.engine_id)
                     self._drop("a batch failed")
                     self._stop.wait(0.1)

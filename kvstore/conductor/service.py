@@ -205,7 +205,7 @@ class Conductor:
         try:
             self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.cfg.tokenizer)
             log.info("tokenizer %s loaded", self.cfg.tokenizer)
-        except Exception as e:  # noqa: BLE001 - text prompts then route by load alone
+        except Exception as e:  # text prompts then route by load alone
             log.warning("tokenizer %s did not load (%s): text prompts are routed by load only", self.cfg.tokenizer, e)
 
     async def _connect_pool(self) -> None:
@@ -218,7 +218,7 @@ class Conductor:
         while self._pool is None:
             try:
                 self._pool = await asyncio.to_thread(connect_async, self.cfg.etcd, timeouts=timeouts, wait_s=3.0)
-            except Exception as e:  # noqa: BLE001 - routing goes on without the pool meanwhile
+            except Exception as e:  # routing goes on without the pool meanwhile
                 if not warned:
                     log.warning(
                         "the pool at %s is unreachable (%s): routing without it until it answers", self.cfg.etcd, e
@@ -240,7 +240,7 @@ class Conductor:
                     await asyncio.to_thread(m.start, 3.0)
                     self._membership = m
                     log.info("following engines and nodes in etcd at %s", self.cfg.etcd)
-                except Exception as e:  # noqa: BLE001 - static engines serve on; retried
+                except Exception as e:  # static engines serve on; retried
                     await asyncio.to_thread(m.close)
                     if not warned:
                         log.warning(
@@ -363,7 +363,7 @@ class Conductor:
         before = _owner_misses(pool)
         try:
             n, where = await pool.match_prefix_locations(keys)
-        except Exception as err:  # noqa: BLE001 - the pool is a hint: route without it for a while
+        except Exception as err:  # the pool is a hint: route without it for a while
             self.pool_errors += 1
             self.metrics.pool_errors.inc()
             self.pool_down_until = time.monotonic() + POOL_RETRY_S

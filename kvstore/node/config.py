@@ -46,7 +46,7 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 ENV_PREFIX = "KVSTORE_"
 # KVSTORE_* variables that belong to the SDK and CLI, not to the node's schema (the
 # KVSTORE_TLS_* ones: what `kvstore dashboard` trusts and presents when it scrapes https /metrics;
-# KVSTORE_FAILPOINTS: fault tests' failure points, kvstore/node/failpoints.py).
+# KVSTORE_FAILPOINTS: fault tests' failure points, tiers/failpoints.py).
 CLIENT_ENV = {
     "KVSTORE_TARGET",
     "KVSTORE_TLS_CA_FILE",

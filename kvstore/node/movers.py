@@ -221,7 +221,7 @@ class TierMovers:
                 self.counters["cleaned_ahead"] += wrote
                 if not wrote:
                     return  # the disk refused them all: the next commit tries again
-        except Exception:  # noqa: BLE001 - a cache fails open: evictions then write as before
+        except Exception:  # a cache fails open: evictions then write as before
             log.warning("cleaning DRAM ahead of eviction failed", exc_info=True)
         finally:
             self._cleaner = None

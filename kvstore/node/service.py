@@ -40,7 +40,6 @@ from google.protobuf.message import DecodeError
 from kvstore import __version__, errors
 from kvstore.block import BlockMeta
 from kvstore.keys import ChunkKey, check_key
-from kvstore.node import failpoints
 from kvstore.node.config import NodeConfig
 from kvstore.node.manager import Leased, Reserved, Status, TierManager
 from kvstore.node.metrics import NodeMetrics
@@ -65,6 +64,7 @@ from kvstore.wire import (
 )
 from protos.kvstore.v1 import kvstore_pb2 as pb
 from protos.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from tiers import failpoints
 from tiers.base import TierKind
 
 log = logging.getLogger(__name__)

@@ -279,7 +279,7 @@ class LiveEngine:
                 self._aborted.clear()
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # noqa: BLE001 - every stream hears it; /health turns 500
+        except Exception as e:  # every stream hears it; /health turns 500
             log.exception("the engine's step loop failed")
             self.failed = f"{type(e).__name__}: {e}"
             for sub in self._subs.values():

@@ -301,7 +301,7 @@ class PoolLink:
             if remote:
                 self._pull(ans, remote)
             got = self._client(self.settings.node).get_many(list(ans.keys))
-        except Exception as e:  # noqa: BLE001 - a node's failure is a miss, never the engine's
+        except Exception as e:  # a node's failure is a miss, never the engine's
             self._node_failed("a load", e)
         else:
             for key, data in zip(ans.keys, got):
@@ -337,7 +337,7 @@ class PoolLink:
         for source, idx in by_source.items():
             try:
                 got = self._client(source).get_many([ans.keys[i] for i in idx])
-            except Exception as e:  # noqa: BLE001 - another node's failure: those chunks miss
+            except Exception as e:  # another node's failure: those chunks miss
                 log.debug("pulling %d chunks from %s failed: %s", len(idx), source, e)
                 continue
             have += [i for i, d in zip(idx, got) if d is not None and d == payload(ans.keys[i], self.chunk_bytes)]
@@ -361,7 +361,7 @@ class PoolLink:
                 parents=parents,
                 token_counts=[self.chunk_tokens] * len(keys),
             )
-        except Exception as e:  # noqa: BLE001 - a node's failure is a dropped save, never the engine's
+        except Exception as e:  # a node's failure is a dropped save, never the engine's
             self._node_failed("a save", e)
             self._count(saves_dropped=len(keys))
             return
@@ -378,7 +378,7 @@ class PoolLink:
         def run() -> None:
             try:
                 fn(*args)
-            except Exception:  # noqa: BLE001 - counted where it happened; never kills a thread
+            except Exception:  # counted where it happened; never kills a thread
                 log.exception("the pool link's %s failed", getattr(fn, "__name__", fn))
 
         def done(_: concurrent.futures.Future[None]) -> None:  # run, or cancelled by close()
@@ -474,5 +474,5 @@ class PoolLink:
         for c in clients:
             try:
                 c.close()
-            except Exception:  # noqa: BLE001 - closing what may be broken
+            except Exception:  # closing what may be broken
                 log.debug("closing a client failed", exc_info=True)

@@ -1,6 +1,6 @@
 """Every step of an NVMe put and demotion, failed on purpose in a real node (issue 13, "Also").
 
-The node runs with ``KVSTORE_FAILPOINTS`` (``kvstore/node/failpoints.py``): one named step
+The node runs with ``KVSTORE_FAILPOINTS`` (``tiers/failpoints.py``): one named step
 (``nvme.preallocate``, ``nvme.write``, ``nvme.sync``, ``nvme.index.commit``) passes a few
 times, then fails as a full disk (ENOSPC), a failing one (EIO), a short write (a record's
 header without its payload) or a crash (SIGKILL at exactly that step).  After each:

@@ -597,7 +597,7 @@ class Loader(threading.Thread):
                         if got is not None and not worker.verify(k, got):
                             self.bad.append(k.hex())
                 self.ok_at.append(time.monotonic())
-            except Exception as e:  # noqa: BLE001 - classified by the test
+            except Exception as e:  # classified by the test
                 self.errors.append((time.monotonic(), e))
                 time.sleep(0.05)
             self.longest = max(self.longest, time.monotonic() - t0)

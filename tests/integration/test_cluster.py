@@ -262,7 +262,7 @@ def test_serve_lease_flags(cluster: Cluster) -> None:
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
-def test_kvstore_up_end_to_end(tmp_path, stop_signal: int) -> None:  # noqa: ANN001
+def test_kvstore_up_end_to_end(tmp_path, stop_signal: int) -> None:
     from kvstore.cluster.local_etcd import find_etcd
 
     if find_etcd() is None:
@@ -325,7 +325,7 @@ def test_kvstore_up_end_to_end(tmp_path, stop_signal: int) -> None:  # noqa: ANN
     assert (tmp_path / "up" / "n0" / "node.log").exists()  # --data-dir is kept
 
 
-def test_kvstore_up_without_etcd_says_so(tmp_path) -> None:  # noqa: ANN001
+def test_kvstore_up_without_etcd_says_so(tmp_path) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "kvstore", "up", "--etcd-bin", str(tmp_path / "no-etcd")],
         capture_output=True,

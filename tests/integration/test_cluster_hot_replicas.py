@@ -28,7 +28,7 @@ def start(cluster: Cluster) -> KVClient:
     return kv
 
 
-def read_until(kv: KVClient, key: bytes, want: bytes | None, pred, timeout: float = 20.0) -> int:  # noqa: ANN001
+def read_until(kv: KVClient, key: bytes, want: bytes | None, pred, timeout: float = 20.0) -> int:
     """Read ``key`` in a loop (every answer must be ``want``) until ``pred()``; the number of reads."""
     n, deadline = 0, time.monotonic() + timeout
     while not pred():

@@ -97,7 +97,7 @@ class Rig:
 
 
 @pytest.fixture
-def rig(cluster: Cluster, tmp_path: Path) -> Iterator[Rig]:  # noqa: F811 - the fixture
+def rig(cluster: Cluster, tmp_path: Path) -> Iterator[Rig]:  # the fixture
     r = Rig(cluster, tmp_path)
     try:
         yield r

@@ -54,7 +54,7 @@ def engines() -> list[EngineState]:
 
 
 @pytest.fixture
-def pool(cluster: Cluster) -> Cluster:  # noqa: F811 - the fixture
+def pool(cluster: Cluster) -> Cluster:  # the fixture
     """Two nodes holding the first STORED chunks of each of PROMPTS prompts."""
     cluster.start("n1", "n2")
     kv = cluster.client()
@@ -149,7 +149,7 @@ def test_under_cpu_load_lookups_are_answered_or_late_never_errors(pool: Cluster,
     asyncio.run(go())
 
 
-def test_the_conductor_starts_without_etcd_and_finds_the_pool_when_it_answers(etcd: LocalEtcd) -> None:  # noqa: F811
+def test_the_conductor_starts_without_etcd_and_finds_the_pool_when_it_answers(etcd: LocalEtcd) -> None:
     """The pool client is made off the loop: with etcd out, ``start`` neither blocks nor fails,
     requests are routed without the pool, and the pool is found once etcd answers."""
     etcd.stop()

@@ -160,7 +160,7 @@ def test_token_is_required_from_viewers_and_sent_to_nodes(tmp_path: Path, dashbo
         Path(f"/dev/shm/kvstore-test-{n.node_id}.arena").unlink(missing_ok=True)
 
 
-def test_node_list_from_etcd_membership(etcd: LocalEtcd, tmp_path: Path, dashboard: Any) -> None:  # noqa: F811
+def test_node_list_from_etcd_membership(etcd: LocalEtcd, tmp_path: Path, dashboard: Any) -> None:
     port = free_port()
     n = NodeProcess(
         tmp_path / "node",

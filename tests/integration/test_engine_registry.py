@@ -51,17 +51,17 @@ def name() -> str:
 
 
 @pytest.fixture
-def view(etcd: LocalEtcd, name: str) -> Iterator[Membership]:  # noqa: F811 - the fixture
+def view(etcd: LocalEtcd, name: str) -> Iterator[Membership]:  # the fixture
     with Membership(etcd.endpoint, name) as m:
         yield m
 
 
-def target(etcd: LocalEtcd, name: str) -> str:  # noqa: F811
+def target(etcd: LocalEtcd, name: str) -> str:
     return f"etcd://{etcd.endpoint}/{name}"
 
 
 def test_a_registration_appears_in_the_view_and_deregistering_removes_it(
-    etcd: LocalEtcd,  # noqa: F811
+    etcd: LocalEtcd,
     name: str,
     view: Membership,
 ) -> None:
@@ -93,7 +93,7 @@ time.sleep(3600)
 
 
 def test_a_killed_engine_drops_out_when_its_lease_expires(
-    etcd: LocalEtcd,  # noqa: F811
+    etcd: LocalEtcd,
     name: str,
     view: Membership,
 ) -> None:
@@ -115,7 +115,7 @@ def test_a_killed_engine_drops_out_when_its_lease_expires(
             proc.wait(10)
 
 
-def test_a_deleted_record_is_registered_again(etcd: LocalEtcd, name: str, view: Membership) -> None:  # noqa: F811
+def test_a_deleted_record_is_registered_again(etcd: LocalEtcd, name: str, view: Membership) -> None:
     with EngineRegistrar(target(etcd, name), record(), ttl_s=TTL) as reg:
         assert view.wait_for(lambda s: "10.0.0.5:8000" in s.engines, 10) is not None
         first = reg.lease_id
@@ -135,7 +135,7 @@ def test_a_deleted_record_is_registered_again(etcd: LocalEtcd, name: str, view: 
         assert reg.lease_id not in (None, first)
 
 
-def test_etcd_down_at_start_neither_stalls_nor_fails_the_registrar(etcd: LocalEtcd, name: str) -> None:  # noqa: F811
+def test_etcd_down_at_start_neither_stalls_nor_fails_the_registrar(etcd: LocalEtcd, name: str) -> None:
     etcd.stop()
     t = time.monotonic()
     reg = EngineRegistrar(target(etcd, name), record(), ttl_s=TTL).start()
@@ -152,7 +152,7 @@ def test_etcd_down_at_start_neither_stalls_nor_fails_the_registrar(etcd: LocalEt
 
 
 def test_a_second_engine_with_a_live_engines_id_is_refused(
-    etcd: LocalEtcd,  # noqa: F811
+    etcd: LocalEtcd,
     name: str,
     view: Membership,
 ) -> None:

@@ -36,7 +36,7 @@ def test_a_start_on_a_port_in_use_leaves_nothing_and_says_it_once(node: NodeProc
     assert not fresh.exists()
 
 
-def test_a_small_dram_says_why_the_block_limit_is_lower(node_factory, tmp_path: Path) -> None:  # noqa: ANN001
+def test_a_small_dram_says_why_the_block_limit_is_lower(node_factory, tmp_path: Path) -> None:
     n = node_factory("--dram", "4MiB", "--nvme", "0")
     assert any("max_block_bytes lowered" in line and "a larger --dram" in line for line in n.output), n.output
     with (

@@ -21,7 +21,7 @@ from kvstore.cluster.state import NodeInfo
 pytestmark = pytest.mark.solo  # a thousand members on one etcd: scripts/test.sh runs it on its own
 
 
-def test_a_thousand_nodes_views_all_converge_on_every_join_and_leave(etcd: LocalEtcd) -> None:  # noqa: F811
+def test_a_thousand_nodes_views_all_converge_on_every_join_and_leave(etcd: LocalEtcd) -> None:
     got = asyncio.run(
         membench.run_async(etcd.endpoint, "scale", nodes=1000, views=10, ttl_s=10.0, keepalive_window_s=10.0)
     )
@@ -36,7 +36,7 @@ def test_a_thousand_nodes_views_all_converge_on_every_join_and_leave(etcd: Local
     assert 0 < got["keepalive"]["rpcs_per_node_s"] <= 0.85, got
 
 
-def test_watch_events_are_applied_incrementally_one_snapshot_per_batch(etcd: LocalEtcd) -> None:  # noqa: F811
+def test_watch_events_are_applied_incrementally_one_snapshot_per_batch(etcd: LocalEtcd) -> None:
     async def go() -> tuple[int, int, int, int, int]:
         snaps: list[int] = []
         w = ClusterWatcher(etcd.endpoint, "batch", lambda s: snaps.append(len(s.nodes)), batch_s=0.05)

@@ -243,7 +243,7 @@ def test_prometheus_example_scrapes_kvstore_nodes() -> None:
 
 
 @needs_etcd
-def test_cluster_client_counts_node_down_and_deadline_misses(cluster: Cluster) -> None:  # noqa: F811
+def test_cluster_client_counts_node_down_and_deadline_misses(cluster: Cluster) -> None:
     """The two miss reasons a node cannot count itself: the cluster SDK counts them."""
     cluster.start("m1", "m2", extra=("--membership-ttl", "60", "--metrics-port", "0"))  # a hung node stays registered
     kv = cluster.client(replication=1, suspect_s=30.0)

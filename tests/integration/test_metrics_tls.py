@@ -138,7 +138,7 @@ def test_metrics_tls_opt_out(tmp_path: Path, pki: PKI) -> None:
 
 
 # -- the dashboard -----------------------------------------------------------------------------
-def test_dashboard_scrapes_tls_nodes_found_in_etcd(etcd: LocalEtcd, tmp_path: Path, pki: PKI) -> None:  # noqa: F811
+def test_dashboard_scrapes_tls_nodes_found_in_etcd(etcd: LocalEtcd, tmp_path: Path, pki: PKI) -> None:
     from kvstore.cluster.membership import Membership
 
     n = start_node(

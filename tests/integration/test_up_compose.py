@@ -237,7 +237,7 @@ def test_up_tls_serves_tls_with_the_ca_it_prints(tmp_path: Path) -> None:
         (sdk,) = [ln.split("SDK", 1)[1].strip() for ln in up.lines if ln.lstrip().startswith("SDK")]
         assert f"tls_ca_file={tls['ca_file']!r}" in sdk
         scope: dict[str, Any] = {}
-        exec(sdk, scope)  # noqa: S102 - the line `kvstore up` prints for users to paste
+        exec(sdk, scope)  # the line `kvstore up` prints for users to paste
         with scope["kv"] as kv:
             assert kv.wait_for_nodes(len(nodes), 15)
             ns = Namespace("up-tls")

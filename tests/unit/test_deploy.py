@@ -389,7 +389,7 @@ def tls_handshake(server: ssl.SSLContext, client: Any, host: str) -> None:
             with server.wrap_socket(a, server_side=True) as s:
                 assert s.recv(1) == b"?"
                 s.sendall(b"!")
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:  # reported below
             failed.append(e)
 
     t = threading.Thread(target=node, daemon=True)

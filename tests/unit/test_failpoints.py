@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import lmdb
 import pytest
 
-from kvstore.node import failpoints
+from tiers import failpoints
 
 
 @pytest.fixture(autouse=True)

@@ -418,7 +418,7 @@ def test_threads_read_write_delete(make) -> None:
                         assert bytes(got[:16]) == key(name) and checksum(got) == r.meta.payload_checksum
                     else:
                         assert r.miss is MissReason.NOT_PRESENT
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:  # reported below
             errors.append(e)
             stop.set()
 

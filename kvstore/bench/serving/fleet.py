@@ -781,7 +781,7 @@ class FaultScheduler:
                 else:
                     self._restart(node)
                 res["done_at_s"] = round(self._now(), 3)
-            except Exception as e:  # noqa: BLE001 - a fault that fails is reported, never fatal
+            except Exception as e:  # a fault that fails is reported, never fatal
                 res["error"] = f"{type(e).__name__}: {e}"
 
     @staticmethod

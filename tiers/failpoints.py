@@ -17,8 +17,14 @@ then fails ``TIMES`` times (default: for ever).  Actions:
 The points and what they cover are listed in ``POINTS``; arming an unknown one is an error,
 so a renamed point cannot silently turn a fault test into a no-op.
 
-Owner: the module-level table, written by :func:`arm` / :func:`disarm` (import time, tests)
-and consumed by :func:`hit` under a lock, from any thread.
+Where it lives: with the points it serves.  Most of them are the NVMe tier's (``nvme.*``, in
+``tiers/nvme.py``, ``tiers/nvme_segments.py``, ``tiers/nvme_index.py``), so it sits in
+``tiers/``, the lowest package that marks a point; the node (``node.acquire``, in
+``kvstore/node/service.py``) imports it downwards.  It imports nothing of the project.
+
+Owner: this module owns its state, the module-level tables ``_armed`` and ``fired``:
+written by :func:`arm` / :func:`disarm` (at import, from ``KVSTORE_FAILPOINTS``, and by
+tests) and consumed by :func:`hit` under ``_lock``, from any thread.  One table per process.
 """
 
 from __future__ import annotations
