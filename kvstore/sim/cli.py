@@ -17,7 +17,7 @@ profile (``--profile``: a bundled name or a JSON file) behind a round-robin fron
   computes the prompt's last token and decodes (:mod:`kvstore.sim.fleet`,
   :mod:`kvstore.sim.pool`); the front takes each role in turn;
 * ``conductor``: ``pool``'s fleet behind the project's conductor (:mod:`kvstore.sim.conductor`),
-  configured as the benchmark starts it (``--conductor-args``, the SLO targets, refusals
+  configured as the benchmark starts it (priors for the profile's hardware, ``--conductor-args``, the SLO targets, refusals
   only with ``--conductor-reject``);
 * ``conductor-pd``: ``pd``'s fleet behind the conductor in its ``--pd`` mode.
 
@@ -240,7 +240,7 @@ def run_config(
         from kvstore.sim.conductor import ConductorRouter, conductor_config
 
         assert hooks is not None
-        cfg = conductor if conductor is not None else conductor_config(slo_ttft_ms, slo_tbt_ms)
+        cfg = conductor if conductor is not None else conductor_config(slo_ttft_ms, slo_tbt_ms, profile=profile)
         if cfg.pd != (name == "conductor-pd"):
             cfg = dataclasses.replace(cfg, pd=name == "conductor-pd")
         router = ConductorRouter(
@@ -331,7 +331,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if "conductor" in configs or "conductor-pd" in configs:
         from kvstore.sim.conductor import conductor_config
 
-        cond = conductor_config(a.slo_ttft_ms, a.slo_tbt_ms, reject=a.conductor_reject, extra=a.conductor_args)
+        cond = conductor_config(
+            a.slo_ttft_ms, a.slo_tbt_ms, reject=a.conductor_reject, extra=a.conductor_args, profile=profile
+        )
     wl = build(a.trace, scaling(a))
     hashes = workload_hashes(wl, profile.block_size)
     result: dict[str, Any] = {

@@ -69,17 +69,45 @@ POOL_SPACE = (b"kvstore.sim", 0)
 """The one (fingerprint, chunk size) every simulated engine keys the pool by (one model)."""
 
 
+def profile_priors(profile: EngineProfile) -> list[str]:
+    """The conductor's prior flags for ``profile``'s hardware, as an operator sets them from
+    measured rates (``kvstore bench --connector``): the prefill rate, the DRAM, NVMe and
+    network load rates, and the KV bytes per token.  A prior is what the conductor believes
+    of a tier until requests load from it; one whose tier it never sends a request to is
+    never corrected (left at the defaults, 1 GB/s over the network, the pool looks slower
+    than computing on an H100 and a hot prefix stays on the engines that computed it)."""
+    gbps = ",".join(
+        f"{b / 1e9:g}" for b in (profile.dram_bandwidth_Bps, profile.nvme_bandwidth_Bps, profile.network_bandwidth_Bps)
+    )
+    return [
+        "--prefill-tokens-per-s",
+        f"{1000 / profile.prefill_ms_per_token:g}",
+        "--tier-gbps",
+        gbps,
+        "--bytes-per-token",
+        str(profile.kv_bytes_per_token),
+    ]
+
+
 def conductor_config(
-    slo_ttft_ms: float, slo_tbt_ms: float, *, reject: bool = False, extra: str = "", pd: bool = False
+    slo_ttft_ms: float,
+    slo_tbt_ms: float,
+    *,
+    reject: bool = False,
+    extra: str = "",
+    pd: bool = False,
+    profile: EngineProfile | None = None,
 ) -> ConductorConfig:
-    """The conductor's configuration as ``kvstore bench serving`` starts it: its own flags
-    (``extra``: ``--conductor-args``), then the SLO targets, ``--no-reject`` unless ``reject``,
-    ``--pd`` with ``pd`` (``conductor-pd``)."""
+    """The conductor's configuration as ``kvstore bench serving`` starts it: with ``profile``
+    its priors for that hardware (:func:`profile_priors`), then its own flags (``extra``:
+    ``--conductor-args``, which may set the priors otherwise), the SLO targets, ``--no-reject``
+    unless ``reject``, ``--pd`` with ``pd`` (``conductor-pd``)."""
     from kvstore.conductor.cli import add_arguments, config_from
 
     p = argparse.ArgumentParser(prog="kvstore conductor", add_help=False, exit_on_error=False)
     add_arguments(p)
-    args = [*shlex.split(extra), "--slo-ttft-ms", str(slo_ttft_ms), "--slo-tbt-ms", str(slo_tbt_ms)]
+    priors = profile_priors(profile) if profile is not None else []
+    args = [*priors, *shlex.split(extra), "--slo-ttft-ms", str(slo_ttft_ms), "--slo-tbt-ms", str(slo_tbt_ms)]
     args += [] if reject else ["--no-reject"]
     args += ["--pd"] if pd else []
     try:

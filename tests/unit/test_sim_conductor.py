@@ -112,6 +112,21 @@ def test_conductor_args_are_the_conductors_own_flags() -> None:
         conductor_config(1500, 100, extra="--no-such-flag")
 
 
+def test_the_simulated_conductor_starts_from_its_profiles_rates_unless_told_otherwise() -> None:
+    """The priors an operator sets from measured rates: a tier the conductor never sends a
+    request to keeps its prior, so the defaults' 1 GB/s over the network would make the
+    H100 profile's pool look slower than computing (it is 25 GB/s there)."""
+    from kvstore.sim.profile import EngineProfile
+
+    h100 = EngineProfile.load("h100-llama3-8b")
+    cfg = conductor_config(2000, 200, profile=h100)
+    assert cfg.priors.load_gbps == (50.0, 7.0, 25.0) and cfg.priors.bytes_per_token == 131072
+    assert cfg.priors.prefill_tokens_per_s == pytest.approx(1000 / h100.prefill_ms_per_token, rel=1e-5)
+    told = conductor_config(2000, 200, profile=h100, extra="--tier-gbps 10,2,1 --bytes-per-token 1000")
+    assert told.priors.load_gbps == (10.0, 2.0, 1.0) and told.priors.bytes_per_token == 1000
+    assert conductor_config(2000, 200).priors == conductor_config(2000, 200, extra="").priors  # the CLI's defaults
+
+
 def test_the_cli_runs_the_conductor_deterministically(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     trace = shared_trace(tmp_path / "t.jsonl")
     prof = tmp_path / "p.json"
