@@ -949,3 +949,23 @@ def test_engine_steps_counts_vllms_iterations_and_request_phases_over_the_run() 
     assert got["queue_ms"]["mean"] == pytest.approx(6.0)
     assert "prefill_ms" not in got  # no engine exports it
     assert report.engine_steps({"b": {}}, {"b": {"vllm:request_prompt_tokens_sum": 5.0}}) is None
+
+
+def test_the_conductors_bytes_per_token_are_the_served_models_own(tmp_path: Path) -> None:
+    from kvstore.bench.serving.fleet import kv_bytes_per_token
+
+    def model(**cfg: object) -> str:
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        return str(d)
+
+    llama8b = dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096)
+    assert kv_bytes_per_token(model(**llama8b, torch_dtype="bfloat16")) == 128 << 10  # the conductor's default
+    # the benchmark's CPU model (make_model: 4 layers, 8 query heads, 4 KV heads of 64, float32)
+    tiny = dict(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64, hidden_size=512)
+    assert kv_bytes_per_token(model(**tiny, torch_dtype="float32")) == 2 * 4 * 4 * 64 * 4
+    assert kv_bytes_per_token(model(**{**tiny, "num_key_value_heads": None}, dtype="float16")) == 2 * 4 * 8 * 64 * 2
+    assert kv_bytes_per_token(model(num_hidden_layers=4)) is None  # no heads: unknown, the default stays
+    assert kv_bytes_per_token(str(tmp_path / "missing")) is None
+    assert kv_bytes_per_token("meta-llama/Llama-3.1-8B") is None  # a hub name, not a directory

@@ -224,6 +224,27 @@ def pin_engine(e: Engine) -> bool:
     return ok
 
 
+_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def kv_bytes_per_token(model: str) -> int | None:
+    """KV-cache bytes one token takes in a Hugging Face model directory's engine (keys and
+    values of every layer: ``2 x layers x KV heads x head dim x dtype bytes``, from its
+    ``config.json``), or None where the model is not a local directory or its config lacks
+    the figures.  The conductor's ``--bytes-per-token``: its prior load costs per token."""
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+        layers = int(cfg["num_hidden_layers"])
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    n = 2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 2)
+    return n if n > 0 else None
+
+
 def _free_port() -> int:
     from kvstore.cluster.local_etcd import free_port
 
@@ -496,6 +517,10 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
         cmd += ["--pd"] if self.config == "conductor-pd" else []
         for e in self.engines:
             cmd += ["--engine", f"{e.url}={e.role}"]
+        # its prior load costs in the served model's own KV bytes (the default is Llama-3-8B's)
+        bpt = None if self.simulated else kv_bytes_per_token(self.spec.model)
+        if bpt is not None and "--bytes-per-token" not in self.spec.conductor_args:
+            cmd += ["--bytes-per-token", str(bpt)]
         cmd += list(self.spec.conductor_args)
         log = self.log_dir / f"{self.config}-conductor.log"
         with open(log, "w") as f:
