@@ -48,6 +48,13 @@ QUEUE_FLOOR = 0.5
 """The least weight queued work ahead has in an estimate, whatever the fit says."""
 OWN_FIT_SAMPLES = 20
 """Measurements of an engine before its own fit replaces the fleet's in its estimates."""
+WORK_FLOOR = 1 / 8
+"""An engine's own fit prices a token's compute, and each tier's load, at least this share
+of the fleet's fit.  Without it an engine whose own fit wandered to zero work (measured
+under overload, where queueing the features do not see dominates its first tokens) had
+every request estimated at 0 s, so its queue of estimated work stayed empty and it got
+every request: 6,372 of 12,000 on one of 16 simulated engines, first tokens after 12
+minutes (``kvstore sim``, a hot-prompt trace at 200 req/s)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -156,6 +163,25 @@ class CostModel:
         """TTFT measurements seen (fleet-wide)."""
         return self.fleet.samples
 
+    def _wp(self, engine_id: str) -> tuple[float, ...]:
+        """The clamped weights to predict ``engine_id`` with: its own fit's once it has
+        ``OWN_FIT_SAMPLES`` measurements (compute and loads at least :data:`WORK_FLOOR` of
+        the fleet's), the fleet's until then."""
+        fit = self._engine(engine_id)
+        if fit is self.fleet:
+            return fit.wp
+        b, c, q, d, n, r, k = fit.wp
+        f = self.fleet.wp
+        return (
+            b,
+            max(c, f[1] * WORK_FLOOR),
+            q,
+            max(d, f[3] * WORK_FLOOR),
+            max(n, f[4] * WORK_FLOOR),
+            max(r, f[5] * WORK_FLOOR),
+            k,
+        )
+
     def coefficients(self, engine_id: str) -> tuple[float, ...]:
         """``(base, compute, queue, dram, nvme, remote, decodes, times)``: :meth:`ttft` is
         ``(base + (compute·tokens + dram·… + nvme·… + remote·…) / 1000 + queue·queued_s +
@@ -165,7 +191,7 @@ class CostModel:
         if c is None:
             fit = self.engines.get(engine_id)
             own = fit is not None and fit.samples >= BIAS_MIN_SAMPLES
-            b, k, q, d, n, r, dec = self._engine(engine_id).wp
+            b, k, q, d, n, r, dec = self._wp(engine_id)
             times = self.bias.get(engine_id, 1.0) if own else self.fleet_bias
             c = self._coef[engine_id] = (b, k, max(q, QUEUE_FLOOR), d, n, r, dec, times)
         return c
@@ -180,7 +206,7 @@ class CostModel:
 
     def _fitted(self, engine_id: str, load: Load) -> float:
         # the decision asks this once per engine and request: plain arithmetic, no numpy call
-        b, c, q, d, n, r, k = self._engine(engine_id).wp
+        b, c, q, d, n, r, k = self._wp(engine_id)
         work = c * load.compute + d * load.dram + n * load.nvme + r * load.remote
         # queued work is done before this request's (FCFS): however noisy the fit, it counts
         # at least half (a fit that lost it would pile every request on one engine)
@@ -189,7 +215,7 @@ class CostModel:
     def work(self, engine_id: str, load: Load) -> float:
         """The request's own work on the engine, in seconds: its compute and loads, no queue
         (what it adds to the queue of the requests sent after it)."""
-        _, c, _, d, n, r, _ = self._engine(engine_id).wp
+        _, c, _, d, n, r, _ = self._wp(engine_id)
         return (c * load.compute + d * load.dram + n * load.nvme + r * load.remote) / 1000
 
     def prefill_rate(self, engine_id: str) -> float:

@@ -345,3 +345,26 @@ def test_an_engine_that_falls_behind_is_followed_within_a_few_requests() -> None
     for load in loads[40:52]:  # now everything takes three times as long
         m.observe_ttft("e", load, 3 * (0.05 + 0.001 * load.compute))
     assert m.ttft("e", probe) == pytest.approx(1.65, rel=0.25)
+
+
+def test_an_engine_whose_own_fit_lost_its_work_still_prices_tokens() -> None:
+    """An engine's own fit can wander to zero work (its first tokens under overload are
+    mostly queueing the features do not see); estimated at 0 s, its queue of estimated work
+    would stay empty and it would get every request.  Its compute and loads are priced at
+    least WORK_FLOOR of the fleet's."""
+    from kvstore.conductor.cost import OWN_FIT_SAMPLES, WORK_FLOOR
+
+    m = model()
+    for i in range(4 * (OWN_FIT_SAMPLES + 10)):
+        n = 200 + 50 * (i % 20)
+        for e in ("a", "b", "c", "d", "e", "f"):  # the fleet: 1 ms a computed token
+            m.observe_ttft(e, Load(compute=n, queued_s=0), n / 1000)
+        if i % 4 == 0:  # "z", now and then: the longer the prompt, the sooner its first token
+            m.observe_ttft("z", Load(compute=n, queued_s=0), max(0.001, 1.2 - n / 1000))
+    assert m.engines["z"].samples >= OWN_FIT_SAMPLES and m.engines["z"].wp[1] == 0.0  # its own fit: no compute cost
+    fleet_c = m.fleet.wp[1]
+    assert m.work("z", Load(compute=1000, queued_s=0)) >= WORK_FLOOR * fleet_c * 1000 / 1000 > 0
+    # with work priced, what is sent to z queues there: it stops being everyone's cheapest
+    e = dataclasses.replace(eng("z", queued=0), queued_s=m.work("z", Load(compute=1000, queued_s=0)) * 30)
+    d = decide(m, [e, eng("a")], 1000)
+    assert d.engine is not None and d.engine.engine_id == "a"
