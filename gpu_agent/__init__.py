@@ -1,8 +1,9 @@
 """The GPU agent: the inference worker's side of kvstore (architecture §7).
 
-The only package that imports ``torch.cuda``.  Importing ``gpu_agent`` itself imports
-nothing heavy (the ``kvstore`` CLI registers ``gpu_agent.demo`` at start-up and the
-node must run without torch); the names below load on first use.
+The only product package that imports ``torch.cuda`` (its benchmark, ``kvstore bench gpu``,
+times CUDA copies of its own).  Importing ``gpu_agent`` itself imports
+nothing heavy (the node and the ``kvstore`` CLI must run without torch); the names
+below load on first use.
 
     from client import KVClient
     from gpu_agent import GPUAgent, KVCacheLayout
@@ -17,8 +18,8 @@ node must run without torch); the names below load on first use.
 
 Modules: ``layout`` (engine layout, paged adapter), ``prefetch`` (pure prefetch and
 eviction planning), ``pool`` (HBM block pool), ``copy_engine`` (streams, events,
-pinned arena), ``agent`` (the wiring), ``hf`` (Hugging Face glue for the demo),
-``demo`` (``kvstore demo pd``), ``bench`` (``python -m gpu_agent.bench``, CUDA only).
+pinned arena), ``agent`` (the wiring).  The demos (``kvstore demo pd``, its Hugging Face
+glue) live in :mod:`kvstore.demo`, the benchmark (``kvstore bench gpu``) in :mod:`kvstore.bench.gpu`.
 """
 
 from __future__ import annotations

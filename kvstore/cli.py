@@ -1,7 +1,7 @@
-"""The ``kvstore`` command line: ``serve``, ``stats``, ``bench``.
+"""The ``kvstore`` command line: ``serve``, ``stats``, and the subcommands of other modules.
 
 Parsing only: each subcommand builds its typed inputs and calls one function that
-does the work (``kvstore.node.server.serve``, ``kvstore.bench.run.main``, ...).
+does the work (``kvstore.node.server.serve``, ``kvstore.bench.cli.parse``, ...).
 """
 
 from __future__ import annotations
@@ -213,12 +213,6 @@ def _cmd_close_session(a: argparse.Namespace) -> int:
     return 0 if closed else 1
 
 
-def _cmd_bench(a: argparse.Namespace) -> int:
-    from kvstore.bench import run as bench
-
-    return bench.main(a)
-
-
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The full parser.  Plugin modules are imported only for ``command`` (the subcommand
     being run), so one plugin's import cost or failure never affects the others."""
@@ -249,15 +243,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     cs.add_argument("--token-file", metavar="FILE", help="bearer token of the tenant whose session it is")
     add_client_arguments(cs)
     cs.set_defaults(fn=_cmd_close_session)
-    b = sub.add_parser(
+    # `kvstore bench SUBCOMMAND`: parsed by kvstore.bench.cli (see main); listed here for --help
+    sub.add_parser(
         "bench",
-        help="data-path benchmark against references measured in the same run; "
-        "`kvstore bench serving`: a trace through real vLLM servers, with and without the store",
+        help="benchmarks against references measured in the same run: sdk, engine, index, latency, connector, gpu, "
+        "placement, cluster-sim, conductor-sim, serving (`kvstore bench --help`)",
+        add_help=False,
     )
-    from kvstore.bench import run as _bench
-
-    _bench.add_arguments(b)
-    b.set_defaults(fn=_cmd_bench)
     # subcommands that live in their own modules register themselves here
     for name, module, help_text in _PLUGINS:
         sp = sub.add_parser(name, help=help_text, add_help=name == command)
@@ -283,7 +275,7 @@ _PLUGINS: list[tuple[str, str, str]] = [
     ("plan", "kvstore.traces.plan", "capacity planner: DRAM and NVMe sizes that reach a target hit ratio on a trace"),
     (
         "demo",
-        "gpu_agent.demo",
+        "kvstore.demo.cli",
         "end-to-end demos with a real transformer (e.g. `kvstore demo pd`: prefill -> decode handoff)",
     ),
     (
@@ -323,13 +315,14 @@ _SIM_TOOLS = {"validate": "validate", "calibrate": "calibrate", "serve": "server
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    if argv[:2] == ["bench", "serving"]:  # `kvstore bench serving`: its own parser (kvstore/bench/serving)
-        from kvstore.bench.serving import cli as serving
+    if argv[:1] == ["bench"]:  # `kvstore bench SUBCOMMAND`: one module per benchmark (kvstore/bench/cli.py)
+        from kvstore.bench import cli as bench
 
-        sp = argparse.ArgumentParser(prog="kvstore bench serving", description=serving.__doc__.split("\n\n")[0])
-        serving.add_arguments(sp)
-        args = sp.parse_args(argv[2:])
-        args.fn = serving.main
+        args = bench.parse(argv[1:])
+    elif argv[:2] == ["cluster", "bench-placement"]:  # deprecated: `kvstore bench placement`
+        from kvstore.bench import cli as bench
+
+        args = bench.cluster_bench_placement(argv[2:])
     elif argv[:1] == ["sim"] and argv[1:2] and argv[1] in _SIM_TOOLS:  # the simulator's tools: parsers of their own
         import importlib
 

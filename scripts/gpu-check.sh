@@ -10,7 +10,7 @@
 #   2. pytest -m gpu tests/gpu (ordering without host syncs, page reuse after save, two
 #      agents on one client, a node restart under a live agent, cuda:1 where there are two
 #      devices, concurrent prefetch and load, scattered block tables, bounce-buffer staging);
-#   3. python -m gpu_agent.bench with a scattered block table: arena -> HBM load against a
+#   3. kvstore bench gpu with a scattered block table: arena -> HBM load against a
 #      pinned cudaMemcpyAsync of the same bytes (target >= 0.8x), HBM -> arena save against
 #      a pinned D2H copy, byte-identical loads.
 #
@@ -111,11 +111,11 @@ if [ $QUICK -eq 1 ] || [ "$DEVICE" = "cpu" ]; then
 else
   size=(--layers 32 --blocks 16 --iters 5)
 fi
-timeout 240 "$PY" -m gpu_agent.bench --device "$DEVICE" --table scattered "${size[@]}" --json >"$LOG/bench.json" 2>"$LOG/bench.err"
+timeout 240 "$PY" -m kvstore bench gpu --device "$DEVICE" --table scattered "${size[@]}" --json >"$LOG/bench.json" 2>"$LOG/bench.err"
 rc=$?
 if [ $rc -ne 0 ]; then
   tail -20 "$LOG/bench.err"
-  fail "gpu_agent.bench (rc $rc)"
+  fail "kvstore bench gpu (rc $rc)"
 else
   verdict="$("$PY" - "$LOG/bench.json" "$DEVICE" <<'EOF'
 import json, sys

@@ -1,8 +1,9 @@
 """kvstore as a vLLM KV connector (``kv_connector_module_path="gpu_agent.vllm"``).
 
 ``KVStoreConnector`` (``gpu_agent.vllm.connector``) imports vLLM; ``settings`` (what
-``kv_connector_extra_config`` holds, the namespaces) does not.  ``demo`` is
-``kvstore demo vllm``.
+``kv_connector_extra_config`` holds, the namespaces) does not.  ``kvstore demo vllm``
+and the engine process the demos and tests drive live in :mod:`kvstore.demo`
+(``kvstore.demo.vllm``, ``kvstore.demo.engine``).
 """
 
 from __future__ import annotations

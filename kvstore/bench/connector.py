@@ -1,4 +1,4 @@
-"""``kvstore bench --connector``: the engine's data path (the GPU agent the vLLM connector
+"""``kvstore bench connector``: the engine's data path (the GPU agent the vLLM connector
 drives) against a memcpy of the same bytes, measured in the same run.  Needs torch, not vLLM.
 
 For each page layout (``--layouts``: ``cpu``, vLLM's CPU backend, one tensor per layer of
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import random
 import statistics
 import tempfile
@@ -38,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+from kvstore.bench.kit import report
 from kvstore.bench.nodes import bench_node
 from kvstore.errors import InvalidArgument
 
@@ -380,7 +382,7 @@ def run_connector(a: argparse.Namespace, progress: Callable[[str], None] = lambd
 def print_connector(r: dict[str, Any], f: TextIO) -> None:
     m = r["model"]
     print(
-        f"kvstore bench --connector: one {r['prompt_tokens']}-token prompt, {m['layers']} layers x "
+        f"kvstore bench connector: one {r['prompt_tokens']}-token prompt, {m['layers']} layers x "
         f"{m['kv_heads']} kv heads x {m['head_dim']} {m['dtype']} ({r['prompt_bytes'] / MiB:.0f} MiB)",
         file=f,
     )
@@ -406,3 +408,44 @@ def print_connector(r: dict[str, Any], f: TextIO) -> None:
             f"(p99 full/empty {r['put_p99_full_x_empty']:.2f})",
             file=f,
         )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table goes to stderr)")
+    p.add_argument("--quick", action="store_true", help="small and fast: an 8-layer model, 6 latency requests, 2 reps")
+    p.add_argument(
+        "--repeat", type=int, default=None, metavar="N", help="reps per ratio; the best counts (default 5; --quick 2)"
+    )
+    p.add_argument(
+        "--model",
+        default="32,8,128,bfloat16",
+        metavar="L,H,D,DTYPE",
+        help="the model's KV shape: layers, kv heads, head dim, dtype (default 32,8,128,bfloat16; --quick 8,8,128,bfloat16)",
+    )
+    p.add_argument("--prompt-tokens", type=int, default=4096, metavar="N", help="prompt length (default 4096)")
+    p.add_argument("--layouts", default="cpu,cuda", help="page layouts, cpu (vLLM's CPU backend) and/or cuda (flash)")
+    p.add_argument(
+        "--latency-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests per latency figure (default 20; --quick 6)",
+    )
+    p.add_argument("--no-latency", action="store_true", help="the ratios only")
+
+
+def main(a: argparse.Namespace) -> int:
+    from kvstore.progress import Progress
+
+    a.repeat = a.repeat or (2 if a.quick else 5)
+    if a.repeat < 1:
+        raise InvalidArgument("--repeat must be at least 1")
+    if a.quick and a.model == "32,8,128,bfloat16":
+        a.model = "8,8,128,bfloat16"
+    a.latency_requests = a.latency_requests or (6 if a.quick else 20)
+    if a.latency_requests < 1:
+        raise InvalidArgument("--latency-requests must be at least 1")
+    load_before = os.getloadavg()[0]
+    with Progress("kvstore bench connector", unit="stages") as bar:
+        result = run_connector(a, progress=lambda stage: bar.update(1, note=stage))
+    return report(result, json_out=a.json, load_before=load_before, table=lambda f: print_connector(result, f))

@@ -1,4 +1,4 @@
-"""``kvstore bench --engine --index-blocks N``: a node's NVMe tier holding N small blocks.
+"""``kvstore bench index --blocks N``: a node's NVMe tier holding N small blocks.
 
 Role: measures what a large index costs (issue 15 #3), as the ``index`` object of the
 engine benchmark's JSON:
@@ -22,6 +22,7 @@ batch; one ``sync`` at the end): filling is not what is measured.  Keys form cha
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import shutil
@@ -33,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.bench.kit import MiB, label, log
+from kvstore.bench.kit import KiB, MiB, label, log, report, size_arg
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import ChunkKey
 
@@ -194,7 +195,7 @@ def run_index(n: int, block: int, base: Path, repeat: int = 20) -> dict[str, Any
     from tiers.nvme_format import PAGE, record_bytes
 
     if n < 1:
-        raise InvalidArgument("--index-blocks must be at least 1")
+        raise InvalidArgument("--blocks must be at least 1")
     capacity = -(-(record_bytes(block) * n + 64 * MiB) // PAGE) * PAGE
     if shutil.disk_usage(base).free < capacity + 2 * n * 256 + 256 * MiB:
         raise InvalidArgument(
@@ -227,7 +228,7 @@ def run_index(n: int, block: int, base: Path, repeat: int = 20) -> dict[str, Any
 
 def print_index(r: dict[str, Any], f: Any) -> None:
     print(
-        f"kvstore bench --engine --index-blocks {r['blocks']:,}: blocks of {label(r['block_bytes'])} "
+        f"kvstore bench index --blocks {r['blocks']:,}: blocks of {label(r['block_bytes'])} "
         f"({label(r['record_bytes'])} records), filled in {r['fill_s']:.0f} s",
         file=f,
     )
@@ -254,3 +255,39 @@ def print_index(r: dict[str, Any], f: Any) -> None:
         print(f"{name:<32}{v}", file=f)
     for k, t in r["targets"].items():
         print(f"target {k:<24} <= {t:<6} got {r[k]:>8}  {'met' if r['targets_met'][k] else 'MISSED'}", file=f)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--blocks",
+        "--index-blocks",
+        dest="index_blocks",
+        type=int,
+        required=True,
+        metavar="N",
+        help="fill a node's NVMe tier with N small blocks and report restart time, index size and lookup cost at that size",
+    )
+    p.add_argument(
+        "--block-bytes",
+        "--index-block-bytes",
+        dest="index_block_bytes",
+        type=size_arg,
+        default=4 * KiB,
+        metavar="SIZE",
+        help="payload of each block (default 4KiB: 8KiB on disk)",
+    )
+    p.add_argument(
+        "--dir",
+        metavar="DIR",
+        help="directory for the NVMe tier (default: a temp dir on the data dir's filesystem, never tmpfs)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table goes to stderr)")
+
+
+def main(a: argparse.Namespace) -> int:
+    from kvstore.bench.engine import engine_base_dir
+
+    load_before = os.getloadavg()[0]
+    base = Path(a.dir) if a.dir else engine_base_dir()
+    result: dict[str, Any] = {"bench": "engine", "index": run_index(a.index_blocks, a.index_block_bytes, base)}
+    return report(result, json_out=a.json, load_before=load_before, table=lambda f: print_index(result["index"], f))

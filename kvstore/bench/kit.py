@@ -86,3 +86,84 @@ def timed(fn: Callable[[], Any]) -> float:
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+# -- what every subcommand shares: targets, size arguments, the report ------------------------
+REF_SIZE = 4 * MiB  # ratios and targets are stated at 4 MiB (architecture §15)
+TARGETS = {  # architecture §15, as ratios against references measured in the same run
+    "dram_get_vs_memcpy": 0.8,
+    "nvme_read_vs_direct_io": 0.8,
+    "local_get_vs_memcpy": 0.8,
+    "local_put_vs_memcpy": 0.7,
+    "tcp_get_vs_socket": 0.5,
+    "tcp_get_vs_redis": 2.0,
+}
+
+
+def sizes_arg(value: str) -> list[int]:
+    """An argparse type: comma-separated positive sizes (``256KiB,4MiB``)."""
+    import argparse
+
+    from kvstore.errors import InvalidArgument
+    from kvstore.node.config import parse_size
+
+    try:
+        out = [parse_size(v) for v in value.split(",") if v.strip()]
+    except InvalidArgument as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if any(s <= 0 for s in out):
+        raise argparse.ArgumentTypeError("sizes must be positive")
+    return out
+
+
+def size_arg(value: str) -> int:
+    """An argparse type: one positive size."""
+    import argparse
+
+    (s,) = sizes_arg(value) or [0]
+    if s <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive size: {value!r}")
+    return s
+
+
+def split_targets(targets: str) -> tuple[str | None, str | None]:
+    """``unix:///sock,host:port`` → (the Unix target, the TCP target), either may be None."""
+    unix = tcp = None
+    for t in (x.strip() for x in targets.split(",") if x.strip()):
+        if t.startswith("unix:"):
+            unix = t
+        else:
+            tcp = t
+    return unix, tcp
+
+
+def print_targets(r: dict[str, Any], f: Any) -> None:
+    """One line per target of ``r["targets"]``: the figure got and met / MISSED / n/a."""
+    ratios = r.get("ratios", r)
+    for k, t in r["targets"].items():
+        v = ratios.get(k)
+        verdict = "n/a" if v is None else ("met" if r["targets_met"][k] else "MISSED")
+        op = "<=" if k.endswith("_us") else ">="  # latencies are upper bounds
+        print(f"target {k:<24} {op} {t:<4} got {'-' if v is None else f'{v:.2f}':>5}  {verdict}", file=f)
+
+
+def report(result: dict[str, Any], *, json_out: bool, load_before: float, table: Callable[[Any], None]) -> int:
+    """Print a benchmark's result: ``table(file)`` (to stderr under ``--json``), how busy the
+    machine was (other processes skew every number), then with ``json_out`` exactly one
+    JSON object on stdout."""
+    import json
+    import os
+
+    result["load_avg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    result["cpus"] = os.cpu_count()
+    f = sys.stderr if json_out else sys.stdout
+    table(f)
+    print(
+        f"load average (1 min) before/after: {load_before:.2f}/{result['load_avg_1m'][1]:.2f} on {result['cpus']} CPUs"
+        " (anything else running skews every number)",
+        file=f,
+        flush=True,
+    )
+    if json_out:
+        print(json.dumps(result, sort_keys=True), flush=True)
+    return 0

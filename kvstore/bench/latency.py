@@ -1,4 +1,4 @@
-"""``kvstore bench --latency``: p50/p99 of single-block calls, locally and over TCP.
+"""``kvstore bench latency``: p50/p99 of single-block calls, locally and over TCP.
 
 Role: the per-call cost the batched throughput figures hide (issue 15 #2).  For each
 path (``local``: shared memory over the Unix socket; ``tcp``: the data channel) and each
@@ -14,18 +14,23 @@ afterwards, untimed.  No state outlives a call.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import os
+import shutil
 import struct
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 import xxhash
 
-from kvstore.bench.kit import buffer, label, log
-from kvstore.errors import KVStoreError
+from kvstore.bench.kit import KiB, MiB, buffer, label, log, report, sizes_arg, split_targets
+from kvstore.bench.nodes import private_node
+from kvstore.errors import InvalidArgument, KVStoreError
 
 OPS = ("put", "get", "exists", "match_prefix")
 _run = itertools.count(int(time.time() * 1000) & 0xFFFFFFFF)
@@ -109,3 +114,63 @@ def print_latency(r: dict[str, Any], f: TextIO) -> None:
         for size, v in by_size.items():
             cells = "".join(f"{_cell(v.get(op)):>22}" for op in OPS)
             print(f"{path:<8}{size:>8}  {cells}", file=f)
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    """Single-block calls on a private node (or ``--target``)."""
+    work = Path(tempfile.mkdtemp(prefix="kvstore-bench-"))
+    node = None
+    try:
+        if a.target:
+            unix, tcp = split_targets(a.target)
+            where = a.target
+        else:
+            dram = -(-max(64 * MiB, int(1.25 * (a.latency_ops * 11 // 10 + 1) * max(a.sizes))) // MiB) * MiB
+            log(f"latency: starting a private node ({dram >> 20} MiB DRAM) ...")
+            node = private_node(dram, work)
+            unix, tcp = node.endpoints["unix"], node.endpoints["grpc"]
+            where = f"private (pid {node.endpoints['pid']}, {dram >> 20} MiB DRAM)"
+        targets = {
+            name: (t, transport)
+            for name, t, transport in (("local", unix, "shm"), ("tcp", tcp, "data-channel"))
+            if t and name in a.paths
+        }
+        return {"bench": "sdk", "node": where, "latency": run_latency(targets, a.sizes, a.latency_ops)}
+    finally:
+        if node is not None:
+            node.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvstore.bench.sdk import add_target_arguments
+
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table goes to stderr)")
+    p.add_argument("--quick", action="store_true", help="200 calls per operation and size")
+    p.add_argument("--sizes", type=sizes_arg, default=None, metavar="LIST", help="block sizes (default 64KiB,256KiB)")
+    p.add_argument(
+        "--latency-ops",
+        "--ops",
+        dest="latency_ops",
+        type=int,
+        default=None,
+        metavar="N",
+        help="calls per operation and size (default 1000; --quick 200)",
+    )
+    add_target_arguments(p)
+
+
+def main(a: argparse.Namespace) -> int:
+    a.sizes = a.sizes or [64 * KiB, 256 * KiB]
+    a.latency_ops = a.latency_ops or (200 if a.quick else 1000)
+    if a.latency_ops < 1:
+        raise InvalidArgument("--latency-ops must be at least 1")
+    a.paths = {x.strip() for x in a.paths.split(",") if x.strip()}
+    load_before = os.getloadavg()[0]
+    result = run(a)
+
+    def table(f: TextIO) -> None:
+        print(f"kvstore bench latency; node: {result['node']}", file=f)
+        print_latency(result["latency"], f)
+
+    return report(result, json_out=a.json, load_before=load_before, table=table)

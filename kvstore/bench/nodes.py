@@ -43,4 +43,4 @@ def bench_node(
         raise Unavailable(f"the benchmark's node did not start: {e}") from None
 
 
-private_node = bench_node  # its earlier name, which kvstore/bench/run.py and tls.py import
+private_node = bench_node  # its earlier name, which the sdk, latency and tls benchmarks import

@@ -5,7 +5,6 @@
     kvstore cluster invalidate NAMESPACE
     kvstore cluster owners [--json]
     kvstore cluster release NAMESPACE_HEX [--to TENANT]
-    kvstore cluster bench-placement [--nodes 3,64,256,1024] [--json]
 
 ``NAMESPACE`` is a fingerprint (16 hex digits), a JSON object of
 :class:`~kvstore.keys.Namespace` fields, or a model id (a namespace with every other
@@ -65,14 +64,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "namespace", metavar="NAMESPACE_HEX", help="the namespace fingerprint (16 hex digits, as `owners` lists it)"
     )
     rel.add_argument("--to", metavar="TENANT", help="give it to this tenant instead of releasing it")
-    from kvstore.cluster import simbench
-
-    bp = sub.add_parser(
-        "bench-placement",
-        help="placement at 3..1,024 nodes in-process: us/key against rendezvous, "
-        "keys moved, balance, owners per request",
-    )
-    simbench.add_arguments(bp)
 
 
 def parse_fingerprint(arg: str) -> bytes:
@@ -211,8 +202,4 @@ def _print_human(snap: dict[str, Any]) -> None:
 
 
 def main(a: argparse.Namespace) -> int:
-    if a.cluster_command == "bench-placement":
-        from kvstore.cluster import simbench
-
-        return simbench.main(a)
     return asyncio.run(_run(a))

@@ -76,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tier-gbps",
         default="10,2,1",
         metavar="DRAM,NVME,REMOTE",
-        help="prior load rates in GB/s (`kvstore bench --connector` measures them; default 10,2,1)",
+        help="prior load rates in GB/s (`kvstore bench connector` measures them; default 10,2,1)",
     )
     p.add_argument("--bytes-per-token", type=int, default=128 << 10, help="KV bytes per token for the prior load rates")
     p.add_argument("--max-request-mb", type=float, default=32.0, help="largest request body accepted (default 32 MiB)")

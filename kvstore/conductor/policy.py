@@ -184,7 +184,7 @@ def estimate(
 
 class _Estimator:
     """Estimates for one request, engine by engine, as plain floats: the decision runs this
-    for every engine per request (64 engines in ``kvstore bench --conductor-sim``), so only
+    for every engine per request (64 engines in ``kvstore bench conductor-sim``), so only
     the engines it picks become :class:`Estimate` objects."""
 
     __slots__ = ("model", "prompt_tokens", "pool", "split", "cap", "pooled", "_tbt")

@@ -1,6 +1,6 @@
 """One process of the P/D demo: a model, a paged engine and (per request) a GPU agent.
 
-Run as ``python -m gpu_agent._worker``; :mod:`gpu_agent.demo` drives it with one JSON
+Run as ``python -m kvstore.demo._worker``; :mod:`kvstore.demo.pd` drives it with one JSON
 object per line on stdin and reads one JSON answer per line from stdout (everything
 else the process prints goes to stderr).  Commands:
 
@@ -34,7 +34,7 @@ class Worker:
     ) -> dict[str, Any]:
 
         from gpu_agent.copy_engine import normalize_device
-        from gpu_agent.hf import ModelSpec, PagedEngine, build_model, forward, new_cache
+        from kvstore.demo.hf import ModelSpec, PagedEngine, build_model, forward, new_cache
 
         self.device = str(normalize_device(device))
         self.spec = ModelSpec(**spec)
@@ -57,7 +57,7 @@ class Worker:
         return client, GPUAgent(client, self.layout, self.namespace, device=self.device, config=cfg)
 
     def reference(self, prompt: list[int], new_tokens: int) -> dict[str, Any]:
-        from gpu_agent.hf import greedy, new_cache
+        from kvstore.demo.hf import greedy, new_cache
 
         t0 = time.perf_counter()
         first: list[float] = []
@@ -65,7 +65,7 @@ class Worker:
         return {"tokens": tokens, "ttft_s": first[0], "cached_tokens": 0, "pid": os.getpid()}
 
     def prefill(self, target: str, prompt: list[int]) -> dict[str, Any]:
-        from gpu_agent.hf import forward, new_cache
+        from kvstore.demo.hf import forward, new_cache
 
         client, agent = self._agent(target)
         try:
@@ -91,7 +91,7 @@ class Worker:
             client.close()
 
     def decode(self, target: str, prompt: list[int], new_tokens: int, prefetch: bool = False) -> dict[str, Any]:
-        from gpu_agent.hf import greedy, new_cache
+        from kvstore.demo.hf import greedy, new_cache
 
         client, agent = self._agent(target)
         try:

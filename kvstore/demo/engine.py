@@ -1,10 +1,14 @@
 """One vLLM engine in a process of its own, driven over stdin/stdout (JSON lines).
 
-The demo and the end-to-end tests run prefill and decode in separate engine processes,
-as a disaggregated deployment does.  The engine is vLLM's offline engine with vLLM's
-defaults where they matter to a connector: prefix caching on (``prefix_caching=False``
-turns it off), chunked prefill (``max_batched_tokens`` below the prompt length splits a
-prefill over steps), ``tp`` tensor-parallel ranks, and a KV cache of ``kv_bytes`` (small:
+``kvstore demo vllm`` and ``kvstore demo lmcache`` (:mod:`kvstore.demo.vllm`,
+:mod:`kvstore.demo.lmcache`), the simulator's calibration (:mod:`kvstore.sim.calibrate`)
+and the end-to-end tests run their engines through this module (the child is
+``python -m kvstore.demo.engine``), and ``kvstore bench serving`` takes its model
+(:func:`make_model`): prefill and decode run in separate engine processes, as a
+disaggregated deployment does.  The engine is vLLM's offline engine with vLLM's defaults
+where they matter to a connector: prefix caching on (``prefix_caching=False`` turns it
+off), chunked prefill (``max_batched_tokens`` below the prompt length splits a prefill
+over steps), ``tp`` tensor-parallel ranks, and a KV cache of ``kv_bytes`` (small:
 concurrent requests are preempted and resumed).
 
 Every engine, with a connector or without, binds its worker(s) the same way: to this
@@ -406,7 +410,7 @@ class EngineProcess:
         self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
         self._shm_before = shm_names()  # close() removes what the engine left there
         self.proc = spawn(
-            [sys.executable, "-m", "gpu_agent.vllm.engine", json.dumps(spec)],
+            [sys.executable, "-m", "kvstore.demo.engine", json.dumps(spec)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,

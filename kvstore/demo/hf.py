@@ -1,5 +1,6 @@
-"""Hugging Face ``transformers`` glue for the demo: a small random Llama and a paged
-"engine" around it.
+"""Hugging Face ``transformers`` glue for ``kvstore demo pd`` (:mod:`kvstore.demo.pd`, whose
+workers, :mod:`kvstore.demo._worker`, load it): a small random Llama and a paged "engine"
+around it.
 
 The model is a ``LlamaForCausalLM`` built from a small :class:`ModelSpec` with a fixed
 seed (no weights are downloaded), in float32 on the CPU (or a CUDA device), so two

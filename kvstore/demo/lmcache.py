@@ -162,8 +162,8 @@ def _until(done: Any, what: str, timeout: float = 60.0) -> None:
 def run(a: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     import numpy as np
 
-    from gpu_agent.vllm.engine import EngineProcess, make_model
     from kvstore.children import private_node
+    from kvstore.demo.engine import EngineProcess, make_model
 
     chunk, n, max_len = int(a.chunk_tokens), int(a.prompt_tokens), int(a.prompt_tokens) + int(a.new_tokens) + 16
     with contextlib.ExitStack() as stack:

@@ -2,8 +2,8 @@
 
     kvstore demo pd --prompt-tokens 4096 --new-tokens 32 [--chunk-tokens 256] [--json]
 
-What it runs (each worker is a separate ``python -m gpu_agent._worker`` process with
-the same small random Llama, see :mod:`gpu_agent.hf`):
+What it runs (each worker is a separate ``python -m kvstore.demo._worker`` process with
+the same small random Llama, see :mod:`kvstore.demo.hf`):
 
 1. a private node (``kvstore serve`` on free ports, a temporary data directory) unless
    ``--target`` names one;
@@ -20,8 +20,8 @@ the same small random Llama, see :mod:`gpu_agent.hf`):
 
 It prints TTFT per scenario and whether each one's tokens equal the reference's; the
 exit status is 1 if any differ.  With ``--target`` (a node that cannot be restarted
-here) the NVMe scenario is skipped.  Only this module's ``main`` imports anything
-heavy: the CLI imports this file at start-up.
+here) the NVMe scenario is skipped.  The arguments are :mod:`kvstore.demo.cli`'s, which
+imports this module only for ``kvstore demo pd``; only :func:`main` imports anything heavy.
 """
 
 from __future__ import annotations
@@ -39,44 +39,8 @@ from pathlib import Path
 from typing import Any
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "scenario",
-        choices=["pd", "vllm", "lmcache"],
-        help="pd: prefill -> decode handoff through the store; "
-        "vllm: the same with real vLLM engine processes and the vLLM connector (in .venv-vllm); "
-        "lmcache: vLLM with LMCache's multi-process server, kvstore as its L2, against LMCache's own "
-        "disk L2 and vLLM alone (in .venv-vllm with LMCache: setup.sh --vllm --lmcache)",
-    )
-    p.add_argument("--prompt-tokens", type=int, default=4096, help="prompt length (default 4096)")
-    p.add_argument("--new-tokens", type=int, default=32, help="tokens to generate (default 32)")
-    p.add_argument(
-        "--chunk-tokens", type=int, default=256, help="store chunk size in tokens, a multiple of 16 (default 256)"
-    )
-    p.add_argument("--seed", type=int, default=0, help="model weights and prompt seed (default 0)")
-    p.add_argument("--layers", type=int, help="transformer layers of the demo model (default 4)")
-    p.add_argument("--hidden", type=int, help="hidden size of the demo model (default: pd 256, vllm 512)")
-    p.add_argument(
-        "--target", help="use this running node (unix:///path) instead of a private one; skips the NVMe scenario"
-    )
-    p.add_argument("--dram", default="256MiB", help="DRAM tier of the private node (default 256MiB)")
-    p.add_argument("--nvme", default="512MiB", help="NVMe tier of the private node (default 512MiB)")
-    p.add_argument("--device", help="torch device of the workers (default: cuda if available, else cpu)")
-    p.add_argument("--repeat", type=int, default=3, help="runs per scenario; TTFT is the fastest (default 3)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument(
-        "--log-dir", help="vllm: keep each engine's and node's log in this directory (default: a temporary one)"
-    )
-    p.add_argument(
-        "--async-loads",
-        choices=["auto", "always", "never"],
-        default="auto",
-        help="vllm: the decode engines' async_loads (default auto: NVMe and remote hits load while the batch runs on)",
-    )
-
-
 class WorkerProcess:
-    """A ``gpu_agent._worker`` child speaking JSON lines."""
+    """A ``kvstore.demo._worker`` child speaking JSON lines."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -94,7 +58,7 @@ class WorkerProcess:
         from kvstore.children import spawn  # dies with the demo
 
         self.proc = spawn(
-            [sys.executable, "-m", "gpu_agent._worker"],
+            [sys.executable, "-m", "kvstore.demo._worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -166,8 +130,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
 def _run(a: argparse.Namespace, prog: Any, repeat: int) -> dict[str, Any]:
     from client import KVClient
-    from gpu_agent.hf import ModelSpec
     from kvstore.children import private_node
+    from kvstore.demo.hf import ModelSpec
     from kvstore.keys import chunk_keys
 
     prog.step("building the prefill and decode engines")
@@ -330,14 +294,6 @@ def format_table(r: dict[str, Any]) -> str:
 
 
 def main(a: argparse.Namespace) -> int:
-    if a.scenario == "vllm":
-        from gpu_agent.vllm.demo import main as vllm_main
-
-        return vllm_main(a)
-    if a.scenario == "lmcache":
-        from gpu_agent.lmcache.demo import main as lmcache_main
-
-        return lmcache_main(a)
     a.layers = 4 if a.layers is None else a.layers
     a.hidden = 256 if a.hidden is None else a.hidden
     t0 = time.perf_counter()

@@ -45,7 +45,7 @@ of the same bytes (``connector``).
 
 Every engine first serves one warm-up prompt, so no TTFT includes first-request costs.
 Every engine, the plain one included, runs its worker on the same cores (all of this
-process's CPUs: :func:`gpu_agent.vllm.engine.cpu_binding`), so the ratios compare like
+process's CPUs: :func:`kvstore.demo.engine.cpu_binding`), so the ratios compare like
 with like (vLLM's own default binding keeps a core back from an engine without a
 connector only); the output says which cores each engine's worker used (``engine_cpus``).
 Run it in ``.venv-vllm`` (``./scripts/setup.sh --vllm``).
@@ -94,8 +94,8 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     from client import KVClient
-    from gpu_agent.vllm.engine import EngineProcess, make_model
     from kvstore.children import private_node
+    from kvstore.demo.engine import EngineProcess, make_model
 
     n = a.prompt_tokens
     layers = a.layers if a.layers is not None else 4
@@ -250,7 +250,7 @@ def itl_during_load(prefill: Any, decode: Any, node: Any, n: int, repeat: int) -
     """Inter-token latency of a decoding request alone, and while a prompt of ``n`` tokens
     loads from NVMe on the same engine (see the module docstring).  p50/p99 over every
     interval of ``repeat`` runs each way."""
-    from gpu_agent.vllm.engine import request
+    from kvstore.demo.engine import request
 
     alone: list[float] = []
     loaded: list[float] = []

@@ -1,6 +1,6 @@
 """``kvstore sim calibrate``: a profile's step-time constants measured on a real vLLM engine.
 
-It starts one vLLM engine (:class:`gpu_agent.vllm.engine.EngineProcess`: vLLM's own engine,
+It starts one vLLM engine (:class:`kvstore.demo.engine.EngineProcess`: vLLM's own engine,
 stepped one step at a time, prefix caching on) on one CPU, as ``kvstore bench serving`` runs
 each engine, with the benchmark's locally made model (``--layers``, ``--hidden``) and KV
 cache (``--engine-kv``), and times three kinds of step:
@@ -156,7 +156,7 @@ def prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
 
 def measure(engine: Any, a: argparse.Namespace) -> list[dict[str, Any]]:
     """The samples (see :func:`fit`) of one engine."""
-    from gpu_agent.vllm.engine import request
+    from kvstore.demo.engine import request
 
     rng = random.Random(a.seed)
     samples: list[dict[str, Any]] = []
@@ -205,7 +205,7 @@ def measure(engine: Any, a: argparse.Namespace) -> list[dict[str, Any]]:
 
 class ServedEngine:
     """One vLLM OpenAI server of a ``baseline`` fleet (:class:`kvstore.bench.serving.fleet.Fleet`),
-    driven the way :func:`measure` drives an :class:`~gpu_agent.vllm.engine.EngineProcess`:
+    driven the way :func:`measure` drives an :class:`~kvstore.demo.engine.EngineProcess`:
     ``generate`` and ``batch`` send the requests through the benchmark's streaming client
     (:class:`kvstore.bench.serving.runner.Replay`) and answer the same fields (``ttft_ms``;
     ``token_ms``, each streamed token's time since the request was sent).  ``block_size`` and
@@ -282,7 +282,7 @@ def run(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     import importlib.util
     import os
 
-    from gpu_agent.vllm.engine import EngineProcess, make_model
+    from kvstore.demo.engine import EngineProcess, make_model
     from kvstore.node.config import parse_size
     from kvstore.sim.profile import EngineProfile
 

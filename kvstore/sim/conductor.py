@@ -71,7 +71,7 @@ POOL_SPACE = (b"kvstore.sim", 0)
 
 def profile_priors(profile: EngineProfile) -> list[str]:
     """The conductor's prior flags for ``profile``'s hardware, as an operator sets them from
-    measured rates (``kvstore bench --connector``): the prefill rate, the DRAM, NVMe and
+    measured rates (``kvstore bench connector``): the prefill rate, the DRAM, NVMe and
     network load rates, and the KV bytes per token.  A prior is what the conductor believes
     of a tier until requests load from it; one whose tier it never sends a request to is
     never corrected (left at the defaults, 1 GB/s over the network, the pool looks slower

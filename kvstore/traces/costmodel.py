@@ -3,7 +3,7 @@
     saved = hit_tokens / recompute_tokens_per_s
             − dram_hit_blocks × block_bytes / dram_load_Bps − nvme_hit_blocks × block_bytes / nvme_load_Bps
 
-Inputs are measured, not assumed: the load rates come from ``kvstore bench --engine --json``
+Inputs are measured, not assumed: the load rates come from ``kvstore bench engine --json``
 (``dram_get_gbps``, ``nvme_read_gbps``; ``--bench FILE``) or are given (``--dram-gbps``,
 ``--nvme-gbps``), the recompute rate from the engine (``--recompute-tps``, e.g. the prefill
 throughput ``kvstore demo`` prints), the KV size per token from the model
@@ -56,7 +56,7 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--bench",
         metavar="FILE",
-        help="output of `kvstore bench --engine --json`: the measured DRAM and NVMe load rates",
+        help="output of `kvstore bench engine --json`: the measured DRAM and NVMe load rates",
     )
 
 
@@ -67,7 +67,7 @@ def from_args(
     nvme_gbps: float | None,
     bench_file: str | None,
 ) -> CostModel | None:
-    """The model from flags and a ``kvstore bench --engine --json`` file (flags win); None if
+    """The model from flags and a ``kvstore bench engine --json`` file (flags win); None if
     an input is missing (the caller then reports no time saved)."""
     if bench_file:
         measured = read_bench(bench_file)
@@ -82,7 +82,7 @@ def from_args(
 
 
 def read_bench(path: str) -> dict[str, float]:
-    """Load rates from the JSON ``kvstore bench --engine --json`` printed (its last JSON line)."""
+    """Load rates from the JSON ``kvstore bench engine --json`` printed (its last JSON line)."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = [ln for ln in f.read().splitlines() if ln.strip().startswith("{")]
@@ -98,5 +98,5 @@ def read_bench(path: str) -> dict[str, float]:
                 k: float(obj[k]) for k in ("dram_get_gbps", "nvme_read_gbps") if isinstance(obj.get(k), (int, float))
             }
     raise InvalidArgument(
-        f"--bench: {path} holds no `kvstore bench --engine --json` result (dram_get_gbps, nvme_read_gbps)"
+        f"--bench: {path} holds no `kvstore bench engine --json` result (dram_get_gbps, nvme_read_gbps)"
     )

@@ -120,7 +120,7 @@ def test_prefetch_fills_the_pool_and_load_copies_device_to_device(cuda_agent: An
 
 
 def test_bench_script_runs_small() -> None:
-    cmd = [sys.executable, "-m", "gpu_agent.bench", "--layers", "4", "--blocks", "4", "--iters", "2", "--json"]
+    cmd = [sys.executable, "-m", "kvstore", "bench", "gpu", "--layers", "4", "--blocks", "4", "--iters", "2", "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,4 +1,5 @@
-"""``kvstore bench``: both benchmarks run end to end and print the documented JSON.
+"""``kvstore bench``: its subcommands run end to end and print the documented JSON; the
+flags of earlier releases still run them, with a deprecation message.
 
 No timing assertions: the numbers depend on the machine and its neighbours.  These
 tests check that every case ran, moved the right bytes (the bench verifies them
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_bench(*args: str, timeout: float = 120) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "kvstore", "bench", "--json", *args],
+        [sys.executable, "-m", "kvstore", "bench", *args, "--json"],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -37,7 +38,7 @@ def positive(x: object) -> bool:
 
 @pytest.mark.timeout(120)
 def test_engine_bench_json(tmp_path: Path) -> None:
-    r = run_bench("--engine", "--working-set", "32MiB", "--repeat", "2", "--dir", str(tmp_path))
+    r = run_bench("engine", "--working-set", "32MiB", "--repeat", "2", "--dir", str(tmp_path))
     for key in (
         "memcpy_gbps",
         "dram_put_gbps",
@@ -84,9 +85,7 @@ def test_sdk_bench_quick_json() -> None:
 @pytest.mark.timeout(180)
 def test_index_blocks_bench_json(tmp_path: Path) -> None:
     """Issue 15 #3: a node's NVMe tier filled with small blocks, restarted, measured."""
-    r = run_bench(
-        "--engine", "--index-blocks", "3000", "--index-block-bytes", "1KiB", "--dir", str(tmp_path), timeout=170
-    )
+    r = run_bench("index", "--blocks", "3000", "--block-bytes", "1KiB", "--dir", str(tmp_path), timeout=170)
     idx = r["index"]
     assert idx["blocks"] == 3000 and idx["block_bytes"] == 1024 and idx["record_bytes"] == 8192
     for key in (
@@ -112,7 +111,7 @@ def test_index_blocks_bench_json(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_latency_bench_json() -> None:
     """Issue 15 #2: p50/p99 of single-block calls on both paths (no timing asserted)."""
-    r = run_bench("--latency", "--latency-ops", "30", "--sizes", "64KiB,256KiB")
+    r = run_bench("latency", "--ops", "30", "--sizes", "64KiB,256KiB")
     lat = r["latency"]
     assert lat["ops"] == 30 and set(lat["paths"]) == {"local", "tcp"}
     for path, by_size in lat["paths"].items():
@@ -125,9 +124,9 @@ def test_latency_bench_json() -> None:
 
 @pytest.mark.timeout(300)
 def test_connector_bench_json() -> None:
-    """``kvstore bench --connector`` (issue 24): both page layouts, verification on and off,
+    """``kvstore bench connector`` (issue 24): both page layouts, verification on and off,
     load latency from DRAM, NVMe and a remote node, puts with DRAM empty and full."""
-    r = run_bench("--connector", "--quick", "--model", "2,2,64,float16", "--prompt-tokens", "1024", timeout=280)
+    r = run_bench("connector", "--quick", "--model", "2,2,64,float16", "--prompt-tokens", "1024", timeout=280)
     assert r["bench"] == "connector" and r["prompt_tokens"] == 1024
     assert r["prompt_bytes"] == 1024 * 2 * 2 * 2 * 64 * 2
     assert set(r["layouts"]) == {"cpu", "cuda"}
@@ -145,7 +144,7 @@ def test_connector_bench_json() -> None:
 
 def test_connector_bench_refuses_a_bad_model_shape() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "kvstore", "bench", "--connector", "--model", "32,8,bf16"],
+        [sys.executable, "-m", "kvstore", "bench", "connector", "--model", "32,8,bf16"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -153,3 +152,32 @@ def test_connector_bench_refuses_a_bad_model_shape() -> None:
     )
     assert proc.returncode != 0 and "LAYERS,KV_HEADS,HEAD_DIM,DTYPE" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def kvstore(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+def test_the_old_flags_still_run_their_subcommand_and_say_so() -> None:
+    """The flag ladder of earlier releases (in users' scripts) runs the same benchmark,
+    with a deprecation message that names the subcommand; plain flags are ``sdk``."""
+    proc = kvstore("bench", "--json", "--latency", "--latency-ops", "5", "--sizes", "64KiB", "--paths", "local")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "`kvstore bench --latency` is deprecated" in proc.stderr and "`kvstore bench latency ...`" in proc.stderr
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["latency"]["ops"] == 5 and set(r["latency"]["paths"]) == {"local"}
+    # --engine with --index-blocks is the index benchmark: its own check of N speaks
+    proc = kvstore("bench", "--engine", "--index-blocks", "0")
+    assert proc.returncode == 2 and "--blocks must be at least 1" in proc.stderr, proc.stderr
+    assert "`kvstore bench index ...`" in proc.stderr
+    proc = kvstore("cluster", "bench-placement", "--nodes", "3", "--keys", "50", "--old-keys", "5", "--json")
+    assert proc.returncode == 0 and "`kvstore bench placement ...`" in proc.stderr, proc.stderr
+    assert [m["nodes"] for m in json.loads(proc.stdout)["results"]] == [3]
+    proc = kvstore("bench", "--help")
+    assert proc.returncode == 0
+    for name in ("sdk", "engine", "index", "latency", "connector", "gpu", "cluster-sim", "conductor-sim", "serving"):
+        assert f"\n    {name}" in proc.stdout, name
+    proc = kvstore("bench", "--engine", "--no-such-flag")
+    assert proc.returncode == 2 and "unrecognized arguments: --no-such-flag" in proc.stderr

@@ -1,4 +1,4 @@
-"""``kvstore bench --cluster-sim``: every figure of issue 19 per cluster size, as JSON on stdout
+"""``kvstore bench cluster-sim``: every figure of issue 19 per cluster size, as JSON on stdout
 (the table on stderr), with membership against a private etcd when one is installed."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from kvstore.cluster.local_etcd import find_etcd
 
 def bench(*args: str) -> tuple[dict, str]:
     r = subprocess.run(
-        [sys.executable, "-m", "kvstore", "bench", "--cluster-sim", "--quick", "--json", *args],
+        [sys.executable, "-m", "kvstore", "bench", "cluster-sim", "--quick", "--json", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -66,7 +66,7 @@ def test_bad_arguments_fail_before_any_work() -> None:
 
 
 def test_table_shows_every_scenario() -> None:
-    from gpu_agent.demo import format_table
+    from kvstore.demo.pd import format_table
 
     s = {"ttft_s": 0.5, "cached_tokens": 0, "tier": "-", "tokens_equal": True}
     r = {

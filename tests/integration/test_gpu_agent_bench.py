@@ -1,4 +1,4 @@
-"""``python -m gpu_agent.bench`` is a CUDA benchmark; ``--device cpu`` dry-runs the same
+"""``kvstore bench gpu`` is a CUDA benchmark; ``--device cpu`` dry-runs the same
 script so it does not rot on machines without a GPU (its numbers mean nothing there)."""
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ def test_bench_dry_run_on_cpu() -> None:
     cmd = [
         sys.executable,
         "-m",
-        "gpu_agent.bench",
+        "kvstore",
+        "bench",
+        "gpu",
         "--device",
         "cpu",
         "--layers",
@@ -50,6 +52,6 @@ def test_bench_without_cuda_says_so() -> None:
     if torch.cuda.is_available():
         return
     out = subprocess.run(
-        [sys.executable, "-m", "gpu_agent.bench"], capture_output=True, text=True, cwd=ROOT, timeout=120
+        [sys.executable, "-m", "kvstore", "bench", "gpu"], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
     assert out.returncode != 0 and "no CUDA device" in out.stderr

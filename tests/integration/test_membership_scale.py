@@ -3,7 +3,7 @@
 must all load the full membership, see every join and leave (the harness gives each 10 s, a
 hang guard, and raises if a view never converges), read membership in full once, and apply the
 watch's events one by one (one snapshot per batch of events).  How fast they converge is a
-figure of ``kvstore bench --cluster-sim``, not an assertion here: on a loaded 2-core runner a
+figure of ``kvstore bench cluster-sim``, not an assertion here: on a loaded 2-core runner a
 batch of 50 leaves once took 1.2 s."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import asyncio
 import pytest
 from cluster_fixtures import etcd  # noqa: F401 - fixture
 
-from kvstore.cluster import membench
+from kvstore.bench import membership as membench
 from kvstore.cluster.etcd import ClusterWatcher, Registration
 from kvstore.cluster.local_etcd import LocalEtcd
 from kvstore.cluster.state import NodeInfo

@@ -41,8 +41,8 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A node, an ``lmcache server`` with kvstore as its L2, a vLLM engine using it and a
     reference engine with no cache, started together (engines take most of a minute)."""
-    from gpu_agent.lmcache.demo import LMCacheServer, kvstore_l2
-    from gpu_agent.vllm.engine import EngineProcess, make_model
+    from kvstore.demo.engine import EngineProcess, make_model
+    from kvstore.demo.lmcache import LMCacheServer, kvstore_l2
 
     d = tmp_path_factory.mktemp("lmcache-e2e")
     with contextlib.ExitStack() as stack:

@@ -13,10 +13,10 @@ import pytest
 from cluster_core import publish, router
 
 from client._cluster import ClusterCore
+from kvstore.bench.cluster_sim import hot_load
 from kvstore.cluster import hot
 from kvstore.cluster.etcd import _Builder
 from kvstore.cluster.placement import BoundedTable, Ring
-from kvstore.cluster.simbench import hot_load
 from kvstore.cluster.state import ClusterConfig, ClusterSnapshot, NodeInfo, hot_key, prefix
 
 CLUSTER = "hot"

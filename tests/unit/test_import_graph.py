@@ -5,6 +5,11 @@ Parsed with ``ast`` from every project module (``kvstore``, ``client``, ``tiers`
 
 * ``client/`` imports nothing from ``kvstore.node`` and nothing from ``tiers``, and no
   private (``_``-prefixed) name of another package, whether a module or a name in it;
+* the product (``client``, ``tiers``, ``gpu_agent``, ``protos``, ``kvstore.node``,
+  ``kvstore.cluster``, ``kvstore.conductor``, ``kvstore.dashboard``, ``kvstore.local`` and
+  the ``kvstore/`` root but its command line) imports no tool (``kvstore.bench``,
+  ``kvstore.demo``, ``kvstore.sim``, ``kvstore.traces``), lazy imports included, and holds
+  no demo or benchmark module;
 * the ``kvstore/`` root keeps at most 14 modules;
 * no import cycle between any two files of the project.
 
@@ -176,6 +181,45 @@ def test_client_takes_no_private_name_of_another_package() -> None:
         if _package(i.importer) == "client" and (name := _private(i)) is not None
     ]
     assert not bad, f"client/ uses private names of other packages ({len(bad)}):\n" + "\n".join(bad)
+
+
+TOOLS = ("kvstore.bench", "kvstore.demo", "kvstore.sim", "kvstore.traces")
+PRODUCT = (
+    "client",
+    "tiers",
+    "gpu_agent",
+    "protos",
+    "kvstore.node",
+    "kvstore.cluster",
+    "kvstore.conductor",
+    "kvstore.dashboard",
+    "kvstore.local",
+)
+ENTRY_POINTS = ("kvstore.cli", "kvstore.__main__")  # the command line dispatches to the tools
+
+
+def _under(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def _product(module: str) -> bool:
+    root = module.count(".") == 1 and module.startswith("kvstore.") or module == "kvstore"
+    return _under(module, PRODUCT) or (root and not _under(module, TOOLS) and module not in ENTRY_POINTS)
+
+
+def test_the_product_imports_no_tool_and_holds_none() -> None:
+    bad = [
+        f"{_where(i)}: {i.importer} imports {i.target}"
+        for i in IMPORTS
+        if _product(i.importer) and _under(i.target, TOOLS)
+    ]
+    assert not bad, f"the product must not depend on demos, benchmarks or simulators ({len(bad)}):\n" + "\n".join(bad)
+    tools = [m for m in MODULES if _product(m) and any(w in m.rsplit(".", 1)[-1] for w in ("bench", "demo"))]
+    assert not tools, (
+        f"demo or benchmark modules inside product packages: {tools} (they live in kvstore/bench, kvstore/demo)"
+    )
+    assert _product("kvstore.node.server") and _product("kvstore.keys") and not _product("kvstore.cli")
+    assert not _product("kvstore.bench.sdk") and not _product("kvstore.demo.engine") and not _product("kvstore.sim")
 
 
 def test_kvstore_root_keeps_at_most_14_modules() -> None:

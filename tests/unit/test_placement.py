@@ -163,7 +163,7 @@ def test_a_join_or_leave_moves_close_to_r_over_n(n: int) -> None:
                 r,
                 frac,
                 ideal,
-            )  # measured: 1.1-1.7x (kvstore cluster bench-placement)
+            )  # measured: 1.1-1.7x (kvstore bench placement)
     # the new node's slots are its own; only the bounded overflow moves anything else
     new_rows = rows(joined, 1)
     gained = sum("node-new" in x for x in new_rows) / SLOTS

@@ -43,8 +43,8 @@ from vllm_rig import (  # noqa: F401 - fixtures
 )
 
 from client import KVClient
-from gpu_agent.vllm.engine import request
 from kvstore.children import log_tail
+from kvstore.demo.engine import request
 from kvstore.keys import Namespace, chunk_keys
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

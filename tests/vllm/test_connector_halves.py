@@ -420,8 +420,8 @@ def test_a_local_prefix_cache_hit_never_stops_the_next_requests_lookups(tmp_path
     go to the engine's own node and a reporting failure never stops lookups."""
     import contextlib
 
-    from gpu_agent.vllm.demo import local_cluster
     from kvstore.children import private_node
+    from kvstore.demo.vllm import local_cluster
 
     with contextlib.ExitStack() as stack:
         cluster, member = local_cluster(stack, tmp_path)
@@ -774,11 +774,11 @@ def test_the_cluster_client_for_pulls_is_made_at_start_not_by_the_first_remote_h
     import contextlib
 
     from client import ClusterClient
-    from gpu_agent.vllm.demo import local_cluster
     from gpu_agent.vllm.settings import ConnectorSettings
     from gpu_agent.vllm.worker import WorkerSide
     from kvstore.children import private_node
     from kvstore.cluster.local_etcd import free_port
+    from kvstore.demo.vllm import local_cluster
 
     with contextlib.ExitStack() as stack:
         cluster, member = local_cluster(stack, tmp_path)

@@ -303,9 +303,9 @@ def test_a_queued_requests_chunks_on_another_node_are_pulled_to_its_own_while_it
     import contextlib
 
     from client import KVClient
-    from gpu_agent.vllm.demo import local_cluster
     from gpu_agent.vllm.spec import request_namespace
     from kvstore.children import private_node
+    from kvstore.demo.vllm import local_cluster
     from kvstore.keys import chunk_keys
 
     with contextlib.ExitStack() as stack:

@@ -30,11 +30,11 @@ KV_PER_TOKEN = LAYERS * 2 * (HIDDEN // 64 // 2) * 64 * 4  # K and V, fp32, 2 KV 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    from gpu_agent.vllm.demo import local_cluster
-    from gpu_agent.vllm.engine import EngineProcess, make_model
     from kvstore.children import private_node
     from kvstore.cluster.membership import Membership
     from kvstore.cluster.state import parse_target
+    from kvstore.demo.engine import EngineProcess, make_model
+    from kvstore.demo.vllm import local_cluster
 
     d = tmp_path_factory.mktemp("registry")
     with contextlib.ExitStack() as stack:

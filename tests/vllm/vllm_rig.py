@@ -125,9 +125,9 @@ class Rig:
 
     def __init__(self, d: Path, stack: contextlib.ExitStack, *, tp2: bool = False) -> None:
         from client import KVClient
-        from gpu_agent.vllm.demo import local_cluster
-        from gpu_agent.vllm.engine import EngineProcess, make_lora, make_model
         from kvstore.children import private_node
+        from kvstore.demo.engine import EngineProcess, make_lora, make_model
+        from kvstore.demo.vllm import local_cluster
 
         self.dir = d
         self.model = make_model(d / "model", layers=LAYERS, hidden=HIDDEN, max_tokens=MAX)

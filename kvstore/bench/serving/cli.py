@@ -381,7 +381,7 @@ def run(a: argparse.Namespace) -> tuple[dict[str, Any], list[Record]]:
         else:
             served = fleetmod.SERVED_NAME
             if model is None:
-                from gpu_agent.vllm.engine import make_model
+                from kvstore.demo.engine import make_model
 
                 d = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvstore-serving-model-")))
                 model = str(make_model(d / "model", layers=a.layers, hidden=a.hidden, max_tokens=_model_len(steps, a)))

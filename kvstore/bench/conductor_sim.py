@@ -1,4 +1,4 @@
-"""``kvstore bench --conductor-sim``: what one routing decision costs, over a simulated fleet.
+"""``kvstore bench conductor-sim``: what one routing decision costs, over a simulated fleet.
 
 The conductor must never be the fleet's bottleneck (target: at most 1 ms per request at
 32k-token prompts and 64 engines).  This builds the conductor's own state for a fleet
@@ -20,7 +20,10 @@ network time bounded by ``--pool-timeout-ms``, the second the engine does too.
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
+import sys
 import time
 from typing import Any, TextIO
 
@@ -128,3 +131,25 @@ def print_conductor_sim(r: dict[str, Any], out: TextIO) -> None:
     )
     for k in ("keys_us", "match_us", "decide_us"):
         print(f"  {k[:-3]:>7}: p50 {r[k]['p50']} us, p99 {r[k]['p99']} us", file=out)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engines", "--sim-engines", dest="engines", type=int, default=64, help="engines (default 64)")
+    p.add_argument(
+        "--prompt-tokens",
+        "--sim-prompt-tokens",
+        dest="prompt_tokens",
+        type=int,
+        default=32768,
+        help="prompt length (default 32768)",
+    )
+    p.add_argument("--quick", action="store_true", help="50 requests instead of 300")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table goes to stderr)")
+
+
+def main(a: argparse.Namespace) -> int:
+    r = conductor_sim(a.engines, a.prompt_tokens, 50 if a.quick else 300)
+    print_conductor_sim(r, sys.stderr if a.json else sys.stdout)
+    if a.json:
+        print(json.dumps(r, sort_keys=True), flush=True)
+    return 0

@@ -1,4 +1,4 @@
-"""Membership at scale, against a real etcd: ``kvstore bench --cluster-sim`` (its ``membership``
+"""Membership at scale, against a real etcd: ``kvstore bench cluster-sim`` (its ``membership``
 object) and ``tests/integration/test_membership_scale.py``.
 
 A light harness stands in for ``N`` nodes: one :class:`~kvstore.cluster.etcd.Registration`

@@ -1,9 +1,9 @@
-"""GPU agent benchmark: arena ↔ HBM bandwidth against plain pinned copies, and how much of
+"""``kvstore bench gpu``: the GPU agent's arena ↔ HBM bandwidth against plain pinned copies, and how much of
 a layer-wise load hides behind compute.
 
-    python -m gpu_agent.bench [--layers 32 --kv-heads 8 --head-dim 128 --dtype bfloat16
-                               --chunk-tokens 256 --blocks 16] [--table scattered|contiguous]
-                              [--target unix:///...] [--json]
+    kvstore bench gpu [--layers 32 --kv-heads 8 --head-dim 128 --dtype bfloat16
+                      --chunk-tokens 256 --blocks 16] [--table scattered|contiguous]
+                      [--target unix:///...] [--json]
 
 Measured in one run, on one CUDA device (``--device cpu`` runs the same code on CPU
 tensors, to check the script itself; its numbers mean little):
@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -49,8 +48,7 @@ from typing import Any
 GB = 1e9
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m gpu_agent.bench", description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -66,8 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run of the script)")
     p.add_argument("--target", help="a running node (unix:///path); default: start a private one")
-    p.add_argument("--json", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
 
 
 class Clock:
@@ -357,12 +354,7 @@ def format_report(r: dict[str, Any]) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
+def main(a: argparse.Namespace) -> int:
     r = run(a)
     print(json.dumps(r) if a.json else format_report(r))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
