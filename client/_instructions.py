@@ -90,7 +90,7 @@ def best_effort(method: str, request: Any) -> Op[None]:
     """Best-effort cleanup call; its failure must not mask the original error."""
     try:
         yield Rpc(method, request)
-    except Exception:
+    except Exception:  # the error being raised already is the one the caller must see
         pass
 
 

@@ -21,6 +21,9 @@
   positions ``[2**(b-1), 2**b)``, :data:`LAST_BUCKET` every position from
   ``2**(LAST_BUCKET-1)`` on, and :data:`UNKNOWN_BUCKET` blocks whose position the node
   could not tell (their parent was not stored there, or left before they came).
+* Percentiles (:func:`percentile`, :func:`percentiles`): the one rule every report, the
+  conductor and the tools use for a p50 or a p99 (linear interpolation between the closest
+  ranks, numpy's default), so one figure means one thing in every output.
 
 Owns no state.
 """
@@ -29,6 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+from collections.abc import Iterable, Sequence
 
 from kvstore.errors import InvalidArgument
 
@@ -172,3 +177,36 @@ def bucket_label(bucket: int) -> str:
         return str(bucket)
     lo = 1 << (bucket - 1)
     return f"{lo}+" if bucket == LAST_BUCKET else f"{lo}-{2 * lo - 1}"
+
+
+# -- percentiles (every report) ---------------------------------------------------------------
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0 to 100) of ``values`` (at least one): linear interpolation
+    between the closest ranks of the sorted values (numpy's ``percentile`` by default)."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"a percentile is between 0 and 100, got {q}")
+    s = sorted(values)
+    if not s:
+        raise ValueError("no values to take a percentile of")
+    pos = (len(s) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def percentiles(
+    values: Iterable[float],
+    qs: Sequence[float] = (50, 99),
+    *,
+    scale: float = 1.0,
+    digits: int | None = None,
+    suffix: str = "",
+) -> dict[str, float | None]:
+    """``{"p50": ..., "p99": ...}`` of ``values`` × ``scale`` (:func:`percentile`), keys
+    ``f"p{q:g}{suffix}"``, rounded to ``digits``; each None when there are no values."""
+    s = sorted(v * scale for v in values)
+    out: dict[str, float | None] = {}
+    for q in qs:
+        v = percentile(s, q) if s else None
+        out[f"p{q:g}{suffix}"] = v if v is None or digits is None else round(v, digits)
+    return out

@@ -88,7 +88,7 @@ def error_from_rpc(e: grpc.RpcError) -> errors.KVStoreError:
             # (key, value): a namedtuple from a sync call, a plain tuple from grpc.aio
             if md[0] == ERROR_METADATA_KEY:  # type: ignore[index]
                 name = md[1]  # type: ignore[index]
-    except Exception:
+    except Exception:  # no readable trailing metadata: the status code alone names the error
         pass
     cls = _BY_NAME.get(name or "") or _BY_CODE.get(code, errors.KVStoreError)
     return cls(f"{details} [{code.name}]")

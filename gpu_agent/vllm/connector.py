@@ -4,7 +4,8 @@
                      kv_role="kv_both", kv_connector_extra_config={"target": "unix:///…/kvstore.sock"})
 
 vLLM makes one instance in the scheduler process and one in each worker; this class
-only routes vLLM's calls to the half it is:
+only routes vLLM's calls to the half it is, each hook to the half's method of the same
+name (``get_num_new_matched_tokens``, ``start_load_kv``, ``get_finished``, ...):
 
 * scheduler (:mod:`gpu_agent.vllm.scheduler`): lookups beyond vLLM's own prefix cache,
   per-request bookkeeping, and each step's :class:`~gpu_agent.vllm.metadata.KVStoreMeta`;
@@ -95,12 +96,12 @@ class KVStoreConnector(KVConnectorBase_V1):
     # -- worker ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        self._worker.register(kv_caches)
+        self._worker.register_kv_caches(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None:
-            self._worker.begin_step(connector_metadata)  # timed from here; CUDA saves reserve ahead
+            self._worker.bind_connector_metadata(connector_metadata)  # timed from here; CUDA saves reserve ahead
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self._worker is not None:
@@ -109,11 +110,11 @@ class KVStoreConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if self._worker is not None and isinstance(meta, KVStoreMeta) and meta.loads:
-            self._worker.start_load(meta)
+            self._worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._worker is not None:
-            self._worker.wait_layer(layer_name)
+            self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return None  # each step's completed chunks are saved in wait_for_save, once every layer is written
@@ -126,15 +127,15 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
-        return self._worker.finished(finished_req_ids)
+        return self._worker.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_errors() if self._worker is not None else set()
+        return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is not None:
-            return self._worker.take_stats()
-        return self._scheduler.take_stats() if self._scheduler is not None else None
+            return self._worker.get_kv_connector_stats()
+        return self._scheduler.get_kv_connector_stats() if self._scheduler is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -151,45 +152,45 @@ class KVStoreConnector(KVConnectorBase_V1):
         return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
-        return self._worker.take_events() if self._worker is not None else None
+        return self._worker.get_kv_connector_kv_cache_events() if self._worker is not None else None
 
     def shutdown(self) -> None:
         registrar, self._registrar = self._registrar, None
         if registrar is not None:
             registrar.close()  # the engine leaves the registry first: no request is routed to it now
         if self._worker is not None:
-            self._worker.close()
+            self._worker.shutdown()
         if self._scheduler is not None:
-            self._scheduler.close()
+            self._scheduler.shutdown()
 
     # -- scheduler -------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.matched(request, num_computed_tokens)
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         assert self._scheduler is not None
-        return self._scheduler.hit_sources(request, num_external_tokens)
+        return self._scheduler.get_external_cache_hit_sources(request, num_external_tokens)
 
     def on_new_request(self, request: Request) -> None:
         if self._scheduler is not None:
-            self._scheduler.arrived(request)  # its lookup starts now, off the scheduler thread
+            self._scheduler.on_new_request(request)  # its lookup starts now, off the scheduler thread
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        self._scheduler.after_alloc(request, blocks, num_external_tokens)
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_meta(scheduler_output)
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None:
-            self._scheduler.worker_output(connector_output)
+            self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return self._scheduler.finished(request)
+        return self._scheduler.request_finished(request)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self._scheduler.take_events() if self._scheduler is not None else ()

@@ -21,7 +21,8 @@ import os
 import socket
 from typing import TYPE_CHECKING, Any
 
-from gpu_agent.vllm.settings import ConnectorSettings, EngineSpec, advertised_host_port
+from gpu_agent.vllm.settings import ConnectorSettings, advertised_host_port
+from gpu_agent.vllm.spec import EngineSpec
 from kvstore.cluster.state import EngineRecord
 
 if TYPE_CHECKING:

@@ -64,8 +64,8 @@ from gpu_agent.vllm.gate import LoadGate, background_kinds
 from gpu_agent.vllm.metadata import KVStoreMeta, LoadSpec, SaveSpec
 from gpu_agent.vllm.pacing import WaitBudget
 from gpu_agent.vllm.prefetcher import Prefetcher
-from gpu_agent.vllm.settings import ConnectorSettings, EngineSpec
-from gpu_agent.vllm.spec import all_ranks, rank_namespace, request_namespace, request_session, unkeyable
+from gpu_agent.vllm.settings import ConnectorSettings
+from gpu_agent.vllm.spec import EngineSpec, all_ranks, rank_namespace, request_namespace, request_session, unkeyable
 from gpu_agent.vllm.stats import SCHEDULER_KEYS, SCHEDULER_PHASES, KVStoreStats, Timings, delta
 from gpu_agent.vllm.storelink import READ_BACK_EVERY_S, LookupAnswer, StoreLink
 from gpu_agent.vllm.view import ViewLookups
@@ -187,7 +187,7 @@ class SchedulerSide:
 
     def _answer(self, r: _Req, tokens: list[int], first: int, *, patience: str) -> LookupAnswer | None:
         """The lookup of ``tokens`` from chunk ``first`` on: kept from an earlier ask (or the
-        one :meth:`arrived` started from chunk 0, when it covers ``first``), or asked now and
+        one :meth:`on_new_request` started from chunk 0, when it covers ``first``), or asked now and
         waited on within the pass's budget; None: not answered yet.  ``patience`` (see
         :meth:`_patience`) other than ``step``: a lookup not answered in time is answered as
         a miss, and its answer is still taken when it lands."""
@@ -316,7 +316,7 @@ class SchedulerSide:
             return ans
         return LookupAnswer(ans.found - first, ans.tiers[first:], ans.local[first:], ans.seconds)
 
-    def arrived(self, request: Request) -> None:
+    def on_new_request(self, request: Request) -> None:
         """vLLM added a request: its chunks are sighted and its lookup (from chunk 0: vLLM's
         own cache is not asked yet) starts now, so it is answered by the time it is scheduled."""
         if not self.consume:
@@ -381,7 +381,7 @@ class SchedulerSide:
         except (KeyError, TypeError, ValueError, KVStoreError):
             return 0  # malformed params are no reason to wait
 
-    def matched(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
         """Tokens beyond vLLM's ``num_computed`` the store supplies (None: ask again next step:
         the lookup is not answered yet, or a producer's chunks are still being committed)."""
         if not self.consume:
@@ -550,7 +550,7 @@ class SchedulerSide:
             return mode == "always"
         return any(k != "local" for k in kinds)
 
-    def hit_sources(self, request: Request, num_external: int) -> dict[CacheHitSource, int]:
+    def get_external_cache_hit_sources(self, request: Request, num_external: int) -> dict[CacheHitSource, int]:
         r = self._reqs.get(request.request_id)
         if num_external <= 0 or r is None:
             return {}
@@ -567,7 +567,7 @@ class SchedulerSide:
             out[CacheHitSource.EXTERNAL_UNSPECIFIED] = out.get(CacheHitSource.EXTERNAL_UNSPECIFIED, 0) + left
         return out
 
-    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         t0 = time.perf_counter()
         r = self._track(request)
         r.answer = None  # allocated: a later ask (after a preemption) is a new lookup
@@ -608,7 +608,7 @@ class SchedulerSide:
         self.counters["local_hit_tokens"] += start
         self.link.report_hits(r.namespace, start, self.chunk)
 
-    def build_meta(self, out: SchedulerOutput) -> KVStoreMeta:
+    def build_connector_meta(self, out: SchedulerOutput) -> KVStoreMeta:
         t0 = time.perf_counter()
         try:
             return self._build_meta(out)
@@ -712,7 +712,7 @@ class SchedulerSide:
         head = list(tokens[: hi * self.chunk])
         self.stored.saving([chunk_keys(head, rank_namespace(r.namespace, t, p)) for t, p in self.ranks], lo, hi)
 
-    def finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Hold the blocks of a request whose saves run (every worker reports it once they are
         committed); tell the caller where its KV went (``kv_transfer_params["kvstore"]``: the
         namespace and chunk size to key the same prefix, and ``saved_chunks`` for a decode
@@ -751,7 +751,7 @@ class SchedulerSide:
         }
         return hold, params
 
-    def worker_output(self, out: KVConnectorOutput) -> None:
+    def update_connector_output(self, out: KVConnectorOutput) -> None:
         bad = getattr(out, "invalid_block_ids", None) or set()
         failed = getattr(out, "failed_recving", None) or set()
         if bad or failed:
@@ -798,7 +798,7 @@ class SchedulerSide:
             self._resync = held, self.link.tiers(keys)
         return events
 
-    def take_stats(self) -> KVStoreStats | None:
+    def get_kv_connector_stats(self) -> KVStoreStats | None:
         if self.view is not None:
             for ms in self.view.take_lags():
                 self.timings.add("view_lag", ms / 1e3)
@@ -807,7 +807,7 @@ class SchedulerSide:
                 self.counters[k] = int(v)
         return delta(self.counters, self._reported, SCHEDULER_KEYS, self.timings)
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
         if self.prefetcher is not None:
             self.prefetcher.close()
         if self.view is not None:

@@ -15,11 +15,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from client import Timeouts, connect
-from gpu_agent.layout import KVCacheLayout
-from kvstore.block import DTYPES
 from kvstore.cluster.state import check_engine_id, parse_target
 from kvstore.errors import Incompatible, InvalidArgument
-from kvstore.keys import Namespace
 
 DEFAULT_TARGET = "unix://~/.local/share/kvstore/kvstore.sock"
 AGENT = "vllm-connector"
@@ -296,51 +293,3 @@ def advertised_host_port(url: str) -> tuple[str, int]:
         )
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     return host, port or (443 if parts.scheme == "https" else 80)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class EngineSpec:
-    """What the engine's config says about its KV (identical in the scheduler and the workers)."""
-
-    model_id: str
-    revision: str
-    kv_dtype: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    page_layout: str
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
-
-    def __post_init__(self) -> None:
-        if self.kv_dtype not in DTYPES:
-            raise Incompatible(
-                f"vLLM's KV cache dtype {self.kv_dtype!r} (cache_dtype / dtype) cannot be described by a kvstore "
-                f"namespace; supported: {sorted(DTYPES)}"
-            )
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
-            if getattr(self, name) <= 0:
-                raise Incompatible(f"vLLM's KV cache spec has {name}={getattr(self, name)}")
-
-    def layout(self) -> KVCacheLayout:
-        return KVCacheLayout(
-            self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype, self.block_size, self.page_layout
-        )
-
-    def namespace(self, chunk_tokens: int, *, lora: str = "", cache_salt: str = "", salt: str = "") -> Namespace:
-        """The namespace of one request: the engine's, plus its LoRA adapter and cache salt."""
-        tenant_salt = salt if not cache_salt else f"{salt}|cache_salt={cache_salt}"
-        return self.layout().namespace(
-            self.model_id,
-            chunk_tokens=chunk_tokens,
-            model_revision=self.revision,
-            lora_id=lora,
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
-            pp_rank=self.pp_rank,
-            pp_size=self.pp_size,
-            tenant_salt=tenant_salt,
-        )

@@ -1,6 +1,6 @@
 """What two vLLM engines must share to share KV: the engine's spec, each request's namespace.
 
-The scheduler and every worker derive the same :class:`~gpu_agent.vllm.settings.EngineSpec`
+The scheduler and every worker derive the same :class:`EngineSpec`
 from the same config; a worker's spec differs only in its own tensor/pipeline rank, so
 each rank keys its own shard (:func:`rank_namespace`).  Everything that changes what the
 KV bytes mean is in the namespace fingerprint: the model and revision, the page layout,
@@ -16,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from gpu_agent.vllm.settings import ConnectorSettings, EngineSpec
+from gpu_agent.layout import KVCacheLayout
+from gpu_agent.vllm.settings import ConnectorSettings
+from kvstore.block import DTYPES
 from kvstore.errors import Incompatible
 from kvstore.keys import ChunkKey, Namespace, chunk_keys, tail_key
 
@@ -28,6 +30,54 @@ KEY_SCHEME = "kvstore-vllm/2"
 """The connector's key scheme, folded into every namespace.  Version 2: connectors before it
 loaded the wrong token range after a partial prefix-cache hit and saved rank 0's shard for
 every tensor-parallel rank, so nothing they stored may ever be served."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """What the engine's config says about its KV (identical in the scheduler and the workers)."""
+
+    model_id: str
+    revision: str
+    kv_dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    page_layout: str
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype not in DTYPES:
+            raise Incompatible(
+                f"vLLM's KV cache dtype {self.kv_dtype!r} (cache_dtype / dtype) cannot be described by a kvstore "
+                f"namespace; supported: {sorted(DTYPES)}"
+            )
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) <= 0:
+                raise Incompatible(f"vLLM's KV cache spec has {name}={getattr(self, name)}")
+
+    def layout(self) -> KVCacheLayout:
+        return KVCacheLayout(
+            self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype, self.block_size, self.page_layout
+        )
+
+    def namespace(self, chunk_tokens: int, *, lora: str = "", cache_salt: str = "", salt: str = "") -> Namespace:
+        """The namespace of one request: the engine's, plus its LoRA adapter and cache salt."""
+        tenant_salt = salt if not cache_salt else f"{salt}|cache_salt={cache_salt}"
+        return self.layout().namespace(
+            self.model_id,
+            chunk_tokens=chunk_tokens,
+            model_revision=self.revision,
+            lora_id=lora,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            pp_rank=self.pp_rank,
+            pp_size=self.pp_size,
+            tenant_salt=tenant_salt,
+        )
 
 
 def engine_spec(

@@ -40,6 +40,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,8 +49,8 @@ from vllm.distributed.kv_events import KVCacheEvent
 from gpu_agent.vllm.events import KVStoreEvents, stored_event
 from gpu_agent.vllm.gate import PREFILL_STEP_TOKENS
 from gpu_agent.vllm.metadata import KVStoreMeta, LoadSpec, SaveSpec
-from gpu_agent.vllm.settings import ConnectorSettings, EngineSpec
-from gpu_agent.vllm.spec import engine_spec, rank_namespace, worker_ranks
+from gpu_agent.vllm.settings import ConnectorSettings
+from gpu_agent.vllm.spec import EngineSpec, engine_spec, rank_namespace, worker_ranks
 from gpu_agent.vllm.stats import WORKER_KEYS, WORKER_PHASES, KVStoreStats, Timings, delta
 from kvstore.errors import Incompatible, InvalidArgument, KVStoreError
 from kvstore.keys import Namespace, chunk_keys, tail_key
@@ -95,6 +96,56 @@ class _BackgroundSave:
         return h.wait(timeout) if h is not None else SaveResult(failed=1)
 
 
+class SaveLedger:
+    """Each request's saves, from the step that issues them to the ``get_finished`` that
+    reports the request (vLLM frees its blocks then, ``defer_free``).
+
+    A request here is *saving* (a save of it may still copy) or *saved* (every save ended,
+    not yet reported), never both; apart from that, vLLM may have *finished* it (it passed
+    ``get_finished``'s ``finished_req_ids``).  :meth:`settle` reports a request once, when it
+    is saved and finished.  Owned by the worker's step thread (the saver thread only
+    completes the handles it holds)."""
+
+    def __init__(self) -> None:
+        self._saving: dict[str, list[tuple[Any, SaveSpec]]] = {}  # request → (handle or None: not started, spec)
+        self._saved: set[str] = set()
+        self._finished: set[str] = set()
+
+    def add(self, rid: str, handle: Any, spec: SaveSpec) -> None:
+        """A save of ``rid`` issued this step (``handle`` None: it could not start)."""
+        self._saving.setdefault(rid, []).append((handle, spec))
+
+    def saves(self, rid: str) -> list[tuple[Any, SaveSpec]]:
+        """``rid``'s saves that may still copy."""
+        return self._saving.get(rid, [])
+
+    def handles(self) -> list[Any]:
+        """Every save that may still copy (for shutdown)."""
+        return [h for saves in self._saving.values() for h, _ in saves if h is not None]
+
+    def settle(self, finished: set[str], ended: Callable[[str, Any, SaveSpec], None]) -> set[str]:
+        """Note the requests vLLM finished; move those whose saves all ended to *saved*
+        (``ended`` called for each of their saves); return, once each, those saved and finished."""
+        self._finished |= finished & (set(self._saving) | self._saved)
+        for rid in list(self._saving):
+            saves = self._saving[rid]
+            if any(h is not None and not h.done() for h, _ in saves):
+                continue
+            del self._saving[rid]
+            self._saved.add(rid)
+            for h, spec in saves:
+                ended(rid, h, spec)
+        out = self._saved & self._finished
+        self._saved -= out
+        self._finished -= out
+        return out
+
+    def forget_reported(self) -> None:
+        """Without ``defer_free`` vLLM freed the blocks at once: nothing is ever reported."""
+        self._saved.clear()
+        self._finished.clear()
+
+
 class WorkerSide:
     """Loads and saves through one GPU agent (see the module docstring)."""
 
@@ -109,9 +160,7 @@ class WorkerSide:
         self.layer_index: dict[str, int] = {}
         self._loads: list[tuple[LoadSpec, Any]] = []
         self._errors: set[int] = set()
-        self._saving: dict[str, list[tuple[Any, SaveSpec]]] = {}  # req → its saves in flight (handle None: not started)
-        self._saved: set[str] = set()  # had saves, all ended; not yet reported
-        self._told: set[str] = set()  # requests vLLM finished that have (or had) a save here
+        self.saves = SaveLedger()
         self._events: list[KVCacheEvent] = []
         self.counters: dict[str, int] = {k: 0 for k in WORKER_KEYS}
         self._remote: Any = None  # a client of lookup_target, for chunks only other nodes hold
@@ -147,7 +196,7 @@ class WorkerSide:
         assert self.spec is not None
         return rank_namespace(ns, self.spec.tp_rank, self.spec.pp_rank)
 
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from gpu_agent.agent import AgentConfig, GPUAgent
         from gpu_agent.buffers import EngineBuffers
         from gpu_agent.layout import PagedAdapter
@@ -305,7 +354,7 @@ class WorkerSide:
         finally:
             self.counters["pull_us"] += int((time.perf_counter() - t0) * 1e6)
 
-    def start_load(self, meta: KVStoreMeta) -> None:
+    def start_load_kv(self, meta: KVStoreMeta) -> None:
         t0 = time.perf_counter()
         try:
             self._start_load(meta)
@@ -427,7 +476,7 @@ class WorkerSide:
         self._errors.update(bad)
         self.counters["load_errors"] += len(bad)
 
-    def wait_layer(self, layer_name: str) -> None:
+    def wait_for_layer_load(self, layer_name: str) -> None:
         i = self.layer_index.get(layer_name)
         if i is None or not self._loads:
             return
@@ -453,7 +502,7 @@ class WorkerSide:
                 self._fail(spec, spec.first_token)
 
     # -- the step -------------------------------------------------------------------------
-    def begin_step(self, meta: Any) -> None:
+    def bind_connector_metadata(self, meta: Any) -> None:
         """vLLM bound this step's metadata: the step starts (and, on CUDA, its saves' arena
         space is asked for while it computes)."""
         self._step_t0, self._step_in, self._load_s = time.perf_counter(), 0.0, 0.0
@@ -490,7 +539,7 @@ class WorkerSide:
         if not isinstance(meta, KVStoreMeta) or not meta.preempted:
             return
         for rid in meta.preempted:
-            for h, _ in self._saving.get(rid, ()):
+            for h, _ in self.saves.saves(rid):
                 if isinstance(h, _BackgroundSave) and not h.done():
                     h.guard.cancel()
                     self.counters["saves_cancelled"] += 1
@@ -562,7 +611,7 @@ class WorkerSide:
                 self.counters["saves"] += 1
             elif ahead is not None:
                 ahead.abort()
-            self._saving.setdefault(s.req_id, []).append((handle, s))  # recorded whatever happened to it
+            self.saves.add(s.req_id, handle, s)  # recorded whatever happened to it
         for _, unused in self._ahead.values():  # for saves of another step's metadata: never used
             unused.abort()
         self._ahead.clear()
@@ -607,28 +656,16 @@ class WorkerSide:
                 self.counters["save_chunks"] += self._save_chunks(s)
                 self.timings.add("background_save", dt)
 
-    def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests vLLM has finished whose saves all ended (each reported once), and
         requests whose background load ended."""
         recving = self._finished_loads() or None
         return self._finished_saves(finished_req_ids), recving
 
     def _finished_saves(self, finished_req_ids: set[str]) -> set[str] | None:
-        self._told |= finished_req_ids & (set(self._saving) | self._saved)
-        for rid in list(self._saving):
-            saves = self._saving[rid]
-            if any(h is not None and not h.done() for h, _ in saves):
-                continue
-            del self._saving[rid]
-            self._saved.add(rid)
-            for h, s in saves:
-                self._emit_stored(rid, h, s)
-        out = (self._saved & self._told) - set(self._saving)
-        self._saved -= out
-        self._told -= out
+        out = self.saves.settle(finished_req_ids, self._emit_stored)
         if not self.settings.defer_free:
-            self._saved.clear()  # the scheduler freed these blocks at once: nothing to report
-            self._told.clear()
+            self.saves.forget_reported()  # the scheduler freed these blocks at once: nothing to report
             return None
         return out or None
 
@@ -681,28 +718,26 @@ class WorkerSide:
                     h.wait(timeout=self.settings.wait_s)
                 except Exception:  # the load is already counted as failed
                     pass
-        for saves in list(self._saving.values()):
-            for handle, _ in saves:
-                if handle is not None:
-                    try:
-                        handle.wait(self.settings.wait_s)
-                    except Exception:  # a failed save is a future miss
-                        pass
+        for handle in self.saves.handles():
+            try:
+                handle.wait(self.settings.wait_s)
+            except Exception:  # a failed save is a future miss
+                pass
         client = agent.client
         agent.close()
         client.close()
 
     # -- what vLLM collects -------------------------------------------------------------------
-    def take_stats(self) -> KVStoreStats | None:
+    def get_kv_connector_stats(self) -> KVStoreStats | None:
         """The counters and timings since the last call (None when nothing happened)."""
         with self._queued_lock:  # the saver thread adds its save_us
             return delta(self.counters, self._reported, WORKER_KEYS, self.timings)
 
-    def take_errors(self) -> set[int]:
+    def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._errors = self._errors, set()
         return out
 
-    def take_events(self) -> KVStoreEvents | None:
+    def get_kv_connector_kv_cache_events(self) -> KVStoreEvents | None:
         if not self._events:
             return None
         ev = KVStoreEvents(1)
@@ -710,17 +745,15 @@ class WorkerSide:
         self._events = []
         return ev
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
         if self._saver is not None:
             self._saver.shutdown(wait=True)  # queued saves run (bounded by the clients' deadlines)
             self._saver = None
-        for saves in self._saving.values():
-            for handle, _ in saves:
-                if handle is not None:
-                    try:
-                        handle.wait(self.settings.wait_s)
-                    except Exception:
-                        pass
+        for handle in self.saves.handles():
+            try:
+                handle.wait(self.settings.wait_s)
+            except Exception:  # a failed save is a future miss
+                pass
         if self._puller is not None:
             self._puller.shutdown(wait=True, cancel_futures=True)
             self._puller = None

@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from typing import Any, TextIO
 
 import numpy as np
 
+from kvstore.conductor.cacheindex import FleetCacheIndex, prefix_block_keys
 from kvstore.conductor.cost import CostModel, Load
-from kvstore.conductor.kvevents import FleetCacheIndex, prefix_block_keys
 from kvstore.conductor.policy import EngineLoad, PoolMatch, decide
 from kvstore.keys import chunk_keys_from
+from kvstore.vocabulary import percentiles
 
 BLOCK = 16
 CHUNK = 256
@@ -98,13 +98,6 @@ def conductor_sim(engines: int = 64, prompt_tokens: int = 32768, requests: int =
         decide_us.append((t4 - t3) * 1e6)
         total_us.append((t4 - t1) * 1e6)
 
-    def pcts(xs: list[float]) -> dict[str, float]:
-        s = sorted(xs)
-        return {
-            "p50": round(statistics.median(s), 1),
-            "p99": round(s[min(len(s) - 1, int(len(s) * 0.99))], 1),
-        }
-
     return {
         "bench": "conductor-sim",
         "engines": engines,
@@ -114,10 +107,10 @@ def conductor_sim(engines: int = 64, prompt_tokens: int = 32768, requests: int =
         "requests": requests,
         "cached_blocks": sum(index.held(e) for e in ids),
         "index_fill_s": round(fill_s, 3),
-        "keys_us": pcts(keys_us),
-        "match_us": pcts(match_us),
-        "decide_us": pcts(decide_us),
-        "decision_us": pcts(total_us),
+        "keys_us": percentiles(keys_us, digits=1),
+        "match_us": percentiles(match_us, digits=1),
+        "decide_us": percentiles(decide_us, digits=1),
+        "decision_us": percentiles(total_us, digits=1),
         "target_us": 1000,
     }
 

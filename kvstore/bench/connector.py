@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import os
 import random
-import statistics
 import tempfile
 import time
 import uuid
@@ -42,6 +41,7 @@ from typing import Any, TextIO
 from kvstore.bench.kit import report
 from kvstore.bench.nodes import bench_node
 from kvstore.errors import InvalidArgument
+from kvstore.vocabulary import percentiles
 
 MiB = 1 << 20
 CLEAN_AHEAD = 0.5  # the NVMe node's --dram-clean-ahead: room for two whole prompts in a DRAM of four
@@ -101,7 +101,7 @@ class Engine:
 
         from gpu_agent.agent import AgentConfig, GPUAgent
         from gpu_agent.buffers import EngineBuffers
-        from gpu_agent.vllm.settings import EngineSpec
+        from gpu_agent.vllm.spec import EngineSpec
 
         page = 128 if layout == "cpu" else 16
         self.chunk = 256
@@ -169,13 +169,8 @@ def _ms(f: Callable[..., Any], *args: Any) -> tuple[float, Any]:
     return (time.perf_counter() - t0) * 1e3, r
 
 
-def _pcts(xs: list[float]) -> dict[str, float]:
-    s = sorted(xs)
-    return {
-        "p50": round(statistics.median(s), 3),
-        "p99": round(s[min(len(s) - 1, round(0.99 * (len(s) - 1)))], 3),
-        "n": len(s),
-    }
+def _pcts(xs: list[float]) -> dict[str, Any]:
+    return {**percentiles(xs, digits=3), "n": len(xs)}
 
 
 def _memcpy_ms(nbytes: int) -> Callable[[], float]:

@@ -25,25 +25,23 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-import numpy as np
 import xxhash
 
 from kvstore.bench.kit import KiB, MiB, buffer, label, log, report, sizes_arg, split_targets
 from kvstore.bench.nodes import private_node
 from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.vocabulary import percentiles
 
 OPS = ("put", "get", "exists", "match_prefix")
 _run = itertools.count(int(time.time() * 1000) & 0xFFFFFFFF)
 
 
-def percentiles(samples: Sequence[float]) -> dict[str, float]:
-    """p50, p99 and mean of ``samples`` (seconds), in microseconds."""
-    a = np.asarray(samples) * 1e6
+def _summary(samples: Sequence[float]) -> dict[str, float | None]:
+    """p50, p99 and mean of ``samples`` (seconds), in microseconds, and how many."""
     return {
-        "p50_us": round(float(np.percentile(a, 50)), 1),
-        "p99_us": round(float(np.percentile(a, 99)), 1),
-        "mean_us": round(float(a.mean()), 1),
-        "calls": int(a.size),
+        **percentiles(samples, scale=1e6, digits=1, suffix="_us"),
+        "mean_us": round(sum(samples) / len(samples) * 1e6, 1),
+        "calls": len(samples),
     }
 
 
@@ -79,11 +77,11 @@ def measure_path(kv: Any, sizes: Sequence[int], ops: int) -> dict[str, dict[str,
                 if not kv.put(keys[warm + i], src):  # noqa: B023
                     raise KVStoreError(f"a {label(size)} put failed (node out of DRAM?)")  # noqa: B023
 
-            r["put"] = percentiles(_times(put, ops))
-            r["get"] = percentiles(_times(lambda i: kv.get_into(keys[warm + i], dst), ops))  # noqa: B023
+            r["put"] = _summary(_times(put, ops))
+            r["get"] = _summary(_times(lambda i: kv.get_into(keys[warm + i], dst), ops))  # noqa: B023
             if si == 0:
-                r["exists"] = percentiles(_times(lambda i: kv.exists([keys[warm + i]]), ops))  # noqa: B023
-                r["match_prefix"] = percentiles(_times(lambda i: kv.match_prefix([keys[warm + i]]), ops))  # noqa: B023
+                r["exists"] = _summary(_times(lambda i: kv.exists([keys[warm + i]]), ops))  # noqa: B023
+                r["match_prefix"] = _summary(_times(lambda i: kv.match_prefix([keys[warm + i]]), ops))  # noqa: B023
             out[label(size)] = r
         finally:
             for i in range(0, len(keys), 1024):

@@ -42,6 +42,7 @@ import numpy as np
 from client._holdings import NodeHoldings, best_holders, entries, key_hashes
 from kvstore.bench.kit import log
 from kvstore.errors import InvalidArgument
+from kvstore.vocabulary import percentiles
 
 MESSAGE = 16384  # keys per snapshot message, as the node sends them
 DELTAS = 4096  # changes per delta message
@@ -52,13 +53,7 @@ def _keys(rng: np.random.Generator, n: int) -> bytes:
     return rng.bytes(16 * n)
 
 
-def _percentiles(samples_ns: list[int]) -> dict[str, float]:
-    a = np.asarray(samples_ns, np.float64) / 1e3
-    p50, p99 = np.percentile(a, [50, 99])
-    return {"p50_us": round(float(p50), 2), "p99_us": round(float(p99), 2)}
-
-
-def _time_calls(fn: Callable[[], Any], repeat: int) -> dict[str, float]:
+def _time_calls(fn: Callable[[], Any], repeat: int) -> dict[str, float | None]:
     for _ in range(min(repeat, 100)):  # warm
         fn()
     out = []
@@ -66,7 +61,7 @@ def _time_calls(fn: Callable[[], Any], repeat: int) -> dict[str, float]:
         t = time.perf_counter_ns()
         fn()
         out.append(time.perf_counter_ns() - t)
-    return _percentiles(out)
+    return percentiles(out, scale=1e-3, digits=2, suffix="_us")
 
 
 def build_index(blocks: int, nodes: int, seed: int) -> tuple[list[NodeHoldings], bytes, dict[str, Any]]:

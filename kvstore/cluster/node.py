@@ -130,6 +130,10 @@ class NodeAgent:
             out["owners_synced"] = self.owners.synced.is_set()
         return out
 
+    async def leave(self) -> None:
+        """:meth:`stop` within a bound, never raising (:func:`stop_quietly`)."""
+        await stop_quietly(self)
+
     async def stop(self) -> None:
         """Deregister first (clients stop routing here), then stop watching."""
         stuck = await cancel_and_wait(self._tasks)
@@ -308,3 +312,17 @@ async def stop_quietly(agent: NodeAgent | None, timeout: float = STOP_TIMEOUT_S)
     if not task.cancelled() and task.exception() is not None:
         log.debug("leaving the cluster failed: %s", task.exception())
     return True
+
+
+class ClusterLink:
+    """What ``kvstore serve`` hands a node with ``etcd`` set (``kvstore.node.server.ClusterLink``):
+    etcd decides its namespace owners (:class:`~kvstore.cluster.etcd.OwnerRegistry`) and a
+    :class:`NodeAgent` registers it.  Stateless."""
+
+    def owner_authority(self, cfg: NodeConfig) -> OwnerRegistry:
+        return OwnerRegistry(cfg.etcd, cfg.cluster, cfg.node_id)
+
+    def agent(
+        self, cfg: NodeConfig, endpoints: dict[str, Any], manager: TierManager, owners: Ownership | None
+    ) -> NodeAgent:
+        return NodeAgent(cfg, endpoints, manager, owners=owners)

@@ -162,10 +162,10 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
             await asyncio.to_thread(prompt_tokens, c, body, chat) if c.tokenizer else prompt_tokens(c, body, chat)
         )
     except BadRequest as e:
-        c.metrics.outcomes.labels("bad_request").inc()
+        c.outcome("bad_request")
         return error(e.status, str(e), e.kind)
     except web.HTTPRequestEntityTooLarge as e:
-        c.metrics.outcomes.labels("bad_request").inc()
+        c.outcome("bad_request")
         return error(413, f"the request body is too large ({e.text})", "RequestTooLarge")
     c.note_prompt(n)
     path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -192,7 +192,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
                     "RateLimitError",
                     headers={"Retry-After": str(d.retry_after_s)},
                 )
-            c.metrics.outcomes.labels("engine_error").inc()
+            c.outcome("engine_error")
             return error(503, f"no engine can take the request: {d.refused}", "ServiceUnavailableError")
         assert d.engine is not None
         sent = Sent(c.next_id(), d, n, arrived, tokenized=tokens is not None, max_tokens=_max_tokens(body))
@@ -202,7 +202,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
             excluded.add(u.engine.engine_id)
             c.engine_failed(u.engine, u.why)
             log.warning("request %s: engine %s unreachable (%s); trying another", sent.rid, u.engine.engine_id, u.why)
-    c.metrics.outcomes.labels("engine_error").inc()
+    c.outcome("engine_error")
     return error(503, f"no engine could be reached after {c.cfg.attempts} attempts", "ServiceUnavailableError")
 
 
@@ -271,14 +271,14 @@ async def _dispatch(
             raise _Unreachable(pre, f"{type(e).__name__}: {e}") from None
         if status != 200:
             c.ended(pre, sent.rid, ok=False)
-            c.metrics.outcomes.labels("engine_error").inc()
+            c.outcome("engine_error")
             return web.Response(status=status, body=raw, content_type="application/json", headers=headers)
         try:
             made = json.loads(raw)
             kvp = {**(kvp or {}), **(made.get("kv_transfer_params") or {})}
         except (ValueError, AttributeError, TypeError):
             c.ended(pre, sent.rid, ok=False)
-            c.metrics.outcomes.labels("engine_error").inc()
+            c.outcome("engine_error")
             return error(502, f"prefill engine {pre.engine_id} answered garbage", "BadGatewayError", headers=headers)
         c.first_token(pre, sent, d.prefill.load, time.monotonic() - t0)
         c.ended(pre, sent.rid, ok=True)
@@ -299,7 +299,7 @@ async def _dispatch(
             raise _Unreachable(dec, f"{type(e).__name__}: {e}") from None
         if up.status != 200:
             raw = await up.read()
-            c.metrics.outcomes.labels("engine_error" if up.status >= 500 else "bad_request").inc()
+            c.outcome("engine_error" if up.status >= 500 else "bad_request")
             return web.Response(
                 status=up.status, body=raw, content_type=up.content_type or "application/json", headers=headers
             )
@@ -308,14 +308,14 @@ async def _dispatch(
             try:
                 json.loads(raw)
             except ValueError:
-                c.metrics.outcomes.labels("engine_error").inc()
+                c.outcome("engine_error")
                 return error(502, f"engine {dec.engine_id} answered garbage", "BadGatewayError", headers=headers)
             took = time.monotonic() - t_sent
             if (body.get("max_tokens") or body.get("max_completion_tokens")) == 1:
                 c.first_token(dec, sent, load, took)
                 c.ttft_seen(sent, time.monotonic() - sent.arrived)
             ok = True
-            c.metrics.outcomes.labels("served").inc()
+            c.outcome("served")
             return web.Response(body=raw, content_type="application/json", headers=headers)
         return await _relay(request, c, up, dec, sent, load, t_sent, headers)
     finally:
@@ -345,7 +345,7 @@ async def _relay(
 ) -> web.StreamResponse:
     resp: web.StreamResponse | None = None
     if up.content_type != "text/event-stream":
-        c.metrics.outcomes.labels("engine_error").inc()
+        c.outcome("engine_error")
         return error(
             502,
             f"engine {dec.engine_id} answered garbage ({up.content_type}, not a stream)",
@@ -359,7 +359,7 @@ async def _relay(
             else:  # past the first token the events are not parsed again: a data line is a token
                 kind = line.startswith(b"data:") and line[5:].strip() != b"[DONE]"
             if kind is None:
-                c.metrics.outcomes.labels("engine_error").inc()
+                c.outcome("engine_error")
                 if resp is None:
                     return error(502, f"engine {dec.engine_id} answered garbage", "BadGatewayError", headers=headers)
                 msg = {
@@ -387,20 +387,20 @@ async def _relay(
                 sent.last_token_at = now
             await resp.write(line)
     except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
-        c.metrics.outcomes.labels("client_gone").inc()
+        c.outcome("client_gone")
         log.info("request %s: the client went away; the engine's request is aborted", sent.rid)
         raise
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-        c.metrics.outcomes.labels("engine_error").inc()
+        c.outcome("engine_error")
         if resp is None:
             raise _Unreachable(dec, f"{type(e).__name__}: {e}") from None
         log.warning("request %s: engine %s broke off its answer (%s)", sent.rid, dec.engine_id, e)
         return resp
     if resp is None:
-        c.metrics.outcomes.labels("engine_error").inc()
+        c.outcome("engine_error")
         return error(502, f"engine {dec.engine_id} answered nothing", "BadGatewayError", headers=headers)
     sent.completed = True
-    c.metrics.outcomes.labels("served").inc()
+    c.outcome("served")
     with contextlib.suppress(ConnectionResetError):
         await resp.write_eof()
     return resp

@@ -1,5 +1,5 @@
 """What each engine's own prefix cache holds: one KV-events subscriber per engine that
-publishes them, feeding one :class:`~kvstore.conductor.kvevents.FleetCacheIndex`.
+publishes them, feeding one :class:`~kvstore.conductor.cacheindex.FleetCacheIndex`.
 
 Owned by the :class:`~kvstore.conductor.service.Conductor` (its loop calls every method
 here); the subscribers' threads write the index under the index's own lock.  Engines that
@@ -31,7 +31,8 @@ class LocalView:
         if self._endpoints.get(e.engine_id) == want:
             return
         self.drop(e.engine_id)
-        from kvstore.conductor.kvevents import FleetCacheIndex, KVEventSubscriber
+        from kvstore.conductor.cacheindex import FleetCacheIndex
+        from kvstore.conductor.subscriber import KVEventSubscriber
 
         if self.index is None:
             self.index = FleetCacheIndex()

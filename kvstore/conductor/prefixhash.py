@@ -2,7 +2,7 @@
 prompt's blocks at once (numpy), so a 32k-token prompt is keyed in tens of microseconds.
 
 Who owns what: the keys exist only inside one conductor process (its
-:class:`~kvstore.conductor.kvevents.FleetCacheIndex` is rebuilt from the engines' events
+:class:`~kvstore.conductor.cacheindex.FleetCacheIndex` is rebuilt from the engines' events
 at every start), so the hash's parameters are drawn at random per process
 (:data:`HASH`) and never leave it.  They are not the pool's
 :class:`~kvstore.keys.ChunkKey` (those are xxh3 chains, a contract with every client) and

@@ -6,7 +6,7 @@ and written there, so nothing here takes a lock.  The pieces it owns:
 * :class:`~kvstore.conductor.engines.Engines` (who, alive, how loaded);
 * the view of where KV is, per request:
   - each engine's own prefix cache, from its vLLM KV events
-    (:class:`~kvstore.conductor.kvevents.FleetCacheIndex`, fed by one subscriber thread
+    (:class:`~kvstore.conductor.cacheindex.FleetCacheIndex`, fed by one subscriber thread
     per engine: the only state shared with other threads, behind the index's own lock);
   - the pool's chunks, node and tier (``match_prefix_locations`` on the cluster: one
     lookup per distinct namespace; see "Pool lookups" below);
@@ -69,7 +69,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import numpy as np
@@ -79,6 +79,7 @@ from kvstore.conductor.cost import CostModel, Load, Priors
 from kvstore.conductor.engines import Engines, EngineState, Stream, scrape_counts
 from kvstore.conductor.metrics import ConductorMetrics
 from kvstore.conductor.policy import NO_POOL, Decision, EngineLoad, PoolMatch, Slo, decide, early_refusal
+from kvstore.vocabulary import percentiles
 
 log = logging.getLogger("kvstore.conductor")
 
@@ -94,6 +95,10 @@ POOL_INFLIGHT = 16
 """Pool lookups that may run at once, late ones included; past that the pool is not asked."""
 ENGINE_TTFT_SAMPLES = 200
 """First tokens kept per engine for its predicted-against-measured TTFT (``ttft_per_engine``)."""
+
+
+Outcome = Literal["served", "rejected", "bad_request", "engine_error", "client_gone"]
+"""How a request the front took ended: the ``outcome`` label of ``kvstore_conductor_outcomes_total``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -470,11 +475,16 @@ class Conductor:
             if tbt_s is not None:
                 self.model.observe_tbt(running, tbt_s)
 
+    def outcome(self, what: Outcome) -> None:
+        """How one request ended: the one writer of the ``outcome`` counter (the front calls it
+        where a request's answer is settled; :meth:`refused` for a refusal)."""
+        self.metrics.outcomes.labels(what).inc()
+
     def refused(self, why: str, seconds: float) -> None:
         """A request was answered 429 (``why``: the target it would miss) ``seconds`` after it arrived."""
         self.rejected[why] += 1
         self.metrics.rejected.labels(why).inc()
-        self.metrics.outcomes.labels("rejected").inc()
+        self.outcome("rejected")
         self.metrics.refusal_seconds.observe(seconds)
         self.refusal_s.append(seconds)
 
@@ -487,10 +497,10 @@ class Conductor:
             "predicted_ttft_abs_err_median": round(statistics.median(self.ttft_err), 4) if self.ttft_err else None,
             "ttft_per_engine": {eid: _ttft_report(pairs) for eid, pairs in sorted(self.engine_ttft.items()) if pairs},
             "decisions_per_engine": dict(sorted(self.decisions.items())),
-            "decision_us": _pcts(self.decision_us),
-            "decision_cpu_us": _pcts(self.decision_cpu_us),
+            "decision_us": percentiles(self.decision_us, digits=1),
+            "decision_cpu_us": percentiles(self.decision_cpu_us, digits=1),
             "rejected": dict(self.rejected),
-            "refusal_ms": _pcts([s * 1e3 for s in self.refusal_s]),
+            "refusal_ms": percentiles(self.refusal_s, scale=1e3, digits=1),
             "pool_errors": self.pool_errors,
             "pool_late": self.pool_late,
         }
@@ -523,14 +533,6 @@ def _ttft_report(pairs: Iterable[tuple[float, float]]) -> dict[str, float | int]
         "predicted_p50_ms": round(statistics.median(p for p, _ in ps) * 1e3, 1),
         "measured_p50_ms": round(statistics.median(m for _, m in ps) * 1e3, 1),
         "abs_err_median": round(statistics.median(abs(p - m) / m for p, m in ps), 4),
-    }
-
-
-def _pcts(xs: Iterable[float]) -> dict[str, float | None]:
-    s = sorted(xs)
-    return {
-        "p50": round(s[len(s) // 2], 1) if s else None,
-        "p99": round(s[min(len(s) - 1, int(len(s) * 0.99))], 1) if s else None,
     }
 
 

@@ -63,6 +63,8 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.vocabulary import percentile
+
 SCENARIOS = ("recompute", "dram_hit", "nvme_hit", "partial_hit", "remote_hit", "multi_turn")
 ITL_TOKENS = 64
 """Tokens the decoding request of ``itl_during_load`` generates."""
@@ -290,7 +292,7 @@ def itl_during_load(prefill: Any, decode: Any, node: Any, n: int, repeat: int) -
         decode.reset_prefix_cache()
 
     def pct(xs: list[float], q: float) -> float:
-        return float(np.percentile(xs, q)) if xs else 0.0
+        return percentile(xs, q) if xs else 0.0
 
     return {
         "itl_ms_alone": {"p50": pct(alone, 50), "p99": pct(alone, 99)},
@@ -340,7 +342,7 @@ def connector_overhead(client: Any, *, layers: int, hidden: int, tokens: int, re
 
     from gpu_agent.agent import AgentConfig, GPUAgent
     from gpu_agent.buffers import EngineBuffers
-    from gpu_agent.vllm.settings import EngineSpec
+    from gpu_agent.vllm.spec import EngineSpec
 
     heads = max(1, max(2, hidden // 64) // 2)
     block = 128

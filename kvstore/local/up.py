@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.children import NodeStartError, ServeProcess, private_node
-from kvstore.cli import DeprecatedSpelling
 from kvstore.cluster.local_etcd import ETCD_HINT, LocalEtcd, find_etcd
 from kvstore.errors import KVStoreError
+from kvstore.node.args import DeprecatedSpelling
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -32,7 +32,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -48,7 +48,7 @@ from kvstore.node.manager import TierManager
 from kvstore.node.metrics import MetricsServer, NodeMetrics, manager_snapshot
 from kvstore.node.service import AuthInterceptor, DecodeGuard, KVStoreService
 from kvstore.node.sessions import Sessions, hinted
-from kvstore.node.tenants import Callers, Ownership
+from kvstore.node.tenants import Callers, OwnerAuthority, Ownership
 from kvstore.node.transfers import Transfers
 from kvstore.node.watch import HoldingsLog
 from kvstore.tls import ServerTLS
@@ -114,11 +114,48 @@ def check_port_free(listen: str, flag: str) -> None:
             ) from None
 
 
-class Node:
-    """One running node.  Owns every component it builds; ``stop`` releases them."""
+class ClusterAgent(Protocol):
+    """A node's membership of its cluster, once it serves: registered by ``start`` (which
+    returns what it adds to the node's endpoints), deregistered by ``stop`` on a clean stop
+    or by ``leave`` when whatever is left is released."""
 
-    def __init__(self, config: NodeConfig) -> None:
+    async def start(self) -> dict[str, Any]: ...
+
+    async def stop(self) -> None:
+        """Deregister (the node drains after it: clients route elsewhere meanwhile)."""
+        ...
+
+    async def leave(self) -> None:
+        """Deregister within a bound; never raise, never hang (etcd may be gone)."""
+        ...
+
+
+class ClusterLink(Protocol):
+    """How a node with ``etcd`` set joins its cluster, handed to it by the composition root
+    (``kvstore serve``: :class:`kvstore.cluster.node.ClusterLink`), so that this package never
+    names the cluster package that builds on it."""
+
+    def owner_authority(self, cfg: NodeConfig) -> OwnerAuthority:
+        """Where the node's namespace claims are decided (its ``owners.lmdb`` caches it)."""
+        ...
+
+    def agent(
+        self, cfg: NodeConfig, endpoints: dict[str, Any], manager: TierManager, owners: Ownership | None
+    ) -> ClusterAgent:
+        """The node's registration, not started."""
+        ...
+
+
+class Node:
+    """One running node.  Owns every component it builds; ``stop`` releases them.
+
+    ``cluster``: the link to its cluster, needed when ``config.etcd`` is set."""
+
+    def __init__(self, config: NodeConfig, *, cluster: ClusterLink | None = None) -> None:
+        if config.etcd and cluster is None:
+            raise InvalidArgument("this node has etcd set but was given no cluster link (`kvstore serve` gives it one)")
         self.cfg = config
+        self._link = cluster if config.etcd else None
         self.endpoints: dict[str, Any] = {}
         self._stopped = asyncio.Event()
         self._lock_fd: int | None = None
@@ -127,7 +164,7 @@ class Node:
         self.manager: TierManager | None = None
         self.data: DataChannelServer | None = None
         self.server: grpc.aio.Server | None = None
-        self.cluster: Any = None  # kvstore.cluster.node.NodeAgent when cfg.etcd is set
+        self.cluster: ClusterAgent | None = None  # registered once serving, when cfg.etcd is set
         self._loopwatch: LoopWatch | None = None  # started with the reaper (kvstore.node.loopwatch)
         self.metrics: NodeMetrics | None = None
         self.metrics_server: MetricsServer | None = None
@@ -156,10 +193,8 @@ class Node:
         half-way or at the end of every stop, no arena file, socket, listener or lock is left.
         Idempotent: each part is forgotten once closed."""
         if self.cluster is not None:
-            from kvstore.cluster.node import stop_quietly
-
             cluster, self.cluster = self.cluster, None
-            await _quietly("leave the cluster", stop_quietly(cluster))
+            await _quietly("leave the cluster", cluster.leave())
         if self.metrics_server is not None:
             _quietly_call("close /metrics", self.metrics_server.close)
             self.metrics_server = None
@@ -228,10 +263,8 @@ class Node:
         self.metrics_server = self._build_metrics_server(token)
         await self._serve(loop)
         self.endpoints = self._endpoints(bound, sock)
-        if cfg.etcd:  # join the cluster only once we serve: a registered node must answer
-            from kvstore.cluster.node import NodeAgent
-
-            self.cluster = NodeAgent(cfg, self.endpoints, self.manager, owners=self.owners)
+        if self._link is not None:  # join the cluster only once we serve: a registered node must answer
+            self.cluster = self._link.agent(cfg, self.endpoints, self.manager, self.owners)
             self.endpoints.update(await self.cluster.start())
         return self.endpoints
 
@@ -241,10 +274,8 @@ class Node:
         (it lives as long as the blocks it guards); in a cluster a cache of etcd's."""
         cfg = self.cfg
         authority = None
-        if cfg.etcd:  # in a cluster, etcd decides who owns a namespace; owners.lmdb caches it
-            from kvstore.cluster.etcd import OwnerRegistry
-
-            authority = OwnerRegistry(cfg.etcd, cfg.cluster, cfg.node_id)
+        if self._link is not None:  # in a cluster, etcd decides who owns a namespace; owners.lmdb caches it
+            authority = self._link.owner_authority(cfg)
         return Ownership(Path(cfg.data_dir) / "owners.lmdb", authority=authority)
 
     def _build_arena(self) -> Arena:
@@ -589,8 +620,9 @@ def dump_tasks(out: Any = None) -> None:
         out.flush()
 
 
-async def serve(config: NodeConfig, *, out: Any = sys.stdout) -> int:
-    node = Node(config)
+async def serve(config: NodeConfig, *, cluster: ClusterLink | None = None, out: Any = sys.stdout) -> int:
+    """Run a node until SIGTERM or SIGINT (``cluster``: see :class:`Node`)."""
+    node = Node(config, cluster=cluster)
     ep = await node.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

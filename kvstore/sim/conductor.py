@@ -16,7 +16,7 @@ What the conductor is fed, it gets as it would live:
 * **each engine's prefix cache**: the engine model's ``BlockStored``/``BlockRemoved``, as
   vLLM publishes them (wire maps: ``block_hashes``, ``parent_block_hash``, the blocks'
   ``token_ids``, ``block_size``, ``medium`` ``GPU``, ``group_idx`` 0), applied to the
-  conductor's :class:`~kvstore.conductor.kvevents.FleetCacheIndex` when the step that
+  conductor's :class:`~kvstore.conductor.cacheindex.FleetCacheIndex` when the step that
   made them ends (vLLM publishes a step's events after it), by :class:`EventView`, the
   conductor's :class:`~kvstore.conductor.localview.LocalView` with the subscribers' ZMQ
   left out;
@@ -52,10 +52,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore.bench.serving.workload import Work
+from kvstore.conductor.cacheindex import FleetCacheIndex
 from kvstore.conductor.cost import Load
 from kvstore.conductor.engines import EngineState
 from kvstore.conductor.front import _tbt
-from kvstore.conductor.kvevents import FleetCacheIndex
 from kvstore.conductor.localview import LocalView
 from kvstore.conductor.policy import PoolMatch
 from kvstore.conductor.service import Conductor, ConductorConfig, Sent

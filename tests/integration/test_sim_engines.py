@@ -145,7 +145,8 @@ def test_models_health_and_metrics_counters_move(engine: MockEngine) -> None:
 
 
 def test_kv_events_reach_the_conductors_index_and_reset_clears_them(engine: MockEngine) -> None:
-    from kvstore.conductor.kvevents import FleetCacheIndex, KVEventSubscriber
+    from kvstore.conductor.cacheindex import FleetCacheIndex
+    from kvstore.conductor.subscriber import KVEventSubscriber
 
     index = FleetCacheIndex()
     sub = KVEventSubscriber("sim0", engine.events, index, replay=engine.replay, block_size=BLOCK)
@@ -169,7 +170,8 @@ def test_kv_events_reach_the_conductors_index_and_reset_clears_them(engine: Mock
 
 
 def test_a_late_subscriber_gets_what_the_engine_holds_by_replay(engine: MockEngine) -> None:
-    from kvstore.conductor.kvevents import FleetCacheIndex, KVEventSubscriber
+    from kvstore.conductor.cacheindex import FleetCacheIndex
+    from kvstore.conductor.subscriber import KVEventSubscriber
 
     assert engine.post("/v1/completions", _completion(PROMPT, 2))[0] == 200  # before anyone listens
     index = FleetCacheIndex()

@@ -23,8 +23,8 @@ DOCS = [ROOT / "docs" / "architecture.md", ROOT / "CONTRIBUTING.md"]
 TOP = ("kvstore", "client", "tiers", "gpu_agent", "protos", "deploy", "scripts", "tests", "docs", ".ci")
 PACKAGES = ("kvstore", "client", "tiers", "gpu_agent", "protos")
 TICKED = re.compile(r"`([^`\n]+)`")
-PATH = re.compile(r"^(?:\./)?((?:%s)/[\w./*-]*)$" % "|".join(re.escape(t) for t in TOP))
-DOTTED = re.compile(r"^((?:%s)(?:\.\w+)+)$" % "|".join(PACKAGES))
+PATH = re.compile(r"^(?:\./)?((?:{})/[\w./*-]*)$".format("|".join(re.escape(t) for t in TOP)))
+DOTTED = re.compile(r"^((?:{})(?:\.\w+)+)$".format("|".join(PACKAGES)))
 
 
 def _is_module(dotted: str) -> bool:

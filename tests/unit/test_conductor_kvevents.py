@@ -24,14 +24,10 @@ import numpy as np
 import pytest
 import zmq
 
-from kvstore.conductor.kvevents import (
-    KEY_DOMAIN,
-    FleetCacheIndex,
-    KVEventSubscriber,
-    decode_batch,
-    prefix_block_keys,
-)
+from kvstore.conductor.cacheindex import KEY_DOMAIN, FleetCacheIndex, prefix_block_keys
+from kvstore.conductor.kvevents import decode_batch
 from kvstore.conductor.prefixhash import HASH, LANES, P, PrefixHash
+from kvstore.conductor.subscriber import KVEventSubscriber
 from kvstore.errors import InvalidArgument
 
 
@@ -597,14 +593,16 @@ def measure() -> None:
             t.append(time.perf_counter() - t0)
         return float(np.median(t)) * 1e3
 
-    from kvstore.conductor import kvevents
+    from kvstore.conductor import cacheindex
 
     keys = prefix_block_keys(toks, 16)
     walk = ix._sizes[16]  # the walk alone, keys computed
     print(f"blocks indexed: {sum(ix.held(e) for e in ix.engines())}, distinct keys: {len(walk.index)}")
     print(f"prefix_block_keys(list of 32768, 16): {best(lambda: prefix_block_keys(toks, 16)):.3f} ms median")
     print(f"prefix_block_keys(uint32 array):      {best(lambda: prefix_block_keys(arr, 16)):.3f} ms median")
-    print(f"walk over 64 engines (keys computed):  {best(lambda: kvevents._walk(walk.index, keys, walk.mask)):.3f} ms")
+    print(
+        f"walk over 64 engines (keys computed):  {best(lambda: cacheindex._walk(walk.index, keys, walk.mask)):.3f} ms"
+    )
     print(f"match(list of 32768) over 64 engines:   {best(lambda: ix.match(toks)):.3f} ms median (keys included)")
     print(f"match(uint32 array):                    {best(lambda: ix.match(arr)):.3f} ms median (keys included)")
 

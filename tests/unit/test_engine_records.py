@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from gpu_agent.vllm.registry import engine_record, engine_role, reachable_endpoint, served_models
-from gpu_agent.vllm.settings import ConnectorSettings, EngineSpec
-from gpu_agent.vllm.spec import request_namespace
+from gpu_agent.vllm.settings import ConnectorSettings
+from gpu_agent.vllm.spec import EngineSpec, request_namespace
 from kvstore.cluster.etcd import _Builder
 from kvstore.cluster.state import ClusterSnapshot, EngineRecord, engine_key, node_key
 from kvstore.errors import InvalidArgument

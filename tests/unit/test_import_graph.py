@@ -10,6 +10,9 @@ Parsed with ``ast`` from every project module (``kvstore``, ``client``, ``tiers`
   the ``kvstore/`` root but its command line) imports no tool (``kvstore.bench``,
   ``kvstore.demo``, ``kvstore.sim``, ``kvstore.traces``), lazy imports included, and holds
   no demo or benchmark module;
+* no package imports one above it (:data:`LAYERS`, lowest first), lazy imports included:
+  the node never names the cluster (the command line hands it the cluster link), nothing
+  below the command line imports it;
 * the ``kvstore/`` root keeps at most 14 modules;
 * no import cycle between any two files of the project.
 
@@ -22,6 +25,9 @@ they cannot make a module see another half-initialised, so they are not cycles. 
 
 ``from package import name`` is an edge to ``package.name`` when that is a module, else to
 ``package`` (its ``__init__``).  Each failure lists every violation.
+
+``python tests/unit/test_import_graph.py`` (``scripts/import-graph.sh``) prints the package
+graph: each package, its layer and what it imports, arrows running up marked.
 """
 
 from __future__ import annotations
@@ -307,3 +313,78 @@ def test_the_cycle_finder_finds_cycles() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
     assert list(_parent_packages("a.b.c")) == ["a", "a.b"]
+
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("protos", "kvstore"),  # the wire and the vocabulary (the kvstore/ root modules)
+    ("tiers",),
+    ("kvstore.node",),
+    ("kvstore.cluster",),
+    ("client",),
+    ("gpu_agent", "gpu_agent.vllm", "gpu_agent.lmcache", "gpu_agent.sglang"),
+    ("kvstore.conductor", "kvstore.dashboard"),
+    ("kvstore.local",),
+    ("kvstore.bench", "kvstore.demo", "kvstore.sim", "kvstore.traces"),  # the tools
+    ("kvstore.cli",),  # the command line, the composition root
+)
+"""Packages, lowest first.  A package may import its own layer and those below."""
+
+
+def layer_package(module: str) -> str:
+    """The :data:`LAYERS` package of a module: its sub-package (``kvstore.node``,
+    ``gpu_agent.vllm``), ``kvstore.cli`` for the command line, else its top package."""
+    if module in ENTRY_POINTS:
+        return "kvstore.cli"
+    parts = module.split(".")
+    if len(parts) > 1 and parts[0] in ("kvstore", "gpu_agent") and (ROOT / parts[0] / parts[1]).is_dir():
+        return f"{parts[0]}.{parts[1]}"
+    return parts[0]
+
+
+LAYER_OF = {p: n for n, layer in enumerate(LAYERS) for p in layer}
+
+
+def package_graph() -> dict[tuple[str, str], list[Import]]:
+    """(importer package, imported package) → the imports behind that arrow."""
+    out: dict[tuple[str, str], list[Import]] = {}
+    for i in IMPORTS:
+        a, b = layer_package(i.importer), layer_package(i.target)
+        if a != b:
+            out.setdefault((a, b), []).append(i)
+    return out
+
+
+def test_every_package_has_a_layer() -> None:
+    packages = {layer_package(m) for m in MODULES}
+    assert packages - set(LAYER_OF) == set(), f"packages with no layer in LAYERS: {packages - set(LAYER_OF)}"
+    assert layer_package("kvstore.node.server") == "kvstore.node" and layer_package("kvstore.keys") == "kvstore"
+    assert (
+        layer_package("gpu_agent.vllm.scheduler") == "gpu_agent.vllm" and layer_package("kvstore.cli") == "kvstore.cli"
+    )
+
+
+def test_no_package_imports_one_above_it() -> None:
+    bad = [
+        f"{_where(i)}: {i.importer} imports {i.target} ({a}, layer {LAYER_OF[a]}, below {b}, layer {LAYER_OF[b]})"
+        for (a, b), found in sorted(package_graph().items())
+        if LAYER_OF[a] < LAYER_OF[b]
+        for i in found
+    ]
+    assert not bad, f"imports running up the layers ({len(bad)}):\n" + "\n".join(bad)
+
+
+if __name__ == "__main__":
+    graph = package_graph()
+    up = 0
+    for layer in reversed(LAYERS):
+        for pkg in layer:
+            targets = sorted((b for (a, b) in graph if a == pkg), key=lambda b: (-LAYER_OF[b], b))
+            marks = []
+            for b in targets:
+                lazy = "" if any(i.eager for i in graph[(pkg, b)]) else " (lazy)"
+                wrong = LAYER_OF[pkg] < LAYER_OF[b]
+                up += wrong
+                marks.append(f"{b}{lazy}{'  <-- UP' if wrong else ''}")
+            print(f"{LAYER_OF[pkg]}  {pkg:<18} -> {', '.join(marks) or '-'}")
+    print(f"{up} arrows run up the layers")
+    raise SystemExit(1 if up else 0)

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from kvstore.bench.serving import cli as serving
-from kvstore.conductor.kvevents import FleetCacheIndex, decode_batch
+from kvstore.conductor.cacheindex import FleetCacheIndex
+from kvstore.conductor.kvevents import decode_batch
 from kvstore.errors import InvalidArgument
 from kvstore.sim import kvevents_pub, openai
 from kvstore.sim.engine import BlockStored, EngineModel

@@ -9,7 +9,8 @@ import torch
 
 from gpu_agent.buffers import EngineBuffers, learn_geometry
 from gpu_agent.layout import KVCacheLayout, PagedAdapter
-from gpu_agent.vllm.settings import ConnectorSettings, EngineSpec
+from gpu_agent.vllm.settings import ConnectorSettings
+from gpu_agent.vllm.spec import EngineSpec
 from kvstore.errors import Incompatible, InvalidArgument
 from kvstore.keys import chunk_keys
 

@@ -33,7 +33,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 def spec(tp: int = 1) -> Any:
-    from gpu_agent.vllm.settings import EngineSpec
+    from gpu_agent.vllm.spec import EngineSpec
 
     return EngineSpec("m", "main", "float32", 2, 2, 64, 16, "kvstore-vllm/2:cpu:test:cache_dtype=auto", tp_size=tp)
 
@@ -92,10 +92,10 @@ def test_after_a_partial_local_hit_the_load_starts_where_vllms_own_cache_ends(no
     req = request(prompt(1000))
     store(node, side, req, 3)
     # vLLM's prefix cache holds 512 tokens; it has not set num_computed_tokens yet
-    hit, is_async = side.matched(req, 512)
+    hit, is_async = side.get_num_new_matched_tokens(req, 512)
     assert (hit, is_async) == (768 - 512, False)
     assert req.num_computed_tokens == 0
-    side.after_alloc(req, Blocks(list(range(100, 163))), hit)
+    side.update_state_after_alloc(req, Blocks(list(range(100, 163))), hit)
     load = side._loads[req.request_id]
     assert (load.first_token, load.num_tokens) == (512, 768)
     assert len(load.tokens) == 768 and load.tokens == list(req.all_token_ids[:768])
@@ -105,10 +105,10 @@ def test_a_chunk_counts_only_when_every_tensor_parallel_rank_holds_its_shard(nod
     side = scheduler(node, tp=2)
     req = request(prompt(1000, seed=1))
     store(node, side, req, 3, ranks=[(0, 0)])
-    assert side.matched(req, 0) == (0, False)  # rank 1's shards are missing
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # rank 1's shards are missing
     store(node, side, req, 2, ranks=[(1, 0)])
     again = request(prompt(1000, seed=1), rid="again")  # a new request: `req`'s answer is kept for it
-    assert side.matched(again, 0) == (512, False)  # both ranks hold two chunks
+    assert side.get_num_new_matched_tokens(again, 0) == (512, False)  # both ranks hold two chunks
 
 
 def test_a_whole_stored_prompt_loads_all_but_its_last_token(node: Any) -> None:
@@ -119,16 +119,16 @@ def test_a_whole_stored_prompt_loads_all_but_its_last_token(node: Any) -> None:
     side = scheduler(node)
     req = request(prompt(1000, seed=2))
     store(node, side, req, 3)
-    assert side.matched(req, 0) == (768, False)  # the trailing 232 tokens are not stored yet
+    assert side.get_num_new_matched_tokens(req, 0) == (768, False)  # the trailing 232 tokens are not stored yet
     ns = request_namespace(side.spec, side.settings, CHUNK, req)
     tail = tail_key(list(req.all_token_ids), ns)
     assert tail is not None
     with KVClient(node.target) as c:
         assert c.put(tail, b"x" * 64, namespace=ns)
-    assert side.matched(request(prompt(1000, seed=2), rid="again"), 0) == (999, False)
+    assert side.get_num_new_matched_tokens(request(prompt(1000, seed=2), rid="again"), 0) == (999, False)
     exact = request(prompt(1024, seed=3), rid="exact")  # ends on a chunk boundary: no tail
     store(node, side, exact, 4)
-    assert side.matched(exact, 0) == (1023, False)
+    assert side.get_num_new_matched_tokens(exact, 0) == (1023, False)
 
 
 def test_a_decode_engine_waits_for_exactly_the_chunks_its_prefill_engine_saved(node: Any) -> None:
@@ -141,10 +141,10 @@ def test_a_decode_engine_waits_for_exactly_the_chunks_its_prefill_engine_saved(n
     params = {"kvstore": {"namespace": ns.to_dict(), "saved_chunks": 3, "saved_tokens": 768}}
     req = request(toks, params=params)
     store(node, side, req, 1)
-    assert side.matched(req, 0) == (None, False)  # one of three committed: ask again next step
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # one of three committed: ask again next step
     store(node, side, req, 3)
     time.sleep(0.02)
-    assert side.matched(req, 0) == (768, False)
+    assert side.get_num_new_matched_tokens(req, 0) == (768, False)
     assert side.counters["handoff_waits"] >= 1 and side.counters["handoff_timeouts"] == 0
 
 
@@ -172,12 +172,12 @@ def test_the_load_gate_stops_a_slow_hit_but_never_a_producers_handoff(node: Any)
     toks = prompt(1000, seed=40)
     plain = request(toks, rid="plain")
     store(node, side, plain, 3)
-    assert side.matched(plain, 0) == (0, False)
+    assert side.get_num_new_matched_tokens(plain, 0) == (0, False)
     assert side.counters["gated_tokens"] == 768
     ns = request_namespace(side.spec, side.settings, CHUNK, plain)
     params = {"kvstore": {"namespace": ns.to_dict(), "saved_chunks": 3, "saved_tokens": 768}}
     handed = request(toks, rid="handed", params=params)
-    assert side.matched(handed, 0) == (768, False)
+    assert side.get_num_new_matched_tokens(handed, 0) == (768, False)
     assert side.counters["gated_tokens"] == 768
 
 
@@ -190,7 +190,7 @@ def test_a_background_load_that_only_its_own_request_waits_for_pays_at_a_busy_en
     toks = prompt(1000, seed=41)
     idle = request(toks, rid="idle")
     store(node, side, idle, 3)
-    assert side.matched(idle, 0) == (0, False) and side.counters["gated_tokens"] == 768
+    assert side.get_num_new_matched_tokens(idle, 0) == (0, False) and side.counters["gated_tokens"] == 768
     empty = types.SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
     step = types.SimpleNamespace(
         preempted_req_ids=set(),
@@ -199,11 +199,11 @@ def test_a_background_load_that_only_its_own_request_waits_for_pays_at_a_busy_en
         scheduled_cached_reqs=empty,
         num_scheduled_tokens={f"running-{i}": 1 for i in range(5)},
     )
-    side.build_meta(step)
+    side.build_connector_meta(step)
     busy = request(toks, rid="busy")
-    assert side.matched(busy, 0) == (768, True)  # loaded, in the background
+    assert side.get_num_new_matched_tokens(busy, 0) == (768, True)  # loaded, in the background
     assert side.counters["gated_tokens"] == 768
-    side.close()
+    side.shutdown()
 
 
 def test_the_handoff_wait_ends_at_the_deadline_and_bad_params_never_wait(node: Any) -> None:
@@ -215,17 +215,17 @@ def test_the_handoff_wait_ends_at_the_deadline_and_bad_params_never_wait(node: A
     req = request(toks, params={"kvstore": {"namespace": ns.to_dict(), "saved_chunks": 3}})
     store(node, side, req, 1)
     t0 = time.monotonic()
-    while (got := side.matched(req, 0))[0] is None:
+    while (got := side.get_num_new_matched_tokens(req, 0))[0] is None:
         assert time.monotonic() - t0 < 5, "the wait outlived its deadline"
         time.sleep(0.01)
     assert got == (256, False) and time.monotonic() - t0 >= 0.3
     assert side.counters["handoff_timeouts"] == 1
     for bad in ({"kvstore": "x"}, {"kvstore": {"namespace": {"nope": 1}, "saved_chunks": 3}}, {"kvstore": {}}):
         r = request(toks, rid=f"bad-{len(str(bad))}", params=bad)
-        assert side.matched(r, 0) == (256, False)
+        assert side.get_num_new_matched_tokens(r, 0) == (256, False)
     other = dict(ns.to_dict(), model_id="another-model")
     r = request(toks, rid="other", params={"kvstore": {"namespace": other, "saved_chunks": 3}})
-    assert side.matched(r, 0) == (256, False)  # another model's chunks are never ours to wait for
+    assert side.get_num_new_matched_tokens(r, 0) == (256, False)  # another model's chunks are never ours to wait for
 
 
 def test_requests_the_tokens_do_not_describe_are_neither_loaded_nor_saved(node: Any) -> None:
@@ -235,7 +235,7 @@ def test_requests_the_tokens_do_not_describe_are_neither_loaded_nor_saved(node: 
     toks = prompt(600, seed=6)
     req = request(toks, rid="embeds", prompt_embeds=torch.zeros(600, 8))
     store(node, side, request(toks), 2)
-    assert side.matched(req, 0) == (0, False)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
     assert side.counters["unkeyable_requests"] == 1
 
 
@@ -249,9 +249,9 @@ def test_a_save_that_cannot_start_still_reports_its_request_finished() -> None:
     ns = spec().namespace(CHUNK)
     meta = KVStoreMeta(saves=[SaveSpec("held", prompt(512), list(range(32)), 0, ns)])
     w.wait_for_save(meta)  # the node is down: nothing saved
-    assert w.finished(set()) == (None, None)  # vLLM has not finished it yet
-    assert w.finished({"held"}) == ({"held"}, None)  # reported, so vLLM frees its blocks
-    assert w.finished(set()) == (None, None)  # once
+    assert w.get_finished(set()) == (None, None)  # vLLM has not finished it yet
+    assert w.get_finished({"held"}) == ({"held"}, None)  # reported, so vLLM frees its blocks
+    assert w.get_finished(set()) == (None, None)  # once
 
 
 def test_a_background_load_that_cannot_start_is_reported_finished_with_its_blocks_failed() -> None:
@@ -266,10 +266,10 @@ def test_a_background_load_that_cannot_start_is_reported_finished_with_its_block
     w.spec = spec()
     w._make_agent = lambda client: (_ for _ in ()).throw(OSError("no node"))
     ns = spec().namespace(CHUNK)
-    w.start_load(KVStoreMeta(loads=[LoadSpec("waiting", prompt(512), list(range(40)), 0, 511, ns, async_load=True)]))
-    assert w.finished(set()) == (None, {"waiting"})
-    assert w.take_errors() == set(range(32))  # tokens [0, 511): 32 pages of 16
-    assert w.finished(set()) == (None, None)  # once
+    w.start_load_kv(KVStoreMeta(loads=[LoadSpec("waiting", prompt(512), list(range(40)), 0, 511, ns, async_load=True)]))
+    assert w.get_finished(set()) == (None, {"waiting"})
+    assert w.get_block_ids_with_load_errors() == set(range(32))  # tokens [0, 511): 32 pages of 16
+    assert w.get_finished(set()) == (None, None)  # once
 
 
 def test_an_engine_idle_while_its_node_restarted_attaches_again_at_its_next_step(tmp_path: Any) -> None:
@@ -304,7 +304,7 @@ def test_an_engine_idle_while_its_node_restarted_attaches_again_at_its_next_step
         assert (
             w.agent.lookup(prompt(512), namespace=ns) == 0 and w.agent.stats()["counters"].get("store_errors", 0) == 0
         )
-        w.close()
+        w.shutdown()
 
 
 def test_async_loads_auto_sends_nvme_hits_to_the_background_and_keeps_dram_hits_in_the_step(
@@ -320,21 +320,21 @@ def test_async_loads_auto_sends_nvme_hits_to_the_background_and_keeps_dram_hits_
         side = scheduler(n)
         req = request(toks, rid="dram")
         store(n, side, req, 3)
-        assert side.matched(req, 0) == (768, False)  # DRAM: loaded in the step that computes it
+        assert side.get_num_new_matched_tokens(req, 0) == (768, False)  # DRAM: loaded in the step that computes it
         keys = chunk_keys(toks, request_namespace(side.spec, side.settings, CHUNK, req))[:3]
         with KVClient(n.target) as c:
             filler = [bytes([i]) * 16 for i in range(1, 20)]
             c.put_many(filler, [b"f" * (4 << 20)] * len(filler))  # 76 MiB through 64 MiB of DRAM
             assert "nvme" in c.lookup(keys)
-        assert side.matched(request(toks, rid="nvme"), 0) == (768, True)
+        assert side.get_num_new_matched_tokens(request(toks, rid="nvme"), 0) == (768, True)
         assert side.counters["async_loads"] == 1
         never = scheduler(n, async_loads="never", salt=side.settings.salt)
-        assert never.matched(request(toks, rid="never"), 0) == (768, False)
+        assert never.get_num_new_matched_tokens(request(toks, rid="never"), 0) == (768, False)
         always = scheduler(n, async_loads="always", salt=side.settings.salt)
-        assert always.matched(request(toks, rid="always"), 0) == (768, True)
-        side.close()
-        never.close()
-        always.close()
+        assert always.get_num_new_matched_tokens(request(toks, rid="always"), 0) == (768, True)
+        side.shutdown()
+        never.shutdown()
+        always.shutdown()
 
 
 def test_counters_reach_vllms_stats_and_prometheus() -> None:
@@ -430,16 +430,16 @@ def test_a_local_prefix_cache_hit_never_stops_the_next_requests_lookups(tmp_path
         side = scheduler(n, lookup_target=cluster)
         first = request(prompt(1000, seed=7), "first")
         store(n, side, first, 3)
-        hit, _ = side.matched(first, CHUNK)  # vLLM's own cache holds the first chunk
+        hit, _ = side.get_num_new_matched_tokens(first, CHUNK)  # vLLM's own cache holds the first chunk
         assert hit == 3 * CHUNK - CHUNK
-        side.after_alloc(first, Blocks(list(range(63))), hit)  # reports the local hit
+        side.update_state_after_alloc(first, Blocks(list(range(63))), hit)  # reports the local hit
         second = request(prompt(1000, seed=8), "second")
         store(n, side, second, 2)
-        assert side.matched(second, 0) == (2 * CHUNK, False)
+        assert side.get_num_new_matched_tokens(second, 0) == (2 * CHUNK, False)
         assert side.counters["lookups"] == 2 and side.counters["lookup_errors"] == 0
         side.link.flush()
         assert side.link.reporting  # reported to the node, no failure
-        side.close()
+        side.shutdown()
 
 
 def test_a_lookup_runs_off_the_scheduler_thread_and_vllm_hears_not_yet_until_it_answers(node: Any) -> None:
@@ -450,16 +450,16 @@ def test_a_lookup_runs_off_the_scheduler_thread_and_vllm_hears_not_yet_until_it_
     side = scheduler(node, lookup_wait_ms=0.0, lookup_idle_wait_ms=0.0)
     req = request(prompt(1000, seed=11), rid="patient", params={"session_id": "conv-patient"})  # hinted: waited for
     store(node, side, req, 2)
-    assert side.matched(req, 0) == (None, False)
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)
     t0 = time.monotonic()
-    while (got := side.matched(req, 0))[0] is None:
+    while (got := side.get_num_new_matched_tokens(req, 0))[0] is None:
         assert time.monotonic() - t0 < 5, "the lookup was never answered"
         time.sleep(0.005)
     assert got == (512, False)
-    assert side.matched(req, 0) == (512, False)
+    assert side.get_num_new_matched_tokens(req, 0) == (512, False)
     assert side.counters["lookups"] == 1 and side.counters["lookups_cached"] >= 1
     assert side.counters["lookup_pending"] >= 1
-    side.close()
+    side.shutdown()
 
 
 def _busy(side: Any, step_s: float = 0.02) -> None:
@@ -478,7 +478,7 @@ def _answered(side: Any, req: Any) -> Any:
     t0 = time.monotonic()
     while True:
         _busy(side, 0.002)
-        got = side.matched(req, 0)
+        got = side.get_num_new_matched_tokens(req, 0)
         if got[0] is not None:
             return got
         assert time.monotonic() - t0 < 5, "the lookup was never answered"
@@ -498,16 +498,16 @@ def _probe_round(side: Any, node: Any, seed: int, *, stored: int = 0) -> Any:
     held = threading.Event()
     side.link._pool.submit(held.wait, 10)  # the link's thread is busy: a lookup stays pending
     for req in reqs:
-        side.arrived(req)
+        side.on_new_request(req)
         _busy(side, 0.002)
-        assert side.matched(req, 0) == (0, False)  # not "not yet": computed now
-        assert side.matched(req, 0) == (0, False)  # and asked once, however often vLLM asks
+        assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # not "not yet": computed now
+        assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # and asked once, however often vLLM asks
     assert side.counters["lookups"] == lookups + 1 and side.counters["lookups_skipped"] == skipped + n - 1
     assert side.counters["lookup_given_up"] == given_up + 1
     (probe,) = [req for req in reqs if side._reqs[req.request_id].pending is not None]
     pending = side._reqs[probe.request_id].pending
     for req in reqs:
-        side.after_alloc(req, Blocks(list(range(44))), 0)
+        side.update_state_after_alloc(req, Blocks(list(range(44))), 0)
     held.set()
     pending.result(timeout=10)
     return pending
@@ -522,10 +522,10 @@ def test_a_busy_engine_computes_a_request_whose_class_never_hits_rather_than_wai
     side = scheduler(node, lookup_wait_ms=0.0, lookup_idle_wait_ms=0.0, save_policy="auto")
     for i in range(side.odds.min_samples):  # not measured yet: asked, waited for within the pass only
         miss = request(prompt(700, seed=100 + i), rid=f"miss{i}")
-        side.arrived(miss)
+        side.on_new_request(miss)
         pending = side._reqs[miss.request_id].pending
-        assert pending is not None and side.matched(miss, 0) == (0, False)
-        side.after_alloc(miss, Blocks(list(range(44))), 0)
+        assert pending is not None and side.get_num_new_matched_tokens(miss, 0) == (0, False)
+        side.update_state_after_alloc(miss, Blocks(list(range(44))), 0)
         pending.result(timeout=10)
         side._take_given_up()
     assert side.odds.expected_tokens("new") == 0.0 and side.counters["lookup_pending"] == 0
@@ -543,9 +543,9 @@ def test_a_busy_engine_computes_a_request_whose_class_never_hits_rather_than_wai
     assert side.odds.worth_waiting("new", 1e-3, 0.02)  # hits came back: waited for again
     late = request(prompt(700, seed=500), rid="late")
     store(node, side, late, 2)
-    side.arrived(late)
+    side.on_new_request(late)
     assert _answered(side, late) == (2 * CHUNK, False)
-    side.close()
+    side.shutdown()
 
 
 def test_a_preempted_request_saves_again_what_its_cancelled_saves_held(node: Any) -> None:
@@ -554,9 +554,9 @@ def test_a_preempted_request_saves_again_what_its_cancelled_saves_held(node: Any
     the request is recomputed and its handoff never claims a chunk that was not committed."""
     side = scheduler(node)
     req = request(prompt(3 * CHUNK + 10, seed=61), rid="pre")
-    side.arrived(req)
-    assert side.matched(req, 0) == (0, False)
-    side.after_alloc(req, Blocks([]), 0)
+    side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    side.update_state_after_alloc(req, Blocks([]), 0)
     r = side._reqs["pre"]
     r.saved_chunks, r.tail_saved = 3, True  # its saves were issued
     empty = types.SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
@@ -567,9 +567,9 @@ def test_a_preempted_request_saves_again_what_its_cancelled_saves_held(node: Any
         scheduled_cached_reqs=empty,
         num_scheduled_tokens={},
     )
-    meta = side.build_meta(out)
+    meta = side.build_connector_meta(out)
     assert meta.preempted == {"pre"} and r.saved_chunks == 0 and not r.tail_saved
-    side.close()
+    side.shutdown()
 
 
 def test_a_queued_requests_miss_is_kept_and_its_hit_asked_again(node: Any) -> None:
@@ -580,19 +580,19 @@ def test_a_queued_requests_miss_is_kept_and_its_hit_asked_again(node: Any) -> No
 
     side = scheduler(node)
     miss = request(prompt(1000, seed=17), rid="queued-miss")
-    side.arrived(miss)
+    side.on_new_request(miss)
     side._reqs["queued-miss"].pending.result(timeout=10)
-    assert side.matched(miss, 0) == (0, False)
+    assert side.get_num_new_matched_tokens(miss, 0) == (0, False)
     side._reqs["queued-miss"].answer_at -= 2 * sched.ANSWER_TTL_S  # it waited in the queue
-    assert side.matched(miss, 0) == (0, False)
+    assert side.get_num_new_matched_tokens(miss, 0) == (0, False)
     assert side.counters["lookups"] == 1
     hit = request(prompt(1000, seed=18), rid="queued-hit")
     store(node, side, hit, 2)
-    assert side.matched(hit, 0) == (512, False)
+    assert side.get_num_new_matched_tokens(hit, 0) == (512, False)
     side._reqs["queued-hit"].answer_at -= 2 * sched.ANSWER_TTL_S
-    assert side.matched(hit, 0) == (512, False)
+    assert side.get_num_new_matched_tokens(hit, 0) == (512, False)
     assert side.counters["lookups"] == 3
-    side.close()
+    side.shutdown()
 
 
 def test_a_lookup_started_at_arrival_answers_the_ask_after_vllms_own_cache_hit(node: Any) -> None:
@@ -601,10 +601,10 @@ def test_a_lookup_started_at_arrival_answers_the_ask_after_vllms_own_cache_hit(n
     side = scheduler(node)
     req = request(prompt(1000, seed=12), rid="early")
     store(node, side, req, 3)
-    side.arrived(req)
-    assert side.matched(req, CHUNK) == (2 * CHUNK, False)
+    side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, CHUNK) == (2 * CHUNK, False)
     assert side.counters["lookups"] == 1
-    side.close()
+    side.shutdown()
 
 
 def test_a_lookup_that_never_answers_is_a_miss_after_the_deadline() -> None:
@@ -626,17 +626,17 @@ def test_a_lookup_that_never_answers_is_a_miss_after_the_deadline() -> None:
         )
         side = SchedulerSide(spec(), settings, CHUNK, produce=True, consume=True)
         new = request(prompt(600, seed=12), rid="new")
-        assert side.matched(new, 0) == (0, False) and side.counters["lookup_given_up"] == 1
+        assert side.get_num_new_matched_tokens(new, 0) == (0, False) and side.counters["lookup_given_up"] == 1
         req = request(prompt(600, seed=13), rid="hung", params={"session_id": "conv-hung"})  # hinted: waited for
         t0 = time.monotonic()
         asks = 0
-        while (got := side.matched(req, 0))[0] is None:
+        while (got := side.get_num_new_matched_tokens(req, 0))[0] is None:
             asks += 1
             assert time.monotonic() - t0 < 5, "the ask outlived the deadline"
             time.sleep(0.01)
         assert got == (0, False) and asks >= 1
         assert side.counters["lookup_timeouts"] + side.counters["lookup_errors"] >= 1
-        side.close()
+        side.shutdown()
 
 
 def _saves_after_prefill(side: Any, req: Any) -> list[Any]:
@@ -657,23 +657,23 @@ def test_auto_stores_a_prefix_from_its_second_sighting_and_a_sessions_turn_whole
     side = scheduler(node, save_policy="auto")
     toks = prompt(3 * CHUNK + 40, seed=14)
     first = request(toks, rid="one")
-    assert side.matched(first, 0) == (0, False)
+    assert side.get_num_new_matched_tokens(first, 0) == (0, False)
     assert _saves_after_prefill(side, first) == []
     from kvstore.dashboard.scrape import fetch
 
     before = fetch(node.endpoints["metrics"]).counters.get("skipped_saves", 0)
-    side.finished(first)
+    side.request_finished(first)
     assert side.counters["skipped_save_chunks"] == 3
     side.link.flush()  # the node counts them too (its metrics, the dashboard)
     assert fetch(node.endpoints["metrics"]).counters.get("skipped_saves", 0) == before + 3
     second = request(toks, rid="two")
-    assert side.matched(second, 0) == (0, False)
+    assert side.get_num_new_matched_tokens(second, 0) == (0, False)
     saves = _saves_after_prefill(side, second)
     assert [(s.skip_chunks, len(s.tokens), s.tail) for s in saves] == [
         (0, len(toks), True)
     ]  # an exact repeat: tail too
     session = request(prompt(2 * CHUNK + 10, seed=15), rid="turn1", params={"session_id": "conv"})
-    assert side.matched(session, 0) == (0, False)
+    assert side.get_num_new_matched_tokens(session, 0) == (0, False)
     prefill = _saves_after_prefill(side, session)
     assert [len(s.tokens) for s in prefill] == [2 * CHUNK]  # the prompt's full chunks, not its tail
     r = side._reqs["turn1"]
@@ -686,10 +686,10 @@ def test_auto_stores_a_prefix_from_its_second_sighting_and_a_sessions_turn_whole
     assert [(s.skip_chunks, len(s.tokens)) for s in meta.saves] == [(2, 3 * CHUNK)]
     always = scheduler(node, save_policy="always", salt=side.settings.salt + "-always")
     once = request(prompt(2 * CHUNK + 5, seed=16), rid="once")
-    assert always.matched(once, 0) == (0, False)
+    assert always.get_num_new_matched_tokens(once, 0) == (0, False)
     assert [s.tail for s in _saves_after_prefill(always, once)] == [True]
-    side.close()
-    always.close()
+    side.shutdown()
+    always.shutdown()
 
 
 def test_the_default_policy_stores_a_first_seen_prompt_and_stops_where_nothing_is_read_back(
@@ -712,9 +712,9 @@ def test_the_default_policy_stores_a_first_seen_prompt_and_stops_where_nothing_i
     side = scheduler(node, save_policy=default)
     toks = prompt(3 * CHUNK + 40, seed=21)
     first = request(toks, rid="first")
-    assert side.matched(first, 0) == (0, False)
+    assert side.get_num_new_matched_tokens(first, 0) == (0, False)
     assert [(s.skip_chunks, len(s.tokens), s.tail) for s in _saves_after_prefill(side, first)] == [(0, len(toks), True)]
-    side.finished(first)
+    side.request_finished(first)
     rns = rank_namespace(request_namespace(side.spec, side.settings, CHUNK, first), 0, 0)  # what the node counts
     assert side._read_back is not None
     assert [
@@ -724,7 +724,7 @@ def test_the_default_policy_stores_a_first_seen_prompt_and_stops_where_nothing_i
     # the engine measured its costs: recompute 0.1 ms a token (25.6 ms a chunk), a save 5 ms a chunk
     stats = {"prefill_step_us": 25_600, "prefill_step_tokens": CHUNK, "save_us": 5_000, "save_chunks": 1}
     for _ in range(3):
-        side.worker_output(
+        side.update_connector_output(
             types.SimpleNamespace(kv_connector_stats=KVStoreStats(data=dict(stats)), kv_cache_events=None)
         )
     # 40 prompts of this namespace stored as the workers store them (chains with parents), none read back
@@ -741,13 +741,13 @@ def test_the_default_policy_stores_a_first_seen_prompt_and_stops_where_nothing_i
     }
 
     later = request(prompt(3 * CHUNK + 40, seed=22), rid="later", params={"session_id": "conv"})
-    assert side.matched(later, 0) == (0, False)  # its sighting takes the node's counters in
+    assert side.get_num_new_matched_tokens(later, 0) == (0, False)  # its sighting takes the node's counters in
     # the namespace's 160 blocks, none read: 3 / 164 with the prior; bucket 0's 40 pooled with it
     assert side.evidence.share(rns.fingerprint, 0) == pytest.approx(4 * (3 / 164) / 44)
     assert _saves_after_prefill(side, later) == []  # not stored, though it has a session id
-    side.finished(later)
+    side.request_finished(later)
     assert side.counters["skipped_save_chunks"] >= 3
-    side.close()
+    side.shutdown()
 
 
 def test_the_benchmarks_null_connector_implements_every_hook_and_never_loads() -> None:
@@ -792,7 +792,7 @@ def test_the_cluster_client_for_pulls_is_made_at_start_not_by_the_first_remote_h
         assert isinstance(made, ClusterClient) and w._remote_client() is made  # made once, used by pulls
         assert set(made._clients) == set(made.nodes()) and len(made.nodes()) == 1  # and connected to the node
         assert "gpu_agent.pull" in sys.modules
-        w.close()
+        w.shutdown()
         assert w._remote is None and w._remote_client() is None  # closed: nothing made afterwards
 
         dead = f"etcd://127.0.0.1:{free_port()}/nobody"
@@ -801,5 +801,40 @@ def test_the_cluster_client_for_pulls_is_made_at_start_not_by_the_first_remote_h
         assert warm is not None
         warm.join(timeout=30)
         assert not warm.is_alive() and late._remote is None  # logged, not raised: the first pull tries again
-        late.close()
+        late.shutdown()
     assert WorkerSide(None, None, ConnectorSettings(target=n.target), CHUNK).warm() is None  # type: ignore[arg-type]
+
+
+def test_the_save_ledger_reports_a_request_once_when_saved_and_finished() -> None:
+    """The worker's one record of saves: a request is reported by ``get_finished`` once
+    every save of it ended and vLLM finished it, in either order; a save that never
+    started counts as ended; without ``defer_free`` nothing is reported."""
+    from gpu_agent.vllm.worker import SaveLedger
+
+    class Handle:
+        def __init__(self) -> None:
+            self.ended = False
+
+        def done(self) -> bool:
+            return self.ended
+
+    ledger, ended = SaveLedger(), []
+    a1, a2, b = Handle(), Handle(), Handle()
+    ledger.add("a", a1, "spec-a1")  # type: ignore[arg-type]
+    ledger.add("a", a2, "spec-a2")  # type: ignore[arg-type]
+    ledger.add("b", b, "spec-b")  # type: ignore[arg-type]
+    ledger.add("c", None, "spec-c")  # type: ignore[arg-type]  # could not start
+    note = lambda rid, h, spec: ended.append((rid, spec))  # noqa: E731
+    assert ledger.settle({"a"}, note) == set()  # a still copies; c ended but vLLM has not finished it
+    assert ended == [("c", "spec-c")] and len(ledger.handles()) == 3
+    a1.ended = True
+    assert ledger.settle(set(), note) == set()  # a2 still copies
+    a2.ended = b.ended = True
+    assert ledger.settle({"c"}, note) == {"a", "c"}  # a was finished earlier, c now; b not yet
+    assert sorted(ended) == [("a", "spec-a1"), ("a", "spec-a2"), ("b", "spec-b"), ("c", "spec-c")]
+    assert ledger.settle({"b", "x"}, note) == {"b"}  # once each; x never saved here
+    assert ledger.settle({"a", "b", "c"}, note) == set() and ledger.handles() == []
+    ledger.add("d", None, "spec-d")  # type: ignore[arg-type]
+    ledger.settle(set(), note)
+    ledger.forget_reported()  # defer_free off: vLLM freed d's blocks itself
+    assert ledger.settle({"d"}, note) == set()

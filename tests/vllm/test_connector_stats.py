@@ -30,9 +30,9 @@ def test_a_worker_reports_each_count_once() -> None:
     from gpu_agent.vllm.worker import WorkerSide
 
     w = WorkerSide(None, None, ConnectorSettings(), 256)  # type: ignore[arg-type]
-    assert w.take_stats() is None
+    assert w.get_kv_connector_stats() is None
     w.counters["loads"] += 1
     w.counters["load_tokens"] += 256
-    got = w.take_stats()
+    got = w.get_kv_connector_stats()
     assert got is not None and got.data["loads"] == 1 and got.data["load_tokens"] == 256
-    assert w.take_stats() is None  # nothing new since
+    assert w.get_kv_connector_stats() is None  # nothing new since

@@ -60,11 +60,11 @@ def test_a_miss_is_answered_at_the_first_ask_with_no_store_call(node: Any) -> No
     side = viewing(node)
     for i in range(40):
         req = request(prompt(700 + i, seed=1000 + i), rid=f"new{i}")
-        side.arrived(req)
-        assert side.matched(req, 0) == (0, False)  # never None: no request waits for the store
+        side.on_new_request(req)
+        assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # never None: no request waits for the store
     c = side.counters
     assert c["view_lookups"] == 40 and c["lookups"] == 0 and c["lookup_pending"] == 0, c
-    side.close()
+    side.shutdown()
 
 
 def test_a_stored_prefix_is_planned_at_the_first_ask(node: Any) -> None:
@@ -76,8 +76,8 @@ def test_a_stored_prefix_is_planned_at_the_first_ask(node: Any) -> None:
     req = request(prompt(1000, seed=2))
     store(node, side, req, 3)
     seen(side, req, 3)
-    assert side.matched(req, 512) == (768 - 512, False)  # after vLLM's own 512 tokens
-    side.after_alloc(req, Blocks(list(range(100, 163))), 256)
+    assert side.get_num_new_matched_tokens(req, 512) == (768 - 512, False)  # after vLLM's own 512 tokens
+    side.update_state_after_alloc(req, Blocks(list(range(100, 163))), 256)
     load = side._loads[req.request_id]
     assert (load.first_token, load.num_tokens) == (512, 768)
     whole = request(prompt(1000, seed=2), rid="whole")
@@ -87,11 +87,14 @@ def test_a_stored_prefix_is_planned_at_the_first_ask(node: Any) -> None:
     with KVClient(node.target) as c:
         assert c.put(tail, b"x" * 64, namespace=ns)
     deadline = time.monotonic() + 30
-    while (got := side.matched(request(prompt(1000, seed=2), rid=f"w{time.monotonic_ns()}"), 0)) != (999, False):
+    while (got := side.get_num_new_matched_tokens(request(prompt(1000, seed=2), rid=f"w{time.monotonic_ns()}"), 0)) != (
+        999,
+        False,
+    ):
         assert got[0] is not None and time.monotonic() < deadline, got  # the tail shows within the view's lag
         time.sleep(0.01)
     assert side.counters["lookups"] == 0 and side.counters["lookup_pending"] == 0
-    side.close()
+    side.shutdown()
 
 
 def test_a_chunk_counts_only_when_every_tensor_parallel_rank_holds_its_shard(node: Any) -> None:
@@ -99,11 +102,11 @@ def test_a_chunk_counts_only_when_every_tensor_parallel_rank_holds_its_shard(nod
     req = request(prompt(1000, seed=3))
     store(node, side, req, 3, ranks=[(0, 0)])
     seen(side, req, 3)
-    assert side.matched(req, 0) == (0, False)  # rank 1's shards are missing
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # rank 1's shards are missing
     store(node, side, req, 2, ranks=[(1, 0)])
     seen(side, req, 2, rank=(1, 0))
-    assert side.matched(request(prompt(1000, seed=3), rid="again"), 0) == (512, False)
-    side.close()
+    assert side.get_num_new_matched_tokens(request(prompt(1000, seed=3), rid="again"), 0) == (512, False)
+    side.shutdown()
 
 
 def test_a_decode_engine_waits_only_for_its_producers_handoff(node: Any) -> None:
@@ -120,10 +123,10 @@ def test_a_decode_engine_waits_only_for_its_producers_handoff(node: Any) -> None
     req = request(toks, params={"kvstore": {"namespace": ns.to_dict(), "saved_chunks": 3, "saved_tokens": 768}})
     store(node, side, req, 1)
     seen(side, req, 1)
-    assert side.matched(req, 0) == (None, False)  # one of three committed: ask again next step
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # one of three committed: ask again next step
     store(node, side, req, 3)
     deadline = time.monotonic() + 10
-    while (got := side.matched(req, 0))[0] is None:
+    while (got := side.get_num_new_matched_tokens(req, 0))[0] is None:
         assert time.monotonic() < deadline, "the handoff never showed in the view"
         time.sleep(0.01)
     assert got == (768, False)
@@ -134,13 +137,13 @@ def test_a_decode_engine_waits_only_for_its_producers_handoff(node: Any) -> None
     lookups, waits = side.counters["lookups"], side.counters["handoff_waits"]
     params = {"kvstore": {"namespace": ns.to_dict(), "saved_chunks": 3, "saved_tokens": 768}}
     again = request(toks, rid="again", params=params)  # the view shows the handoff whole
-    assert side.matched(again, 0) == (768, False)
+    assert side.get_num_new_matched_tokens(again, 0) == (768, False)
     plain = request(toks, rid="plain")  # the same prompt without a handoff: from the view
-    assert side.matched(plain, 0) == (768, False)
+    assert side.get_num_new_matched_tokens(plain, 0) == (768, False)
     assert (side.counters["lookups"], side.counters["handoff_waits"]) == (lookups, waits)
-    side.after_alloc(again, Blocks(list(range(64))), 768)
+    side.update_state_after_alloc(again, Blocks(list(range(64))), 768)
     assert side._loads["again"].from_view
-    side.close()
+    side.shutdown()
 
 
 def test_nvme_hits_load_in_the_background_and_dram_hits_in_the_step(node: Any) -> None:
@@ -153,18 +156,18 @@ def test_nvme_hits_load_in_the_background_and_dram_hits_in_the_step(node: Any) -
     req = request(toks, rid="dram")
     store(node, side, req, 3)
     seen(side, req, 3, tier="dram")
-    assert side.matched(req, 0) == (768, False)
+    assert side.get_num_new_matched_tokens(req, 0) == (768, False)
     keys = chunk_keys(toks, request_namespace(side.spec, side.settings, CHUNK, req))[:3]
     with KVClient(node.target) as c:
         filler = [bytes([i]) * 16 for i in range(1, 20)]
         c.put_many(filler, [b"f" * (4 << 20)] * len(filler))  # 76 MiB through 64 MiB of DRAM
         assert "nvme" in c.lookup(keys)
     deadline = time.monotonic() + 30
-    while (got := side.matched(request(toks, rid=f"nvme{time.monotonic_ns()}"), 0)) != (768, True):
+    while (got := side.get_num_new_matched_tokens(request(toks, rid=f"nvme{time.monotonic_ns()}"), 0)) != (768, True):
         assert got[0] is not None and time.monotonic() < deadline, got  # the demotion shows within the lag
         time.sleep(0.01)
     assert side.counters["async_loads"] >= 1
-    side.close()
+    side.shutdown()
 
 
 def test_a_load_the_view_planned_that_finds_chunks_gone_is_a_stale_hit_recomputed(node: Any) -> None:
@@ -191,9 +194,9 @@ def test_a_load_the_view_planned_that_finds_chunks_gone_is_a_stale_hit_recompute
     with KVClient(node.target) as c:
         assert all(c.put_many(keys, blocks, namespace=ns))
     seen(side, req, 3)
-    assert side.matched(req, 0) == (768, False)
+    assert side.get_num_new_matched_tokens(req, 0) == (768, False)
     pages = 64  # 1,000 tokens need 63 pages of 16
-    side.after_alloc(req, Blocks(list(range(pages))), 768)
+    side.update_state_after_alloc(req, Blocks(list(range(pages))), 768)
     load = side._loads[req.request_id]
     assert load.from_view and (load.first_token, load.num_tokens) == (0, 768)
     with KVClient(node.target) as c:
@@ -205,15 +208,15 @@ def test_a_load_the_view_planned_that_finds_chunks_gone_is_a_stale_hit_recompute
     kv = [torch.zeros(pages, layout.num_kv_heads, layout.page_size, 2 * layout.head_dim) for _ in range(2)]
     w.buffers = EngineBuffers.from_tensors(kv, pages)
     w._make_agent = lambda client: GPUAgent(client, layout, ns, device=torch.device("cpu"))
-    w.start_load(KVStoreMeta(loads=[load]))
+    w.start_load_kv(KVStoreMeta(loads=[load]))
     w._finish_loads()
     assert w.counters["view_stale_hits"] == 1 and w.counters["load_tokens"] == 256
-    assert w.take_errors() == set(range(16, 48))  # chunks 1 and 2: pages 16-47, recomputed
+    assert w.get_block_ids_with_load_errors() == set(range(16, 48))  # chunks 1 and 2: pages 16-47, recomputed
     assert w.counters["load_local_n"] == 0  # counted at the step's end (none here): no sample yet
-    w.close()
-    stats = side.take_stats()
+    w.shutdown()
+    stats = side.get_kv_connector_stats()
     assert stats is not None and stats.data.get("view_lag_s"), "the view's lag samples were not exported"
-    side.close()
+    side.shutdown()
 
 
 def test_a_request_whose_load_failed_is_never_planned_a_load_again(node: Any) -> None:
@@ -229,17 +232,17 @@ def test_a_request_whose_load_failed_is_never_planned_a_load_again(node: Any) ->
     req = request(toks, rid="fails")
     store(node, side, req, 3)
     seen(side, req, 3)
-    assert side.matched(req, 0) == (768, False)
-    side.after_alloc(req, Blocks(list(range(200, 264))), 768)
-    side.worker_output(KVConnectorOutput(invalid_block_ids={216}))  # chunk 1's first page
+    assert side.get_num_new_matched_tokens(req, 0) == (768, False)
+    side.update_state_after_alloc(req, Blocks(list(range(200, 264))), 768)
+    side.update_connector_output(KVConnectorOutput(invalid_block_ids={216}))  # chunk 1's first page
     assert side.counters["loads_failed"] == 1
-    assert side.matched(req, 256) == (0, False)  # rescheduled: computes the rest itself
+    assert side.get_num_new_matched_tokens(req, 256) == (0, False)  # rescheduled: computes the rest itself
     other = request(toks, rid="other")
-    assert side.matched(other, 0) == (768, False)  # its own load is planned as before
-    side.after_alloc(other, Blocks(list(range(300, 364))), 768)
-    side.worker_output(KVConnectorOutput(failed_recving={"other"}))  # a background load failed
-    assert side.matched(other, 0) == (0, False) and side.counters["loads_failed"] == 2
-    side.close()
+    assert side.get_num_new_matched_tokens(other, 0) == (768, False)  # its own load is planned as before
+    side.update_state_after_alloc(other, Blocks(list(range(300, 364))), 768)
+    side.update_connector_output(KVConnectorOutput(failed_recving={"other"}))  # a background load failed
+    assert side.get_num_new_matched_tokens(other, 0) == (0, False) and side.counters["loads_failed"] == 2
+    side.shutdown()
 
 
 def test_a_dead_node_is_a_miss_never_a_wait(tmp_path: Any) -> None:
@@ -252,19 +255,19 @@ def test_a_dead_node_is_a_miss_never_a_wait(tmp_path: Any) -> None:
         req = request(prompt(800, seed=9))
         store(n, side, req, 3)
         seen(side, req, 3)
-        assert side.matched(req, 0) == (768, False)
+        assert side.get_num_new_matched_tokens(req, 0) == (768, False)
         n.proc.kill()
         n.proc.wait()
         deadline = time.monotonic() + side.view.view.node_deadline_s + 30
         while True:
-            got = side.matched(request(prompt(800, seed=9), rid=f"d{time.monotonic_ns()}"), 0)
+            got = side.get_num_new_matched_tokens(request(prompt(800, seed=9), rid=f"d{time.monotonic_ns()}"), 0)
             assert got[0] is not None, "a request was told to wait for a dead node"
             if got == (0, False):
                 break
             assert time.monotonic() < deadline, "the view kept a dead node's chunks"
             time.sleep(0.05)
         assert side.counters["lookups"] == 0
-        side.close()
+        side.shutdown()
 
 
 def test_a_token_the_nodes_refuse_to_show_their_holdings_falls_back_to_asking_the_store(tmp_path: Any) -> None:
@@ -288,10 +291,10 @@ def test_a_token_the_nodes_refuse_to_show_their_holdings_falls_back_to_asking_th
             time.sleep(0.05)
         assert side.view.refused and side.view.view.stats().refused >= 1
         req = request(prompt(600, seed=11), rid="tenant")
-        side.arrived(req)
-        side.matched(req, 0)
+        side.on_new_request(req)
+        side.get_num_new_matched_tokens(req, 0)
         assert side.counters["lookups"] == 1 and side.counters["view_lookups"] == 0  # the store was asked
-        side.close()
+        side.shutdown()
 
 
 def test_a_queued_requests_chunks_on_another_node_are_pulled_to_its_own_while_it_waits(tmp_path: Any) -> None:
@@ -332,9 +335,9 @@ def test_a_queued_requests_chunks_on_another_node_are_pulled_to_its_own_while_it
         with KVClient(a.target) as ka:
             assert ka.lookup(keys) == [None] * 3  # on b only
             alone = request(toks, rid="alone")
-            side.arrived(alone)  # nothing waits ahead of it: no prefetch
+            side.on_new_request(alone)  # nothing waits ahead of it: no prefetch
             assert side.prefetcher.snapshot()["prefetches"] == 0
-            side.arrived(req)  # behind "alone", which waits (not allocated yet)
+            side.on_new_request(req)  # behind "alone", which waits (not allocated yet)
             deadline = time.monotonic() + 30
             while ka.lookup(keys) != ["dram"] * 3:
                 assert time.monotonic() < deadline, "the queued request's chunks never reached its engine's node"
@@ -342,9 +345,12 @@ def test_a_queued_requests_chunks_on_another_node_are_pulled_to_its_own_while_it
         c = side.prefetcher.snapshot()
         assert (c["prefetches"], c["prefetch_blocks"], c["prefetch_errors"]) == (1, 3, 0)
         deadline = time.monotonic() + 30
-        while (got := side.matched(request(toks, rid=f"later{time.monotonic_ns()}"), 0)) != (768, False):
+        while (got := side.get_num_new_matched_tokens(request(toks, rid=f"later{time.monotonic_ns()}"), 0)) != (
+            768,
+            False,
+        ):
             assert got[0] is not None and time.monotonic() < deadline, got  # the own copies show within the lag
             time.sleep(0.01)
-        stats = side.take_stats()
+        stats = side.get_kv_connector_stats()
         assert stats is not None and stats.data["prefetch_blocks"] == 3
-        side.close()
+        side.shutdown()

@@ -96,7 +96,8 @@ def test_a_real_engine_is_credited_with_its_prompts_full_blocks(fleet: dict[str,
     """The conductor's subscriber, on the endpoints the engine's record advertises, credits
     the engine with exactly its prompts' full blocks, and with none after a reset (runs
     before the registry test below, which stops the engine)."""
-    from kvstore.conductor.kvevents import FleetCacheIndex, KVEventSubscriber
+    from kvstore.conductor.cacheindex import FleetCacheIndex
+    from kvstore.conductor.subscriber import KVEventSubscriber
 
     engine, view = fleet["engine"], fleet["view"]
     snap = view.wait_for(lambda s: ENGINE_ID in s.engines, 30)

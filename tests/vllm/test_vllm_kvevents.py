@@ -20,7 +20,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvstore.conductor.kvevents import FleetCacheIndex, KVEventSubscriber
+from kvstore.conductor.cacheindex import FleetCacheIndex
+from kvstore.conductor.subscriber import KVEventSubscriber
 
 pytestmark = pytest.mark.vllm
 

@@ -37,13 +37,7 @@ import numpy as np
 
 from kvstore.bench.serving.runner import Record
 from kvstore.sim.capacity import SLO_TARGET
-
-
-def pct(values: Sequence[float], qs: Sequence[int]) -> dict[str, float | None]:
-    if not values:
-        return {f"p{q}": None for q in qs}
-    a = np.asarray(values, dtype=float)
-    return {f"p{q}": round(float(np.percentile(a, q)), 3) for q in qs}
+from kvstore.vocabulary import percentiles
 
 
 def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
@@ -365,11 +359,11 @@ def summarise(
         "completed": len(ok),
         "errors": sum(1 for r in records if r.error is not None and not r.rejected),
         "rejected": sum(1 for r in records if r.rejected),
-        "reject_ms": pct([r.reject_ms for r in records if r.reject_ms is not None], (50, 99, 100)),
-        "ttft_ms": pct(ttft, (50, 90, 99)),
-        "tbt_ms": pct(tbts, (50, 90, 99)),
-        "itl_ms": pct(itl, (50, 99)),
-        "e2e_ms": pct(e2e, (50, 99)),
+        "reject_ms": percentiles([r.reject_ms for r in records if r.reject_ms is not None], (50, 99, 100), digits=3),
+        "ttft_ms": percentiles(ttft, (50, 90, 99), digits=3),
+        "tbt_ms": percentiles(tbts, (50, 90, 99), digits=3),
+        "itl_ms": percentiles(itl, (50, 99), digits=3),
+        "e2e_ms": percentiles(e2e, (50, 99), digits=3),
         "throughput_tok_s": round(out_tokens / span, 2),
         "goodput_rps": round(len(good) / span, 4),
         "slo_met": round(len(good) / len(records), 4) if records else None,
