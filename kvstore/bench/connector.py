@@ -38,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvstore.bench.kit import report
+from kvstore.bench.kit import add_report_arguments, repeats, report
 from kvstore.bench.nodes import bench_node
 from kvstore.errors import InvalidArgument
 from kvstore.vocabulary import percentiles
@@ -406,11 +406,7 @@ def print_connector(r: dict[str, Any], f: TextIO) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table goes to stderr)")
-    p.add_argument("--quick", action="store_true", help="small and fast: an 8-layer model, 6 latency requests, 2 reps")
-    p.add_argument(
-        "--repeat", type=int, default=None, metavar="N", help="reps per ratio; the best counts (default 5; --quick 2)"
-    )
+    add_report_arguments(p, quick="an 8-layer model, 6 latency requests, 2 reps", rep="reps per ratio")
     p.add_argument(
         "--model",
         default="32,8,128,bfloat16",
@@ -432,9 +428,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(a: argparse.Namespace) -> int:
     from kvstore.progress import Progress
 
-    a.repeat = a.repeat or (2 if a.quick else 5)
-    if a.repeat < 1:
-        raise InvalidArgument("--repeat must be at least 1")
+    repeats(a)
     if a.quick and a.model == "32,8,128,bfloat16":
         a.model = "8,8,128,bfloat16"
     a.latency_requests = a.latency_requests or (6 if a.quick else 20)

@@ -28,6 +28,7 @@ from kvstore.bench.kit import (
     TARGETS,
     Best,
     MiB,
+    add_report_arguments,
     blocks,
     buffer,
     each,
@@ -35,6 +36,7 @@ from kvstore.bench.kit import (
     log,
     print_targets,
     ratio,
+    repeats,
     report,
     size_arg,
     timed,
@@ -246,11 +248,7 @@ def print_engine(r: dict[str, Any], f: TextIO) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table goes to stderr)")
-    p.add_argument("--quick", action="store_true", help="small and fast: 32MiB working set, 2 reps")
-    p.add_argument(
-        "--repeat", type=int, default=None, metavar="N", help="reps per case; the best counts (default 5; --quick 2)"
-    )
+    add_report_arguments(p, quick="32MiB working set, 2 reps", rep="reps per case")
     p.add_argument(
         "--working-set", type=size_arg, default=None, metavar="SIZE", help="bytes moved per rep (default 256MiB)"
     )
@@ -271,9 +269,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(a: argparse.Namespace) -> int:
-    a.repeat = a.repeat or (2 if a.quick else 5)
-    if a.repeat < 1:
-        raise InvalidArgument("--repeat must be at least 1")
+    repeats(a)
     a.working_set = a.working_set or (32 * MiB if a.quick else 256 * MiB)
     load_before = os.getloadavg()[0]
     result = run_engine(a)

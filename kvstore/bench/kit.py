@@ -147,6 +147,27 @@ def print_targets(r: dict[str, Any], f: Any) -> None:
         print(f"target {k:<24} {op} {t:<4} got {'-' if v is None else f'{v:.2f}':>5}  {verdict}", file=f)
 
 
+def add_report_arguments(p: Any, *, quick: str, rep: str | None = None) -> None:
+    """``--json``, ``--quick`` (``quick``: what it makes small) and, given ``rep`` (what one
+    repetition times), ``--repeat``: the flags the measuring subcommands share."""
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table goes to stderr)")
+    p.add_argument("--quick", action="store_true", help=f"small and fast: {quick}")
+    if rep is not None:
+        p.add_argument(
+            "--repeat", type=int, default=None, metavar="N", help=f"{rep}; the best counts (default 5; --quick 2)"
+        )
+
+
+def repeats(a: Any) -> int:
+    """``--repeat``, defaulted by ``--quick`` (2, else 5); InvalidArgument below 1."""
+    from kvstore.errors import InvalidArgument
+
+    a.repeat = a.repeat or (2 if a.quick else 5)
+    if a.repeat < 1:
+        raise InvalidArgument("--repeat must be at least 1")
+    return int(a.repeat)
+
+
 def report(result: dict[str, Any], *, json_out: bool, load_before: float, table: Callable[[Any], None]) -> int:
     """Print a benchmark's result: ``table(file)`` (to stderr under ``--json``), how busy the
     machine was (other processes skew every number), then with ``json_out`` exactly one

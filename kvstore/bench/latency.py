@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 import xxhash
 
-from kvstore.bench.kit import KiB, MiB, buffer, label, log, report, sizes_arg, split_targets
+from kvstore.bench.kit import KiB, MiB, add_report_arguments, buffer, label, log, report, sizes_arg, split_targets
 from kvstore.bench.nodes import private_node
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.vocabulary import percentiles
@@ -143,8 +143,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvstore.bench.sdk import add_target_arguments
 
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table goes to stderr)")
-    p.add_argument("--quick", action="store_true", help="200 calls per operation and size")
+    add_report_arguments(p, quick="200 calls per operation and size")
     p.add_argument("--sizes", type=sizes_arg, default=None, metavar="LIST", help="block sizes (default 64KiB,256KiB)")
     p.add_argument(
         "--latency-ops",

@@ -40,6 +40,7 @@ from kvstore.bench.kit import (
     Best,
     KiB,
     MiB,
+    add_report_arguments,
     batched,
     blocks,
     buffer,
@@ -48,6 +49,7 @@ from kvstore.bench.kit import (
     log,
     print_targets,
     ratio,
+    repeats,
     report,
     size_arg,
     sizes_arg,
@@ -57,7 +59,7 @@ from kvstore.bench.kit import (
 from kvstore.bench.nodes import private_node
 from kvstore.bench.refs import Redis, SocketPeer, memcpy
 from kvstore.block import checksum
-from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+from kvstore.errors import KVStoreError, Unavailable
 from kvstore.progress import Progress
 
 
@@ -321,11 +323,7 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table goes to stderr)")
-    p.add_argument("--quick", action="store_true", help="small and fast: 32MiB working set, 4MiB blocks, 2 reps")
-    p.add_argument(
-        "--repeat", type=int, default=None, metavar="N", help="reps per case; the best counts (default 5; --quick 2)"
-    )
+    add_report_arguments(p, quick="32MiB working set, 4MiB blocks, 2 reps", rep="reps per case")
     p.add_argument(
         "--working-set",
         type=size_arg,
@@ -353,9 +351,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(a: argparse.Namespace) -> int:
-    a.repeat = a.repeat or (2 if a.quick else 5)
-    if a.repeat < 1:
-        raise InvalidArgument("--repeat must be at least 1")
+    repeats(a)
     a.working_set = a.working_set or (32 * MiB if a.quick else 256 * MiB)
     a.sizes = a.sizes or ([4 * MiB] if a.quick else [256 * KiB, 4 * MiB, 32 * MiB])
     a.paths = {x.strip() for x in a.paths.split(",") if x.strip()}

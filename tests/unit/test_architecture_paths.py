@@ -37,11 +37,7 @@ def _missing_path(path: str) -> bool:
     if "*" in path:
         return not any(ROOT.glob(path.rstrip("/")))
     p = ROOT / path
-    if path.endswith("/"):
-        return not p.is_dir()
-    if not Path(path).suffix:  # `kvstore/node` without a slash or suffix: a directory or a file
-        return not p.exists()
-    return not p.exists()
+    return not p.is_dir() if path.endswith("/") else not p.exists()
 
 
 def _source(dotted: str) -> str:
