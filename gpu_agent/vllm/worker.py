@@ -112,7 +112,10 @@ class SaveLedger:
         self._finished: set[str] = set()
 
     def add(self, rid: str, handle: Any, spec: SaveSpec) -> None:
-        """A save of ``rid`` issued this step (``handle`` None: it could not start)."""
+        """A save of ``rid`` issued this step (``handle`` None: it could not start).  A
+        request whose earlier saves all ended is *saving* again (a preempted request resumed
+        saves anew): never reported while this save may copy from its pages."""
+        self._saved.discard(rid)
         self._saving.setdefault(rid, []).append((handle, spec))
 
     def saves(self, rid: str) -> list[tuple[Any, SaveSpec]]:

@@ -838,3 +838,31 @@ def test_the_save_ledger_reports_a_request_once_when_saved_and_finished() -> Non
     ledger.settle(set(), note)
     ledger.forget_reported()  # defer_free off: vLLM freed d's blocks itself
     assert ledger.settle({"d"}, note) == set()
+
+
+def test_the_save_ledger_holds_a_request_saving_again_after_its_saves_ended() -> None:
+    """A request whose saves all ended, then saves again (vLLM preempted it, its cancelled
+    saves are issued anew when it resumes) and finishes while that save copies, is reported
+    only once the new save ended: reported earlier, vLLM would free and reuse its pages under
+    the copy, and the store would commit another request's KV under this prompt's keys
+    (failed a clean-clone CI: test_preempted_requests_resume_with_the_right_kv)."""
+    from gpu_agent.vllm.worker import SaveLedger
+
+    class Handle:
+        def __init__(self) -> None:
+            self.ended = False
+
+        def done(self) -> bool:
+            return self.ended
+
+    ledger, first, again = SaveLedger(), Handle(), Handle()
+    note = lambda rid, h, spec: None  # noqa: E731
+    ledger.add("a", first, "spec-1")  # type: ignore[arg-type]
+    first.ended = True
+    assert ledger.settle(set(), note) == set()  # saved, not finished
+    ledger.add("a", again, "spec-2")  # type: ignore[arg-type]  # resumed: saving again
+    assert ledger.settle({"a"}, note) == set()  # finished while the second save copies
+    assert ledger.handles() == [again]
+    again.ended = True
+    assert ledger.settle(set(), note) == {"a"}
+    assert ledger.settle({"a"}, note) == set()
