@@ -23,6 +23,7 @@ empty cache) and probed every ``probe_s`` until it answers again.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -48,13 +49,37 @@ class Stream:
     max_tokens: int  # what it asked for (16 when it did not say)
     intervals: list[float]
     started: float  # its first token
+    _worst: list[float] = dataclasses.field(default_factory=list, init=False, repr=False)
+    """The ``k`` longest of the intervals read so far, a min-heap (``k``: :meth:`_k`)."""
+    _read: int = dataclasses.field(default=0, init=False, repr=False)
+    """How many of ``intervals`` are in ``_worst``'s reckoning (the list only grows)."""
+    _answer: tuple[float, float] = dataclasses.field(default=(-1.0, 0.0), init=False, repr=False)
+    """(the target, the headroom) last answered for ``_read`` gaps: asked again before a new
+    gap (decisions come faster than tokens), the answer is the same."""
+
+    def _k(self) -> int:
+        return max(1, -(-max(self.max_tokens - 1, 1) // 10))
 
     def headroom(self, slo_s: float) -> float:
-        k = max(1, -(-max(self.max_tokens - 1, 1) // 10))
-        worst = sorted(self.intervals, reverse=True)[:k]
-        if sum(worst) > k * slo_s:
-            return -1.0
-        return k * slo_s - sum(worst[: k - 1])
+        """Each call reads only the gaps appended since the last (the conductor asks it of
+        every running decode at every decision: sorting every gap each time made a decision
+        under overload cost tens of milliseconds)."""
+        if len(self.intervals) == self._read and self._answer[0] == slo_s:
+            return self._answer[1]
+        k = self._k()
+        for gap in self.intervals[self._read :]:
+            if len(self._worst) < k:
+                heapq.heappush(self._worst, gap)
+            elif gap > self._worst[0]:
+                heapq.heapreplace(self._worst, gap)
+        self._read = len(self.intervals)
+        total = sum(self._worst)
+        if total > k * slo_s:
+            h = -1.0
+        else:  # less the k - 1 longest: all of them while fewer than k were seen, else all but the k-th
+            h = k * slo_s - (total - self._worst[0] if len(self._worst) == k else total)
+        self._answer = (slo_s, h)
+        return h
 
     def remaining_s(self, now: float) -> float:
         """Seconds of decoding it likely has left, at its own pace so far."""
@@ -71,6 +96,12 @@ class Inflight:
     sent_at: float  # monotonic
     work_s: float = 0.0  # its own work, as estimated when it was sent (compute and loads)
     first_at: float | None = None
+    late: bool = False  # past three quarters of its estimate (see EngineState.queued_s)
+
+    @property
+    def due(self) -> float:
+        """When it turns late: its queue share is then a quarter of its work."""
+        return self.sent_at + 0.75 * self.work_s
 
 
 @dataclasses.dataclass
@@ -96,6 +127,8 @@ class EngineState:
     failures: int = 0
     slow_probes: int = 0  # probes in a row that timed out
     prefilling: dict[str, Inflight] = dataclasses.field(default_factory=dict)
+    """Read-only outside this class: :meth:`sent`, :meth:`first_token` and :meth:`end` change
+    it and keep the queue's sums (below) in step with it."""
     decoding: dict[str, Stream] = dataclasses.field(default_factory=dict)
     scraped_waiting: int = 0
     scraped_running: int = 0
@@ -104,6 +137,17 @@ class EngineState:
     # prompt tokens of the requests routed here, by predicted source (engine, pool_dram,
     # pool_nvme, pool_remote, compute): the engine's hit ratio on the dashboard
     tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+    # The queue's sums, kept as requests come and go so that a decision costs no walk over
+    # them (thousands under overload): prompt tokens to compute; of the requests not yet
+    # late, how many and the sum of (work + sent_at - _base); of the late, a quarter of their
+    # work; and a heap of (due, seq, rid) that turns requests late as the clock passes.
+    _tokens: int = dataclasses.field(default=0, init=False, repr=False)
+    _fresh_n: int = dataclasses.field(default=0, init=False, repr=False)
+    _fresh_sum: float = dataclasses.field(default=0.0, init=False, repr=False)
+    _late_sum: float = dataclasses.field(default=0.0, init=False, repr=False)
+    _base: float = dataclasses.field(default=0.0, init=False, repr=False)
+    _due: list[tuple[float, int, str]] = dataclasses.field(default_factory=list, init=False, repr=False)
+    _seq: int = dataclasses.field(default=0, init=False, repr=False)
 
     def hit_ratio(self) -> float | None:
         total = sum(self.tokens.values())
@@ -113,19 +157,63 @@ class EngineState:
         """Requests the engine reports waiting beyond the ones this conductor sent."""
         return max(0, self.scraped_waiting - len(self.prefilling)) if now - self.scraped_at < 5 else 0
 
+    def sent(self, rid: str, f: Inflight) -> None:
+        """The conductor sent ``rid`` here: it is queued until its first token."""
+        self.end(rid)
+        if not self.prefilling:
+            self._base = f.sent_at
+        self.prefilling[rid] = f
+        self._tokens += f.compute_tokens
+        self._fresh_n += 1
+        self._fresh_sum += f.work_s + f.sent_at - self._base
+        self._seq += 1
+        heapq.heappush(self._due, (f.due, self._seq, rid))
+
+    def first_token(self, rid: str, stream: Stream) -> None:
+        """``rid``'s first token came: it decodes now."""
+        self.end(rid)
+        self.decoding[rid] = stream
+
+    def end(self, rid: str) -> None:
+        """``rid`` left (its first token, its end, its failure): nothing of it stays queued."""
+        self.decoding.pop(rid, None)
+        f = self.prefilling.pop(rid, None)
+        if f is None:
+            return
+        if not self.prefilling:  # exact again: no rounding carried from the requests gone
+            self._tokens, self._fresh_n, self._fresh_sum, self._late_sum, self._due = 0, 0, 0.0, 0.0, []
+            return
+        self._tokens -= f.compute_tokens
+        if f.late:
+            self._late_sum -= 0.25 * f.work_s
+        else:
+            self._fresh_n -= 1
+            self._fresh_sum -= f.work_s + f.sent_at - self._base
+
     def queued_tokens(self, now: float, mean_prompt: float) -> float:
         """Prompt tokens still to compute ahead of a new request (for ties and ``/metrics``):
         the requests sent here with no first token yet, plus the others the engine
         reports waiting, at the fleet's mean prompt."""
-        return sum(f.compute_tokens for f in self.prefilling.values()) + self._others(now) * mean_prompt
+        return self._tokens + self._others(now) * mean_prompt
 
     def queued_s(self, now: float, mean_work_s: float) -> float:
         """Seconds of work queued ahead of a new request: each request sent here with no
         first token yet, its estimated work less the time since it was sent (at least a
-        quarter of it: a request past its estimate is late, not done), plus the others the
-        engine reports waiting, at the fleet's mean work."""
-        mine = sum(max(0.25 * f.work_s, f.work_s - (now - f.sent_at)) for f in self.prefilling.values())
-        return mine + self._others(now) * mean_work_s
+        quarter of it: a request past three quarters of its estimate is late, not done),
+        plus the others the engine reports waiting, at the fleet's mean work.  ``now`` never
+        goes back (the conductor's monotonic clock); the cost is the requests turned late
+        since the last call, not the queue's length."""
+        while self._due and self._due[0][0] <= now:
+            _, _, rid = heapq.heappop(self._due)
+            f = self.prefilling.get(rid)
+            if f is None or f.late or f.due > now:  # gone (or sent again since): nothing to move
+                continue
+            f.late = True
+            self._fresh_n -= 1
+            self._fresh_sum -= f.work_s + f.sent_at - self._base
+            self._late_sum += 0.25 * f.work_s
+        mine = self._fresh_sum - self._fresh_n * (now - self._base) + self._late_sum if self.prefilling else 0.0
+        return max(0.0, mine) + self._others(now) * mean_work_s
 
     def running(self, now: float) -> int:
         fresh = now - self.scraped_at < 5

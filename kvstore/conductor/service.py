@@ -441,15 +441,14 @@ class Conductor:
 
         work = self.model.work(e.engine_id, load)
         self.mean_work_s = work if self.mean_work_s == 0 else 0.95 * self.mean_work_s + 0.05 * work
-        e.prefilling[rid] = Inflight(load.compute, self.clock(), work)
+        e.sent(rid, Inflight(load.compute, self.clock(), work))
         self.decisions[e.engine_id] += 1
         self.metrics.requests.labels(e.engine_id).inc()
 
     def first_token(self, e: EngineState, sent: Sent, load: Load, measured_s: float) -> None:
         """The first token of what ``e`` was sent came (for a prefill engine: its answer):
         the request decodes now, and the TTFT model learns from the engine's part."""
-        e.prefilling.pop(sent.rid, None)
-        e.decoding[sent.rid] = Stream(sent.max_tokens, sent.intervals, self.clock())
+        e.first_token(sent.rid, Stream(sent.max_tokens, sent.intervals, self.clock()))
         self.model.observe_ttft(e.engine_id, load, measured_s)
 
     def ttft_seen(self, sent: Sent, measured_s: float) -> None:
@@ -468,8 +467,7 @@ class Conductor:
         )
 
     def ended(self, e: EngineState, rid: str, *, ok: bool, tbt_s: float | None = None, running: float = 0) -> None:
-        e.prefilling.pop(rid, None)
-        e.decoding.pop(rid, None)
+        e.end(rid)
         if ok:
             e.served += 1
             if tbt_s is not None:

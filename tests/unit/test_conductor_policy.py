@@ -170,6 +170,26 @@ def test_a_decode_stream_knows_the_longest_stall_its_tbt_can_take() -> None:
     assert longer.remaining_s(now=0.3) == pytest.approx(16 * 0.1)  # 19 gaps in all, 3 done in 0.3 s
 
 
+def test_a_streams_headroom_read_gap_by_gap_equals_the_whole_reckoning() -> None:
+    """The stream reads only the gaps appended since its last answer: after every append,
+    its headroom is the one computed from all the gaps sorted afresh."""
+
+    def whole(max_tokens: int, gaps: list[float], slo: float) -> float:
+        k = max(1, -(-max(max_tokens - 1, 1) // 10))
+        worst = sorted(gaps, reverse=True)[:k]
+        return -1.0 if sum(worst) > k * slo else k * slo - sum(worst[: k - 1])
+
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        max_tokens, slo = int(rng.integers(1, 120)), float(rng.uniform(0.05, 0.5))
+        gaps: list[float] = []
+        st = Stream(max_tokens, gaps, 0.0)
+        for _ in range(int(rng.integers(0, 60))):
+            for _ in range(int(rng.integers(1, 4))):  # one or more gaps between two questions
+                gaps.append(float(rng.exponential(0.04)))
+            assert st.headroom(slo) == pytest.approx(whole(max_tokens, gaps, slo), abs=1e-12)
+
+
 def test_with_targets_a_long_prefill_goes_where_it_stalls_no_decode_that_meets_its_tbt() -> None:
     """Goodput placement: a 1,000-token prefill (1 s here) on engine a would stall a's three
     decodes past a 200 ms TBT; b's decodes miss their target already.  The request goes to
@@ -368,3 +388,38 @@ def test_an_engine_whose_own_fit_lost_its_work_still_prices_tokens() -> None:
     e = dataclasses.replace(eng("z", queued=0), queued_s=m.work("z", Load(compute=1000, queued_s=0)) * 30)
     d = decide(m, [e, eng("a")], 1000)
     assert d.engine is not None and d.engine.engine_id == "a"
+
+
+def test_an_engines_queue_sums_equal_a_walk_over_its_requests() -> None:
+    """The engine's queue (prompt tokens, seconds of work) is kept as requests are sent,
+    reach their first token or end, so a decision walks none of them: at every step of a
+    random history, with the clock passing requests' three-quarter marks, both equal the
+    walk over the requests queued (the rule as written before the sums)."""
+    from kvstore.conductor.engines import EngineState, Inflight
+
+    def walk(e: EngineState, now: float) -> tuple[int, float]:
+        fs = e.prefilling.values()
+        return sum(f.compute_tokens for f in fs), sum(max(0.25 * f.work_s, f.work_s - (now - f.sent_at)) for f in fs)
+
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        e, now, rids = EngineState("e", "http://e.invalid"), float(rng.uniform(0, 1e5)), []
+        for i in range(int(rng.integers(1, 300))):
+            now += float(rng.exponential(0.05))
+            op = rng.random()
+            if op < 0.5 or not rids:
+                rid = f"r{i}" if rng.random() < 0.9 or not rids else rids[int(rng.integers(len(rids)))]  # sent again
+                e.sent(rid, Inflight(int(rng.integers(0, 9000)), now, float(rng.exponential(0.5))))
+                rids.append(rid)
+            else:
+                rid = rids.pop(int(rng.integers(len(rids))))
+                if op < 0.8:
+                    e.first_token(rid, Stream(16, [], now))
+                else:
+                    e.end(rid)
+            tokens, work = walk(e, now)
+            assert e.queued_tokens(now, 100.0) == tokens
+            assert e.queued_s(now, 1.0) == pytest.approx(work, abs=1e-6)
+        for rid in [*e.prefilling, *e.decoding]:
+            e.end(rid)
+        assert (e.queued_tokens(now, 1.0), e.queued_s(now, 1.0), e.decoding) == (0, 0.0, {})
